@@ -1,0 +1,36 @@
+# Every target creates .venv on first use and installs what it needs.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: test lint typecheck pytest demo bench clean venv tests bench docs examples
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: $(STAMP)
+	$(PY) -m ruff check celery_redlock tests bench examples
+	$(PY) -m ruff format --check celery_redlock
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+pytest: $(STAMP)
+	$(PY) -m pytest tests -p no:randomly $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,41 @@
+"""celery-redlock: distributed locks for Celery tasks that stay correct under failure."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from .core import (
+    ConfigError,
+    KeyTemplate,
+    Lock,
+    LockContended,
+    LockEvent,
+    LockLost,
+    NotOwned,
+    QuorumUnavailable,
+    RedlockError,
+    add_hook,
+    connect,
+    remove_hook,
+)
+
+try:
+    __version__ = version("celery-redlock")
+except PackageNotFoundError:  # running from a source tree that was not installed
+    __version__ = "0.0.0"
+
+__all__ = [
+    "ConfigError",
+    "KeyTemplate",
+    "Lock",
+    "LockContended",
+    "LockEvent",
+    "LockLost",
+    "NotOwned",
+    "QuorumUnavailable",
+    "RedlockError",
+    "__version__",
+    "add_hook",
+    "connect",
+    "remove_hook",
+]

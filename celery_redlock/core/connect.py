@@ -1,0 +1,140 @@
+"""Build redis-py clients for lock traffic from URLs.
+
+``redis://``, ``rediss://`` (TLS), ``unix://`` and ``sentinel://`` URLs, or a
+list of them (independent masters, for Redlock). Timeouts and the retry policy
+are set on purpose: lock scripts are idempotent, so one quick re-send after a
+lost reply is safe, and a dead Redis is reported within about two socket
+timeouts instead of redis-py's default of ten backed-off retries.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, overload
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.retry import Retry
+from redis.sentinel import Sentinel
+
+from .errors import ConfigError
+
+__all__ = ["LOCK_CLIENT_DEFAULTS", "connect", "mask_url"]
+
+#: Defaults for clients that carry lock traffic; every one can be overridden.
+LOCK_CLIENT_DEFAULTS: dict[str, Any] = {
+    "socket_timeout": 2.0,
+    "socket_connect_timeout": 1.0,
+    "socket_keepalive": True,
+    "health_check_interval": 30,
+}
+_SCHEMES = ("redis", "rediss", "unix", "sentinel")
+_PASSWORD = re.compile(r"(?P<head>[a-z]+://[^:/@]*:)(?P<pw>[^@/]*)@", re.IGNORECASE)
+
+
+def mask_url(url: str) -> str:
+    """The URL with any password replaced by ``***`` (safe for logs and errors)."""
+    return _PASSWORD.sub(lambda m: m.group("head") + "***@", str(url))
+
+
+@overload
+def connect(url_or_urls: str, **options: Any) -> redis.Redis | RedisCluster: ...
+@overload
+def connect(url_or_urls: Sequence[str], **options: Any) -> list[redis.Redis | RedisCluster]: ...
+def connect(
+    url_or_urls: str | Sequence[str], **options: Any
+) -> redis.Redis | RedisCluster | list[redis.Redis | RedisCluster]:
+    """A client (or a list of clients, one per URL) for lock traffic.
+
+    ``cluster=True`` makes a ``RedisCluster`` from a ``redis://``/``rediss://`` URL.
+    Sentinel: ``sentinel://h1:26379;sentinel://h2:26379/0?master=mymaster``
+    (``master_name=`` works too, as in kombu's transport options); a password in
+    the URL is the master's, ``sentinel_password=`` the sentinels'. Other
+    keyword options go to redis-py.
+    """
+    if isinstance(url_or_urls, (list, tuple)):
+        if not url_or_urls:
+            raise ConfigError("connect() needs at least one Redis URL, got an empty list")
+        return [_connect_one(u, dict(options)) for u in url_or_urls]
+    if not isinstance(url_or_urls, str):
+        raise ConfigError(
+            f"connect() takes a Redis URL or a list of them, got {type(url_or_urls).__name__}"
+        )
+    return _connect_one(url_or_urls, dict(options))
+
+
+def _connect_one(url: str, options: dict[str, Any]) -> redis.Redis | RedisCluster:
+    if not isinstance(url, str) or "://" not in url:
+        raise ConfigError(f"not a Redis URL: {mask_url(str(url))!r}")
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in _SCHEMES:
+        raise ConfigError(
+            f"unknown Redis URL scheme {scheme!r} in {mask_url(url)!r}; "
+            f"use one of {', '.join(s + '://' for s in _SCHEMES)}"
+        )
+    cluster = bool(options.pop("cluster", False))
+    for key, value in LOCK_CLIENT_DEFAULTS.items():
+        options.setdefault(key, value)
+    options.setdefault("retry", Retry(NoBackoff(), 1))
+    if scheme == "sentinel":
+        return _sentinel(url, options)
+    if cluster:
+        options.pop("health_check_interval", None)
+        return RedisCluster.from_url(url, **options)
+    try:
+        return redis.Redis.from_url(url, **options)
+    except ValueError as exc:
+        raise ConfigError(f"bad Redis URL {mask_url(url)!r}: {exc}") from exc
+
+
+def _sentinel(url: str, options: dict[str, Any]) -> redis.Redis:
+    hosts: list[tuple[str, int]] = []
+    password: str | None = None
+    username: str | None = None
+    query: dict[str, list[str]] = {}
+    db = 0
+    for raw_part in url.split(";"):
+        part = raw_part.strip()
+        if not part:
+            continue
+        if not part.lower().startswith("sentinel://"):
+            raise ConfigError(f"mixed schemes in a Sentinel URL: {mask_url(url)!r}")
+        split = urlsplit(part)
+        hosts.append((split.hostname or "127.0.0.1", split.port or 26379))
+        password = unquote(split.password) if split.password else password
+        username = unquote(split.username) if split.username else username
+        if split.path.strip("/"):
+            try:
+                db = int(split.path.strip("/"))
+            except ValueError:
+                raise ConfigError(f"bad database number in {mask_url(part)!r}") from None
+        for k, v in parse_qs(split.query).items():
+            query.setdefault(k, v)
+    names = query.get("master") or query.get("master_name") or []
+    master = options.pop("master_name", None) or (names[0] if names else None)
+    if not master:
+        raise ConfigError(
+            f"Sentinel URL {mask_url(url)!r} names no master: add ?master=NAME "
+            "(or pass master_name=...)"
+        )
+    sentinel_kwargs: dict[str, Any] = dict(options.pop("sentinel_kwargs", None) or {})
+    sentinel_passwords = query.get("sentinel_password") or []
+    sentinel_password = options.pop("sentinel_password", None) or (
+        sentinel_passwords[0] if sentinel_passwords else None
+    )
+    if sentinel_password:
+        sentinel_kwargs.setdefault("password", sentinel_password)
+    for k in ("socket_timeout", "socket_connect_timeout"):
+        sentinel_kwargs.setdefault(k, options[k])
+    if password:
+        options.setdefault("password", password)
+    if username:
+        options.setdefault("username", username)
+    options.setdefault("db", db)
+    options.pop("health_check_interval", None)
+    sentinel = Sentinel(hosts, sentinel_kwargs=sentinel_kwargs, **options)  # type: ignore[no-untyped-call]
+    client: redis.Redis = sentinel.master_for(master, **options)  # type: ignore[no-untyped-call]
+    return client

@@ -1,0 +1,142 @@
+"""One exception root for everything celery-redlock raises.
+
+Each leaf carries the context a person needs at 3 a.m.: the lock name, who
+holds it, which masters answered what.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "ConfigError",
+    "LockContended",
+    "LockLost",
+    "NotOwned",
+    "QuorumUnavailable",
+    "RedlockError",
+]
+
+
+class RedlockError(Exception):
+    """Root of every error raised by celery-redlock."""
+
+
+class ConfigError(RedlockError, ValueError):
+    """A bad option, setting, URL or key template.
+
+    Raised where the mistake is made (task definition, worker start-up,
+    ``Lock(...)``), never deep inside a running worker.
+    """
+
+
+class LockContended(RedlockError):
+    """Someone else holds the lock.
+
+    ``holder`` is what the holder recorded about itself (``task_name``,
+    ``task_id``, ``hostname``, ``pid``, ``acquired_at``) when it could be read;
+    ``ttl_ms`` is the holder's remaining lease in milliseconds.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        holder: Mapping[str, Any] | None = None,
+        ttl_ms: int | None = None,
+        *,
+        masters: Mapping[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.holder: dict[str, Any] = dict(holder or {})
+        self.ttl_ms = ttl_ms
+        self.masters: dict[str, str] = dict(masters or {})
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        who = describe_holder(self.holder)
+        left = f", {self.ttl_ms} ms left" if self.ttl_ms is not None and self.ttl_ms >= 0 else ""
+        return f"lock {self.name!r} is held by {who}{left}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Celery pickles/serialises task exceptions; keep the context.
+        return (_rebuild_contended, (self.name, self.holder, self.ttl_ms, self.masters))
+
+
+def _rebuild_contended(
+    name: str, holder: dict[str, Any], ttl_ms: int | None, masters: dict[str, str]
+) -> LockContended:
+    return LockContended(name, holder, ttl_ms, masters=masters)
+
+
+class QuorumUnavailable(RedlockError):
+    """Too many Redis masters are unreachable to decide: a Redis problem, not contention.
+
+    ``errors`` maps each failed master (password-free address) to what went wrong.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        errors: Mapping[str, str] | None = None,
+        *,
+        needed: int = 1,
+        total: int = 1,
+    ) -> None:
+        self.name = name
+        self.errors: dict[str, str] = dict(errors or {})
+        self.needed = needed
+        self.total = total
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        detail = "; ".join(f"{m}: {e}" for m, e in self.errors.items()) or "no answer"
+        if self.total == 1:
+            return f"lock {self.name!r}: Redis unavailable ({detail})"
+        return (
+            f"lock {self.name!r}: quorum unavailable, need {self.needed} of {self.total} "
+            f"masters ({detail})"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_quorum, (self.name, self.errors, self.needed, self.total))
+
+
+def _rebuild_quorum(
+    name: str, errors: dict[str, str], needed: int, total: int
+) -> QuorumUnavailable:
+    return QuorumUnavailable(name, errors, needed=needed, total=total)
+
+
+class NotOwned(RedlockError):
+    """release()/extend() of a lock this owner does not hold."""
+
+    def __init__(self, name: str, reason: str = "not held by this owner") -> None:
+        self.name = name
+        self.reason = reason
+        super().__init__(f"lock {name!r}: {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.name, self.reason))
+
+
+class LockLost(NotOwned):
+    """The lock was held, then lost (expired, taken over, removed, or past its deadline).
+
+    A subclass of :class:`NotOwned`: either way, this owner no longer holds it.
+    """
+
+
+def describe_holder(holder: Mapping[str, Any]) -> str:
+    """Render a holder record for log lines: ``task X[id] on host pid N``."""
+    if not holder:
+        return "another owner"
+    parts: list[str] = []
+    if holder.get("task_name"):
+        tid = holder.get("task_id")
+        parts.append(f"task {holder['task_name']}" + (f"[{tid}]" if tid else ""))
+    if holder.get("hostname"):
+        parts.append(f"on {holder['hostname']}")
+    if holder.get("pid"):
+        parts.append(f"pid {holder['pid']}")
+    return " ".join(parts) or "another owner"

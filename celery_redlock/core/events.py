@@ -1,0 +1,77 @@
+"""Lock events for hooks: every acquire, contention, renewal failure, loss and release.
+
+A hook is any callable taking one :class:`LockEvent`; adding a field to the event
+breaks no hook. Hooks run in the thread where the event happened (the renewal
+thread for ``renew_failed`` and ``lost``); an exception in a hook is logged and
+never reaches the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["EventKind", "LockEvent", "add_hook", "emit", "has_hooks", "remove_hook"]
+
+log = logging.getLogger("celery_redlock.events")
+
+EventKind = Literal["acquired", "contended", "released", "renew_failed", "lost", "unavailable"]
+
+
+@dataclass(frozen=True)
+class LockEvent:
+    """What happened to which lock.
+
+    ``waited`` is seconds spent acquiring (``acquired``/``contended``), ``held``
+    seconds held (``released``/``lost``); ``holder`` is the other owner's record
+    for ``contended``, ours otherwise.
+    """
+
+    kind: EventKind
+    name: str
+    key: str
+    fence: int | None = None
+    holder: Mapping[str, Any] = field(default_factory=dict)
+    ttl: float | None = None
+    waited: float | None = None
+    held: float | None = None
+    error: str | None = None
+    at: float = field(default_factory=time.time)
+
+
+Hook = Callable[[LockEvent], object]
+_hooks: list[Hook] = []
+_hooks_lock = threading.Lock()
+
+
+def add_hook(hook: Hook) -> Hook:
+    """Register *hook* for every event in this process (idempotent); returns it."""
+    with _hooks_lock:
+        if hook not in _hooks:
+            _hooks.append(hook)
+    return hook
+
+
+def remove_hook(hook: Hook) -> None:
+    """Unregister *hook*; unknown hooks are ignored."""
+    with _hooks_lock:
+        if hook in _hooks:
+            _hooks.remove(hook)
+
+
+def has_hooks() -> bool:
+    """True when at least one hook listens (lets hot paths skip building events)."""
+    return bool(_hooks)
+
+
+def emit(event: LockEvent) -> None:
+    """Hand *event* to every hook; a failing hook is logged, never raised."""
+    for hook in tuple(_hooks):
+        try:
+            hook(event)
+        except Exception:
+            log.exception("celery-redlock event hook %r failed on %s", hook, event.kind)

@@ -1,0 +1,164 @@
+"""Lock names and Redis keys.
+
+A lock named ``sync:42`` lives at ``<prefix>{sync:42}``. The braces are the
+Redis Cluster hash tag, so the lock key, its fence counter and its wake-up list
+share one slot, and the key still shows the name a person wrote.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import decimal
+import enum
+import hashlib
+import json
+import re
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = [
+    "MAX_NAME_LENGTH",
+    "KeyTemplate",
+    "LockKeys",
+    "lock_keys",
+    "normalize_name",
+    "render_value",
+]
+
+#: Names longer than this are replaced by a readable head plus a hash.
+MAX_NAME_LENGTH = 200
+_HEAD = 120
+_PLACEHOLDER = re.compile(r"<([^<>]*)>")
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class LockKeys:
+    """The Redis keys of one lock; all three share one cluster hash slot."""
+
+    name: str
+    lock: str
+    fence: str
+    notify: str
+
+
+def normalize_name(name: str) -> str:
+    """Return the name as stored: unchanged, or head + sha256 when over the limit."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"lock name must be a non-empty string, got {name!r}")
+    if len(name) <= MAX_NAME_LENGTH:
+        return name
+    digest = hashlib.sha256(name.encode("utf-8")).hexdigest()[:32]
+    return f"{name[:_HEAD]}...#{digest}"
+
+
+def lock_keys(name: str, prefix: str = "redlock:") -> LockKeys:
+    """Build the keys for lock *name* under *prefix* (name is normalised first)."""
+    if not isinstance(prefix, str):
+        raise ConfigError(f"key_prefix must be a string, got {prefix!r}")
+    if "{" in prefix or "}" in prefix:
+        raise ConfigError(
+            f"key_prefix {prefix!r} must not contain braces: celery-redlock adds the "
+            "cluster hash tag itself"
+        )
+    stored = normalize_name(name)
+    base = f"{prefix}{{{stored}}}"
+    return LockKeys(name=stored, lock=base, fence=f"{base}:fence", notify=f"{base}:notify")
+
+
+def render_value(value: Any) -> str:
+    """Render one argument canonically: the same value gives the same text everywhere.
+
+    Strings stay as they are; numbers, booleans, None, UUIDs, decimals, dates and
+    enums have one spelling; dicts render with sorted keys, so key order does not
+    matter. Objects without a canonical form are refused (their ``str()`` may hold a
+    memory address, which would give every process a different lock).
+    """
+    if isinstance(value, str):
+        return value
+    return json.dumps(_canonical(value), sort_keys=True, separators=(",", ":"))
+
+
+def _canonical(value: Any) -> Any:  # noqa: PLR0911 - one return per kind of value
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return _canonical(value.value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else repr(value)
+    if isinstance(value, (uuid.UUID, decimal.Decimal)):
+        return str(value)
+    if isinstance(value, (_dt.datetime, _dt.date, _dt.time)):
+        return value.isoformat()
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, Mapping):
+        return {render_value(k): _canonical(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted((_canonical(v) for v in value), key=lambda v: json.dumps(v, sort_keys=True))
+    raise TypeError(
+        f"cannot render a {type(value).__name__} into a lock key canonically; "
+        "pass a str/int/UUID/dict argument, or give lock_key a callable"
+    )
+
+
+class KeyTemplate:
+    """A key template such as ``"sync:<user_id>"``.
+
+    ``<name>`` is replaced by the rendered value of argument ``name``; ``<a.b>``
+    reads attribute or key ``b`` of argument ``a``. ``fields`` lists the argument
+    names the template needs, so callers can check them against a signature early.
+    """
+
+    def __init__(self, template: str) -> None:
+        if not isinstance(template, str) or not template:
+            raise ConfigError(f"lock_key template must be a non-empty string, got {template!r}")
+        if template.count("<") != template.count(">"):
+            raise ConfigError(f"lock_key template {template!r} has unbalanced '<' and '>'")
+        self.template = template
+        self._parts: list[tuple[str, tuple[str, ...] | None]] = []
+        pos = 0
+        for m in _PLACEHOLDER.finditer(template):
+            if m.start() > pos:
+                self._parts.append((template[pos : m.start()], None))
+            path = tuple(m.group(1).split("."))
+            if not all(_IDENT.match(p) for p in path):
+                raise ConfigError(
+                    f"lock_key template {template!r}: <{m.group(1)}> is not an argument name"
+                )
+            self._parts.append(("", path))
+            pos = m.end()
+        if pos < len(template):
+            self._parts.append((template[pos:], None))
+        self.fields: tuple[str, ...] = tuple(
+            dict.fromkeys(p[0] for _, p in self._parts if p is not None)
+        )
+
+    def render(self, arguments: Mapping[str, Any]) -> str:
+        """Fill the template from *arguments* (argument name -> value)."""
+        out: list[str] = []
+        for text, path in self._parts:
+            if path is None:
+                out.append(text)
+                continue
+            try:
+                value: Any = arguments[path[0]]
+            except KeyError:
+                raise ConfigError(
+                    f"lock_key template {self.template!r} needs argument {path[0]!r}"
+                ) from None
+            for attr in path[1:]:
+                value = value[attr] if isinstance(value, Mapping) else getattr(value, attr)
+            out.append(render_value(value))
+        return "".join(out)
+
+    def __repr__(self) -> str:
+        return f"KeyTemplate({self.template!r})"

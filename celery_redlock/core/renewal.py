@@ -1,0 +1,274 @@
+"""The per-process renewal thread: one thread keeps every held lock alive.
+
+Every round renews all the locks this process holds, one batched script per
+Redis node (``extend_many.lua``), the nodes called in parallel on the shared I/O
+pool. Rounds come every ``min(ttl)/3``; each node call gets ``interval/2`` to
+answer before the round moves on without it.
+
+Why the local deadline rules (a timeline)::
+
+    t=0    A acquires, ttl=1s; its deadline is 0 + 1 - drift = 0.988
+    t=0.3  A's process is SIGSTOPped (or a GC pause) before the renewal round
+    t=1.0  the key expires in Redis; B acquires and writes with fence 8
+    t=5    A resumes. Its lock still says "held" in memory, but the deadline
+           0.988 has passed: owned() is False, and the renewal thread marks it
+           lost on its first wake-up, before any confirmed renewal could revive
+           it. A's fence (7) is lower than B's (8) for storage that checks.
+
+The thread never dies on an error: each round catches, logs and goes on. After
+``fork`` the child holds none of its parent's locks and starts its own thread
+when it first registers one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from functools import partial
+from typing import Any, Protocol
+
+from . import _pool
+from .scripts import EXTEND_MANY
+
+__all__ = ["Renewable", "RenewalManager", "get_manager", "shutdown"]
+
+log = logging.getLogger("celery_redlock.renew")
+
+#: The shortest pause between rounds, so a tiny TTL cannot spin the thread.
+MIN_INTERVAL = 0.02
+#: How long an idle thread sleeps before looking again (it is also woken on register).
+IDLE_WAIT = 5.0
+
+
+class Renewable(Protocol):
+    """What the manager needs from a held lock (``Lock`` and ``Redlock`` both are)."""
+
+    ttl: float
+
+    @property
+    def valid_until(self) -> float: ...
+
+    def _renewal_targets(self) -> Sequence[tuple[Any, str, str, int]]:
+        """(client, key, token, lease ms) per node to renew; empty to skip this round."""
+        ...
+
+    def _renewal_result(
+        self,
+        started: float,
+        targets: Sequence[tuple[Any, str, str, int]],
+        outcomes: Sequence[int | BaseException],
+    ) -> None:
+        """Take one outcome per target (a status code, or the error of that node)."""
+        ...
+
+    def _expire_locally(self, now: float) -> None:
+        """Mark the lock lost if *now* is past its local deadline."""
+        ...
+
+
+class RenewalManager:
+    """Keeps registered locks alive from one daemon thread."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._locks: dict[int, Renewable] = {}
+        self._inflight: dict[int, cf.Future[list[int]]] = {}
+        self._next_round = float("inf")
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        self.rounds = 0
+
+    # -- registration -------------------------------------------------------------
+    def register(self, lock: Renewable) -> None:
+        """Start keeping *lock* alive; its first renewal comes within ttl/3."""
+        with self._cond:
+            self._locks[id(lock)] = lock
+            self._next_round = min(self._next_round, time.monotonic() + _interval(lock.ttl))
+            self._stop = False
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="celery-redlock-renewal", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def unregister(self, lock: Renewable) -> None:
+        """Stop keeping *lock* alive (released or lost); unknown locks are ignored."""
+        with self._cond:
+            self._locks.pop(id(lock), None)
+            if not self._locks:
+                self._next_round = float("inf")
+
+    def held(self) -> list[Renewable]:
+        """The locks this process currently keeps alive."""
+        with self._cond:
+            return list(self._locks.values())
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread (it restarts on the next register)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The renewal thread, when one was started in this process."""
+        return self._thread
+
+    # -- the loop -----------------------------------------------------------------
+    def _run(self) -> None:
+        log.debug("renewal thread started in pid %d", os.getpid())
+        while True:
+            with self._cond:
+                if self._stop:
+                    break
+                wake = self._next_round
+                for lock in self._locks.values():
+                    wake = min(wake, lock.valid_until)
+                delay = wake - time.monotonic()
+                if delay > 0:
+                    self._cond.wait(min(delay, IDLE_WAIT))
+                    if self._stop:
+                        break
+                locks = list(self._locks.values())
+                now = time.monotonic()
+                interval = 0.0
+                if locks and now >= self._next_round:
+                    interval = max(MIN_INTERVAL, min(_interval(lk.ttl) for lk in locks))
+                    self._next_round = now + interval
+            # Callbacks (on_lost, hooks) run outside the condition: they may call back in.
+            try:
+                if interval:
+                    self._round(locks, interval)
+                    self.rounds += 1
+                else:
+                    for lock in locks:
+                        if lock.valid_until <= now:
+                            _safely(lock._expire_locally, now)
+            except Exception:  # the thread must outlive any error
+                log.exception("renewal round failed; the next round will try again")
+        log.debug("renewal thread stopped in pid %d", os.getpid())
+
+    def _finished(self, node: int, _future: cf.Future[list[int]]) -> None:
+        self._inflight.pop(node, None)
+
+    def _round(self, locks: list[Renewable], interval: float) -> None:
+        started = time.monotonic()
+        for lock in locks:  # a lease already past its deadline is not renewed, ever
+            _safely(lock._expire_locally, started)
+        # Group every target by node: one script per node per round.
+        per_node: dict[int, list[tuple[Renewable, int, str, str, int]]] = defaultdict(list)
+        clients: dict[int, Any] = {}
+        plans: dict[int, list[int | BaseException]] = {}
+        planned: dict[int, Sequence[tuple[Any, str, str, int]]] = {}
+        for lock in locks:
+            targets = _safely(lock._renewal_targets) or ()
+            if not targets:
+                continue
+            planned[id(lock)] = targets
+            plans[id(lock)] = [TimeoutError("no answer from the node this round")] * len(targets)
+            for index, (client, key, token, ms) in enumerate(targets):
+                per_node[id(client)].append((lock, index, key, token, ms))
+                clients[id(client)] = client
+        if not per_node:
+            return
+        futures: dict[cf.Future[list[int]], int] = {}
+        pool = _pool.executor()
+        for node, items in per_node.items():
+            if node in self._inflight:  # the previous call to this node has not returned
+                log.warning("renewal: node %s still busy with the previous round", clients[node])
+                continue
+            fut = pool.submit(_renew_node, clients[node], [(k, t, ms) for _, _, k, t, ms in items])
+            self._inflight[node] = fut
+            fut.add_done_callback(partial(self._finished, node))
+            futures[fut] = node
+        done, _ = cf.wait(futures, timeout=max(interval / 2, 0.01))
+        for fut in done:
+            items = per_node[futures[fut]]
+            try:
+                codes: Sequence[int | BaseException] = fut.result()
+            except Exception as exc:
+                codes = [exc] * len(items)
+            for (lock, index, *_), code in zip(items, codes, strict=True):
+                plans[id(lock)][index] = code
+        by_id = {id(lk): lk for lk in locks}
+        for lock_id, outcomes in plans.items():
+            _safely(by_id[lock_id]._renewal_result, started, planned[lock_id], outcomes)
+
+
+def _interval(ttl: float) -> float:
+    return max(MIN_INTERVAL, ttl / 3.0)
+
+
+def _safely(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except Exception:
+        log.exception("renewal: %r failed", fn)
+        return None
+
+
+def _renew_node(client: Any, items: list[tuple[str, str, int]]) -> list[int]:
+    """One batched extend on one node (per hash slot on a Redis Cluster)."""
+    if _is_cluster(client):
+        by_slot: dict[int, list[int]] = defaultdict(list)
+        for i, (key, _, _) in enumerate(items):
+            by_slot[client.keyslot(key)].append(i)
+        codes = [0] * len(items)
+        for indexes in by_slot.values():
+            part = [items[i] for i in indexes]
+            for i, code in zip(indexes, _extend_many(client, part), strict=True):
+                codes[i] = code
+        return codes
+    return _extend_many(client, items)
+
+
+def _extend_many(client: Any, items: list[tuple[str, str, int]]) -> list[int]:
+    keys = [k for k, _, _ in items]
+    args: list[Any] = []
+    for _, token, ms in items:
+        args += [token, ms]
+    return [int(c) for c in EXTEND_MANY(client, keys, args)]
+
+
+def _is_cluster(client: Any) -> bool:
+    return hasattr(client, "keyslot") and hasattr(client, "get_node_from_key")
+
+
+_manager: RenewalManager | None = None
+_manager_lock = threading.Lock()
+
+
+def get_manager() -> RenewalManager:
+    """The renewal manager of this process (a new one after fork)."""
+    global _manager
+    if _manager is not None and _manager._pid == os.getpid():
+        return _manager
+    with _manager_lock:
+        if _manager is None or _manager._pid != os.getpid():
+            _manager = RenewalManager()
+        return _manager
+
+
+def shutdown(timeout: float = 5.0) -> None:
+    """Stop this process's renewal thread, if one runs."""
+    if _manager is not None and _manager._pid == os.getpid():
+        _manager.stop(timeout)
+
+
+def _after_fork_in_child() -> None:
+    global _manager, _manager_lock
+    _manager = None  # the child holds none of the parent's locks
+    _manager_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,24 @@
+-- extend: lengthen the lease only if ARGV[1] still owns it; never recreates a key.
+-- KEYS[1]  lock key
+-- ARGV[1]  token
+-- ARGV[2]  milliseconds (integer)
+-- ARGV[3]  '1': set the lease to ARGV[2]; '0': add ARGV[2] to what is left
+-- Returns  the new lease in ms (> 0) when extended
+--          0   no such lock (expired or removed): lost
+--          -1  held by another token: lost
+local tok = redis.call('HGET', KEYS[1], 'token')
+if not tok then
+  return 0
+end
+if tok ~= ARGV[1] then
+  return -1
+end
+local ms = tonumber(ARGV[2])
+if ARGV[3] ~= '1' then
+  local left = redis.call('PTTL', KEYS[1])
+  if left > 0 then
+    ms = ms + left
+  end
+end
+redis.call('PEXPIRE', KEYS[1], ms)
+return ms

@@ -1,0 +1,21 @@
+-- release: delete the lock only if ARGV[1] still owns it, and wake one waiter.
+-- KEYS[1]  lock key
+-- KEYS[2]  notify list of this lock (waiters BLPOP it)
+-- ARGV[1]  token of the acquisition being released
+-- ARGV[2]  how long an unconsumed wake-up notice lives, in milliseconds
+-- Returns  1   released (and one notice pushed)
+--          0   no such lock (expired or removed)
+--          -1  held by another token: nothing touched
+local tok = redis.call('HGET', KEYS[1], 'token')
+if not tok then
+  return 0
+end
+if tok ~= ARGV[1] then
+  return -1
+end
+redis.call('DEL', KEYS[1])
+-- At most one notice in the list: a release wakes one waiter, the one that can win.
+redis.call('DEL', KEYS[2])
+redis.call('RPUSH', KEYS[2], '1')
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return 1
