@@ -14,6 +14,8 @@ __all__ = [
     "ACQUIRE",
     "EXTEND",
     "EXTEND_MANY",
+    "FENCED_HSET",
+    "FORCE_RELEASE",
     "OK",
     "OTHER_OWNER",
     "RAISE_FENCE",
@@ -67,3 +69,5 @@ RELEASE = Script("release.lua")
 EXTEND = Script("extend.lua")
 EXTEND_MANY = Script("extend_many.lua")
 RAISE_FENCE = Script("raise_fence.lua")
+FORCE_RELEASE = Script("force_release.lua")  # `celery locks release`
+FENCED_HSET = Script("fenced_hset.lua")  # beat's once-per-tick claims
