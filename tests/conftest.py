@@ -1,0 +1,133 @@
+"""Fixtures giving tests real, throwaway Redis servers, proxies, sentinels and clusters.
+
+All of them live on 127.0.0.1 on freshly picked ports and are stopped at teardown; the Redis the
+machine runs on 6379 is never touched.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
+
+import pytest
+import redis
+from servers import (
+    ClusterSetup,
+    FaultProxy,
+    RedisServer,
+    SentinelSetup,
+    kill_all_servers,
+    start_servers,
+)
+
+# Servers must not outlive an interrupted run: atexit covers normal exit and Ctrl-C, and a
+# SIGTERM handler (installed only if nobody else owns SIGTERM) covers being terminated.
+atexit.register(kill_all_servers)
+
+
+def _kill_servers_then_die(signum: int, frame: FrameType | None) -> None:
+    """On SIGTERM, kill our servers, then terminate with the default action."""
+    kill_all_servers()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+if (
+    threading.current_thread() is threading.main_thread()
+    and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+):
+    signal.signal(signal.SIGTERM, _kill_servers_then_die)
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A fresh throwaway server for one test, stopped afterwards."""
+    server = RedisServer.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_redis() -> Iterator[RedisServer]:
+    """One throwaway server shared by the session's fast tests."""
+    server = RedisServer.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_client(shared_redis: RedisServer) -> Iterator[redis.Redis]:
+    """A client to ``shared_redis`` after FLUSHALL and CONFIG RESETSTAT on it."""
+    if shared_redis.paused:
+        shared_redis.resume()
+    if not shared_redis.alive():
+        shared_redis.restart()
+    client = shared_redis.client()
+    client.flushall()
+    client.config_resetstat()
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def redis_servers() -> Iterator[Callable[[int], list[RedisServer]]]:
+    """Factory ``redis_servers(n)`` starting n independent servers concurrently."""
+    started: list[RedisServer] = []
+
+    def factory(n: int) -> list[RedisServer]:
+        servers = start_servers(n)
+        started.extend(servers)
+        return servers
+
+    try:
+        yield factory
+    finally:
+        for server in started:
+            server.stop()
+
+
+@pytest.fixture
+def fault_proxy() -> Iterator[Callable[[RedisServer], FaultProxy]]:
+    """Factory ``fault_proxy(server)`` putting a fault-injecting proxy in front of a server."""
+    proxies: list[FaultProxy] = []
+
+    def factory(server: RedisServer) -> FaultProxy:
+        proxy = FaultProxy.start(server.host, server.port)
+        proxies.append(proxy)
+        return proxy
+
+    try:
+        yield factory
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+
+
+@pytest.fixture
+def sentinel_setup() -> Iterator[SentinelSetup]:
+    """A master, a replica and three sentinels monitoring ``mymaster``."""
+    setup = SentinelSetup.start()
+    try:
+        yield setup
+    finally:
+        setup.stop()
+
+
+@pytest.fixture
+def redis_cluster() -> Iterator[ClusterSetup]:
+    """A three-master Redis Cluster with all slots assigned and cluster_state:ok."""
+    cluster = ClusterSetup.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
