@@ -18,6 +18,8 @@ from .core import (
     connect,
     remove_hook,
 )
+from .install import install
+from .task import SKIPPED, LockedTask, is_skipped
 
 try:
     __version__ = version("celery-redlock")
@@ -25,17 +27,21 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0.0.0"
 
 __all__ = [
+    "SKIPPED",
     "ConfigError",
     "KeyTemplate",
     "Lock",
     "LockContended",
     "LockEvent",
     "LockLost",
+    "LockedTask",
     "NotOwned",
     "QuorumUnavailable",
     "RedlockError",
     "__version__",
     "add_hook",
     "connect",
+    "install",
+    "is_skipped",
     "remove_hook",
 ]

@@ -148,6 +148,12 @@ class BaseLock:
         """Best-effort owner-checked delete after a failed or unclear attempt."""
         raise NotImplementedError
 
+    def _do_release_matching(self, match: Mapping[str, Any]) -> bool:
+        raise NotImplementedError
+
+    def _do_read_holder(self) -> dict[str, Any] | None:
+        raise NotImplementedError
+
     def _targets(self, token: str) -> Sequence[tuple[Any, str, str, int]]:
         raise NotImplementedError
 
@@ -353,6 +359,24 @@ class BaseLock:
         if not mine:
             self._mark_lost("another owner holds it now, or it is gone")
         return mine
+
+    def release_matching(self, **match: Any) -> bool:
+        """Release whatever acquisition of this name has a holder record matching *match*.
+
+        For a process that did not take the lock but knows its holder is gone: the
+        worker's main process after a hard time limit or a lost child releases the
+        acquisition whose record says ``task_id=<that task>``. The record is read,
+        compared, and the acquisition released by its own token (owner-checked), so
+        a newer holder is never touched. Returns True if something was released.
+        """
+        if not match:
+            raise ConfigError("release_matching() needs at least one field to match")
+        return self._do_release_matching(match)
+
+    def read_holder(self) -> dict[str, Any] | None:
+        """The current holder's record (``task_name``, ``task_id``, ``hostname``, ``pid``,
+        ``acquired_at``), or None when the lock is free."""
+        return self._do_read_holder()
 
     def locked(self) -> bool:
         """True when anyone holds the lock."""

