@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -45,10 +46,10 @@ _L = TypeVar("_L", bound="BaseLock")
 
 def ttl_to_ms(ttl: float, what: str = "ttl") -> int:
     """Seconds (float) to whole milliseconds, refusing what Redis cannot store."""
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
-        raise ConfigError(f"{what} must be a number of seconds, got {ttl!r}")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl):
+        raise ConfigError(f"{what} must be a finite number of seconds, got {ttl!r}")
     ms = round(ttl * 1000)
-    if not ms >= 1:  # also refuses NaN
+    if not ms >= 1:
         raise ConfigError(f"{what} must be at least 0.001 seconds, got {ttl!r}")
     return int(ms)
 
