@@ -1,0 +1,634 @@
+"""The single-node ``Lock`` against a real redis-server.
+
+Mutual exclusion across processes, ownership (threads, forks, expired holders),
+millisecond TTLs, idempotent acquire under redis-py re-sends, extend never
+resurrecting, waiting by notification with O(1) commands, reentrancy, bad input.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from celery_redlock import (
+    ConfigError,
+    Lock,
+    LockContended,
+    LockLost,
+    NotOwned,
+    QuorumUnavailable,
+    RedlockError,
+)
+from celery_redlock.core.renewal import get_manager
+from celery_redlock.core.scripts import ACQUIRE, EXTEND, RELEASE
+from tests.servers import FaultProxy, RedisServer
+
+ProxyFactory = Callable[[RedisServer], FaultProxy]
+
+
+@pytest.fixture(autouse=True)
+def _forget_leftover_renewals() -> Iterator[None]:
+    """A test that failed half-way must not leave locks for the next test's renewal counts."""
+    yield
+    manager = get_manager()
+    for lock in manager.held():
+        manager.unregister(lock)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005) -> bool:
+    """Poll *check* until it is true; bounded in time and count."""
+    deadline = time.monotonic() + timeout
+    for _ in range(int(timeout / interval) + 1):
+        if check():
+            return True
+        if time.monotonic() > deadline:
+            break
+        time.sleep(interval)
+    return check()
+
+
+def blocked_clients(client: redis.Redis) -> int:
+    """How many clients the server has parked in a blocking command (BLPOP)."""
+    return int(client.info("clients")["blocked_clients"])
+
+
+def in_other_thread(fn: Callable[[], Any]) -> Any:
+    """Run *fn* in a fresh thread; return what it returned or the exception it raised."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(fn)
+        exc = future.exception(timeout=20)
+        return exc if exc is not None else future.result()
+
+
+def token_of(client: redis.Redis, lock: Lock) -> bytes | None:
+    """The token stored in Redis for *lock*'s key (None when the key is gone)."""
+    value = client.hget(lock.keys.lock, "token")
+    return value if isinstance(value, bytes) or value is None else str(value).encode()
+
+
+def wait_child(pid: int, timeout: float = 30.0) -> int:
+    """Reap a forked child within *timeout* (SIGKILL it otherwise); return its exit code."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(f"forked child {pid} did not finish within {timeout}s")
+
+
+# --------------------------------------------------------------------------- mutual exclusion
+
+PROCESSES = 8
+ROUNDS = 200
+
+
+def _exclusion_worker(port: int, name: str, rounds: int, start: Any) -> None:
+    """One of the competing processes: lock, read-modify-write the counter, log the fence."""
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=10)
+    if not start.wait(30):
+        raise SystemExit(4)
+    for _ in range(rounds):
+        lock = Lock(client, name, ttl=10)
+        if not lock.acquire(timeout=60):
+            raise SystemExit(3)
+        try:
+            value = int(client.get("counter") or 0)
+            client.rpush("fences", str(lock.fence))
+            client.set("counter", value + 1)
+        finally:
+            lock.release()
+    client.close()
+
+
+@pytest.mark.slow
+def test_eight_processes_never_overlap_and_fences_increase(
+    redis_client: redis.Redis, shared_redis: RedisServer
+) -> None:
+    """8 processes x 200 locked read/increment/write rounds give 1600, fences strictly rising."""
+    ctx = multiprocessing.get_context("fork")
+    start = ctx.Event()
+    procs = [
+        ctx.Process(
+            target=_exclusion_worker, args=(shared_redis.port, "mutex:counter", ROUNDS, start)
+        )
+        for _ in range(PROCESSES)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        began = time.monotonic()
+        start.set()
+        for proc in procs:
+            proc.join(timeout=max(1.0, 120 - (time.monotonic() - began)))
+        assert [p.exitcode for p in procs] == [0] * PROCESSES
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    assert int(redis_client.get("counter") or 0) == PROCESSES * ROUNDS
+    fences = [int(f) for f in redis_client.lrange("fences", 0, -1)]
+    assert len(fences) == PROCESSES * ROUNDS
+    assert all(b > a for a, b in itertools.pairwise(fences)), "fence went backwards"
+
+
+# --------------------------------------------------------------------------- ownership
+
+
+def test_other_threads_lock_instance_cannot_release_extend_or_take_ours(
+    redis_client: redis.Redis,
+) -> None:
+    """A second Lock on the same name, used from another thread, can't take, release or extend."""
+    ours = Lock(redis_client, "own:thread", ttl=10, auto_renew=False)
+    assert ours.acquire(blocking=False)
+    mine = token_of(redis_client, ours)
+    theirs = Lock(redis_client, "own:thread", ttl=10, auto_renew=False)
+
+    assert in_other_thread(lambda: theirs.acquire(blocking=False)) is False
+    assert type(in_other_thread(theirs.release)) is NotOwned
+    assert type(in_other_thread(theirs.extend)) is NotOwned
+    assert token_of(redis_client, ours) == mine
+    assert ours.owned()
+    ours.release()
+    assert not redis_client.exists(ours.keys.lock)
+
+
+def test_stale_instance_in_another_thread_is_refused_by_the_server(
+    redis_client: redis.Redis,
+) -> None:
+    """A Lock whose key was force-removed and retaken cannot release/extend the new owner's key."""
+    stale = Lock(redis_client, "own:stale", ttl=10, auto_renew=False)
+    assert in_other_thread(lambda: stale.acquire(blocking=False)) is True
+    redis_client.delete(stale.keys.lock)  # as `celery locks release --force` would
+    ours = Lock(redis_client, "own:stale", ttl=10, auto_renew=False)
+    assert ours.acquire(blocking=False)
+    mine = token_of(redis_client, ours)
+    # stale still believes it holds the lock (its local lease is valid): only the
+    # compare-and-act scripts in Redis stand between it and our key.
+    assert stale.valid_until > time.monotonic()
+    assert isinstance(in_other_thread(stale.extend), LockLost)
+    assert isinstance(in_other_thread(stale.release), LockLost)
+    assert token_of(redis_client, ours) == mine
+    assert redis_client.pttl(ours.keys.lock) > 9000
+    ours.release()
+
+
+def test_same_lock_object_shared_with_another_thread_cannot_be_released_by_a_copy(
+    redis_client: redis.Redis,
+) -> None:
+    """The release script refuses any token but the holder's: raw RELEASE/EXTEND with another."""
+    ours = Lock(redis_client, "own:raw", ttl=10, auto_renew=False)
+    assert ours.acquire(blocking=False)
+    mine = token_of(redis_client, ours)
+    other = "f" * 40
+    assert (
+        in_other_thread(
+            lambda: RELEASE(redis_client, [ours.keys.lock, ours.keys.notify], [other, 1000])
+        )
+        == -1
+    )
+    assert (
+        in_other_thread(lambda: EXTEND(redis_client, [ours.keys.lock], [other, 99999, "1"])) == -1
+    )
+    assert token_of(redis_client, ours) == mine
+    assert redis_client.pttl(ours.keys.lock) <= 10000
+    assert not redis_client.exists(ours.keys.notify)  # a refused release wakes nobody
+    ours.release()
+
+
+def _forked_child_checks(lock: Lock, port: int, parent_token: bytes) -> int:
+    """Runs in the forked child: every way of touching the parent's lock must be refused."""
+    try:
+        lock.release()
+        return 10
+    except NotOwned as exc:
+        if type(exc) is not NotOwned:
+            return 11
+    try:
+        lock.extend(30)
+        return 12
+    except NotOwned as exc:
+        if type(exc) is not NotOwned:
+            return 13
+    if lock.owned() or lock.fence is not None or lock.valid_until != 0.0:
+        return 14
+    if get_manager().held():
+        return 15
+    direct = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5)
+    if direct.hget(lock.keys.lock, "token") != parent_token:
+        return 16
+    if not direct.pttl(lock.keys.lock) > 0:
+        return 17
+    return 0
+
+
+def test_forked_child_cannot_release_or_extend_the_parents_lock(
+    redis_client: redis.Redis, shared_redis: RedisServer
+) -> None:
+    """In an os.fork() child, release()/extend() raise NotOwned and the key is untouched."""
+    lock = Lock(redis_client, "own:fork", ttl=10)
+    assert lock.acquire(blocking=False)
+    mine = token_of(redis_client, lock)
+    assert mine is not None
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 99
+        try:
+            code = _forked_child_checks(lock, shared_redis.port, mine)
+        finally:
+            os._exit(code)
+    assert wait_child(pid) == 0
+    assert token_of(redis_client, lock) == mine
+    assert lock.owned()
+    lock.release()
+    assert not redis_client.exists(lock.keys.lock)
+
+
+def test_expired_holder_cannot_release_or_extend_the_new_holders_lock(
+    redis_client: redis.Redis,
+) -> None:
+    """A holder whose lease ran out and was taken over gets LockLost; the new key stays intact."""
+    old = Lock(redis_client, "own:expired", ttl=0.2, auto_renew=False)
+    assert old.acquire(blocking=False)
+    old_fence = old.fence
+    assert wait_for(lambda: not redis_client.exists(old.keys.lock), timeout=2)
+    new = Lock(redis_client, "own:expired", ttl=10, auto_renew=False)
+    assert new.acquire(blocking=False)
+    assert old_fence is not None and new.fence is not None and new.fence > old_fence
+    mine = token_of(redis_client, new)
+
+    with pytest.raises(LockLost):
+        old.extend()
+    with pytest.raises(LockLost):
+        old.release()
+    assert token_of(redis_client, new) == mine
+    assert redis_client.hget(new.keys.lock, "fence") == str(new.fence).encode()
+    assert redis_client.pttl(new.keys.lock) > 9000
+    assert not old.owned()
+    new.release()
+
+
+# --------------------------------------------------------------------------- TTL in ms
+
+
+def test_float_ttl_of_a_quarter_second_is_kept_in_milliseconds(redis_client: redis.Redis) -> None:
+    """ttl=0.25 s becomes PX 250 in Redis, and the key is gone about 0.3 s later."""
+    lock = Lock(redis_client, "ttl:float", ttl=0.25, auto_renew=False)
+    started = time.monotonic()
+    assert lock.acquire(blocking=False)
+    answered = time.monotonic()
+    pttl = redis_client.pttl(lock.keys.lock)
+    assert 200 <= pttl <= 250, pttl
+    assert lock.ttl_ms == 250
+    # The local deadline is the lease minus drift (1% + 2 ms), counted from before the request.
+    assert started + 0.2455 <= lock.valid_until <= answered + 0.2455
+    time.sleep(max(0.0, started + 0.3 - time.monotonic()))
+    assert not redis_client.exists(lock.keys.lock)
+    assert not lock.owned()
+
+
+def test_extend_after_expiry_raises_lock_lost_and_does_not_recreate_the_key(
+    redis_client: redis.Redis,
+) -> None:
+    """extend() past the lease raises LockLost and leaves no key behind."""
+    lock = Lock(redis_client, "ttl:extend-late", ttl=0.1, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    assert wait_for(lambda: not redis_client.exists(lock.keys.lock), timeout=2)
+    with pytest.raises(LockLost):
+        lock.extend(10)
+    assert not redis_client.exists(lock.keys.lock)
+    assert lock.lost
+
+
+def test_extend_of_a_vanished_key_inside_the_lease_is_refused_by_redis(
+    redis_client: redis.Redis,
+) -> None:
+    """Even with a valid local lease, the extend script never recreates a missing key."""
+    lock = Lock(redis_client, "ttl:extend-gone", ttl=10, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    lock.extend(20, replace=True)
+    assert 19000 < redis_client.pttl(lock.keys.lock) <= 20000
+    redis_client.delete(lock.keys.lock)
+    with pytest.raises(LockLost):
+        lock.extend(10)
+    assert not redis_client.exists(lock.keys.lock)
+    assert not lock.owned()
+
+
+# --------------------------------------------------------------------------- idempotent acquire
+
+
+def test_acquire_script_resent_with_the_same_token_reports_success(
+    redis_client: redis.Redis,
+) -> None:
+    """Running ACQUIRE twice with one token: acquired both times, same fence, one INCR."""
+    lock = Lock(redis_client, "resend:script", ttl=5, auto_renew=False)
+    keys = [lock.keys.lock, lock.keys.fence]
+    first = ACQUIRE(redis_client, keys, ["tok-1", 5000, '{"pid":1}'])
+    time.sleep(0.05)
+    second = ACQUIRE(redis_client, keys, ["tok-1", 5000, '{"pid":1}'])
+    assert first[0] == 1 and second[0] == 1
+    assert first[1] == second[1] == 1
+    assert redis_client.get(lock.keys.fence) == b"1"
+    assert redis_client.pttl(lock.keys.lock) > 4950  # the re-send reset the lease
+    other = ACQUIRE(redis_client, keys, ["tok-2", 5000, '{"pid":2}'])
+    assert other[0] == 0 and b'"pid":1' in other[1] and 0 < other[2] <= 5000
+    assert redis_client.get(lock.keys.fence) == b"1"
+
+
+def test_acquire_resent_after_a_late_reply_ends_holding_the_lock(
+    redis_server: RedisServer, fault_proxy: ProxyFactory
+) -> None:
+    """redis-py re-sends an acquire whose reply came late; the re-send finds its token: held."""
+    proxy = fault_proxy(redis_server)
+    direct = redis_server.client()
+    for script in (ACQUIRE, RELEASE):
+        direct.script_load(script.source)
+    client = proxy.client(socket_timeout=0.2, retry=Retry(NoBackoff(), 5))
+    assert client.ping()
+    lock = Lock(client, "resend:held", ttl=10, auto_renew=False)
+    redis_server.reset_stats()
+    proxy.delay_replies(1.0)  # every reply from now on arrives after the client gave up
+    healer = threading.Timer(0.3, proxy.heal)  # ...until a later re-send gets through
+    healer.start()
+    try:
+        assert lock.acquire(blocking=False)
+    finally:
+        healer.cancel()
+    assert redis_server.command_count("evalsha") >= 2, "no re-send happened"
+    assert lock.owned()  # the token in Redis is this acquisition's
+    assert lock.fence == 1 and direct.get(lock.keys.fence) == b"1"
+    lock.release()
+    assert not direct.exists(lock.keys.lock)
+
+
+def test_acquire_whose_every_reply_is_late_leaves_no_orphaned_key(
+    redis_server: RedisServer, fault_proxy: ProxyFactory
+) -> None:
+    """Replies never in time, every re-send lands: acquire raises and no key is left behind."""
+    proxy = fault_proxy(redis_server)
+    direct = redis_server.client()
+    for script in (ACQUIRE, RELEASE):
+        direct.script_load(script.source)
+    # RESP2 and no CLIENT SETINFO: a reconnect needs no handshake reply, so each of
+    # redis-py's re-sends reaches the server even while every reply is held back.
+    client = proxy.client(
+        socket_timeout=0.2, retry=Retry(NoBackoff(), 3), protocol=2, driver_info=None
+    )
+    assert client.ping()
+    lock = Lock(client, "resend:gone", ttl=10, auto_renew=False)
+    redis_server.reset_stats()
+    proxy.delay_replies(0.5)
+    with pytest.raises(QuorumUnavailable):
+        lock.acquire(blocking=False)
+    # The acquire and its 3 re-sends all ran; only the first created the key (one INCR)...
+    assert redis_server.command_count("evalsha") >= 4
+    assert direct.get(lock.keys.fence) == b"1"
+    # ...yet the caller does not hold the lock, and no key is left for anyone to wait on.
+    assert not direct.exists(lock.keys.lock)
+    assert lock.fence is None
+    proxy.heal()
+    assert not lock.owned()
+
+
+def test_acquire_timing_out_until_the_network_heals_holds_or_leaves_nothing(
+    redis_server: RedisServer, fault_proxy: ProxyFactory
+) -> None:
+    """Default client, replies late until 1 s: the caller holds the lock or the key is gone."""
+    proxy = fault_proxy(redis_server)
+    direct = redis_server.client()
+    for script in (ACQUIRE, RELEASE):
+        direct.script_load(script.source)
+    client = proxy.client(socket_timeout=0.2, retry=Retry(NoBackoff(), 3))
+    assert client.ping()
+    lock = Lock(client, "resend:heal", ttl=10, auto_renew=False)
+    proxy.delay_replies(0.5)
+    healer = threading.Timer(1.0, proxy.heal)  # after the acquire gave up, before cleanup did
+    healer.start()
+    try:
+        held = lock.acquire(blocking=False)
+    except QuorumUnavailable:
+        held = False
+    finally:
+        healer.join(5)
+    assert direct.get(lock.keys.fence) == b"1", "the first acquire never reached Redis"
+    if held:
+        assert lock.owned()
+        lock.release()
+    else:
+        assert not direct.exists(lock.keys.lock), "orphaned lock key"
+
+
+# --------------------------------------------------------------------------- waiting
+
+
+def test_waiter_gets_the_lock_within_milliseconds_of_the_release(
+    redis_client: redis.Redis, shared_redis: RedisServer, record_property: Any
+) -> None:
+    """A blocked waiter is woken by the release notice: hand-off well under 100 ms."""
+    latencies: list[float] = []
+    for _ in range(5):
+        holder = Lock(redis_client, "wait:handoff", ttl=10, auto_renew=False)
+        assert holder.acquire(blocking=False)
+        holder_fence = holder.fence or 0
+        waiter = Lock(shared_redis.client(), "wait:handoff", ttl=10, auto_renew=False)
+        got: dict[str, Any] = {}
+
+        def wait(waiter: Lock = waiter, got: dict[str, Any] = got) -> None:
+            got["ok"] = waiter.acquire(timeout=5)
+            got["at"] = time.perf_counter()
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        assert wait_for(lambda: blocked_clients(redis_client) == 1)
+        released = time.perf_counter()
+        holder.release()
+        thread.join(6)
+        assert got.get("ok") is True
+        latencies.append(got["at"] - released)
+        assert waiter.fence is not None and waiter.fence > holder_fence
+        waiter.release()
+    record_property("handoff_ms_median", round(statistics.median(latencies) * 1000, 3))
+    print(f"hand-off latencies (ms): {[round(x * 1000, 2) for x in latencies]}")
+    assert max(latencies) < 0.1, latencies
+
+
+def test_waiting_two_seconds_costs_o1_commands(
+    redis_client: redis.Redis, shared_redis: RedisServer
+) -> None:
+    """A 2 s contended wait is one attempt, one BLPOP, one last attempt: no poll loop."""
+    holder = Lock(redis_client, "wait:count", ttl=30, auto_renew=False)
+    assert holder.acquire(blocking=False)
+    waiter = Lock(shared_redis.client(), "wait:count", ttl=30, auto_renew=False)
+    shared_redis.reset_stats()
+    started = time.monotonic()
+    assert waiter.acquire(timeout=2.0) is False
+    waited = time.monotonic() - started
+    assert 1.9 <= waited < 3.0
+    evalsha = shared_redis.command_count("evalsha")
+    blpop = shared_redis.command_count("blpop")
+    assert 1 <= evalsha <= 3, evalsha
+    assert 1 <= blpop <= 2, blpop
+    assert waiter.holder.get("pid") == os.getpid()
+    holder.release()
+
+
+_DOOMED_HOLDER = r"""
+import sys, time
+import redis
+from celery_redlock import Lock
+port, name = int(sys.argv[1]), sys.argv[2]
+client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5)
+lock = Lock(client, name, ttl=1.0)
+assert lock.acquire(timeout=5)
+client.rpush("holder-ready", str(lock.fence))
+time.sleep(30)
+"""
+
+
+@pytest.mark.slow
+def test_waiter_gets_the_lock_within_the_remaining_ttl_when_the_holder_is_killed(
+    redis_client: redis.Redis, shared_redis: RedisServer, record_property: Any
+) -> None:
+    """A SIGKILLed holder never releases; the waiter gets in within its remaining TTL, O(1) cmds."""
+    name = "wait:dead-holder"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _DOOMED_HOLDER, str(shared_redis.port), name],
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        ready = redis_client.blpop(["holder-ready"], timeout=15)
+        assert ready is not None, "holder subprocess never acquired"
+        holder_fence = int(ready[1])
+        time.sleep(0.5)  # let its renewal thread run a round or two
+        proc.kill()
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    killed = time.monotonic()
+    remaining = redis_client.pttl(f"redlock:{{{name}}}") / 1000
+    assert 0 < remaining <= 1.0
+    shared_redis.reset_stats()
+    waiter = Lock(shared_redis.client(), name, ttl=5, auto_renew=False)
+    assert waiter.acquire(timeout=5)
+    took = time.monotonic() - killed
+    record_property("dead_holder_takeover_s", round(took, 3))
+    assert took <= remaining + 0.25, (took, remaining)
+    assert waiter.fence is not None and waiter.fence > holder_fence
+    assert shared_redis.command_count("evalsha") <= 4
+    assert shared_redis.command_count("blpop") <= 3
+    waiter.release()
+
+
+# --------------------------------------------------------------------------- reentrancy
+
+
+def test_reentrant_lock_must_be_released_as_often_as_acquired(redis_client: redis.Redis) -> None:
+    """reentrant=True: the same Lock acquires twice; the key stays until the second release."""
+    lock = Lock(redis_client, "reentrant", ttl=10, reentrant=True, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    fence = lock.fence
+    assert lock.acquire(blocking=False)
+    assert lock.fence == fence
+    lock.release()
+    assert redis_client.exists(lock.keys.lock)
+    assert lock.owned()
+    lock.release()
+    assert not redis_client.exists(lock.keys.lock)
+    with pytest.raises(NotOwned):
+        lock.release()
+
+
+def test_non_reentrant_second_acquire_raises_and_keeps_the_lock(redis_client: redis.Redis) -> None:
+    """Without reentrant=True a second acquire by the same Lock is a RedlockError, not a wait."""
+    lock = Lock(redis_client, "not-reentrant", ttl=10, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    with pytest.raises(RedlockError, match="reentrant"):
+        lock.acquire(timeout=1)
+    assert lock.owned()
+    other = Lock(redis_client, "not-reentrant", ttl=10, reentrant=True, auto_renew=False)
+    assert other.acquire(blocking=False) is False  # reentrancy is per owner, not per name
+    lock.release()
+    assert not redis_client.exists(lock.keys.lock)
+
+
+# --------------------------------------------------------------------------- context manager
+
+
+def test_with_raises_lock_contended_carrying_the_holders_record(redis_client: redis.Redis) -> None:
+    """`with lock:` on a held lock (non-blocking) raises LockContended naming the holder task."""
+    holder = Lock(
+        redis_client,
+        "ctx:held",
+        ttl=10,
+        auto_renew=False,
+        owner_info={"task_name": "proj.sync_user", "task_id": "abc-123"},
+    )
+    assert holder.acquire()
+    contender = Lock(redis_client, "ctx:held", ttl=10, blocking=False, auto_renew=False)
+    with pytest.raises(LockContended) as caught, contender:
+        pytest.fail("the body must not run")
+    err = caught.value
+    assert err.name == "ctx:held"
+    assert err.holder["task_name"] == "proj.sync_user"
+    assert err.holder["task_id"] == "abc-123"
+    assert err.holder["pid"] == os.getpid()
+    assert "proj.sync_user" in str(err)
+    holder.release()
+    with contender:
+        assert contender.owned()
+    assert not redis_client.exists(contender.keys.lock)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("ttl", [0, -2.5, 0.0004, float("nan"), "30", None])
+def test_bad_ttl_is_a_config_error_naming_the_value(redis_client: redis.Redis, ttl: Any) -> None:
+    """ttl <= 0 (or not a number, or under a millisecond) raises ConfigError naming it."""
+    with pytest.raises(ConfigError) as caught:
+        Lock(redis_client, "bad", ttl=ttl)
+    assert repr(ttl) in str(caught.value)
+
+
+@pytest.mark.parametrize("name", ["", None, 42])
+def test_bad_name_is_a_config_error_naming_the_value(redis_client: redis.Redis, name: Any) -> None:
+    """An empty or non-string lock name raises ConfigError naming it."""
+    with pytest.raises(ConfigError) as caught:
+        Lock(redis_client, name)
+    assert repr(name) in str(caught.value)
+
+
+class NotARedis:
+    """Something that is not a redis-py client."""
+
+
+@pytest.mark.parametrize("client", [NotARedis(), "redis://127.0.0.1:6379/0", None])
+def test_non_redis_client_is_a_config_error_naming_its_type(client: Any) -> None:
+    """Passing anything but a redis-py client raises ConfigError naming what was given."""
+    with pytest.raises(ConfigError) as caught:
+        Lock(client, "name")
+    assert type(client).__name__ in str(caught.value)
