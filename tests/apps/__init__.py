@@ -1,0 +1,1 @@
+"""Small Celery apps that subprocess tests run with ``celery -A tests.apps.<module>``."""

@@ -1,0 +1,36 @@
+"""A Celery app for beat tests: one body-less task on a 1 s schedule.
+
+Configured from the environment so each test points it at its own throwaway
+servers: ``BEATAPP_BROKER`` (required), ``BEATAPP_LOCKS`` (lock store, default:
+the broker), ``BEATAPP_BEAT_TTL`` (leader lease, seconds). Each published message
+carries the publishing beat's pid and the publish time as its arguments, evaluated
+by beat at publish time, so a test reading the broker queue knows who sent what.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from celery import Celery
+from celery.beat import BeatLazyFunc
+
+app = Celery("beatapp", broker=os.environ["BEATAPP_BROKER"])
+app.conf.update(
+    redlock_url=os.environ.get("BEATAPP_LOCKS") or None,
+    redlock_beat_ttl=float(os.environ.get("BEATAPP_BEAT_TTL", "2")),
+    beat_max_loop_interval=1,
+    broker_connection_retry_on_startup=True,
+    beat_schedule={
+        "heartbeat": {
+            "task": "beatapp.heartbeat",
+            "schedule": 1.0,
+            "args": (BeatLazyFunc(os.getpid), BeatLazyFunc(time.time)),
+        },
+    },
+)
+
+
+@app.task(name="beatapp.heartbeat")
+def heartbeat(pid: int, at: float) -> None:
+    """Does nothing: the tests count the messages beat publishes, not runs."""

@@ -1,0 +1,262 @@
+"""``LeaderScheduler`` with real ``celery beat`` subprocesses on a throwaway Redis.
+
+Redis is both the broker and the lock store. Nobody consumes the queue, so every
+message beat publishes stays in the broker's list; each carries the publishing
+beat's pid and the publish time (see ``tests/apps/beatapp.py``).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.servers import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+CELERY = str(Path(sys.executable).parent / "celery")
+TTL = 2.0  # redlock_beat_ttl of the beats under test
+RECORDS_KEY = "redlock:{beat:leader:beatapp}:ticks"
+
+
+@dataclass(frozen=True)
+class Published:
+    """One message beat put on the broker."""
+
+    pid: int
+    at: float
+    task_id: str
+
+
+class Beat:
+    """A running ``celery beat`` subprocess and its log file."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+        self.proc = proc
+        self.log_path = log_path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        """SIGCONT + SIGTERM, then SIGKILL if it does not exit within 5 s."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, signal.SIGCONT)
+                self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+
+BeatFactory = Callable[..., Beat]
+
+
+@pytest.fixture
+def start_beat(tmp_path: Path) -> Iterator[BeatFactory]:
+    """Factory starting ``celery beat -S LeaderScheduler`` subprocesses; all stopped by pid."""
+    beats: list[Beat] = []
+
+    def start(broker: str, name: str, locks: str | None = None) -> Beat:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env["BEATAPP_BROKER"] = broker
+        env["BEATAPP_BEAT_TTL"] = str(TTL)
+        if locks:
+            env["BEATAPP_LOCKS"] = locks
+        log_path = tmp_path / f"{name}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [
+                    CELERY, "-A", "tests.apps.beatapp", "beat",
+                    "-S", "celery_redlock.beat:LeaderScheduler",
+                    f"--schedule={tmp_path / name}-schedule", "--pidfile=", "-l", "info",
+                ],  # fmt: skip
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=ROOT,
+                env=env,
+            )
+        beat = Beat(proc, log_path)
+        beats.append(beat)
+        return beat
+
+    try:
+        yield start
+    finally:
+        for beat in beats:
+            beat.stop()
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll *check* every 50 ms, at most *timeout* seconds; fail naming *what*."""
+    deadline = time.monotonic() + timeout
+    for _ in range(int(timeout / 0.05) + 1):
+        if check():
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert check(), f"timed out after {timeout}s waiting for {what}"
+
+
+def published(client: redis.Redis) -> list[Published]:
+    """Every message on the ``celery`` queue, oldest first."""
+    out = []
+    for raw in client.lrange("celery", 0, -1):
+        message = json.loads(raw)
+        body = message["body"]
+        if message["properties"].get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args = json.loads(body)[0]
+        out.append(Published(int(args[0]), float(args[1]), message["headers"]["id"]))
+    return sorted(out, key=lambda m: m.at)
+
+
+def assert_each_tick_once(messages: list[Published], leaders: list[int]) -> None:
+    """One message per 1 s tick: never two for one tick, none skipped while a leader lived,
+    and leaders in the given order, never interleaved."""
+    assert messages
+    gaps = [b.at - a.at for a, b in zip(messages, messages[1:], strict=False)]
+    assert all(g > 0.5 for g in gaps), f"a tick was published twice: gaps {gaps}"
+    order = [m.pid for m in messages]
+    runs = [pid for i, pid in enumerate(order) if i == 0 or order[i - 1] != pid]
+    assert runs == leaders, f"publishers in order {runs}, expected {leaders}"
+    for a, b in zip(messages, messages[1:], strict=False):
+        if a.pid == b.pid:
+            assert b.at - a.at < 1.6, f"a tick was skipped by pid {a.pid}: gaps {gaps}"
+
+
+def stored_run_count(client: redis.Redis) -> int:
+    """How many ticks the leaders claimed, from the schedule state in Redis."""
+    raw = client.hget(RECORDS_KEY, "heartbeat")
+    assert raw is not None
+    return int(json.loads(raw)["n"])
+
+
+def leader_and_standby(server: RedisServer, start_beat: BeatFactory) -> tuple[Beat, Beat]:
+    """Start beat A, wait until it leads, then beat B, and wait until B stands by."""
+    a = start_beat(server.url, "a")
+    wait_until(lambda: "is now the leader" in a.log(), 30, "beat A to lead")
+    b = start_beat(server.url, "b")
+    wait_until(lambda: "standing by" in b.log(), 30, "beat B to stand by")
+    return a, b
+
+
+def just_after_a_tick(client: redis.Redis, pid: int) -> None:
+    """Wait for a fresh message from *pid*, then 0.3 s, so a signal lands between ticks."""
+    count = sum(m.pid == pid for m in published(client))
+    wait_until(
+        lambda: sum(m.pid == pid for m in published(client)) > count, 5, f"a tick from {pid}"
+    )
+    time.sleep(0.3)
+
+
+@pytest.mark.slow
+def test_sigkilled_leader_is_replaced_within_one_ttl_and_no_tick_is_sent_twice(
+    redis_server: RedisServer, start_beat: BeatFactory
+) -> None:
+    """Two beats: only the leader publishes, once per tick; after SIGKILL the other takes over
+    within one TTL and goes on from the last published tick."""
+    client = redis_server.client()
+    a, b = leader_and_standby(redis_server, start_beat)
+    time.sleep(4)
+    before = published(client)
+    assert len(before) >= 4
+    assert {m.pid for m in before} == {a.pid}, "the standby published"
+
+    just_after_a_tick(client, a.pid)
+    a.proc.send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    wait_until(lambda: any(m.pid == b.pid for m in published(client)), 10, "B to publish")
+    time.sleep(3)
+
+    messages = published(client)
+    first_b = min(m.at for m in messages if m.pid == b.pid)
+    assert first_b - killed_at < TTL + 0.5, "the standby took longer than one TTL"
+    assert_each_tick_once(messages, [a.pid, b.pid])
+    assert stored_run_count(client) == len(messages), "a claimed tick was not published once"
+    assert "lost leadership" not in b.log()
+
+
+@pytest.mark.slow
+def test_paused_leader_steps_down_and_later_takes_over_without_repeating_a_tick(
+    redis_server: RedisServer, start_beat: BeatFactory
+) -> None:
+    """A leader SIGSTOPped past its lease is replaced; resumed, it logs that it lost leadership,
+    publishes nothing more and stands by; when the new leader stops, it takes over at once
+    without re-sending the tick just published."""
+    client = redis_server.client()
+    a, b = leader_and_standby(redis_server, start_beat)
+    just_after_a_tick(client, a.pid)
+    os.kill(a.pid, signal.SIGSTOP)
+    stopped_at = time.time()
+    try:
+        wait_until(lambda: any(m.pid == b.pid for m in published(client)), 10, "B to publish")
+        time.sleep(1)
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    wait_until(lambda: "lost leadership" in a.log(), 5, "A to step down")
+    time.sleep(2)
+    assert a.proc.poll() is None, "the deposed leader crashed:\n" + a.log()
+    assert not [m for m in published(client) if m.pid == a.pid and m.at > stopped_at]
+
+    # The deposed leader really is a standby: when B shuts down (releasing the lock, which
+    # wakes A at once), A takes over and goes on from B's last tick instead of repeating it.
+    just_after_a_tick(client, b.pid)
+    b.stop()
+    wait_until(
+        lambda: any(m.pid == a.pid and m.at > stopped_at for m in published(client)),
+        TTL + 3,
+        "A to lead again",
+    )
+    time.sleep(1.5)
+    messages = published(client)
+    assert_each_tick_once(messages, [a.pid, b.pid, a.pid])
+    last_b = max(m.at for m in messages if m.pid == b.pid)
+    first_a = min(m.at for m in messages if m.pid == a.pid and m.at > stopped_at)
+    assert first_a - last_b > 0.8, "the new leader re-sent the tick the old one had just sent"
+    assert first_a - last_b < 1.6, "the hand-over was not prompt"
+    assert "resigned leadership" in b.log()
+    assert stored_run_count(client) == len(messages)
+    assert "Traceback" not in a.log()
+
+
+@pytest.mark.slow
+def test_standby_that_cannot_reach_the_lock_store_logs_once_and_keeps_waiting(
+    redis_servers: Callable[[int], list[RedisServer]], start_beat: BeatFactory
+) -> None:
+    """With the lock store down, beat publishes nothing, logs one line and stays up; when the
+    store comes back it leads and publishes."""
+    broker, store = redis_servers(2)
+    store.kill()
+    beat = start_beat(broker.url, "a", locks=store.url)
+    wait_until(lambda: "cannot reach the lock store" in beat.log(), 30, "the outage line")
+    time.sleep(2.5)  # several retry rounds (every TTL/3)
+    assert beat.proc.poll() is None, beat.log()
+    assert beat.log().count("cannot reach the lock store") == 1
+    client = broker.client()
+    assert published(client) == []
+
+    store.restart()
+    wait_until(lambda: bool(published(client)), 10, "beat to publish after the outage")
+    assert "answers again" in beat.log()
+    assert {m.pid for m in published(client)} == {beat.pid}
