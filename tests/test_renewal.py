@@ -1,0 +1,299 @@
+"""The per-process renewal thread against a real redis-server.
+
+Keeps short leases alive, batches every lock on a node into one script per
+round, hands a paused holder's loss back before it writes again, reports a
+dead Redis as a loss, survives the errors, and starts afresh after fork.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from celery_redlock import Lock, LockLost, connect
+from celery_redlock.core.renewal import RenewalManager, get_manager
+from tests.servers import RedisServer
+
+RENEWAL_THREAD = "celery-redlock-renewal"
+
+
+@pytest.fixture(autouse=True)
+def _forget_leftover_renewals() -> Iterator[None]:
+    """A test that failed half-way must not leave locks for the next test's renewal counts."""
+    yield
+    manager = get_manager()
+    for lock in manager.held():
+        manager.unregister(lock)
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> bool:
+    """Poll *check* until it is true; bounded in time and count."""
+    deadline = time.monotonic() + timeout
+    for _ in range(int(timeout / interval) + 1):
+        if check():
+            return True
+        if time.monotonic() > deadline:
+            break
+        time.sleep(interval)
+    return check()
+
+
+def renewal_threads() -> list[threading.Thread]:
+    """The live renewal threads of this process."""
+    return [t for t in threading.enumerate() if t.name == RENEWAL_THREAD and t.is_alive()]
+
+
+def wait_child(pid: int, timeout: float = 30.0) -> int:
+    """Reap a forked child within *timeout* (SIGKILL it otherwise); return its exit code."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(f"forked child {pid} did not finish within {timeout}s")
+
+
+# --------------------------------------------------------------------------- keeping alive
+
+
+def test_one_second_lock_held_for_five_seconds_stays_held(redis_client: redis.Redis) -> None:
+    """ttl=1 s held 5 s: owned() stays True and the key never expires, one acquisition."""
+    lock = Lock(redis_client, "renew:5s", ttl=1.0)
+    assert lock.acquire(blocking=False)
+    fence = lock.fence
+    token = redis_client.hget(lock.keys.lock, "token")
+    deadline = time.monotonic() + 5.0
+    checks = 0
+    while time.monotonic() < deadline:
+        assert lock.owned()
+        assert redis_client.pttl(lock.keys.lock) > 0
+        assert lock.valid_until > time.monotonic()
+        checks += 1
+        time.sleep(0.2)
+    assert checks >= 20
+    assert redis_client.hget(lock.keys.lock, "token") == token
+    assert redis_client.hget(lock.keys.lock, "fence") == str(fence).encode()
+    assert not lock.lost
+    lock.release()  # raises LockLost if the lease had lapsed at any point
+    assert not redis_client.exists(lock.keys.lock)
+
+
+def test_thousand_locks_are_renewed_by_one_thread_with_one_command_per_round(
+    redis_client: redis.Redis, shared_redis: RedisServer
+) -> None:
+    """1000 held locks: one renewal thread, one EVALSHA per round for all of them."""
+    ttl = 1.5  # a round every 0.5 s
+    locks = [Lock(redis_client, f"many:{i}", ttl=ttl) for i in range(1000)]
+    try:
+        for lock in locks:
+            assert lock.acquire(blocking=False)
+        assert len(renewal_threads()) == 1
+        manager = get_manager()
+        assert len(manager.held()) == 1000
+        shared_redis.reset_stats()
+        rounds_before = manager.rounds
+        time.sleep(3.0)  # twice the TTL: only renewal keeps the keys
+        rounds = manager.rounds - rounds_before
+        evalsha = shared_redis.command_count("evalsha")
+        assert 3 <= rounds <= 3.0 / (ttl / 3) + 2, rounds
+        assert evalsha <= rounds + 1, (evalsha, rounds)
+        assert len(renewal_threads()) == 1
+        with redis_client.pipeline(transaction=False) as pipe:
+            for lock in locks:
+                pipe.pttl(lock.keys.lock)
+            ttls = pipe.execute()
+        assert min(ttls) > 0, "a lock expired despite renewal"
+        assert not any(lock.lost for lock in locks)
+    finally:
+        for lock in locks:
+            if lock.fence is not None:
+                lock.release()
+    assert not manager.held()
+
+
+# --------------------------------------------------------------------------- a paused holder
+
+_PAUSABLE_HOLDER = r"""
+import sys, time
+import redis
+from celery_redlock import Lock
+
+port, name = int(sys.argv[1]), sys.argv[2]
+client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5)
+
+
+def on_lost(lock):
+    client.rpush("lost", str(lock.fence))
+
+
+lock = Lock(client, name, ttl=1.0, on_lost=on_lost)
+assert lock.acquire(timeout=5)
+fence = lock.fence
+client.rpush("ready", str(fence))
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+    if not lock.owned():
+        break
+    client.rpush("writes", f"child:{fence}")
+    if client.getdel("park"):
+        client.rpush("parked", "1")
+        time.sleep(1.0)  # the parent SIGSTOPs us in here, between two check-then-write steps
+    else:
+        time.sleep(0.02)
+client.rpush("done", "owned" if lock.owned() else "not-owned", "lost" if lock.lost else "kept")
+"""
+
+
+def _process_state(pid: int) -> str:
+    """The one-letter state of a process from /proc (T when stopped)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.slow
+def test_sigstopped_holder_learns_of_the_loss_before_writing_again(
+    redis_client: redis.Redis, shared_redis: RedisServer
+) -> None:
+    """A holder paused past its TTL loses the lock; on SIGCONT it sees the loss, writes nothing."""
+    name = "renew:paused"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PAUSABLE_HOLDER, str(shared_redis.port), name],
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        ready = redis_client.blpop(["ready"], timeout=15)
+        assert ready is not None, "holder subprocess never acquired"
+        child_fence = int(ready[1])
+        assert wait_for(lambda: redis_client.llen("writes") >= 3)  # working under the lock
+        redis_client.set("park", "1")
+        assert redis_client.blpop(["parked"], timeout=5) is not None
+        os.kill(proc.pid, signal.SIGSTOP)
+        assert wait_for(lambda: _process_state(proc.pid) == "T", timeout=2)
+        stopped_at = time.monotonic()
+
+        key = f"redlock:{{{name}}}"
+        assert wait_for(lambda: not redis_client.exists(key), timeout=3), "lease never ran out"
+        assert time.monotonic() - stopped_at < 1.5  # the lease was not renewed while stopped
+        new = Lock(redis_client, name, ttl=10, auto_renew=False)
+        assert new.acquire(timeout=2)
+        assert new.fence is not None and new.fence > child_fence
+        redis_client.rpush("writes", f"new:{new.fence}")
+
+        os.kill(proc.pid, signal.SIGCONT)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait(10)
+    writes = [w.decode() for w in redis_client.lrange("writes", 0, -1)]
+    marker = writes.index(f"new:{new.fence}")
+    assert set(writes[:marker]) == {f"child:{child_fence}"}
+    assert writes[marker + 1 :] == [], "the paused holder wrote after losing the lock"
+    assert redis_client.lrange("lost", 0, -1) == [str(child_fence).encode()]  # on_lost fired
+    assert redis_client.lrange("done", 0, -1) == [b"not-owned", b"lost"]
+    assert new.owned()  # the resumed holder's renewal did not touch the new owner's key
+    assert redis_client.pttl(new.keys.lock) > 8000
+    new.release()
+
+
+# --------------------------------------------------------------------------- Redis dies
+
+
+def test_redis_killed_mid_hold_reports_the_loss_and_a_restart_lets_the_client_reacquire(
+    redis_server: RedisServer,
+) -> None:
+    """Redis SIGKILLed: on_lost fires within the TTL; after a restart the client locks again."""
+    client = connect(redis_server.url)
+    lost_at: list[float] = []
+    lost = threading.Event()
+
+    def on_lost(_lock: object) -> None:
+        lost_at.append(time.monotonic())
+        lost.set()
+
+    lock = Lock(client, "renew:redis-dies", ttl=1.0, on_lost=on_lost)
+    assert lock.acquire(blocking=False)
+    time.sleep(0.5)  # at least one renewal round went through
+    assert lock.owned()
+    thread = get_manager().thread
+    assert thread is not None and thread.is_alive()
+
+    killed = time.monotonic()
+    redis_server.kill()
+    assert lost.wait(3), "no loss reported after Redis died"
+    assert lost_at[0] - killed <= 1.0 + 0.25
+    assert lock.lost and not lock.owned()
+    assert thread.is_alive(), "the renewal thread died on a Redis error"
+
+    redis_server.restart()
+    with pytest.raises(LockLost):
+        lock.release()
+    again = Lock(client, "renew:redis-dies", ttl=1.0)
+    assert again.acquire(timeout=3)
+    time.sleep(1.5)  # longer than the TTL: the same renewal thread keeps it alive
+    assert again.owned()
+    assert get_manager().thread is thread
+    again.release()
+    assert lock.acquire(timeout=3)  # the lost Lock object can be taken again, too
+    lock.release()
+
+
+# --------------------------------------------------------------------------- fork
+
+
+def _child_after_fork(port: int, parent_manager: RenewalManager, parent_lock: Lock) -> int:
+    """Runs in the forked child: fresh manager, none of the parent's locks, its own thread."""
+    manager = get_manager()
+    if manager is parent_manager:
+        return 10
+    if manager.held() or manager.thread is not None or renewal_threads():
+        return 11
+    if parent_lock.owned() or parent_lock.fence is not None:
+        return 12
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5)
+    mine = Lock(client, "fork:child", ttl=0.3)
+    if not mine.acquire(timeout=2):
+        return 13
+    threads = renewal_threads()
+    if len(threads) != 1 or manager.thread is not threads[0]:
+        return 14
+    time.sleep(1.0)  # over three TTLs: only the child's renewal thread keeps it alive
+    if not mine.owned() or not client.pttl(mine.keys.lock) > 0 or manager.rounds < 2:
+        return 15
+    mine.release()
+    return 0
+
+
+def test_forked_child_gets_a_fresh_manager_and_its_own_renewal_thread(
+    redis_client: redis.Redis, shared_redis: RedisServer
+) -> None:
+    """After os.fork the child holds none of the parent's locks and renews its own."""
+    parent_lock = Lock(redis_client, "fork:parent", ttl=1.0)
+    assert parent_lock.acquire(blocking=False)
+    parent_manager = get_manager()
+    assert parent_manager.thread is not None and parent_manager.thread.is_alive()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 99
+        try:
+            code = _child_after_fork(shared_redis.port, parent_manager, parent_lock)
+        finally:
+            os._exit(code)
+    assert wait_child(pid) == 0
+    assert get_manager() is parent_manager
+    assert parent_lock.owned()  # the parent's thread kept renewing meanwhile
+    assert not redis_client.exists("redlock:{fork:child}")
+    parent_lock.release()
