@@ -1,0 +1,75 @@
+"""A Celery app for prefork-worker tests; configured from the environment.
+
+REDLOCK_TEST_BROKER   broker URL (a throwaway Redis, or RabbitMQ)
+REDLOCK_TEST_BACKEND  result backend URL
+REDLOCK_TEST_LOCKS    redlock_url
+REDLOCK_TEST_RECORD   a Redis URL where tasks record what they did
+REDLOCK_TEST_TTL      redlock_ttl (seconds)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import redis
+from celery import Celery
+
+from celery_redlock import LockedTask
+
+app = Celery(
+    "lockapp",
+    broker=os.environ.get("REDLOCK_TEST_BROKER", "redis://127.0.0.1:1/0"),
+    backend=os.environ.get("REDLOCK_TEST_BACKEND", "redis://127.0.0.1:1/2"),
+)
+app.conf.redlock_url = os.environ.get("REDLOCK_TEST_LOCKS", "redis://127.0.0.1:1/1")
+app.conf.redlock_ttl = float(os.environ.get("REDLOCK_TEST_TTL", "30"))
+app.conf.worker_prefetch_multiplier = 1
+app.conf.task_acks_late = False
+app.conf.broker_connection_retry_on_startup = True
+
+_record: redis.Redis | None = None
+
+
+def record(event: str, **fields: object) -> None:
+    """Append one JSON event to the record list (read by the test)."""
+    global _record
+    if _record is None:
+        _record = redis.Redis.from_url(os.environ["REDLOCK_TEST_RECORD"])
+    fields.update(event=event, pid=os.getpid(), t=time.time())
+    _record.rpush("events", json.dumps(fields))
+
+
+@app.task(
+    base=LockedTask,
+    bind=True,
+    lock_key="user:<user_id>",
+    lock_on_contended="wait",
+    lock_wait_timeout=120,
+)
+def interval(self, user_id: int, seconds: float) -> int:
+    """Record the [start, end] interval of a run holding user:<user_id>."""
+    start = time.time()
+    time.sleep(seconds)
+    record("interval", user=user_id, start=start, end=time.time(), fence=self.lock.fence)
+    return user_id
+
+
+@app.task(base=LockedTask, bind=True, lock_key="hold:<name>", lock_on_contended="raise")
+def hold(self, name: str, seconds: float) -> str:
+    """Hold hold:<name> for a while, recording the start (pid and fence)."""
+    record("start", name=name, fence=self.lock.fence, task_id=self.request.id)
+    time.sleep(seconds)
+    record("end", name=name)
+    return name
+
+
+@app.task(
+    base=LockedTask, bind=True, lock_key="limited:<name>", lock_on_contended="raise", time_limit=1.5
+)
+def limited(self, name: str, seconds: float) -> str:
+    """Hold limited:<name> past its 1.5 s hard time limit."""
+    record("start", name=name, fence=self.lock.fence, task_id=self.request.id)
+    time.sleep(seconds)
+    return name

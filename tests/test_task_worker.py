@@ -1,0 +1,324 @@
+"""LockedTask on real prefork workers (`celery -A tests.apps.lockapp worker` subprocesses).
+
+These are the failure cases only a real pool shows: a child SIGKILLed mid-task, a
+hard time limit, revoke(terminate=True), the whole worker SIGKILLed, and
+exclusion across pool processes, on a Redis broker and on RabbitMQ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kombu
+import pytest
+from celery import Celery
+from servers import RedisServer
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+APP = "tests.apps.lockapp"
+
+
+class Worker:
+    """A `celery worker` subprocess in its own process group, stopped by pid."""
+
+    def __init__(
+        self,
+        env: dict[str, str],
+        log_path: Path,
+        concurrency: int = 4,
+        extra: tuple[str, ...] = (),
+    ) -> None:
+        self.log_path = log_path
+        self.name = f"w{uuid.uuid4().hex[:8]}@%h"
+        argv = [
+            sys.executable, "-m", "celery", "-A", APP, "worker", "-P", "prefork",
+            "-c", str(concurrency), "-l", "info", "-n", self.name,
+            "--without-heartbeat", "--without-gossip", "--without-mingle", *extra,
+        ]  # fmt: skip
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env={**os.environ, **env},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 40.0) -> None:
+        """Block until the worker logs that it is ready (bounded)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"worker exited early:\n{self.text()[-3000:]}")
+            if "ready." in self.text():
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"worker not ready in {timeout}s:\n{self.text()[-3000:]}")
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL the whole worker: main process and pool children."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        """Warm shutdown (SIGTERM), then SIGKILL the group if it lingers."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(20)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+        self.log.close()
+
+
+def _env(server: RedisServer, ttl: float, broker: str | None = None) -> dict[str, str]:
+    base = f"redis://127.0.0.1:{server.port}"
+    return {
+        "REDLOCK_TEST_BROKER": broker or f"{base}/0",
+        "REDLOCK_TEST_BACKEND": f"{base}/2",
+        "REDLOCK_TEST_LOCKS": f"{base}/1",
+        "REDLOCK_TEST_RECORD": f"{base}/3",
+        "REDLOCK_TEST_TTL": str(ttl),
+    }
+
+
+def _client_app(env: dict[str, str]) -> Celery:
+    app = Celery("client", broker=env["REDLOCK_TEST_BROKER"], backend=env["REDLOCK_TEST_BACKEND"])
+    app.conf.broker_connection_retry_on_startup = True
+    return app
+
+
+def _events(server: RedisServer, kind: str | None = None) -> list[dict[str, Any]]:
+    raw = server.client(db=3).lrange("events", 0, -1)
+    events = [json.loads(r) for r in raw]
+    return [e for e in events if kind is None or e["event"] == kind]
+
+
+def _wait_for(predicate: Any, timeout: float, step: float = 0.02) -> float:
+    """Poll *predicate* until true (bounded); returns seconds waited, or raises."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(step)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    """One throwaway Redis for broker, results, locks and the record of these tests."""
+    srv = RedisServer.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def worker(server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """A prefork worker with concurrency 4 and a 30 s lock TTL, shared by this module."""
+    w = Worker(_env(server, 30), tmp_path_factory.mktemp("w") / "worker.log")
+    try:
+        w.wait_ready()
+        yield w
+    finally:
+        w.stop()
+
+
+@pytest.fixture
+def client(server: RedisServer, worker: Worker) -> Iterator[Celery]:
+    """A client app for the shared worker; the record list is emptied first."""
+    server.client(db=3).delete("events")
+    app = _client_app(_env(server, 30))
+    try:
+        yield app
+    finally:
+        app.close()
+
+
+def _lock_exists(server: RedisServer, name: str) -> bool:
+    return bool(server.client(db=1).exists(f"redlock:{{{name}}}"))
+
+
+def test_runs_for_one_user_never_overlap_and_other_users_do(
+    client: Celery, server: RedisServer
+) -> None:
+    """40 tasks over 4 user ids on prefork c=4: same-id runs never overlap, others do."""
+    results = [client.send_task(f"{APP}.interval", args=(i % 4, 0.15)) for i in range(40)]
+    for r in results:
+        r.get(timeout=60)
+    by_user: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for e in _events(server, "interval"):
+        by_user[e["user"]].append(e)
+    assert sorted(by_user) == [0, 1, 2, 3]
+    assert sum(len(v) for v in by_user.values()) == 40
+    for runs in by_user.values():
+        runs.sort(key=lambda e: e["start"])
+        for before, after in itertools.pairwise(runs):
+            assert after["start"] >= before["end"], (before, after)
+            assert after["fence"] > before["fence"]
+    everything = sorted((e for runs in by_user.values() for e in runs), key=lambda e: e["start"])
+    overlaps = sum(
+        1
+        for a, b in itertools.pairwise(everything)
+        if b["start"] < a["end"] and b["user"] != a["user"]
+    )
+    assert overlaps > 0, "different users should run in parallel on 4 processes"
+
+
+def test_child_sigkilled_mid_task_frees_lock_well_before_ttl(
+    client: Celery, server: RedisServer
+) -> None:
+    """A pool child SIGKILLed while holding a 30 s lock: the main process frees it at once."""
+    name = f"kill-{uuid.uuid4().hex[:6]}"
+    result = client.send_task(f"{APP}.hold", args=(name, 20))
+    _wait_for(lambda: _events(server, "start"), 20)
+    child = _events(server, "start")[0]["pid"]
+    assert _lock_exists(server, f"hold:{name}")
+    killed = time.monotonic()
+    os.kill(child, signal.SIGKILL)
+    freed = _wait_for(lambda: not _lock_exists(server, f"hold:{name}"), 15)
+    assert time.monotonic() - killed < 10, "freed well before the 30 s TTL"
+    assert freed < 10
+    assert result.get(propagate=False, timeout=10) is not None
+    assert result.state == "FAILURE"
+
+
+def test_hard_time_limit_frees_lock_well_before_ttl(client: Celery, server: RedisServer) -> None:
+    """A hard time limit (1.5 s) kills the child; its 30 s lock is released at once."""
+    name = f"limit-{uuid.uuid4().hex[:6]}"
+    result = client.send_task(f"{APP}.limited", args=(name, 20))
+    _wait_for(lambda: _events(server, "start"), 20)
+    started = time.monotonic()
+    _wait_for(lambda: not _lock_exists(server, f"limited:{name}"), 15)
+    assert time.monotonic() - started < 8, "released around the 1.5 s limit, not the 30 s TTL"
+    result.get(propagate=False, timeout=10)
+    assert result.state == "FAILURE"
+    assert "TimeLimitExceeded" in repr(result.result)
+
+
+def test_revoke_terminate_frees_lock_well_before_ttl(client: Celery, server: RedisServer) -> None:
+    """revoke(terminate=True) of a running locked task frees its 30 s lock at once."""
+    name = f"revoke-{uuid.uuid4().hex[:6]}"
+    result = client.send_task(f"{APP}.hold", args=(name, 20))
+    _wait_for(lambda: _events(server, "start"), 20)
+    assert _lock_exists(server, f"hold:{name}")
+    revoked = time.monotonic()
+    client.control.revoke(result.id, terminate=True, signal="SIGKILL")
+    _wait_for(lambda: not _lock_exists(server, f"hold:{name}"), 15)
+    assert time.monotonic() - revoked < 10
+    # the next run of the same key proceeds
+    again = client.send_task(f"{APP}.hold", args=(name, 0.05))
+    assert again.get(timeout=20) == name
+
+
+def test_terminated_child_is_not_released_while_it_still_runs(
+    client: Celery, server: RedisServer
+) -> None:
+    """The main process releases only after the child is gone: no 'end' of the old run
+    is recorded after the next holder started."""
+    name = f"term-{uuid.uuid4().hex[:6]}"
+    result = client.send_task(f"{APP}.hold", args=(name, 20))
+    _wait_for(lambda: _events(server, "start"), 20)
+    client.control.revoke(result.id, terminate=True)  # SIGTERM: the child dies promptly
+    _wait_for(lambda: not _lock_exists(server, f"hold:{name}"), 15)
+    nxt = client.send_task(f"{APP}.hold", args=(name, 0.05))
+    assert nxt.get(timeout=20) == name
+    starts = [e for e in _events(server, "start") if e["name"] == name]
+    assert len(starts) == 2 and starts[1]["fence"] > starts[0]["fence"]
+    ends = [e for e in _events(server, "end") if e["name"] == name]
+    assert len(ends) == 1, "the terminated run never finished its body"
+
+
+def test_whole_worker_sigkilled_lock_expires_within_ttl_then_next_run_proceeds(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    """SIGKILL of the whole worker: nobody releases, the 3 s lease expires, the next run works."""
+    server.client(db=3).delete("events")
+    # Its own broker database: the module's shared worker must not pick these tasks up.
+    env = _env(server, 3, broker=f"redis://127.0.0.1:{server.port}/4")
+    app = _client_app(env)
+    first = Worker(env, tmp_path / "first.log", concurrency=1)
+    try:
+        first.wait_ready()
+        name = f"wk-{uuid.uuid4().hex[:6]}"
+        app.send_task(f"{APP}.hold", args=(name, 30))
+        _wait_for(lambda: _events(server, "start"), 20)
+        first.kill()
+        killed = time.monotonic()
+        assert _lock_exists(server, f"hold:{name}"), "nobody is left to release it"
+        _wait_for(lambda: not _lock_exists(server, f"hold:{name}"), 10)
+        assert time.monotonic() - killed <= 3.0 + 0.5, "expired within one TTL"
+    finally:
+        first.stop()
+    second = Worker(env, tmp_path / "second.log", concurrency=1)
+    try:
+        second.wait_ready()
+        assert app.send_task(f"{APP}.hold", args=(name, 0.05)).get(timeout=20) == name
+    finally:
+        second.stop()
+        app.close()
+
+
+def _rabbitmq_up() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 5672), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672")
+def test_exclusion_end_to_end_with_rabbitmq_broker(server: RedisServer, tmp_path: Path) -> None:
+    """Same-key runs never overlap with RabbitMQ as the broker (Redis only for locks)."""
+    server.client(db=3).delete("events")
+    queue = f"redlock-{uuid.uuid4().hex[:8]}"  # private: stale messages never reach it
+    env = _env(server, 30, broker="amqp://guest:guest@127.0.0.1:5672//")
+    w = Worker(env, tmp_path / "rabbit.log", extra=("-Q", queue))
+    app = _client_app(env)
+    try:
+        w.wait_ready()
+        results = [
+            app.send_task(f"{APP}.interval", args=(i % 2, 0.1), queue=queue) for i in range(12)
+        ]
+        for r in results:
+            r.get(timeout=60)
+        by_user: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        for e in _events(server, "interval"):
+            by_user[e["user"]].append(e)
+        assert sum(len(v) for v in by_user.values()) == 12
+        for runs in by_user.values():
+            runs.sort(key=lambda e: e["start"])
+            for before, after in itertools.pairwise(runs):
+                assert after["start"] >= before["end"]
+    finally:
+        w.stop()
+        app.close()
+        _delete_queue(queue)
+
+
+def _delete_queue(name: str) -> None:
+    with kombu.Connection("amqp://guest:guest@127.0.0.1:5672//") as conn:
+        conn.default_channel.queue_delete(name)
