@@ -28,7 +28,9 @@ from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from .core import renewal
 from .core.connect import mask_url
 from .core.errors import RedlockError
+from .core.events import add_hook
 from .core.lock import address_of
+from .observability import enable_prometheus, logging_hook
 from .settings import check_task_option
 from .state import AppState, state_for
 from .task import KEY_HEADER, LockedTask, lock_name_for, option, release_for_request
@@ -53,6 +55,8 @@ def install(app: Any) -> None:
         _states.add(state)
         app.steps["worker"].add(RedlockStep)
         _connect_receivers()
+        add_hook(logging_hook)
+        enable_prometheus()
         app.on_after_finalize.connect(apply_redlock_tasks, weak=False)
         if app.finalized:
             apply_redlock_tasks(app)
@@ -119,6 +123,7 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if redlock_disable:
             overrides["redlock_disable"] = True
         state.overrides.update(overrides)
+        state.send_events = bool(getattr(parent, "task_events", False))
         state.reset()
         apply_redlock_tasks(app)
         if not state.disabled:

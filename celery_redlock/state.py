@@ -33,6 +33,8 @@ class AppState:
         #: Values from worker flags (--redlock-url, --redlock-ttl, --redlock-disable).
         self.overrides: dict[str, Any] = {}
         self.installed = False
+        #: True when this worker sends task events (-E): task-lock-* events go out too.
+        self.send_events = False
         self._settings: Settings | None = None
         self._clients: Any = None
         self._clients_pid = 0

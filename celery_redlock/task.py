@@ -33,6 +33,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from .core.base import BaseLock
 from .core.errors import ConfigError, LockContended, LockLost, QuorumUnavailable, describe_holder
 from .core.keys import KeyTemplate, render_value
+from .observability import send_task_event
 from .settings import TASK_OPTIONS, check_task_option
 from .state import AppState, state_for
 
@@ -269,9 +270,11 @@ def acquire_for_request(
     if acquired:
         request._redlock_lock = lock
         state.held[task_id] = lock
+        send_task_event(task, "acquired", lock=name, fence=lock.fence)
         return
     holder = lock.holder
     who = describe_holder(holder)
+    send_task_event(task, "contended", lock=name, policy=policy, holder=holder)
     if policy == "skip":
         log.info("Task %s[%s] skipped: lock %r is held by %s", task.name, task_id, name, who)
         marker = _skipped(name, holder)
@@ -408,9 +411,12 @@ def release_for_request(task: Any, lock: BaseLock, task_id: str | None) -> None:
         request._redlock_lock = None
     if not lock.valid_until:
         return  # already released
+    held, fence = lock.held_for, lock.fence
     try:
         lock.release()
+        send_task_event(task, "released", lock=lock.name, fence=fence, held=held)
     except LockLost as exc:
+        send_task_event(task, "lost", lock=lock.name, reason=str(exc), held=held)
         policy = option(task, "lock_on_lost")
         log.warning("Task %s[%s]: %s (lock_on_lost=%s)", task.name, task_id, exc, policy)
     except QuorumUnavailable as exc:

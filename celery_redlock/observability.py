@@ -1,0 +1,116 @@
+"""What celery-redlock tells the outside world: log lines, Celery events, metrics.
+
+* :func:`logging_hook` logs every :class:`~celery_redlock.core.events.LockEvent`
+  as one structured line on ``celery_redlock.events`` (DEBUG for the routine
+  acquire/release, INFO for contention, WARNING for renewal failures and
+  losses). ``install(app)`` registers it.
+* Celery events ``task-lock-acquired``, ``task-lock-contended``,
+  ``task-lock-released``, ``task-lock-lost`` are sent from the task when the
+  worker sends task events (``-E`` or ``worker_send_task_events``), for Flower
+  and other event consumers.
+* With ``prometheus_client`` installed, :func:`prometheus_hook` counts events by
+  kind and task, and records wait and hold times in histograms. Lock names are
+  not labels: per-argument keys would explode the cardinality.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .core.events import LockEvent, add_hook
+
+__all__ = ["enable_prometheus", "logging_hook", "prometheus_hook", "send_task_event"]
+
+log = logging.getLogger("celery_redlock.events")
+
+_LEVELS = {
+    "acquired": logging.DEBUG,
+    "released": logging.DEBUG,
+    "contended": logging.INFO,
+    "renew_failed": logging.WARNING,
+    "lost": logging.WARNING,
+    "unavailable": logging.WARNING,
+}
+
+
+def logging_hook(event: LockEvent) -> None:
+    """Log one line per lock event, with the fields a person needs."""
+    level = _LEVELS.get(event.kind, logging.INFO)
+    if not log.isEnabledFor(level):
+        return
+    parts = [f"lock-{event.kind}", f"name={event.name!r}"]
+    task = event.holder.get("task_name")
+    if task:
+        parts.append(f"task={task}[{event.holder.get('task_id')}]")
+    if event.fence is not None:
+        parts.append(f"fence={event.fence}")
+    if event.waited is not None:
+        parts.append(f"waited={event.waited * 1000:.1f}ms")
+    if event.held is not None:
+        parts.append(f"held={event.held:.3f}s")
+    if event.error:
+        parts.append(f"error={event.error!r}")
+    log.log(level, " ".join(parts))
+
+
+_metrics: dict[str, Any] | None = None
+
+
+def enable_prometheus(registry: Any = None) -> bool:
+    """Register the Prometheus hook if ``prometheus_client`` is importable; idempotent."""
+    global _metrics
+    if _metrics is not None:
+        return True
+    try:
+        import prometheus_client as prom  # noqa: PLC0415 - optional dependency
+    except ImportError:
+        return False
+    kwargs: dict[str, Any] = {} if registry is None else {"registry": registry}
+    _metrics = {
+        "events": prom.Counter(
+            "celery_redlock_events_total",
+            "Lock events by kind (acquired, contended, released, renew_failed, lost)",
+            ["kind", "task"],
+            **kwargs,
+        ),
+        "wait": prom.Histogram(
+            "celery_redlock_wait_seconds",
+            "Time spent acquiring a lock (acquired or contended)",
+            ["task"],
+            **kwargs,
+        ),
+        "hold": prom.Histogram(
+            "celery_redlock_hold_seconds",
+            "Time a lock was held (released or lost)",
+            ["task"],
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600),
+            **kwargs,
+        ),
+    }
+    add_hook(prometheus_hook)
+    return True
+
+
+def prometheus_hook(event: LockEvent) -> None:
+    """Count the event and record wait/hold times (no-op until enable_prometheus())."""
+    if _metrics is None:
+        return
+    task = str(event.holder.get("task_name") or "")
+    _metrics["events"].labels(kind=event.kind, task=task).inc()
+    if event.waited is not None:
+        _metrics["wait"].labels(task=task).observe(event.waited)
+    if event.held is not None:
+        _metrics["hold"].labels(task=task).observe(event.held)
+
+
+def send_task_event(task: Any, kind: str, **fields: Any) -> None:
+    """Send ``task-lock-<kind>`` as a Celery event when this worker sends task events."""
+    from .state import state_for  # noqa: PLC0415 - avoids an import cycle
+
+    if not state_for(task.app).send_events:
+        return
+    try:
+        task.send_event(f"task-lock-{kind}", retry=False, **fields)
+    except Exception as exc:  # monitoring must never break a task
+        log.debug("could not send task-lock-%s: %s", kind, exc)
