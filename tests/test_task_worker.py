@@ -322,3 +322,54 @@ def test_exclusion_end_to_end_with_rabbitmq_broker(server: RedisServer, tmp_path
 def _delete_queue(name: str) -> None:
     with kombu.Connection("amqp://guest:guest@127.0.0.1:5672//") as conn:
         conn.default_channel.queue_delete(name)
+
+
+def test_soft_time_limit_releases_when_the_body_ends(client: Celery, server: RedisServer) -> None:
+    """SoftTimeLimitExceeded inside the body: the lock is released as the body exits."""
+    name = f"soft-{uuid.uuid4().hex[:6]}"
+    result = client.send_task(f"{APP}.soft", args=(name, 10))
+    result.get(propagate=False, timeout=20)
+    assert result.state == "FAILURE"
+    assert "SoftTimeLimitExceeded" in repr(result.result)
+    assert not _lock_exists(server, f"soft:{name}"), "released before the result was stored"
+
+
+def test_stolen_lock_raises_lock_lost_in_a_sleeping_prefork_child(
+    client: Celery, server: RedisServer
+) -> None:
+    """A prefork child asleep in time.sleep gets LockLost within ~one renewal interval
+    after its key is deleted from outside (the signal path interrupts the sleep)."""
+    name = f"steal-{uuid.uuid4().hex[:6]}"
+    result = client.send_task(f"{APP}.stealable", args=(name, 20))
+    _wait_for(lambda: _events(server, "start"), 20)
+    server.client(db=1).delete(f"redlock:{{steal:{name}}}")
+    stolen = time.time()
+    _wait_for(lambda: _events(server, "lost"), 10)
+    lost = _events(server, "lost")[0]
+    # one renewal interval is ttl/3 = 0.5 s; allow a command timeout and scheduling on top
+    assert lost["t"] - stolen < 1.5, lost
+    result.get(propagate=False, timeout=10)
+    assert result.state == "FAILURE"
+    assert "LockLost" in repr(result.result)
+    assert not _events(server, "end"), "the body did not go on after losing its lock"
+
+
+def test_warm_shutdown_finishes_the_task_and_releases(server: RedisServer, tmp_path: Path) -> None:
+    """SIGTERM (warm shutdown) while a task holds its lock: the task finishes, the lock is
+    released, and the worker exits cleanly."""
+    server.client(db=3).delete("events")
+    env = _env(server, 30, broker=f"redis://127.0.0.1:{server.port}/5")
+    app = _client_app(env)
+    w = Worker(env, tmp_path / "warm.log", concurrency=1)
+    try:
+        w.wait_ready()
+        name = f"warm-{uuid.uuid4().hex[:6]}"
+        app.send_task(f"{APP}.hold", args=(name, 1.5))
+        _wait_for(lambda: _events(server, "start"), 20)
+        w.proc.send_signal(signal.SIGTERM)
+        assert w.proc.wait(30) == 0
+        assert [e["name"] for e in _events(server, "end")] == [name]
+        assert not _lock_exists(server, f"hold:{name}")
+    finally:
+        w.stop()
+        app.close()

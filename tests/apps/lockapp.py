@@ -16,7 +16,7 @@ import time
 import redis
 from celery import Celery
 
-from celery_redlock import LockedTask
+from celery_redlock import LockedTask, LockLost
 
 app = Celery(
     "lockapp",
@@ -72,4 +72,25 @@ def limited(self, name: str, seconds: float) -> str:
     """Hold limited:<name> past its 1.5 s hard time limit."""
     record("start", name=name, fence=self.lock.fence, task_id=self.request.id)
     time.sleep(seconds)
+    return name
+
+
+@app.task(base=LockedTask, bind=True, lock_key="soft:<name>", soft_time_limit=0.5)
+def soft(self, name: str, seconds: float) -> str:
+    """Sleep past a 0.5 s soft time limit (SoftTimeLimitExceeded ends the body)."""
+    record("start", name=name, fence=self.lock.fence)
+    time.sleep(seconds)
+    return name
+
+
+@app.task(base=LockedTask, bind=True, lock_key="steal:<name>", lock_ttl=1.5, lock_on_lost="raise")
+def stealable(self, name: str, seconds: float) -> str:
+    """Sleep while holding a 1.5 s lease; record when LockLost arrives inside the body."""
+    record("start", name=name, fence=self.lock.fence)
+    try:
+        time.sleep(seconds)
+    except LockLost as exc:
+        record("lost", name=name, error=str(exc))
+        raise
+    record("end", name=name)
     return name
