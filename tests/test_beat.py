@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -83,12 +84,11 @@ def start_beat(tmp_path: Path) -> Iterator[BeatFactory]:
             env["BEATAPP_LOCKS"] = locks
         log_path = tmp_path / f"{name}.log"
         with open(log_path, "wb") as log:
+            argv = [CELERY, "-A", "tests.apps.beatapp", "beat", "-l", "info", "--pidfile="]
+            argv += ["-S", "celery_redlock.beat:LeaderScheduler"]
+            argv += [f"--schedule={tmp_path / name}-schedule"]
             proc = subprocess.Popen(
-                [
-                    CELERY, "-A", "tests.apps.beatapp", "beat",
-                    "-S", "celery_redlock.beat:LeaderScheduler",
-                    f"--schedule={tmp_path / name}-schedule", "--pidfile=", "-l", "info",
-                ],  # fmt: skip
+                argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -135,12 +135,12 @@ def assert_each_tick_once(messages: list[Published], leaders: list[int]) -> None
     """One message per 1 s tick: never two for one tick, none skipped while a leader lived,
     and leaders in the given order, never interleaved."""
     assert messages
-    gaps = [b.at - a.at for a, b in zip(messages, messages[1:], strict=False)]
+    gaps = [b.at - a.at for a, b in itertools.pairwise(messages)]
     assert all(g > 0.5 for g in gaps), f"a tick was published twice: gaps {gaps}"
     order = [m.pid for m in messages]
     runs = [pid for i, pid in enumerate(order) if i == 0 or order[i - 1] != pid]
     assert runs == leaders, f"publishers in order {runs}, expected {leaders}"
-    for a, b in zip(messages, messages[1:], strict=False):
+    for a, b in itertools.pairwise(messages):
         if a.pid == b.pid:
             assert b.at - a.at < 1.6, f"a tick was skipped by pid {a.pid}: gaps {gaps}"
 

@@ -1,0 +1,327 @@
+"""``celery locks list/show/release`` against real locks held on throwaway servers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery.bin.celery import celery as celery_main
+from click.testing import CliRunner, Result
+
+from celery_redlock import Lock
+from celery_redlock.core.lock import address_of
+from celery_redlock.core.scripts import FORCE_RELEASE
+from tests.apps import locksapp
+from tests.servers import ClusterSetup, RedisServer, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+CELERY = str(Path(sys.executable).parent / "celery")
+APP = "tests.apps.locksapp"
+JSON_FIELDS = {"name", "key", "holder", "acquired_at", "ttl_ms", "fence"}
+HOLDER_FIELDS = {"task_name", "task_id", "hostname", "pid"}
+
+
+@pytest.fixture
+def configure() -> Iterator[Callable[..., None]]:
+    """Point the test app's lock settings at a test's servers; restored afterwards."""
+    conf = locksapp.app.conf
+    saved = {k: conf.get(k) for k in ("redlock_url", "redlock_client_options")}
+
+    def set_conf(url: Any, **options: Any) -> None:
+        conf.redlock_url = url
+        conf.redlock_client_options = options or None
+
+    try:
+        yield set_conf
+    finally:
+        for key, value in saved.items():
+            conf[key] = value
+
+
+@pytest.fixture
+def locks_on(
+    redis_client: redis.Redis, shared_redis: RedisServer, configure: Callable[..., None]
+) -> redis.Redis:
+    """The app's locks live on the (flushed) shared server; returns a client to it."""
+    configure(shared_redis.url)
+    return redis_client
+
+
+@pytest.fixture
+def hold() -> Iterator[Callable[..., Lock]]:
+    """Factory acquiring real locks; whatever is still held is released afterwards."""
+    held: list[Lock] = []
+
+    def acquire(client: Any, name: str, **owner: Any) -> Lock:
+        lock = Lock(client, name, ttl=30, owner_info=owner or None)
+        assert lock.acquire(blocking=False)
+        held.append(lock)
+        return lock
+
+    try:
+        yield acquire
+    finally:
+        for lock in held:
+            with contextlib.suppress(Exception):
+                lock.release()
+
+
+def run(*args: str, input: str | None = None) -> Result:
+    """``celery -A tests.apps.locksapp locks ARGS`` in this process."""
+    return CliRunner().invoke(
+        celery_main, ["-A", APP, "locks", *args], input=input, catch_exceptions=False
+    )
+
+
+def test_list_json_has_exactly_the_documented_fields_of_each_held_lock(
+    locks_on: redis.Redis, hold: Callable[..., Lock]
+) -> None:
+    """list --json prints one object per held lock with the DESIGN.md fields and true values."""
+    sync = hold(locks_on, "sync:42", task_name="proj.sync", task_id="t-1")
+    report = hold(locks_on, "report")
+    result = run("list", "--json")
+    assert result.exit_code == 0, result.output
+    rows = {row["name"]: row for row in json.loads(result.stdout)}
+    assert set(rows) == {"sync:42", "report"}
+    for row in rows.values():
+        assert set(row) == JSON_FIELDS
+        assert set(row["holder"]) == HOLDER_FIELDS
+        assert 25_000 < row["ttl_ms"] <= 30_000
+        assert abs(row["acquired_at"] - time.time()) < 10
+        assert row["holder"]["pid"] == os.getpid()
+        assert row["holder"]["hostname"] == socket.gethostname()
+    assert rows["sync:42"]["key"] == "redlock:{sync:42}"
+    assert rows["sync:42"]["holder"]["task_name"] == "proj.sync"
+    assert rows["sync:42"]["holder"]["task_id"] == "t-1"
+    assert rows["sync:42"]["fence"] == sync.fence
+    assert rows["report"]["fence"] == report.fence
+    assert rows["report"]["holder"]["task_name"] is None
+
+
+def test_list_with_a_pattern_shows_only_matching_locks_in_a_table(
+    locks_on: redis.Redis, hold: Callable[..., Lock]
+) -> None:
+    """list PATTERN filters by name (glob); the human output is a table with a header."""
+    for name in ("sync:1", "sync:2", "report:1"):
+        hold(locks_on, name, task_name="proj.t")
+    result = run("list", "sync:*", "--json")
+    assert result.exit_code == 0
+    assert sorted(r["name"] for r in json.loads(result.stdout)) == ["sync:1", "sync:2"]
+    table = run("list", "sync:*")
+    assert table.exit_code == 0
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["NAME", "HOLDER", "HOST", "PID", "HELD", "FOR", "TTL", "FENCE"]
+    assert [line.split()[0] for line in lines[1:]] == ["sync:1", "sync:2"]
+    assert "report:1" not in table.stdout
+
+
+def test_list_skips_fence_and_notify_keys_and_foreign_keys_and_says_when_empty(
+    locks_on: redis.Redis,
+) -> None:
+    """A released lock (its :fence and :notify keys remain) and non-lock keys are not listed."""
+    lock = Lock(locks_on, "gone", ttl=30)
+    lock.acquire()
+    lock.release()
+    locks_on.set("redlock:{plain-string}", "x")
+    locks_on.hset("redlock:{other-hash}", "field", "x")
+    assert locks_on.exists("redlock:{gone}:fence", "redlock:{gone}:notify") == 2
+    result = run("list")
+    assert result.exit_code == 0
+    assert result.stdout.strip() == "no locks held"
+    assert json.loads(run("list", "--json").stdout) == []
+
+
+def test_show_prints_the_holder_and_exits_1_for_a_lock_nobody_holds(
+    locks_on: redis.Redis, hold: Callable[..., Lock]
+) -> None:
+    """show NAME prints holder, fence and TTL of a held lock; a free one exits 1."""
+    lock = hold(locks_on, "sync:7", task_name="proj.sync", task_id="abc")
+    result = run("show", "sync:7")
+    assert result.exit_code == 0
+    assert "redlock:{sync:7}" in result.stdout
+    assert "proj.sync[abc]" in result.stdout
+    assert f"fence:       {lock.fence}" in result.stdout
+    assert [r["fence"] for r in json.loads(run("show", "sync:7", "--json").stdout)] == [lock.fence]
+    missing = run("show", "sync:8")
+    assert missing.exit_code == 1
+    assert "'sync:8' is not held" in missing.stderr
+
+
+def test_release_force_frees_the_lock_and_wakes_a_blocked_waiter(
+    locks_on: redis.Redis, hold: Callable[..., Lock]
+) -> None:
+    """release --force removes a 30 s lock, says who held it, and a blocked waiter wakes at once."""
+    holder = hold(locks_on, "sync:9", task_name="proj.sync", task_id="t-9")
+    waiter = Lock(locks_on, "sync:9", ttl=30)
+    got: list[float] = []
+
+    def wait() -> None:
+        started = time.monotonic()
+        if waiter.acquire(timeout=20):
+            got.append(time.monotonic() - started)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    time.sleep(0.5)  # the waiter is blocked on the release notice by now
+    assert not got
+    released_at = time.monotonic()
+    result = run("release", "sync:9", "--force")
+    assert result.exit_code == 0, result.output
+    assert "proj.sync[t-9]" in result.stdout
+    thread.join(10)
+    assert got, "the waiter did not get the lock"
+    assert time.monotonic() - released_at < 5, "the waiter was not woken by the release"
+    assert waiter.owned()
+    assert not holder.owned()  # the old holder learns it lost the lock
+    waiter.release()
+    again = run("release", "sync:9", "--force")
+    assert again.exit_code == 1
+    assert "not held" in again.stderr
+
+
+def test_release_asks_first_and_answering_no_keeps_the_lock(
+    locks_on: redis.Redis, hold: Callable[..., Lock]
+) -> None:
+    """Without --force, release asks; "n" aborts with exit 1 and the lock stays, "y" releases."""
+    lock = hold(locks_on, "sync:10", task_name="proj.sync")
+    refused = run("release", "sync:10", input="n\n")
+    assert refused.exit_code == 1
+    assert "Release lock 'sync:10'?" in refused.stdout
+    assert "Aborted" in refused.stderr
+    assert lock.owned()
+    accepted = run("release", "sync:10", input="y\n")
+    assert accepted.exit_code == 0
+    assert "released 'sync:10'" in accepted.stdout
+    assert not locks_on.exists("redlock:{sync:10}")
+
+
+def test_confirmed_release_leaves_a_lock_taken_meanwhile_alone(
+    locks_on: redis.Redis, hold: Callable[..., Lock]
+) -> None:
+    """force_release.lua with the confirmed fence does not remove a newer acquisition."""
+    lock = hold(locks_on, "sync:11")
+    stale = str((lock.fence or 0) - 1)
+    code, _, fence = FORCE_RELEASE(
+        locks_on, ["redlock:{sync:11}", "redlock:{sync:11}:notify"], [1000, stale]
+    )
+    assert (code, int(fence)) == (-1, lock.fence)
+    assert lock.owned()
+
+
+def test_usage_errors_exit_2() -> None:
+    """A missing argument is a usage error (exit 2)."""
+    assert run("show").exit_code == 2
+    assert run("release").exit_code == 2
+
+
+def test_unreachable_redis_exits_3_with_one_line_and_a_masked_url(
+    configure: Callable[..., None],
+) -> None:
+    """With Redis down, list/show/release exit 3 with one clear line; the password is masked."""
+    configure(f"redis://:s3cret@127.0.0.1:{free_port()}/0")
+    for args in (["list"], ["show", "x"], ["release", "x", "--force"]):
+        result = run(*args)
+        assert result.exit_code == 3, (args, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, result.stderr
+        assert "cannot reach Redis at redis://:***@127.0.0.1" in lines[0]
+        assert "s3cret" not in result.output
+        assert "Traceback" not in result.output
+
+
+def test_redlock_list_shows_one_row_per_master_and_release_clears_every_master(
+    redis_servers: Callable[[int], list[RedisServer]],
+    configure: Callable[..., None],
+    hold: Callable[..., Lock],
+) -> None:
+    """With three masters, list shows each (lock, master) with its address; release clears all;
+    a master down gives exit 3 but the others are still listed."""
+    servers = redis_servers(3)
+    configure([s.url for s in servers])
+    clients = [s.client() for s in servers]
+    for client in clients[:2]:  # a lock held on a majority, as Redlock leaves it
+        hold(client, "sync:42", task_name="proj.sync")
+    hold(clients[2], "other", task_name="proj.other")
+
+    result = run("list", "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert all(set(r) == {*JSON_FIELDS, "master"} for r in rows)
+    expected = [("sync:42", address_of(clients[0])), ("sync:42", address_of(clients[1]))]
+    expected.append(("other", address_of(clients[2])))
+    assert sorted((r["name"], r["master"]) for r in rows) == sorted(expected)
+    table = run("list", "sync:*")
+    assert "MASTER" in table.stdout.splitlines()[0]
+    assert len(table.stdout.splitlines()) == 3
+
+    servers[2].kill()
+    partial = run("list", "--json")
+    assert partial.exit_code == 3
+    assert {r["name"] for r in json.loads(partial.stdout)} == {"sync:42"}
+    assert f"127.0.0.1:{servers[2].port}" in partial.stderr
+
+    servers[2].restart()
+    released = run("release", "sync:42", "--force")
+    assert released.exit_code == 0, released.output
+    assert released.stdout.count("released 'sync:42'") == 2
+    assert not any(c.exists("redlock:{sync:42}") for c in clients[:2])
+
+
+def test_cluster_list_scans_every_primary(
+    redis_cluster: ClusterSetup, configure: Callable[..., None], hold: Callable[..., Lock]
+) -> None:
+    """On a Redis Cluster, list finds locks on every primary node."""
+    configure(redis_cluster.nodes[0].url, cluster=True)
+    client = redis_cluster.client()
+    names = [f"job:{i}" for i in range(12)]
+    slots_owner = {client.get_node_from_key(f"redlock:{{{n}}}").name for n in names}
+    assert len(slots_owner) == 3, "the names should spread over all three primaries"
+    for name in names:
+        hold(client, name)
+    result = run("list", "--json")
+    assert result.exit_code == 0, result.output
+    assert sorted(r["name"] for r in json.loads(result.stdout)) == sorted(names)
+    shown = run("show", "job:5", "--json")
+    assert json.loads(shown.stdout)[0]["key"] == "redlock:{job:5}"
+    client.close()
+
+
+@pytest.mark.slow
+def test_entry_point_works_in_a_real_celery_process(
+    redis_client: redis.Redis, shared_redis: RedisServer, hold: Callable[..., Lock]
+) -> None:
+    """`celery -A app locks ...` from the installed entry point lists, shows and releases."""
+    hold(redis_client, "sync:1", task_name="proj.sync")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["LOCKSAPP_REDLOCK_URL"] = shared_redis.url
+
+    def celery(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [CELERY, "-A", APP, "locks", *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+
+    listed = celery("list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [r["name"] for r in json.loads(listed.stdout)] == ["sync:1"]
+    assert celery("release", "sync:1", "--force").returncode == 0
+    gone = celery("show", "sync:1")
+    assert gone.returncode == 1
+    assert "not held" in gone.stderr
