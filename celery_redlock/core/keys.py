@@ -66,7 +66,10 @@ def lock_keys(name: str, prefix: str = "redlock:") -> LockKeys:
             "cluster hash tag itself"
         )
     stored = normalize_name(name)
-    base = f"{prefix}{{{stored}}}"
+    # Redis hashes the text between the first "{" and the next "}": a name starting
+    # with "}" would leave that empty, and the three keys would land in different slots.
+    tag = "\\" + stored if stored.startswith("}") else stored
+    base = f"{prefix}{{{tag}}}"
     return LockKeys(name=stored, lock=base, fence=f"{base}:fence", notify=f"{base}:notify")
 
 
