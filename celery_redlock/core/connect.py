@@ -77,6 +77,8 @@ def _connect_one(url: str, options: dict[str, Any]) -> redis.Redis | RedisCluste
         )
     cluster = bool(options.pop("cluster", False))
     for key, value in LOCK_CLIENT_DEFAULTS.items():
+        if scheme == "unix" and key == "socket_keepalive":
+            continue  # a TCP option: UnixDomainSocketConnection refuses it
         options.setdefault(key, value)
     options.setdefault("retry", Retry(NoBackoff(), 1))
     if scheme == "sentinel":
