@@ -278,6 +278,8 @@ def release(ctx: click.Context, name: str, force: bool) -> None:
     """
     session = _Session(ctx)
     rows = _held(session, name)
+    session.warn_unreachable()  # the release below tries every master again
+    session.unreachable.clear()
     expected = {r.master: str(r.fence) for r in rows}
     if not force:
         click.echo("\n\n".join(_details(r) for r in rows))
@@ -334,8 +336,6 @@ def _held(session: _Session, name: str) -> list[LockRow]:
         if session.unreachable:
             session.fail_unreachable()
         raise CeleryCommandException(f"lock {name!r} is not held", EXIT_NOT_HELD)
-    session.warn_unreachable()
-    session.unreachable.clear()
     return rows
 
 

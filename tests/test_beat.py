@@ -260,3 +260,78 @@ def test_standby_that_cannot_reach_the_lock_store_logs_once_and_keeps_waiting(
     wait_until(lambda: bool(published(client)), 10, "beat to publish after the outage")
     assert "answers again" in beat.log()
     assert {m.pid for m in published(client)} == {beat.pid}
+
+
+def start_celery(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``celery ARGV`` in its own process group, output to *log_path*."""
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
+    full_env.update(env)
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            [CELERY, *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=ROOT,
+            env=full_env,
+            start_new_session=True,
+        )
+
+
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (warm shutdown), then SIGKILL the whole process group."""
+    if proc.poll() is None:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.wait(10)
+
+
+@pytest.mark.slow
+def test_beat_job_longer_than_its_period_never_overlaps_and_logs_each_skip(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A 1 s beat job taking 2.5 s (LockedTask, skip): runs never overlap; every other
+    delivery is skipped and logged once, naming the holder."""
+    env = {"BEATJOB_REDIS": f"redis://127.0.0.1:{redis_server.port}"}
+    app = ["-A", "tests.apps.beatjobapp"]
+    worker_log, beat_log = tmp_path / "worker.log", tmp_path / "beat.log"
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        worker_argv = [*app, "worker", "-P", "prefork", "-c", "3", "-l", "info"]
+        worker_argv += ["-n", "beatjob@%h", "--without-heartbeat", "--without-gossip"]
+        procs.append(start_celery([*worker_argv, "--without-mingle"], env, worker_log))
+        wait_until(lambda: "ready." in worker_log.read_text(errors="replace"), 40, "the worker")
+        beat_argv = [*app, "beat", "-l", "info", "--pidfile=", f"--schedule={tmp_path}/s"]
+        procs.append(
+            start_celery([*beat_argv, "-S", "celery_redlock.beat:LeaderScheduler"], env, beat_log)
+        )
+        wait_until(lambda: "Sending due task" in beat_log.read_text(), 30, "beat to publish")
+        time.sleep(8)
+        stop_group(procs[1])  # beat: no more deliveries
+        sent = beat_log.read_text().count("Sending due task slow-job")
+        records = redis_server.client(db=3)
+
+        def skip_lines() -> list[str]:
+            text = worker_log.read_text(errors="replace")
+            return [line for line in text.splitlines() if "skipped: lock 'beatjob.slow'" in line]
+
+        wait_until(lambda: records.llen("runs") + len(skip_lines()) >= sent, 10, "the worker")
+    finally:
+        for proc in reversed(procs):
+            stop_group(proc)
+
+    runs = sorted((json.loads(r) for r in records.lrange("runs", 0, -1)), key=lambda r: r["start"])
+    skips = skip_lines()
+    assert len(runs) >= 2 and len(skips) >= 3, (runs, skips)
+    for before, after in itertools.pairwise(runs):
+        assert after["start"] >= before["end"], f"runs overlapped: {before} {after}"
+        assert after["fence"] > before["fence"]
+    assert len(runs) + len(skips) == sent, "a delivery was neither run nor logged as skipped"
+    skipped_ids = [line.split("beatjob.slow[", 1)[1].split("]", 1)[0] for line in skips]
+    assert len(set(skipped_ids)) == len(skips), "a skip was logged more than once"
+    assert all("is held by task beatjob.slow[" in line for line in skips)
