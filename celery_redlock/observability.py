@@ -2,8 +2,9 @@
 
 * :func:`logging_hook` logs every :class:`~celery_redlock.core.events.LockEvent`
   as one structured line on ``celery_redlock.events`` (DEBUG for the routine
-  acquire/release, INFO for contention, WARNING for renewal failures and
-  losses). ``install(app)`` registers it.
+  acquire/release, INFO for the rest: the core already logs losses and renewal
+  failures as WARNING on ``celery_redlock.renew``, once). ``install(app)``
+  registers it.
 * Celery events ``task-lock-acquired``, ``task-lock-contended``,
   ``task-lock-released``, ``task-lock-lost`` are sent from the task when the
   worker sends task events (``-E`` or ``worker_send_task_events``), for Flower
@@ -28,9 +29,9 @@ _LEVELS = {
     "acquired": logging.DEBUG,
     "released": logging.DEBUG,
     "contended": logging.INFO,
-    "renew_failed": logging.WARNING,
-    "lost": logging.WARNING,
-    "unavailable": logging.WARNING,
+    "renew_failed": logging.INFO,
+    "lost": logging.INFO,
+    "unavailable": logging.INFO,
 }
 
 
