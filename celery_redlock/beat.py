@@ -57,7 +57,7 @@ from celery.utils.time import maybe_make_aware
 from redis.exceptions import RedisError
 
 from .core.connect import connect, mask_url
-from .core.errors import ConfigError, RedlockError, describe_holder
+from .core.errors import ConfigError, RedlockError
 from .core.lock import Lock
 from .core.scripts import FENCED_HSET
 
@@ -236,7 +236,7 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
                 log.info(
                     "beat: standing by; %r is held by %s",
                     self.store.beat_lock_name,
-                    describe_holder(lock.holder) if lock.holder else "another beat",
+                    _describe_leader(lock.holder),
                 )
             return False
         self._lost.clear()
@@ -403,6 +403,12 @@ def _text(value: Any) -> str:
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     return str(value)
+
+
+def _describe_leader(holder: Mapping[str, Any]) -> str:
+    if not holder.get("pid"):
+        return "another beat"
+    return f"the beat with pid {holder['pid']} on {holder.get('hostname') or '?'}"
 
 
 def _one_line(exc: BaseException) -> str:
