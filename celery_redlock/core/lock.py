@@ -170,7 +170,10 @@ def wait_for_notice(client: Any, notify_key: str, seconds: float) -> None:
         )
     seconds = round(max(seconds, 0.001), 3)
     pool = client.connection_pool
-    conn = pool.get_connection("BLPOP")
+    try:
+        conn = pool.get_connection()
+    except TypeError:  # redis-py < 5.3 requires a command name
+        conn = pool.get_connection("BLPOP")
     try:
         conn.send_command("BLPOP", notify_key, f"{seconds:.3f}")
         if conn.can_read(timeout=seconds + 1.0):
