@@ -18,6 +18,7 @@ from .errors import (
 from .events import LockEvent, add_hook, remove_hook
 from .keys import KeyTemplate, lock_keys, render_value
 from .lock import Lock
+from .redlock import Redlock
 from .renewal import get_manager
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "LockLost",
     "NotOwned",
     "QuorumUnavailable",
+    "Redlock",
     "RedlockError",
     "add_hook",
     "connect",
