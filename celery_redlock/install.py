@@ -98,6 +98,21 @@ def _register_flags() -> None:
 _register_flags()
 
 
+def _install_configured(sender: Any = None, **_: Any) -> None:
+    """``worker_init``: an app that sets ``redlock_tasks`` but never imported us is installed.
+
+    Celery loads this package through the ``celery.commands`` entry point, and
+    ``worker_init`` fires before the worker builds its bootsteps, so the step
+    and the flags still apply to an app configured by settings alone.
+    """
+    app = getattr(sender, "app", None)
+    if app is not None and app.conf.get("redlock_tasks"):
+        install(app)
+
+
+signals.worker_init.connect(_install_configured, weak=False)
+
+
 class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Applies worker flags, checks settings at start-up, releases on warm shutdown."""
 
