@@ -27,7 +27,7 @@ from celery.exceptions import TimeLimitExceeded, WorkerLostError
 
 from .core import renewal
 from .core.connect import mask_url
-from .core.errors import RedlockError
+from .core.errors import ConfigError, RedlockError
 from .core.events import add_hook
 from .core.lock import address_of
 from .observability import enable_prometheus, logging_hook
@@ -113,6 +113,16 @@ def _install_configured(sender: Any = None, **_: Any) -> None:
 signals.worker_init.connect(_install_configured, weak=False)
 
 
+class StartupConfigError(ConfigError, click.ClickException):
+    """A bad setting found at worker start: ``celery worker`` prints one line and exits 1.
+
+    Still a :class:`ConfigError` for code that starts workers itself.
+    """
+
+    def __init__(self, message: str) -> None:
+        click.ClickException.__init__(self, message)
+
+
 class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Applies worker flags, checks settings at start-up, releases on warm shutdown."""
 
@@ -140,9 +150,12 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
         state.overrides.update(overrides)
         state.send_events = bool(getattr(parent, "task_events", False))
         state.reset()
-        apply_redlock_tasks(app)
-        if not state.disabled:
-            state.settings  # noqa: B018 - check now: a bad setting stops the worker here
+        try:
+            apply_redlock_tasks(app)
+            if not state.disabled:
+                state.settings  # noqa: B018 - check now: a bad setting stops the worker here
+        except ConfigError as exc:
+            raise StartupConfigError(str(exc)) from None
 
     def start(self, parent: Any) -> None:
         state = self.state
