@@ -123,6 +123,22 @@ def test_thousand_locks_are_renewed_by_one_thread_with_one_command_per_round(
     assert not manager.held()
 
 
+def test_short_lock_taken_while_the_thread_sleeps_for_a_long_one_is_renewed_in_time(
+    redis_client: redis.Redis,
+) -> None:
+    """The thread, asleep until a 30 s lock's round, is woken for a 0.3 s lock acquired later."""
+    long = Lock(redis_client, "renew:long", ttl=30.0)
+    assert long.acquire(blocking=False)
+    time.sleep(0.1)  # the renewal thread is now asleep until the long lock's first round
+    short = Lock(redis_client, "renew:short", ttl=0.3)
+    assert short.acquire(blocking=False)
+    time.sleep(1.0)  # more than three of the short lock's TTLs
+    assert short.owned() and not short.lost
+    assert redis_client.pttl(short.keys.lock) > 0
+    short.release()
+    long.release()
+
+
 # --------------------------------------------------------------------------- a paused holder
 
 _PAUSABLE_HOLDER = r"""

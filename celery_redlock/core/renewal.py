@@ -79,6 +79,7 @@ class RenewalManager:
         self._locks: dict[int, Renewable] = {}
         self._inflight: dict[int, cf.Future[list[int]]] = {}
         self._next_round = float("inf")
+        self._wake_at = 0.0  # when the waiting thread wakes by itself; 0.0 while it runs
         self._stop = False
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
@@ -96,7 +97,11 @@ class RenewalManager:
                     target=self._run, name="celery-redlock-renewal", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+            elif min(self._next_round, lock.valid_until) < self._wake_at:
+                # Wake the thread only if it would sleep past this lock's first round: a
+                # wake-up per acquire costs a thread switch on the acquire path. A thread
+                # that is not waiting reads the new lock before it next waits.
+                self._cond.notify()
 
     def unregister(self, lock: Renewable) -> None:
         """Stop keeping *lock* alive (released or lost); unknown locks are ignored."""
@@ -136,7 +141,10 @@ class RenewalManager:
                     wake = min(wake, lock.valid_until)
                 delay = wake - time.monotonic()
                 if delay > 0:
-                    self._cond.wait(min(delay, IDLE_WAIT))
+                    timeout = min(delay, IDLE_WAIT)
+                    self._wake_at = time.monotonic() + timeout
+                    self._cond.wait(timeout)
+                    self._wake_at = 0.0
                     if self._stop:
                         break
                 locks = list(self._locks.values())
