@@ -1,0 +1,421 @@
+"""Worker-level configuration on real `celery worker` subprocesses (and one in-process worker).
+
+The flags ``--redlock-url``, ``--redlock-ttl``, ``--redlock-disable`` each change what that
+worker does; ``app.conf.redlock_tasks`` locks tasks that do not use ``LockedTask``; bad
+settings stop the worker with one clear message; an unreachable lock Redis is reported once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from servers import RedisServer, free_port
+
+from celery_redlock import is_skipped
+
+ROOT = Path(__file__).resolve().parent.parent
+APP = "tests.apps.configapp"
+PLAIN = "tests.apps.configplain"
+SECRET = f"pw-{uuid.uuid4().hex}"
+
+
+class Worker:
+    """A `celery worker` subprocess in its own process group, stopped by pid."""
+
+    def __init__(
+        self,
+        app: str,
+        env: dict[str, str],
+        log_path: Path,
+        concurrency: int = 1,
+        extra: tuple[str, ...] = (),
+    ) -> None:
+        self.log_path = log_path
+        argv = [
+            sys.executable, "-m", "celery", "-A", app, "worker", "-P", "prefork",
+            "-c", str(concurrency), "-l", "info", "-n", f"w{uuid.uuid4().hex[:8]}@%h",
+            "--without-heartbeat", "--without-gossip", "--without-mingle", *extra,
+        ]  # fmt: skip
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env={**os.environ, **env},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 40.0) -> None:
+        """Block until the worker logs that it is ready (bounded)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"worker exited early:\n{self.text()[-3000:]}")
+            if "ready." in self.text():
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"worker not ready in {timeout}s:\n{self.text()[-3000:]}")
+
+    def wait_exit(self, timeout: float = 40.0) -> int:
+        """Wait (bounded) for the worker to exit on its own; its exit code."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"worker still running:\n{self.text()[-3000:]}") from None
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        """Warm shutdown (SIGTERM), then SIGKILL the group if it lingers."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(20)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+        self.log.close()
+
+
+def _env(server: RedisServer, broker_db: int, record_db: int, **extra: str) -> dict[str, str]:
+    base = f"redis://127.0.0.1:{server.port}"
+    return {
+        "REDLOCK_TEST_BROKER": f"{base}/{broker_db}",
+        "REDLOCK_TEST_BACKEND": f"{base}/2",
+        "REDLOCK_TEST_LOCKS": f"{base}/1",
+        "REDLOCK_TEST_RECORD": f"{base}/{record_db}",
+        "REDLOCK_TEST_CONF": "",
+        **extra,
+    }
+
+
+def _client(env: dict[str, str]) -> Celery:
+    app = Celery("client", broker=env["REDLOCK_TEST_BROKER"], backend=env["REDLOCK_TEST_BACKEND"])
+    app.conf.broker_connection_retry_on_startup = True
+    return app
+
+
+def _records(server: RedisServer, db: int, kind: str) -> list[dict[str, Any]]:
+    events = [json.loads(r) for r in server.client(db=db).lrange("events", 0, -1)]
+    return [e for e in events if e["event"] == kind]
+
+
+def _wait_for(predicate: Callable[[], Any], timeout: float, step: float = 0.02) -> Any:
+    """Poll *predicate* until it returns something truthy (bounded); that value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+def _keys_everywhere(server: RedisServer, pattern: str, password: str | None = None) -> list[str]:
+    """Keys matching *pattern* in every database of *server* (SCAN, bounded)."""
+    found: list[str] = []
+    for db in range(16):
+        client = server.client(db=db, password=password)
+        found += [f"{db}:{k.decode()}" for k in client.scan_iter(match=pattern, count=1000)]
+        client.close()
+    return found
+
+
+# -- servers and the module's workers --------------------------------------------------------
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    """Broker, results, app.conf.redlock_url and the record of these tests."""
+    srv = RedisServer.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def flag_server() -> Iterator[RedisServer]:
+    """A password-protected Redis that only ``--redlock-url`` points at."""
+    # The password is set after start: RedisServer.start() checks readiness without AUTH, so
+    # extra_args=["--requirepass", ...] would never look ready.
+    srv = RedisServer.start()
+    try:
+        srv.client().config_set("requirepass", SECRET)
+        yield srv
+    finally:
+        srv.stop()
+
+
+FLAGS_BROKER, FLAGS_RECORD = 5, 3
+DISABLED_BROKER, DISABLED_RECORD = 6, 4
+PLAIN_BROKER, PLAIN_RECORD = 7, 8
+
+
+@pytest.fixture(scope="module")
+def workers(
+    server: RedisServer, flag_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Worker]]:
+    """Three workers started together, each on its own broker database:
+    ``flags`` (--redlock-url to the password server, --redlock-ttl 7), ``disabled``
+    (--redlock-disable) and ``plain`` (configplain: redlock_tasks only, -E)."""
+    logs = tmp_path_factory.mktemp("workers")
+    flag_url = f"redis://:{SECRET}@127.0.0.1:{flag_server.port}/1"
+    started: dict[str, Worker] = {}
+    try:
+        started["flags"] = Worker(
+            APP,
+            _env(server, FLAGS_BROKER, FLAGS_RECORD),
+            logs / "flags.log",
+            extra=("--redlock-url", flag_url, "--redlock-ttl", "7"),
+        )
+        started["disabled"] = Worker(
+            APP,
+            _env(server, DISABLED_BROKER, DISABLED_RECORD),
+            logs / "disabled.log",
+            concurrency=2,
+            extra=("--redlock-disable",),
+        )
+        started["plain"] = Worker(
+            PLAIN, _env(server, PLAIN_BROKER, PLAIN_RECORD), logs / "plain.log", concurrency=2
+        )
+        for w in started.values():
+            w.wait_ready()
+        yield started
+    finally:
+        for w in started.values():  # all shut down at once, then each is waited for
+            if w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGTERM)
+        for w in started.values():
+            w.stop()
+
+
+# -- --help ----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_worker_help_documents_each_flag(server: RedisServer) -> None:
+    """`celery worker --help` lists --redlock-url, --redlock-ttl, --redlock-disable with help."""
+    out = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", APP, "worker", "--help"],
+        cwd=ROOT,
+        env={**os.environ, **_env(server, 0, 3)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    flat = " ".join(out.split())  # click wraps long help text over several lines
+    assert "--redlock-url" in flat and "overrides app.conf.redlock_url" in flat
+    assert "--redlock-ttl" in flat and "Default lock lease in seconds" in flat
+    assert "--redlock-disable" in flat and "WITHOUT locks" in flat
+
+
+# -- each flag changes that worker ---------------------------------------------------------
+@pytest.mark.slow
+def test_redlock_url_flag_puts_locks_on_the_flag_server(
+    workers: dict[str, Worker], server: RedisServer, flag_server: RedisServer
+) -> None:
+    """With --redlock-url the lock key is on the flag's server, not on app.conf.redlock_url's."""
+    client = _client(_env(server, FLAGS_BROKER, FLAGS_RECORD))
+    name = f"url-{uuid.uuid4().hex[:6]}"
+    try:
+        result = client.send_task(f"{APP}.held", args=(name, 1.0))
+        start = _wait_for(lambda: _records(server, FLAGS_RECORD, "start"), 20)[-1]
+        assert start["name"] == name and start["locked"] is True
+        key = f"redlock:{{cfg:{name}}}"
+        on_flag = flag_server.client(db=1, password=SECRET)
+        assert on_flag.exists(key), "held on the --redlock-url server"
+        assert int(on_flag.hget(key, "fence")) == start["fence"]
+        assert _keys_everywhere(server, f"*cfg:{name}*") == [], "nothing on the conf server"
+        assert result.get(timeout=20) == name
+        assert not on_flag.exists(key), "released on the flag server"
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_redlock_ttl_flag_sets_the_lease(
+    workers: dict[str, Worker], server: RedisServer, flag_server: RedisServer
+) -> None:
+    """--redlock-ttl 7 (app.conf says 30): the held lock's PTTL is in (5000, 7000] ms."""
+    server.client(db=FLAGS_RECORD).delete("events")
+    client = _client(_env(server, FLAGS_BROKER, FLAGS_RECORD))
+    name = f"ttl-{uuid.uuid4().hex[:6]}"
+    try:
+        result = client.send_task(f"{APP}.held", args=(name, 1.0))
+        _wait_for(lambda: _records(server, FLAGS_RECORD, "start"), 20)
+        pttl = flag_server.client(db=1, password=SECRET).pttl(f"redlock:{{cfg:{name}}}")
+        assert 5000 < pttl <= 7000, pttl
+        assert result.get(timeout=20) == name
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_startup_line_shows_where_locks_live_with_the_password_masked(
+    workers: dict[str, Worker], flag_server: RedisServer
+) -> None:
+    """The start-up line names the flag's server and TTL; the password never reaches the log."""
+    text = workers["flags"].text()
+    lines = [line for line in text.splitlines() if "celery-redlock: locks at" in line]
+    assert len(lines) == 1, text[-3000:]
+    assert f"redis://:***@127.0.0.1:{flag_server.port}/1" in lines[0]
+    assert "ttl=7.0s" in lines[0]
+    assert SECRET not in text
+
+
+@pytest.mark.slow
+def test_redlock_disable_flag_runs_unlocked_with_a_loud_warning(
+    workers: dict[str, Worker], server: RedisServer, flag_server: RedisServer
+) -> None:
+    """--redlock-disable: two same-key runs overlap, no lock key exists, a WARNING says DISABLED."""
+    client = _client(_env(server, DISABLED_BROKER, DISABLED_RECORD))
+    name = f"off-{uuid.uuid4().hex[:6]}"
+    try:
+        results = [client.send_task(f"{APP}.held", args=(name, 1.5)) for _ in range(2)]
+
+        def both_started() -> list[dict[str, Any]]:
+            starts = _records(server, DISABLED_RECORD, "start")
+            return starts if len(starts) == 2 else []
+
+        starts = _wait_for(both_started, 20)
+        assert [s["locked"] for s in starts] == [False, False]
+        assert _keys_everywhere(server, f"*{name}*") == []
+        assert _keys_everywhere(flag_server, f"*{name}*", password=SECRET) == []
+        assert [r.get(timeout=20) for r in results] == [name, name]
+        ends = _records(server, DISABLED_RECORD, "end")
+        assert max(s["t"] for s in starts) < min(e["t"] for e in ends), "the runs overlapped"
+    finally:
+        client.close()
+    text = workers["disabled"].text()
+    warnings = [line for line in text.splitlines() if "DISABLED" in line]
+    assert len(warnings) == 1 and "WARNING" in warnings[0], text[-3000:]
+    assert "celery-redlock: locks at" not in text
+
+
+# -- redlock_tasks --------------------------------------------------------------------------
+@pytest.mark.slow
+def test_redlock_tasks_locks_a_plain_shared_task_on_prefork(
+    workers: dict[str, Worker], server: RedisServer
+) -> None:
+    """A shared_task of an app that never imports celery_redlock is locked by redlock_tasks:
+    a second same-key call is skipped while the first runs; another key runs."""
+    client = _client(_env(server, PLAIN_BROKER, PLAIN_RECORD))
+    try:
+        first = client.send_task(f"{PLAIN}.plain_hold", args=(5, 2.0))
+        _wait_for(lambda: _records(server, PLAIN_RECORD, "plain"), 20)
+        assert server.client(db=1).exists("redlock:{plain:5}")
+        second = client.send_task(f"{PLAIN}.plain_hold", args=(5, 0.0))
+        skipped = second.get(timeout=20)
+        assert is_skipped(skipped), skipped
+        assert skipped["lock"] == "plain:5" and skipped["holder"]["task_id"] == first.id
+        other = client.send_task(f"{PLAIN}.plain_hold", args=(6, 0.0))
+        assert other.get(timeout=20) == 6
+        assert first.get(timeout=20) == 5
+        runs = _records(server, PLAIN_RECORD, "plain")
+        assert sorted(r["n"] for r in runs) == [5, 6], "the skipped call never ran its body"
+        assert all(r["locked"] and isinstance(r["fence"], int) for r in runs)
+        assert not server.client(db=1).exists("redlock:{plain:5}")
+    finally:
+        client.close()
+
+
+def test_redlock_tasks_locks_a_plain_task_in_process(shared_redis: RedisServer) -> None:
+    """In-process worker (threads): a task without the base class, matched by redlock_tasks,
+    is skipped while a same-key run holds the lock; no install() call is needed."""
+    base = f"redis://127.0.0.1:{shared_redis.port}"
+    app = Celery("inproc", broker=f"{base}/10", backend=f"{base}/11")
+    app.conf.redlock_url = f"{base}/12"
+    app.conf.worker_hijack_root_logger = False
+    app.conf.redlock_tasks = {"inproc.*": {"lock_key": "ip:<n>", "lock_on_contended": "skip"}}
+    started = threading.Event()
+    release = threading.Event()
+
+    @app.task(name="inproc.slow")
+    def slow(n: int) -> int:
+        started.set()
+        release.wait(10)
+        return n
+
+    try:
+        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+            first = slow.delay(1)
+            assert started.wait(10)
+            assert shared_redis.client(db=12).exists("redlock:{ip:1}")
+            assert is_skipped(slow.delay(1).get(timeout=10))
+            release.set()
+            assert first.get(timeout=10) == 1
+        assert not shared_redis.client(db=12).exists("redlock:{ip:1}")
+    finally:
+        release.set()
+        app.close()
+
+
+# -- settings checked at start-up -------------------------------------------------------------
+def _failed_start(server: RedisServer, tmp_path: Path, conf: dict[str, Any]) -> tuple[int, str]:
+    w = Worker(APP, _env(server, 9, 3, REDLOCK_TEST_CONF=json.dumps(conf)), tmp_path / "bad.log")
+    try:
+        return w.wait_exit(), w.text()
+    finally:
+        w.stop()
+
+
+@pytest.mark.slow
+def test_wrong_type_setting_stops_the_worker_with_one_message(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    """redlock_ttl="ten": the worker exits non-zero with one line naming the setting."""
+    code, text = _failed_start(server, tmp_path, {"redlock_ttl": "ten"})
+    assert code != 0
+    lines = [line for line in text.splitlines() if "redlock_ttl" in line]
+    assert len(lines) == 1, text
+    assert "redlock_ttl='ten'" in lines[0] and "number of seconds" in lines[0]
+    assert "Traceback" not in text and "ready." not in text
+
+
+@pytest.mark.slow
+def test_misspelt_setting_stops_the_worker_with_did_you_mean(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    """An unknown redlock_tll setting: the worker exits non-zero suggesting redlock_ttl."""
+    code, text = _failed_start(server, tmp_path, {"redlock_tll": 10})
+    assert code != 0
+    lines = [line for line in text.splitlines() if "redlock_tll" in line]
+    assert len(lines) == 1, text
+    assert "did you mean 'redlock_ttl'" in lines[0]
+    assert "Traceback" not in text and "ready." not in text
+
+
+@pytest.mark.slow
+def test_unreachable_lock_redis_is_one_error_line_and_the_worker_runs(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    """Lock Redis on a closed port: one ERROR line at start-up naming it; the worker stays up."""
+    port = free_port()
+    env = _env(server, 9, 3, REDLOCK_TEST_LOCKS=f"redis://127.0.0.1:{port}/1")
+    w = Worker(APP, env, tmp_path / "unreachable.log")
+    try:
+        w.wait_ready()
+        time.sleep(0.5)
+        assert w.proc.poll() is None, "the worker keeps running"
+        text = w.text()
+        lines = [line for line in text.splitlines() if "unreachable" in line]
+        assert len(lines) == 1, text[-3000:]
+        assert "ERROR" in lines[0] and f"127.0.0.1:{port}" in lines[0]
+        assert "Traceback" not in text
+    finally:
+        w.stop()
