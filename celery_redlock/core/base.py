@@ -288,6 +288,7 @@ class BaseLock:
             token = self._token
             assert token is not None
             was_valid = not self._lost and time.monotonic() < self._valid_until
+            reported = self._lost  # _mark_lost already emitted "lost" for this acquisition
             held = time.monotonic() - self._acquired_at
             fence = self._fence
         get_manager().unregister(self)
@@ -310,7 +311,8 @@ class BaseLock:
             reason,
             held,
         )
-        self._event("lost", held=held, fence=fence, error=reason)
+        if not reported:
+            self._event("lost", held=held, fence=fence, error=reason)
         raise LockLost(self.name, reason)
 
     def extend(self, ttl: float | None = None, *, replace: bool = False) -> None:
