@@ -10,18 +10,27 @@
   worker sends task events (``-E`` or ``worker_send_task_events``), for Flower
   and other event consumers.
 * With ``prometheus_client`` installed, :func:`prometheus_hook` counts events by
-  kind and task, and records wait and hold times in histograms. Lock names are
-  not labels: per-argument keys would explode the cardinality.
+  kind and task, and records wait and hold times in histograms, in every
+  registry passed to :func:`enable_prometheus` (``install(app)`` enables the
+  default one). Lock names are not labels: per-argument keys would explode the
+  cardinality.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from .core.events import LockEvent, add_hook
 
-__all__ = ["enable_prometheus", "logging_hook", "prometheus_hook", "send_task_event"]
+__all__ = [
+    "disable_prometheus",
+    "enable_prometheus",
+    "logging_hook",
+    "prometheus_hook",
+    "send_task_event",
+]
 
 log = logging.getLogger("celery_redlock.events")
 
@@ -55,54 +64,79 @@ def logging_hook(event: LockEvent) -> None:
     log.log(level, " ".join(parts))
 
 
-_metrics: dict[str, Any] | None = None
+#: id(registry) -> (registry, its metrics); the registry is kept so its id is never reused.
+_metrics: dict[int, tuple[Any, dict[str, Any]]] = {}
+_metrics_lock = threading.Lock()
 
 
 def enable_prometheus(registry: Any = None) -> bool:
-    """Register the Prometheus hook if ``prometheus_client`` is importable; idempotent."""
-    global _metrics
-    if _metrics is not None:
-        return True
+    """Count lock events into *registry* (default: prometheus_client's global one).
+
+    Idempotent per registry; each registry gets its own counters and histograms,
+    so a test can pass a fresh ``CollectorRegistry`` even after ``install(app)``
+    enabled the default one. False when ``prometheus_client`` is not installed.
+    """
     try:
         import prometheus_client as prom  # noqa: PLC0415 - optional dependency
     except ImportError:
         return False
-    kwargs: dict[str, Any] = {} if registry is None else {"registry": registry}
-    _metrics = {
-        "events": prom.Counter(
-            "celery_redlock_events_total",
-            "Lock events by kind (acquired, contended, released, renew_failed, lost)",
-            ["kind", "task"],
-            **kwargs,
-        ),
-        "wait": prom.Histogram(
-            "celery_redlock_wait_seconds",
-            "Time spent acquiring a lock (acquired or contended)",
-            ["task"],
-            **kwargs,
-        ),
-        "hold": prom.Histogram(
-            "celery_redlock_hold_seconds",
-            "Time a lock was held (released or lost)",
-            ["task"],
-            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600),
-            **kwargs,
-        ),
-    }
+    target = prom.REGISTRY if registry is None else registry
+    with _metrics_lock:
+        if id(target) in _metrics:
+            return True
+        _metrics[id(target)] = (
+            target,
+            {
+                "events": prom.Counter(
+                    "celery_redlock_events_total",
+                    "Lock events by kind (acquired, contended, released, renew_failed, lost)",
+                    ["kind", "task"],
+                    registry=target,
+                ),
+                "wait": prom.Histogram(
+                    "celery_redlock_wait_seconds",
+                    "Time spent acquiring a lock (acquired or contended)",
+                    ["task"],
+                    registry=target,
+                ),
+                "hold": prom.Histogram(
+                    "celery_redlock_hold_seconds",
+                    "Time a lock was held (released or lost)",
+                    ["task"],
+                    buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600),
+                    registry=target,
+                ),
+            },
+        )
     add_hook(prometheus_hook)
     return True
 
 
+def disable_prometheus(registry: Any = None) -> None:
+    """Stop counting into *registry* and unregister its collectors (unknown: no-op)."""
+    try:
+        import prometheus_client as prom  # noqa: PLC0415 - optional dependency
+    except ImportError:
+        return
+    target = prom.REGISTRY if registry is None else registry
+    with _metrics_lock:
+        entry = _metrics.pop(id(target), None)
+    if entry is not None:
+        for collector in entry[1].values():
+            target.unregister(collector)
+
+
 def prometheus_hook(event: LockEvent) -> None:
-    """Count the event and record wait/hold times (no-op until enable_prometheus())."""
-    if _metrics is None:
+    """Count the event and record wait/hold times in every enabled registry."""
+    if not _metrics:
         return
     task = str(event.holder.get("task_name") or "")
-    _metrics["events"].labels(kind=event.kind, task=task).inc()
-    if event.waited is not None:
-        _metrics["wait"].labels(task=task).observe(event.waited)
-    if event.held is not None:
-        _metrics["hold"].labels(task=task).observe(event.held)
+    for _, metrics in list(_metrics.values()):
+        metrics["events"].labels(kind=event.kind, task=task).inc()
+        if event.waited is not None:
+            metrics["wait"].labels(task=task).observe(event.waited)
+        if event.held is not None:
+            metrics["hold"].labels(task=task).observe(event.held)
 
 
 def send_task_event(task: Any, kind: str, **fields: Any) -> None:
