@@ -345,7 +345,7 @@ def test_redlock_tasks_locks_a_plain_task_in_process(shared_redis: RedisServer) 
     started = threading.Event()
     release = threading.Event()
 
-    @app.task(name="inproc.slow")
+    @app.task(name="inproc.slow", shared=False)
     def slow(n: int) -> int:
         started.set()
         release.wait(10)

@@ -5,9 +5,6 @@ REDLOCK_TEST_BACKEND  result backend URL
 REDLOCK_TEST_LOCKS    app.conf.redlock_url (worker flags may point elsewhere)
 REDLOCK_TEST_RECORD   a Redis URL where tasks record what they did
 REDLOCK_TEST_CONF     optional JSON object of extra app.conf settings (bad ones included)
-
-``plain_hold`` is a ``shared_task`` without the base class: it is locked only
-through ``app.conf.redlock_tasks``.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ import os
 import time
 
 import redis
-from celery import Celery, shared_task
+from celery import Celery
 
 from celery_redlock import LockedTask
 
@@ -28,9 +25,6 @@ app = Celery(
 )
 app.conf.redlock_url = os.environ.get("REDLOCK_TEST_LOCKS", "redis://127.0.0.1:1/1")
 app.conf.redlock_ttl = 30
-app.conf.redlock_tasks = {
-    "tests.apps.configapp.plain_*": {"lock_key": "plain:<n>", "lock_on_contended": "skip"},
-}
 app.conf.worker_prefetch_multiplier = 1
 app.conf.broker_connection_retry_on_startup = True
 app.conf.update(json.loads(os.environ.get("REDLOCK_TEST_CONF") or "{}"))
@@ -56,11 +50,3 @@ def held(self, name: str, seconds: float) -> str:
     record("end", name=name)
     return name
 
-
-@shared_task(bind=True)
-def plain_hold(self, n: int, seconds: float) -> int:
-    """A task without LockedTask; redlock_tasks locks it under plain:<n>."""
-    lock = getattr(self, "lock", None)
-    record("plain", n=n, locked=lock is not None, fence=lock.fence if lock else None)
-    time.sleep(seconds)
-    return n

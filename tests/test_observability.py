@@ -1,0 +1,359 @@
+"""Observability: LockEvent hooks, the logging hook, Prometheus metrics and task-lock-* events.
+
+Hooks and logs are checked on an in-process worker (threads pool) against a real Redis;
+Celery events on a real `celery worker -E` subprocess with an event receiver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from prometheus_client import CollectorRegistry
+from servers import RedisServer
+
+import celery_redlock
+from celery_redlock import Lock, LockContended, LockedTask, LockEvent, is_skipped
+from celery_redlock.observability import disable_prometheus, enable_prometheus
+
+ROOT = Path(__file__).resolve().parent.parent
+APP = "tests.apps.configapp"
+
+
+def _wait_for(predicate: Callable[[], Any], timeout: float, step: float = 0.02) -> Any:
+    """Poll *predicate* until it returns something truthy (bounded); that value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+# -- hooks and the logging hook on an in-process worker ----------------------------------------
+class _Run:
+    """Lets the test see a task body start and decide when it ends."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.finish = threading.Event()
+        self.fence: int | None = None
+
+
+@pytest.fixture
+def obs_app(shared_redis: RedisServer) -> Iterator[tuple[Celery, dict[str, Any]]]:
+    """A fresh app with two locked tasks (skip on contention; a 0.9 s lease that warns on loss)."""
+    base = f"redis://127.0.0.1:{shared_redis.port}"
+    app = Celery("obs", broker=f"{base}/13", backend=f"{base}/14")
+    app.conf.redlock_url = f"{base}/15"
+    app.conf.worker_hijack_root_logger = False
+    shared_redis.client(db=15).flushdb()
+    runs: dict[int, _Run] = {}
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,  # Celery's default shared=True would add it to every later app
+        name="obs.work",
+        lock_key="obs:<n>",
+        lock_on_contended="skip",
+    )
+    def work(self: Any, n: int) -> int:
+        run = runs[n]
+        run.fence = self.lock.fence
+        run.started.set()
+        run.finish.wait(10)
+        return n
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="obs.lossy",
+        lock_key="obs:<n>",
+        lock_ttl=0.9,
+        lock_on_lost="warn",
+    )
+    def lossy(self: Any, n: int) -> bool:
+        runs[n].started.set()
+        deadline = time.monotonic() + 5
+        while not self.lock.lost and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return bool(self.lock.lost)
+
+    try:
+        yield app, {"work": work, "lossy": lossy, "runs": runs}
+    finally:
+        for run in runs.values():
+            run.finish.set()
+        app.close()
+
+
+def test_hook_gets_frozen_events_for_acquire_contend_release_and_loss(
+    obs_app: tuple[Celery, dict[str, Any]], shared_redis: RedisServer
+) -> None:
+    """A hook added with add_hook receives frozen LockEvents with name, key, fence, holder
+    (task name and id), waited and held for acquired, contended, released and lost."""
+    app, tasks = obs_app
+    runs: dict[int, _Run] = tasks["runs"]
+    runs[1], runs[2] = _Run(), _Run()
+    seen: list[LockEvent] = []
+    hook = celery_redlock.add_hook(seen.append)
+    try:
+        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+            first = tasks["work"].delay(1)
+            assert runs[1].started.wait(10)
+            second = tasks["work"].delay(1)
+            assert is_skipped(second.get(timeout=10))
+            runs[1].finish.set()
+            assert first.get(timeout=10) == 1
+
+            lossy = tasks["lossy"].delay(2)
+            assert runs[2].started.wait(10)
+            shared_redis.client(db=15).delete("redlock:{obs:2}")
+            assert lossy.get(timeout=10) is True
+    finally:
+        celery_redlock.remove_hook(hook)
+
+    mine = [e for e in seen if e.name in ("obs:1", "obs:2")]
+    by_kind: dict[str, list[LockEvent]] = {}
+    for event in mine:
+        by_kind.setdefault(event.kind, []).append(event)
+    assert sorted(by_kind) == ["acquired", "contended", "lost", "released"], mine
+
+    acquired = [e for e in by_kind["acquired"] if e.name == "obs:1"]
+    assert len(acquired) == 1
+    acq = acquired[0]
+    assert acq.key == "redlock:{obs:1}"
+    assert acq.fence == runs[1].fence and isinstance(acq.fence, int)
+    assert acq.holder["task_name"] == "obs.work" and acq.holder["task_id"] == first.id
+    assert acq.waited is not None and 0 <= acq.waited < 5 and acq.held is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        acq.fence = 0  # type: ignore[misc]
+
+    [contended] = by_kind["contended"]
+    assert contended.name == "obs:1" and contended.holder["task_id"] == first.id
+    assert contended.waited is not None and contended.waited >= 0
+
+    released = [e for e in by_kind["released"] if e.name == "obs:1"]
+    assert len(released) == 1
+    rel = released[0]
+    assert rel.fence == acq.fence and rel.holder["task_id"] == first.id
+    assert rel.held is not None and rel.held > 0
+
+    [lost] = by_kind["lost"]
+    assert lost.name == "obs:2" and lost.key == "redlock:{obs:2}"
+    assert lost.holder["task_name"] == "obs.lossy" and lost.holder["task_id"] == lossy.id
+    assert lost.held is not None and lost.held > 0 and lost.error
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_logging_hook_writes_one_line_per_event_on_celery_redlock_events(
+    obs_app: tuple[Celery, dict[str, Any]],
+) -> None:
+    """install()'s logging hook logs lock-acquired/lock-released lines with the task, fence,
+    wait and hold times on the celery_redlock.events logger."""
+    app, tasks = obs_app
+    runs: dict[int, _Run] = tasks["runs"]
+    runs[3] = _Run()
+    runs[3].finish.set()
+    logger = logging.getLogger("celery_redlock.events")
+    handler = _ListHandler()
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
+            result = tasks["work"].delay(3)
+            assert result.get(timeout=10) == 3
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    lines = [r.getMessage() for r in handler.records if "name='obs:3'" in r.getMessage()]
+    assert len(lines) == 2, lines
+    acquired, released = lines
+    assert acquired.startswith("lock-acquired ")
+    assert f"task=obs.work[{result.id}]" in acquired and f"fence={runs[3].fence}" in acquired
+    assert "waited=" in acquired
+    assert released.startswith("lock-released ") and "held=" in released
+    assert f"fence={runs[3].fence}" in released
+
+
+# -- Prometheus -------------------------------------------------------------------------------
+def test_prometheus_counts_into_a_fresh_registry(shared_redis: RedisServer) -> None:
+    """enable_prometheus(registry) counts acquisitions, contentions and releases and records
+    wait/hold histograms in that registry, even after install() enabled the default one;
+    enabling the same registry twice counts once."""
+    registry = CollectorRegistry()
+    task = f"prom-{uuid.uuid4().hex[:6]}"
+
+    def sample(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"task": task, **labels})
+
+    assert enable_prometheus() is True  # what install(app) does: the default registry
+    assert enable_prometheus(registry) is True
+    assert enable_prometheus(registry) is True  # idempotent: no duplicate collectors
+    client = shared_redis.client(db=9)
+    try:
+        for _ in range(2):
+            with Lock(client, f"{task}:a", 5, owner_info={"task_name": task}):
+                other = Lock(client, f"{task}:a", 5, owner_info={"task_name": task})
+                assert other.acquire(blocking=False) is False
+        assert sample("celery_redlock_events_total", kind="acquired") == 2
+        assert sample("celery_redlock_events_total", kind="contended") == 2
+        assert sample("celery_redlock_events_total", kind="released") == 2
+        assert sample("celery_redlock_wait_seconds_count") == 4  # 2 acquired + 2 contended
+        assert sample("celery_redlock_hold_seconds_count") == 2
+        held = sample("celery_redlock_hold_seconds_sum")
+        assert held is not None and held > 0
+    finally:
+        disable_prometheus(registry)
+    # disabled: the collectors are gone from the registry and nothing more is counted there
+    with Lock(client, f"{task}:b", 5, owner_info={"task_name": task}):
+        pass
+    client.close()
+    assert sample("celery_redlock_events_total", kind="acquired") is None
+    assert list(registry.collect()) == []
+
+
+# -- Celery events from a real worker ---------------------------------------------------------
+class Worker:
+    """A `celery worker` subprocess in its own process group, stopped by pid."""
+
+    def __init__(self, env: dict[str, str], log_path: Path, extra: tuple[str, ...] = ()) -> None:
+        self.log_path = log_path
+        argv = [
+            sys.executable, "-m", "celery", "-A", APP, "worker", "-P", "prefork", "-c", "2",
+            "-l", "info", "-n", f"w{uuid.uuid4().hex[:8]}@%h",
+            "--without-heartbeat", "--without-gossip", "--without-mingle", *extra,
+        ]  # fmt: skip
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env={**os.environ, **env},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 40.0) -> None:
+        """Block until the worker logs that it is ready (bounded)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"worker exited early:\n{self.text()[-3000:]}")
+            if "ready." in self.text():
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"worker not ready in {timeout}s:\n{self.text()[-3000:]}")
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        """Warm shutdown (SIGTERM), then SIGKILL the group if it lingers."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(20)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+        self.log.close()
+
+
+class EventCapture:
+    """Celery events received in a background thread (bounded by a timeout)."""
+
+    def __init__(self, app: Celery, timeout: float = 30.0) -> None:
+        self.app = app
+        self.events: list[dict[str, Any]] = []
+        self.receiver: Any = None
+        self.thread = threading.Thread(target=self._run, args=(timeout,), daemon=True)
+        self.thread.start()
+
+    def _run(self, timeout: float) -> None:
+        with self.app.connection_for_read() as conn:
+            self.receiver = self.app.events.Receiver(conn, handlers={"*": self.events.append})
+            with contextlib.suppress(TimeoutError, OSError):
+                self.receiver.capture(limit=None, timeout=timeout, wakeup=True)
+
+    def of(self, kind: str, task_id: str) -> list[dict[str, Any]]:
+        return [e for e in list(self.events) if e["type"] == kind and e.get("uuid") == task_id]
+
+    def stop(self) -> None:
+        if self.receiver is not None:
+            self.receiver.should_stop = True
+        self.thread.join(10)
+
+
+@pytest.mark.slow
+def test_worker_with_E_sends_task_lock_events(redis_server: RedisServer, tmp_path: Path) -> None:
+    """`celery worker -E` sends task-lock-acquired/-contended/-released with lock and fence."""
+    base = f"redis://127.0.0.1:{redis_server.port}"
+    env = {
+        "REDLOCK_TEST_BROKER": f"{base}/0",
+        "REDLOCK_TEST_BACKEND": f"{base}/2",
+        "REDLOCK_TEST_LOCKS": f"{base}/1",
+        "REDLOCK_TEST_RECORD": f"{base}/3",
+        "REDLOCK_TEST_CONF": "",
+    }
+    worker = Worker(env, tmp_path / "events.log", extra=("-E",))
+    client = Celery(
+        "client", broker=env["REDLOCK_TEST_BROKER"], backend=env["REDLOCK_TEST_BACKEND"]
+    )
+    capture: EventCapture | None = None
+    try:
+        worker.wait_ready()
+        capture = EventCapture(client)
+        # the receiver is live once the worker answers its wakeup with a heartbeat event
+        _wait_for(lambda: capture is not None and capture.events, 10)
+        name = f"ev-{uuid.uuid4().hex[:6]}"
+        first = client.send_task(f"{APP}.held", args=(name, 1.0))
+        _wait_for(lambda: redis_server.client(db=3).llen("events"), 20)
+        second = client.send_task(f"{APP}.held", args=(name, 0.0))
+        with pytest.raises(LockContended):
+            second.get(timeout=20)
+        assert first.get(timeout=20) == name
+        _wait_for(lambda: capture is not None and capture.of("task-lock-released", first.id), 10)
+        start = json.loads(redis_server.client(db=3).lindex("events", 0))
+    finally:
+        if capture is not None:
+            capture.stop()
+        worker.stop()
+        client.close()
+
+    [acquired] = capture.of("task-lock-acquired", first.id)
+    assert acquired["lock"] == f"cfg:{name}" and acquired["fence"] == start["fence"]
+    [released] = capture.of("task-lock-released", first.id)
+    assert released["lock"] == f"cfg:{name}" and released["fence"] == start["fence"]
+    assert released["held"] > 0
+    [contended] = capture.of("task-lock-contended", second.id)
+    assert contended["lock"] == f"cfg:{name}" and contended["policy"] == "raise"
+    assert contended["holder"]["task_id"] == first.id
