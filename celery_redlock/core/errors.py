@@ -20,7 +20,12 @@ __all__ = [
 
 
 class RedlockError(Exception):
-    """Root of every error raised by celery-redlock."""
+    """Root of every error raised by celery-redlock.
+
+    Subclasses keep their constructor arguments in ``args`` and build the message in
+    ``__str__``: Celery's JSON result backend stores ``args`` and rebuilds the error as
+    ``cls(*args)``, so an error read back by ``AsyncResult.get()`` keeps its context.
+    """
 
 
 class ConfigError(RedlockError, ValueError):
@@ -44,14 +49,16 @@ class LockContended(RedlockError):
         name: str,
         holder: Mapping[str, Any] | None = None,
         ttl_ms: int | None = None,
-        *,
         masters: Mapping[str, str] | None = None,
     ) -> None:
         self.name = name
         self.holder: dict[str, Any] = dict(holder or {})
         self.ttl_ms = ttl_ms
         self.masters: dict[str, str] = dict(masters or {})
-        super().__init__(self._message())
+        super().__init__(name, self.holder, ttl_ms, self.masters)
+
+    def __str__(self) -> str:
+        return self._message()
 
     def _message(self) -> str:
         who = describe_holder(self.holder)
@@ -79,7 +86,6 @@ class QuorumUnavailable(RedlockError):
         self,
         name: str,
         errors: Mapping[str, str] | None = None,
-        *,
         needed: int = 1,
         total: int = 1,
     ) -> None:
@@ -87,7 +93,10 @@ class QuorumUnavailable(RedlockError):
         self.errors: dict[str, str] = dict(errors or {})
         self.needed = needed
         self.total = total
-        super().__init__(self._message())
+        super().__init__(name, self.errors, needed, total)
+
+    def __str__(self) -> str:
+        return self._message()
 
     def _message(self) -> str:
         detail = "; ".join(f"{m}: {e}" for m, e in self.errors.items()) or "no answer"
@@ -114,7 +123,10 @@ class NotOwned(RedlockError):
     def __init__(self, name: str, reason: str = "not held by this owner") -> None:
         self.name = name
         self.reason = reason
-        super().__init__(f"lock {name!r}: {reason}")
+        super().__init__(name, reason)
+
+    def __str__(self) -> str:
+        return f"lock {self.name!r}: {self.reason}"
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.name, self.reason))
