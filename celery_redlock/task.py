@@ -106,6 +106,10 @@ class LockedTask(Task):  # type: ignore[misc]
                     f"task {self.name!r}: apply_async(lock_key={key!r}) must be a non-empty "
                     "string (a name like 'sync:42' or a template like 'sync:<user_id>')"
                 )
+            signature = type(self)._redlock_signature
+            if "<" in key and signature is not None:
+                # A wrong placeholder is the caller's mistake: say so here, not in the worker.
+                _compile_key(self.name, key, signature)
             options["headers"] = {**(options.get("headers") or {}), KEY_HEADER: key}
         return super().apply_async(args, kwargs, **options)
 
