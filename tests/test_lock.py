@@ -299,11 +299,12 @@ def test_float_ttl_of_a_quarter_second_is_kept_in_milliseconds(redis_client: red
     assert lock.acquire(blocking=False)
     answered = time.monotonic()
     pttl = redis_client.pttl(lock.keys.lock)
-    assert 200 <= pttl <= 250, pttl
+    read_ms = (time.monotonic() - started) * 1000
+    assert 250 - read_ms - 1 <= pttl <= 250, (pttl, read_ms)  # ~200-250 ms, never whole seconds
     assert lock.ttl_ms == 250
     # The local deadline is the lease minus drift (1% + 2 ms), counted from before the request.
     assert started + 0.2455 <= lock.valid_until <= answered + 0.2455
-    time.sleep(max(0.0, started + 0.3 - time.monotonic()))
+    time.sleep(max(0.0, answered + 0.3 - time.monotonic()))
     assert not redis_client.exists(lock.keys.lock)
     assert not lock.owned()
 
@@ -536,7 +537,7 @@ def test_waiter_gets_the_lock_within_the_remaining_ttl_when_the_holder_is_killed
     assert waiter.acquire(timeout=5)
     took = time.monotonic() - killed
     record_property("dead_holder_takeover_s", round(took, 3))
-    assert took <= remaining + 0.25, (took, remaining)
+    assert took <= remaining + 0.5, (took, remaining)
     assert waiter.fence is not None and waiter.fence > holder_fence
     assert shared_redis.command_count("evalsha") <= 4
     assert shared_redis.command_count("blpop") <= 3
