@@ -258,6 +258,13 @@ def acquire_for_request(
             blocking=policy == "wait",
             timeout=option(task, "lock_wait_timeout") if policy == "wait" else None,
         )
+        if not acquired and policy != "wait" and lock.holder.get("task_id") == task_id:
+            # The holder is an earlier attempt of this very task id: self.retry() publishes
+            # the new message before the old body's finally releases, and a fast worker can
+            # start it first. Skipping or failing against ourselves is wrong (the
+            # celery-singleton bug): wait for that release, or for a dead attempt's lease to
+            # run out, at most one TTL; then the policy applies as usual.
+            acquired = lock.acquire(blocking=True, timeout=lock.ttl)
     except QuorumUnavailable as exc:
         if state.settings["redlock_fail_open"]:
             log.warning(
