@@ -85,7 +85,10 @@ class Lock(BaseLock):
             # The script may have run before the reply was lost: take back what
             # this token might hold, so an unclear attempt leaves no orphan.
             self._do_abandon(token)
-            log.warning("acquire of %r failed: Redis unavailable (%s)", self.name, exc)
+            # Debug only: the caller gets QuorumUnavailable with the same facts and logs it
+            # once with its own context (the Celery adapter names the task); a warning here too
+            # gave two lines per failed attempt.
+            log.debug("acquire of %r failed: Redis unavailable (%s)", self.name, exc)
             raise self._unavailable(exc) from exc
         if int(reply[0]) == 1:
             return Attempt(True, started, fence=int(reply[1]))
@@ -97,7 +100,7 @@ class Lock(BaseLock):
                 RELEASE(self.client, [self.keys.lock, self.keys.notify], [token, self.ttl_ms])
             )
         except RedisError as exc:
-            log.warning(
+            log.debug(  # the caller gets QuorumUnavailable and reports it (see _do_acquire)
                 "release of %r failed: Redis unavailable (%s); it expires within %ss",
                 self.name,
                 exc,
