@@ -12,14 +12,18 @@ URLs (Redlock) each master is shown on its own row.
 
 Exit codes: 0 done; 1 the lock is not held, or the release was refused or
 aborted; 2 usage or configuration error; 3 Redis unreachable.
+
+Settings come from ``celery_redlock.settings.load_settings`` (the checks and the
+broker fallback the worker uses); every Redis call is made by
+``celery_redlock.core.inspect``. This module only picks the masters, maps errors
+to exit codes and renders.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, NoReturn
@@ -27,24 +31,20 @@ from typing import Any, NoReturn
 import click
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 from celery.exceptions import CeleryCommandException
-from redis.cluster import RedisCluster
-from redis.exceptions import RedisClusterException, RedisError
 
-from .beat import LockStore, lock_store
+from .core.connect import connect, mask_url
 from .core.errors import ConfigError, describe_holder
+from .core.inspect import REDIS_ERRORS, LockInfo, force_release, read_lock, scan_locks
 from .core.keys import lock_keys
-from .core.lock import address_of, parse_holder
-from .core.scripts import FORCE_RELEASE
+from .core.lock import address_of
+from .settings import Settings, load_settings
+from .state import state_for
 
 __all__ = ["EXIT_NOT_HELD", "EXIT_UNREACHABLE", "LockRow", "locks"]
 
 EXIT_NOT_HELD = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
-
-_SCAN_COUNT = 500
-_BATCH = 200
-_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
 
 @dataclass
@@ -57,6 +57,11 @@ class LockRow:
     ttl_ms: int
     record: dict[str, Any] = field(default_factory=dict)
     master: str | None = None
+
+    @classmethod
+    def of(cls, info: LockInfo, master: str | None) -> LockRow:
+        """The row for what one master (*master*: its address, Redlock only) stores."""
+        return cls(info.name, info.key, info.fence, info.ttl_ms, dict(info.record), master)
 
     @property
     def acquired_at(self) -> float | None:
@@ -90,100 +95,45 @@ class _Unreachable(Exception):
         super().__init__(f"cannot reach Redis at {url}: {_one_line(exc)}")
 
 
-# -- reading -------------------------------------------------------------------------
-def _nodes(client: Any) -> list[Any]:
-    """Plain clients to scan: the client itself, or every primary of a cluster."""
-    if isinstance(client, RedisCluster):
-        return [client.get_redis_connection(n) for n in client.get_primaries()]  # type: ignore[no-untyped-call]
-    return [client]
-
-
-def _scan(node: Any, match: str) -> Iterator[Any]:
-    try:
-        yield from node.scan_iter(match=match, count=_SCAN_COUNT, _type="hash")
-    except RedisError as exc:
-        if "syntax" not in str(exc).lower():  # Redis < 6 has no SCAN ... TYPE
-            raise
-        yield from node.scan_iter(match=match, count=_SCAN_COUNT)
-
-
-def _read(node: Any, keys: Sequence[str], prefix: str, master: str | None) -> list[LockRow]:
-    rows: list[LockRow] = []
-    for start in range(0, len(keys), _BATCH):
-        chunk = keys[start : start + _BATCH]
-        pipe = node.pipeline(transaction=False)
-        for key in chunk:
-            pipe.hmget(key, "token", "fence", "info")
-            pipe.pttl(key)
-        replies = pipe.execute(raise_on_error=False)
-        for i, key in enumerate(chunk):
-            fields, pttl = replies[2 * i], replies[2 * i + 1]
-            if isinstance(fields, Exception) or not isinstance(fields, list) or not fields[0]:
-                continue  # not a lock hash, or it went away between SCAN and read
-            fence = _text(fields[1])
-            rows.append(
-                LockRow(
-                    name=key[len(prefix) + 1 : -1],
-                    key=key,
-                    fence=int(fence) if fence and fence.isdigit() else None,
-                    ttl_ms=int(pttl) if isinstance(pttl, int) else -2,
-                    record=parse_holder(fields[2]),
-                    master=master,
-                )
-            )
-    return rows
-
-
-def _list_on(client: Any, prefix: str, pattern: str, master: str | None) -> list[LockRow]:
-    match = _GLOB_SPECIAL.sub(r"\\\1", prefix) + "{" + pattern + "}"
-    rows: list[LockRow] = []
-    for node in _nodes(client):
-        keys = sorted(
-            {
-                key
-                for key in (_text(k) for k in _scan(node, match))
-                if key.startswith(prefix + "{")
-                and key.endswith("}")
-                and not key.endswith((":fence", ":notify"))
-            }
-        )
-        rows += _read(node, keys, prefix, master)
-    return rows
-
-
-def _one_lock(client: Any, key: str, prefix: str, master: str | None) -> list[LockRow]:
-    node = (
-        client.get_redis_connection(client.get_node_from_key(key)) if _cluster(client) else client
-    )
-    return _read(node, [key], prefix, master)
-
-
-def _cluster(client: Any) -> bool:
-    return isinstance(client, RedisCluster)
-
-
 class _Session:
-    """The app's lock store and its clients, with errors mapped to exit codes."""
+    """The app's lock settings and one client per master, with errors mapped to exit codes.
+
+    Settings are read afresh for each command (``load_settings``: the same checks and
+    broker fallback as the worker), so a changed ``app.conf`` is never served stale.
+    """
 
     def __init__(self, ctx: click.Context) -> None:
         self.ctx = ctx
+        app = ctx.obj.app
         try:
-            self.store: LockStore = lock_store(ctx.obj.app)
-            self.clients = self.store.clients()
+            self.settings: Settings = load_settings(app.conf, state_for(app).overrides)
+            options = self.settings["redlock_client_options"]
+            url = self.settings.url
+            self.is_redlock = isinstance(url, list)
+            urls = url if isinstance(url, list) else [url]
+            #: (masked url, client) per master: one for a single Redis, N for Redlock.
+            self.clients: list[tuple[str, Any]] = [
+                (mask_url(u), connect(u, **options)) for u in urls
+            ]
         except ConfigError as exc:
             raise CeleryCommandException(str(exc), EXIT_USAGE) from None
+        self.prefix: str = self.settings["redlock_key_prefix"]
         self.unreachable: list[_Unreachable] = []
 
     def master_of(self, client: Any) -> str | None:
-        return address_of(client) if self.store.is_redlock else None
+        return address_of(client) if self.is_redlock else None
 
-    def collect(self, read: Any) -> list[LockRow]:
+    def collect(self, read: Callable[[Any], Sequence[LockInfo]]) -> list[LockRow]:
+        """*read* on every master; rows sorted by name, then master."""
         rows: list[LockRow] = []
         for url, client in self.clients:
             try:
-                rows += read(client)
-            except (RedisError, RedisClusterException) as exc:
+                infos = read(client)
+            except REDIS_ERRORS as exc:
                 self.unreachable.append(_Unreachable(url, exc))
+                continue
+            master = self.master_of(client)
+            rows += [LockRow.of(info, master) for info in infos]
         if self.unreachable and len(self.unreachable) == len(self.clients):
             self.fail_unreachable()
         return sorted(rows, key=lambda r: (r.name, r.master or ""))
@@ -232,12 +182,11 @@ _json_option = click.option(
 def list_(ctx: click.Context, pattern: str, as_json: bool) -> None:
     """List held locks whose name matches PATTERN (a glob, default "*")."""
     session = _Session(ctx)
-    prefix = session.store.key_prefix
-    rows = session.collect(lambda c: _list_on(c, prefix, pattern, session.master_of(c)))
+    rows = session.collect(lambda client: scan_locks(client, session.prefix, pattern))
     if as_json:
-        click.echo(json.dumps([r.as_json(session.store.is_redlock) for r in rows], indent=2))
+        click.echo(json.dumps([r.as_json(session.is_redlock) for r in rows], indent=2))
     elif rows:
-        click.echo(_table(rows, session.store.is_redlock))
+        click.echo(_table(rows, session.is_redlock))
     else:
         click.echo("no locks held")
     session.finish()
@@ -252,7 +201,7 @@ def show(ctx: click.Context, name: str, as_json: bool) -> None:
     session = _Session(ctx)
     rows = _held(session, name)
     if as_json:
-        click.echo(json.dumps([r.as_json(session.store.is_redlock) for r in rows], indent=2))
+        click.echo(json.dumps([r.as_json(session.is_redlock) for r in rows], indent=2))
     else:
         click.echo("\n\n".join(_details(r) for r in rows))
     session.finish()
@@ -280,7 +229,7 @@ def release(ctx: click.Context, name: str, force: bool) -> None:
     rows = _held(session, name)
     session.warn_unreachable()  # the release below tries every master again
     session.unreachable.clear()
-    expected = {r.master: str(r.fence) for r in rows}
+    expected = {r.master: r.fence for r in rows}
     if not force:
         click.echo("\n\n".join(_details(r) for r in rows))
         click.confirm(
@@ -288,34 +237,28 @@ def release(ctx: click.Context, name: str, force: bool) -> None:
             "next owner",
             abort=True,
         )
-    keys = lock_keys(name, session.store.key_prefix)
-    notice_ms = max(1, round(session.store.ttl * 1000))
+    notice_ttl: float = session.settings["redlock_ttl"]
     released = 0
     for url, client in session.clients:
         master = session.master_of(client)
         if master not in expected:
             continue
+        fence = None if force else expected[master]
         try:
-            reply = FORCE_RELEASE(
-                client,
-                [keys.lock, keys.notify],
-                [notice_ms, "" if force else expected[master]],
-            )
-        except (RedisError, RedisClusterException) as exc:
+            done = force_release(client, session.prefix, name, fence, notice_ttl=notice_ttl)
+        except REDIS_ERRORS as exc:
             session.unreachable.append(_Unreachable(url, exc))
             continue
         where = f" on {master}" if master else ""
-        code = int(reply[0])
-        if code == 1:
+        holder = describe_holder(done.record)
+        if done.outcome == "released":
             released += 1
-            holder = describe_holder(parse_holder(reply[1]))
-            click.echo(f"released {name!r}{where}: was held by {holder}, fence {_text(reply[2])}")
-        elif code == 0:
+            click.echo(f"released {name!r}{where}: was held by {holder}, fence {done.fence}")
+        elif done.outcome == "gone":
             click.echo(f"{name!r}{where} was already gone (expired or released)")
         else:
-            holder = describe_holder(parse_holder(reply[1]))
             click.echo(
-                f"{name!r}{where} is now held by {holder} (fence {_text(reply[2])}), not by "
+                f"{name!r}{where} is now held by {holder} (fence {done.fence}), not by "
                 "the acquisition shown; left alone"
             )
     if session.unreachable:
@@ -327,11 +270,15 @@ def release(ctx: click.Context, name: str, force: bool) -> None:
 def _held(session: _Session, name: str) -> list[LockRow]:
     """The rows of lock *name*, or exit 1 (3 if Redis could not be asked)."""
     try:
-        keys = lock_keys(name, session.store.key_prefix)
+        lock_keys(name, session.prefix)  # a name no lock can have is a usage error
     except ConfigError as exc:
         raise CeleryCommandException(str(exc), EXIT_USAGE) from None
-    prefix = session.store.key_prefix
-    rows = session.collect(lambda c: _one_lock(c, keys.lock, prefix, session.master_of(c)))
+
+    def read(client: Any) -> list[LockInfo]:
+        info = read_lock(client, session.prefix, name)
+        return [] if info is None else [info]
+
+    rows = session.collect(read)
     if not rows:
         if session.unreachable:
             session.fail_unreachable()
@@ -406,14 +353,6 @@ def _ttl(ms: int) -> str:
     if ms < 0:
         return "gone"
     return _duration(ms / 1000)
-
-
-def _text(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return str(value)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -325,3 +325,49 @@ def test_entry_point_works_in_a_real_celery_process(
     gone = celery("show", "sync:1")
     assert gone.returncode == 1
     assert "not held" in gone.stderr
+
+
+def test_configuration_errors_exit_2_naming_the_setting(configure: Callable[..., None]) -> None:
+    """No redlock_url with a non-Redis broker, a mistyped redlock_* setting or a bad URL scheme
+    are configuration errors: exit 2 with one line saying what to fix."""
+    conf = locksapp.app.conf
+    configure(None)
+    missing = run("list")
+    assert missing.exit_code == 2, missing.output
+    assert "redlock_url is not set and the broker is not Redis" in missing.stderr
+
+    configure("http://127.0.0.1:1/0")
+    scheme = run("list")
+    assert scheme.exit_code == 2, scheme.output
+    assert "unknown Redis URL scheme 'http'" in scheme.stderr
+
+    configure(f"redis://127.0.0.1:{free_port()}/0")
+    conf["redlock_ttll"] = 5
+    try:
+        typo = run("show", "x")
+    finally:
+        conf.pop("redlock_ttll")
+    assert typo.exit_code == 2, typo.output
+    assert "unknown setting 'redlock_ttll'" in typo.stderr
+    assert "redlock_ttl" in typo.stderr
+    assert "Traceback" not in typo.output
+
+
+def test_lock_url_defaults_to_a_redis_broker(
+    shared_redis: RedisServer,
+    redis_client: redis.Redis,
+    configure: Callable[..., None],
+    hold: Callable[..., Lock],
+) -> None:
+    """Without redlock_url the locks are looked up on the broker when the broker is Redis."""
+    conf = locksapp.app.conf
+    configure(None)
+    hold(redis_client, "sync:broker", task_name="proj.sync")
+    saved = conf.broker_url
+    conf.broker_url = shared_redis.url
+    try:
+        result = run("list", "--json")
+    finally:
+        conf.broker_url = saved
+    assert result.exit_code == 0, result.output
+    assert [r["name"] for r in json.loads(result.stdout)] == ["sync:broker"]

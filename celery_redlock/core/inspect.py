@@ -1,0 +1,203 @@
+"""Read and remove locks from the outside: what ``celery locks`` needs from Redis.
+
+Each function works on one client: a plain Redis, a Sentinel master client, or a
+``RedisCluster`` (then every primary is scanned, and one lock's keys are read on
+the node that owns their slot). For Redlock, call it once per master.
+
+Locks are found with ``SCAN ... MATCH <prefix>{<pattern>} TYPE hash``, never
+``KEYS``; the ``:fence`` and ``:notify`` keys next to each lock, and hashes that
+are not locks (no ``token`` field), are skipped.
+
+Errors are not translated: a node that cannot be reached raises one of
+:data:`REDIS_ERRORS`, so a caller that asks several masters can report each one
+and go on with the others.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException, RedisError
+
+from .keys import lock_keys
+from .lock import parse_holder
+from .scripts import FORCE_RELEASE
+
+__all__ = [
+    "REDIS_ERRORS",
+    "ForceRelease",
+    "LockInfo",
+    "force_release",
+    "read_lock",
+    "scan_locks",
+]
+
+#: What a call here raises when its node cannot be reached or refuses the command.
+REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, RedisClusterException)
+
+#: Keys asked for per SCAN round trip, and lock hashes read per pipeline.
+SCAN_COUNT = 500
+READ_BATCH = 200
+
+_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """One held lock as one node stores it."""
+
+    #: The rendered lock name (``sync:42``), not the key.
+    name: str
+    #: The Redis key of the lock hash (``redlock:{sync:42}``).
+    key: str
+    #: The fencing token of the acquisition on this node (None if unreadable).
+    fence: int | None
+    #: Lease left in milliseconds (``PTTL``: -1 no expiry, -2 gone since it was found).
+    ttl_ms: int
+    #: The holder's record: ``hostname``, ``pid``, ``acquired_at`` and its ``owner_info``
+    #: (``task_name``, ``task_id``, ``role``, ...).
+    record: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def acquired_at(self) -> float | None:
+        """Wall-clock time of the acquisition, as the holder recorded it."""
+        value = self.record.get("acquired_at")
+        return float(value) if isinstance(value, (int, float)) else None
+
+
+@dataclass(frozen=True)
+class ForceRelease:
+    """What :func:`force_release` did."""
+
+    #: ``"released"``: removed; ``"gone"``: nobody held it; ``"refused"``: another
+    #: acquisition than the confirmed fence holds it, left alone.
+    outcome: Literal["released", "gone", "refused"]
+    #: The record of the acquisition removed (released) or left alone (refused).
+    record: dict[str, Any] = field(default_factory=dict)
+    #: Its fence (None when gone).
+    fence: int | None = None
+
+
+def primaries(client: Any) -> list[Any]:
+    """Plain clients to scan: the client itself, or one per primary of a cluster."""
+    if isinstance(client, RedisCluster):
+        return [
+            client.get_redis_connection(node)
+            for node in client.get_primaries()  # type: ignore[no-untyped-call]
+        ]
+    return [client]
+
+
+def scan_locks(client: Any, prefix: str, pattern: str = "*") -> list[LockInfo]:
+    """Every lock held on *client* whose name matches the glob *pattern*, sorted by name.
+
+    *prefix* is the key prefix (``redlock_key_prefix``); *pattern* matches the
+    rendered name (``sync:*``), with ``*``, ``?`` and ``[abc]``.
+    """
+    match = _GLOB_SPECIAL.sub(r"\\\1", prefix) + "{" + pattern + "}"
+    found: list[LockInfo] = []
+    for node in primaries(client):
+        keys = sorted(
+            {
+                key
+                for key in (_text(k) for k in _scan(node, match))
+                if key.startswith(prefix + "{")
+                and key.endswith("}")
+                and not key.endswith((":fence", ":notify"))
+            }
+        )
+        found += _read(node, keys, prefix)
+    return sorted(found, key=lambda info: info.name)
+
+
+def read_lock(client: Any, prefix: str, name: str) -> LockInfo | None:
+    """Lock *name* (the rendered name) as *client* stores it, or None when not held.
+
+    Raises :class:`~celery_redlock.core.errors.ConfigError` for a name or prefix no
+    lock can have.
+    """
+    key = lock_keys(name, prefix).lock
+    if isinstance(client, RedisCluster):
+        client = client.get_redis_connection(
+            client.get_node_from_key(key)  # type: ignore[no-untyped-call]
+        )
+    found = _read(client, [key], prefix)
+    return found[0] if found else None
+
+
+def force_release(
+    client: Any,
+    prefix: str,
+    name: str,
+    fence: int | str | None = None,
+    *,
+    notice_ttl: float = 30.0,
+) -> ForceRelease:
+    """Remove lock *name* on *client* whoever holds it, and wake one waiter.
+
+    With *fence*, only the acquisition with that fence is removed (the one an
+    operator confirmed); another one is left alone (``"refused"``). The wake-up
+    notice lives *notice_ttl* seconds if no waiter takes it. The holder is not
+    told: its next renewal finds the lock gone.
+    """
+    keys = lock_keys(name, prefix)
+    notice_ms = max(1, round(notice_ttl * 1000))
+    expected = "" if fence is None else str(fence)
+    reply = FORCE_RELEASE(client, [keys.lock, keys.notify], [notice_ms, expected])
+    code = int(reply[0])
+    if code == 0:
+        return ForceRelease("gone")
+    outcome: Literal["released", "refused"] = "released" if code == 1 else "refused"
+    return ForceRelease(outcome, parse_holder(reply[1]), _int(reply[2]))
+
+
+def _scan(node: Any, match: str) -> Iterator[Any]:
+    try:
+        yield from node.scan_iter(match=match, count=SCAN_COUNT, _type="hash")
+    except RedisError as exc:
+        if "syntax" not in str(exc).lower():  # Redis < 6 has no SCAN ... TYPE
+            raise
+        yield from node.scan_iter(match=match, count=SCAN_COUNT)
+
+
+def _read(node: Any, keys: Sequence[str], prefix: str) -> list[LockInfo]:
+    """Read the lock hashes *keys* on one plain node, pipelined; skip what is no lock."""
+    found: list[LockInfo] = []
+    for start in range(0, len(keys), READ_BATCH):
+        chunk = keys[start : start + READ_BATCH]
+        pipe = node.pipeline(transaction=False)
+        for key in chunk:
+            pipe.hmget(key, "token", "fence", "info")
+            pipe.pttl(key)
+        replies = pipe.execute(raise_on_error=False)
+        for i, key in enumerate(chunk):
+            fields, pttl = replies[2 * i], replies[2 * i + 1]
+            if isinstance(fields, Exception) or not isinstance(fields, list) or not fields[0]:
+                continue  # not a lock hash, or it went away between SCAN and read
+            found.append(
+                LockInfo(
+                    name=key[len(prefix) + 1 : -1],
+                    key=key,
+                    fence=_int(fields[1]),
+                    ttl_ms=int(pttl) if isinstance(pttl, int) else -2,
+                    record=parse_holder(fields[2]),
+                )
+            )
+    return found
+
+
+def _int(value: Any) -> int | None:
+    text = _text(value)
+    return int(text) if text.isdigit() else None
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
