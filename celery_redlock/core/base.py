@@ -291,6 +291,9 @@ class BaseLock:
             reported = self._lost  # _mark_lost already emitted "lost" for this acquisition
             held = time.monotonic() - self._acquired_at
             fence = self._fence
+            # From here on the acquisition is being given back: a renewal round already in
+            # flight must not answer "key gone" after our own RELEASE and mark it lost.
+            self._token = None
         get_manager().unregister(self)
         try:
             code = self._do_release(token)
