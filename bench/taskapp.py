@@ -1,0 +1,165 @@
+"""The Celery app that ``bench/bench_tasks.py`` runs in its worker subprocesses.
+
+Configured only through the environment (the benchmark sets these):
+
+BENCH_BROKER    broker URL (the benchmark's throwaway Redis, db 0)
+BENCH_LOCKS     Redis URL for every lock library (db 1)
+BENCH_COUNTER   Redis URL where each task INCRs ``done`` (db 3)
+BENCH_VARIANT   plain | locked | once | singleton | floor: define only that task and import
+                only the library it needs, so the plain worker carries no lock
+                library at all. Unset (the benchmark's own publishing process):
+                every variant.
+BENCH_PROFILE   a directory: each pool child runs under cProfile and dumps
+                ``child-<pid>.prof`` there when it exits (warm shutdown).
+BENCH_PROFILE_CLOCK  ``cpu`` (default: CPU time of the child's main thread, so
+                waiting for the next task or a Redis reply costs nothing) or ``wall``.
+
+Every task is a no-op that INCRs one counter, with ``ignore_result=True``: no
+result backend is configured, so only broker, lock and pool overhead is measured.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import redis
+from celery import Celery, signals
+
+VARIANTS = ("plain", "locked", "once", "singleton", "floor")
+VARIANT = os.environ.get("BENCH_VARIANT", "")
+if VARIANT and VARIANT not in VARIANTS:
+    raise SystemExit(f"BENCH_VARIANT must be one of {VARIANTS}, got {VARIANT!r}")
+LOCKS_URL = os.environ.get("BENCH_LOCKS", "redis://127.0.0.1:1/1")
+
+
+def wanted(variant: str) -> bool:
+    """True if this process defines *variant*'s task."""
+    return not VARIANT or variant == VARIANT
+
+
+app = Celery("benchtasks", broker=os.environ.get("BENCH_BROKER", "redis://127.0.0.1:1/0"))
+app.conf.update(
+    worker_prefetch_multiplier=16,
+    task_acks_late=False,
+    task_ignore_result=True,
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=True,
+)
+
+_counter: redis.Redis | None = None
+_counter_pid = 0
+
+
+def bump() -> None:
+    """INCR the shared ``done`` counter (one client per process, made after fork)."""
+    global _counter, _counter_pid
+    if _counter is None or _counter_pid != os.getpid():
+        _counter = redis.Redis.from_url(os.environ["BENCH_COUNTER"])
+        _counter_pid = os.getpid()
+    _counter.incr("done")
+
+
+TASKS: dict[str, Any] = {}
+
+if wanted("plain"):
+
+    @app.task(name="bench.plain", ignore_result=True)
+    def plain(i: int) -> None:
+        """No lock at all: the baseline."""
+        bump()
+
+    TASKS["plain"] = plain
+
+if wanted("locked"):
+    from celery_redlock import LockedTask
+
+    app.conf.redlock_url = LOCKS_URL
+
+    @app.task(name="bench.locked", base=LockedTask, lock_key="k:<i>", ignore_result=True)
+    def locked(i: int) -> None:
+        """celery-redlock: lock k:<i> taken in the worker around the run."""
+        bump()
+
+    TASKS["locked"] = locked
+
+if wanted("once"):
+    from celery_once import QueueOnce
+
+    app.conf.ONCE = {
+        "backend": "celery_once.backends.Redis",
+        "settings": {"url": LOCKS_URL, "default_timeout": 60},
+    }
+
+    @app.task(name="bench.once", base=QueueOnce, once={"keys": ["i"]}, ignore_result=True)
+    def once(i: int) -> None:
+        """celery-once: lock taken at publish, cleared by the worker after the run."""
+        bump()
+
+    TASKS["once"] = once
+
+if wanted("singleton"):
+    from celery_singleton import Singleton
+
+    app.conf.singleton_backend_url = LOCKS_URL
+
+    @app.task(name="bench.singleton", base=Singleton, ignore_result=True)
+    def singleton(i: int) -> None:
+        """celery-singleton: lock taken at publish, released by the worker on success."""
+        bump()
+
+    TASKS["singleton"] = singleton
+
+
+if wanted("floor"):
+    import secrets
+
+    from celery_redlock.core.scripts import ACQUIRE, RELEASE
+
+    _locks: redis.Redis | None = None
+    _locks_pid = 0
+
+    @app.task(name="bench.floor", ignore_result=True)
+    def floor(i: int) -> None:
+        """Reference: plain + LockedTask's two Lua scripts called directly, no adapter code.
+
+        The same acquire and release round trips (same scripts, same key shapes,
+        a 160-bit token, a small holder record), without celery-redlock's Python:
+        the floor for any lock taken and released inside the worker.
+        """
+        global _locks, _locks_pid
+        if _locks is None or _locks_pid != os.getpid():
+            _locks = redis.Redis.from_url(LOCKS_URL)
+            _locks_pid = os.getpid()
+        key = f"floor:{{k:{i}}}"
+        token = secrets.token_hex(20)
+        got = ACQUIRE(_locks, [key, key + ":fence"], [token, 30000, f'{{"pid":{os.getpid()}}}'])
+        if int(got[0]) != 1:
+            raise RuntimeError(f"floor: {key} was held")
+        bump()
+        RELEASE(_locks, [key, key + ":notify"], [token, 30000])
+
+    TASKS["floor"] = floor
+
+
+# -- optional profiling of the pool children ------------------------------------------------
+_PROFILE_DIR = os.environ.get("BENCH_PROFILE")
+_profiler: Any = None
+
+if _PROFILE_DIR:
+
+    @signals.worker_process_init.connect(weak=False)
+    def _start_profile(**_: Any) -> None:
+        global _profiler
+        import cProfile  # noqa: PLC0415 - only when profiling
+        import time  # noqa: PLC0415
+
+        wall = os.environ.get("BENCH_PROFILE_CLOCK", "cpu") == "wall"
+        _profiler = cProfile.Profile() if wall else cProfile.Profile(time.thread_time)
+        _profiler.enable()
+
+    @signals.worker_process_shutdown.connect(weak=False)
+    def _dump_profile(**_: Any) -> None:
+        if _profiler is not None:
+            _profiler.disable()
+            _profiler.dump_stats(os.path.join(str(_PROFILE_DIR), f"child-{os.getpid()}.prof"))
