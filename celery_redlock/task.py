@@ -381,15 +381,19 @@ def run_locked(
         lock = direct
         if lock is not None:
             request._redlock_lock = lock
-    watch = _Watch.start(task, lock) if lock is not None else None
+    watch: _Watch | None = None
     try:
-        return fun(task, *args, **kwargs) if bound else fun(*args, **kwargs)
-    except _LockLostInterrupt:
+        try:
+            if lock is not None:
+                watch = _Watch.start(task, lock)
+            return fun(task, *args, **kwargs) if bound else fun(*args, **kwargs)
+        finally:
+            if watch is not None:
+                watch.stop()  # after this no interrupt can reach this thread
+    except _LockLostInterrupt:  # raised in the body, or on the way out before stop() ran
         assert lock is not None
         raise LockLost(lock.name, lock._lost_reason or "lost while the task ran") from None
     finally:
-        if watch is not None:
-            watch.stop()
         if lock is not None:
             release_for_request(task, lock, getattr(request, "id", None))
 
@@ -487,6 +491,11 @@ class _Watch:
         self.main = threading.current_thread() is threading.main_thread()
         self.running = True
         self.use_signal = self.main and _install_signal_handler()
+        # lost() (renewal thread) and stop() (body thread) decide under this guard, so an
+        # interrupt is either sent while the body runs or never; stop() withdraws one that
+        # was sent but not yet delivered.
+        self._guard = threading.Lock()
+        self._sent = False
 
     @classmethod
     def start(cls, task: Any, lock: BaseLock) -> _Watch:
@@ -497,8 +506,12 @@ class _Watch:
         return watch
 
     def stop(self) -> None:
-        self.running = False
-        _pending_interrupts.discard(self.thread)
+        with self._guard:
+            self.running = False
+            _pending_interrupts.discard(self.thread)
+            if self._sent and not self.use_signal:
+                # Withdraw an interrupt not yet delivered (NULL clears the pending one).
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread), None)
 
     def lost(self) -> None:
         policy = option(self.task, "lock_on_lost")
@@ -509,15 +522,17 @@ class _Watch:
             self.lock._lost_reason,
             policy,
         )
-        if policy != "raise" or not self.running:
-            return
-        if self.use_signal and _INTERRUPT_SIGNAL is not None:
-            _pending_interrupts.add(self.thread)
-            signal.pthread_kill(self.thread, _INTERRUPT_SIGNAL)
-        else:
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(self.thread), ctypes.py_object(_LockLostInterrupt)
-            )
+        with self._guard:
+            if policy != "raise" or not self.running:
+                return
+            self._sent = True
+            if self.use_signal and _INTERRUPT_SIGNAL is not None:
+                _pending_interrupts.add(self.thread)
+                signal.pthread_kill(self.thread, _INTERRUPT_SIGNAL)
+            else:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(self.thread), ctypes.py_object(_LockLostInterrupt)
+                )
 
 
 def _on_lost(lock: BaseLock) -> None:
