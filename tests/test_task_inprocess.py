@@ -1,0 +1,1028 @@
+"""LockedTask on real in-process Celery workers (threads and solo pools) and real Redis.
+
+Every test builds a fresh ``Celery`` app whose tasks are defined with ``shared=False``
+(so apps never leak into each other) and runs them on ``start_worker`` from
+``celery.contrib.testing``: the worker runs in a background thread of this process,
+with a throwaway Redis as broker (db 0), result backend (db 2) and lock store (db 1);
+task bodies write what they saw to db 3, which the test reads.
+
+The prefork-only failures (a SIGKILLed child, hard time limits, revoke(terminate=True),
+a killed worker) are covered by test_task_worker.py, not here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import importlib
+import itertools
+import json
+import logging
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery, signals
+from celery.contrib.testing.worker import start_worker
+from celery.exceptions import Ignore, Reject
+from servers import RedisServer
+
+from celery_redlock import (
+    ConfigError,
+    Lock,
+    LockContended,
+    LockedTask,
+    LockLost,
+    QuorumUnavailable,
+    is_skipped,
+)
+from celery_redlock.state import state_for
+
+LOGGER = "celery_redlock"
+# the module, not the install() function that celery_redlock re-exports under that name
+install_module = importlib.import_module("celery_redlock.install")
+_app_numbers = itertools.count(1)
+
+
+# ------------------------------------------------------------------------------- helpers
+class Env:
+    """The throwaway Redis of one test: broker db 0, locks db 1, results db 2, records db 3."""
+
+    def __init__(self, server: RedisServer) -> None:
+        self.server = server
+        self.base = f"redis://{server.host}:{server.port}"
+        self.locks = server.client(db=1, decode_responses=True)
+        self.rec = server.client(db=3, decode_responses=True)
+        self.apps: list[Celery] = []
+
+    def app(self, lock_url: str | list[str] | None = None, **conf: Any) -> Celery:
+        """A fresh app on this server; ``conf`` entries go to ``app.conf``."""
+        number = next(_app_numbers)
+        app = Celery(
+            f"inproc{number}",
+            broker=f"{self.base}/0",
+            backend=f"{self.base}/2",
+            set_as_current=False,
+        )
+        app.conf.update(
+            redlock_url=lock_url or f"{self.base}/1",
+            task_default_queue=f"inproc{number}-{uuid.uuid4().hex[:6]}",
+            worker_hijack_root_logger=False,
+            broker_connection_retry_on_startup=True,
+            broker_transport_options={"polling_interval": 0.1},
+            result_backend_transport_options={"retry_policy": {"max_retries": 2}},
+            worker_prefetch_multiplier=1,
+        )
+        app.conf.update(conf)
+        self.apps.append(app)
+        return app
+
+    # -- records written by task bodies (db 3) --
+    def push(self, key: str, value: Any) -> None:
+        self.rec.rpush(key, json.dumps(value))
+
+    def items(self, key: str) -> list[Any]:
+        return [json.loads(v) for v in self.rec.lrange(key, 0, -1)]
+
+    def held_keys(self) -> list[str]:
+        """Lock keys (not fence counters or notify lists) currently in the lock store."""
+        return sorted(
+            k for k in self.locks.scan_iter("redlock:*") if not k.endswith((":fence", ":notify"))
+        )
+
+    def hold_until(self, flag: str, limit: float = 10.0) -> bool:
+        """Block (in small steps) until ``flag`` is set in the record db; False on timeout."""
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            if self.rec.exists(flag):
+                return True
+            time.sleep(0.01)
+        return False
+
+
+@pytest.fixture
+def env(shared_redis: RedisServer, redis_client: redis.Redis) -> Iterator[Env]:
+    """The shared throwaway server, flushed, plus record/lock clients; apps closed after."""
+    e = Env(shared_redis)
+    try:
+        yield e
+    finally:
+        gc.collect()  # see _forget_results: results die now, while their server still runs
+        for app in e.apps:
+            _forget_results(app)
+            app.close()
+        e.locks.close()
+        e.rec.close()
+
+
+def _forget_results(app: Celery) -> None:
+    """Stop *app*'s result subscriptions (in this thread) while the server still runs.
+
+    An AsyncResult unsubscribes in ``__del__``. One that outlives the test (held by a
+    failure's traceback, or in a reference cycle, like those a worker thread makes when it
+    re-queues a retry) would otherwise do that after the session's server is gone: the
+    garbage collector then reports an error at some random later point, and on CPython
+    3.11.7 that report can even break pytest's own parsing (gh-106905).
+    """
+    backend = getattr(app._local, "backend", None)  # this thread's backend, if it made one
+    consumer = getattr(backend, "result_consumer", None)
+    if consumer is None:
+        return
+    with contextlib.suppress(Exception):
+        consumer.stop()
+    consumer.subscribed_to.clear()
+    consumer._pubsub = None
+
+
+@contextlib.contextmanager
+def worker(app: Celery, pool: str = "threads", concurrency: int = 4) -> Iterator[Any]:
+    """An in-process worker (a background thread of this process) for *app*."""
+    with start_worker(
+        app,
+        pool=pool,
+        concurrency=concurrency,
+        perform_ping_check=False,
+        shutdown_timeout=30.0,
+    ) as w:
+        yield w
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, step: float = 0.01) -> Any:
+    """Poll *predicate* until it returns something truthy (bounded in time); return it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+def messages(caplog: pytest.LogCaptureFixture, level: int = logging.DEBUG) -> list[str]:
+    """celery_redlock log messages at *level* or above."""
+    return [
+        r.getMessage() for r in caplog.records if r.name.startswith(LOGGER) and r.levelno >= level
+    ]
+
+
+@pytest.fixture
+def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """caplog capturing celery_redlock's INFO lines."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    return caplog
+
+
+@pytest.fixture
+def no_safety_net() -> Iterator[None]:
+    """Disconnect the task_postrun safety net, so only the body wrapper can release."""
+    receiver = install_module._on_postrun
+    assert signals.task_postrun.disconnect(receiver)
+    try:
+        yield
+    finally:
+        signals.task_postrun.connect(receiver, weak=False)
+
+
+# ------------------------------------------------------------------ 1. keys and templates
+def test_template_binds_positional_keyword_and_defaulted_calls_to_one_key(env: Env) -> None:
+    """Positional, keyword and defaulted calls of sync(user_id, full) all hold redlock:{sync:42}."""
+    app = env.app()
+
+    @app.task(base=LockedTask, shared=False, lock_key="sync:<user_id>")
+    def sync(user_id: int, full: bool = False) -> list[str]:
+        return env.held_keys()  # observed in Redis while this run holds its lock
+
+    calls = [
+        sync.delay(42),
+        sync.delay(user_id=42),
+        sync.delay(42, True),
+        sync.delay(42, full=True),
+        sync.apply_async(kwargs={"full": False, "user_id": 42}),
+    ]
+    with worker(app):
+        seen = [r.get(timeout=10) for r in calls]
+    assert seen == [["redlock:{sync:42}"]] * len(calls)
+    assert env.held_keys() == []
+
+
+def test_dict_argument_gives_the_same_key_in_any_key_order(env: Env) -> None:
+    """A dict argument renders canonically: {'a','b'} and {'b','a'} lock one key."""
+    app = env.app()
+
+    @app.task(base=LockedTask, shared=False, lock_key="cfg:<cfg>")
+    def configure(cfg: dict[str, Any]) -> list[str]:
+        return env.held_keys()
+
+    with worker(app):
+        first = configure.delay({"a": 1, "b": [1, 2]}).get(timeout=10)
+        second = configure.delay({"b": [1, 2], "a": 1}).get(timeout=10)
+    assert first == second == ['redlock:{cfg:{"a":1,"b":[1,2]}}']
+
+
+def test_callable_key_singleton_and_per_call_override(env: Env) -> None:
+    """A callable lock_key, the task-name singleton and apply_async(lock_key=...) pick the key."""
+    app = env.app()
+
+    @app.task(
+        base=LockedTask,
+        shared=False,
+        lock_key=lambda user_id, full=False: f"cb-{user_id}",
+    )
+    def by_callable(user_id: int, full: bool = False) -> list[str]:
+        return env.held_keys()
+
+    @app.task(base=LockedTask, shared=False, name="inproc.nightly")
+    def nightly() -> list[str]:
+        return env.held_keys()
+
+    @app.task(base=LockedTask, shared=False, lock_key="sync:<user_id>")
+    def sync(user_id: int) -> list[str]:
+        return env.held_keys()
+
+    with worker(app):
+        assert by_callable.delay(7).get(timeout=10) == ["redlock:{cb-7}"]
+        assert by_callable.delay(user_id=7).get(timeout=10) == ["redlock:{cb-7}"]
+        assert nightly.delay().get(timeout=10) == ["redlock:{inproc.nightly}"]
+        assert sync.apply_async((42,), lock_key="other").get(timeout=10) == ["redlock:{other}"]
+        assert sync.apply_async((42,), lock_key="o:<user_id>").get(timeout=10) == ["redlock:{o:42}"]
+        assert sync.delay(42).get(timeout=10) == ["redlock:{sync:42}"]
+
+
+def test_per_call_template_with_an_unknown_name_fails_at_the_call(env: Env) -> None:
+    """apply_async(lock_key="o:<usr>") raises ConfigError at the caller, not in the worker."""
+    app = env.app()
+
+    @app.task(base=LockedTask, shared=False, name="inproc.sync", lock_key="sync:<user_id>")
+    def sync(user_id: int) -> None:
+        raise AssertionError("never sent")
+
+    with pytest.raises(ConfigError, match=r"'inproc.sync'.*<usr>.*did you mean <user_id>"):
+        sync.apply_async((42,), lock_key="o:<usr>")
+    assert env.server.client().llen(app.conf.task_default_queue) == 0
+
+
+# ------------------------------------------------------ 2. bad options fail at decoration
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"lock_key": "sync:<usr>"}, ["<usr>", "did you mean <user_id>?", "user_id, full"]),
+        ({"lock_kye": "sync:<user_id>"}, ["unknown lock option 'lock_kye'", "'lock_key'?"]),
+        (
+            {"lock_on_contended": "sometimes"},
+            ["lock_on_contended='sometimes'", "'retry', 'skip', 'wait', 'raise'"],
+        ),
+        ({"lock_on_lost": "ignore"}, ["lock_on_lost='ignore'", "'raise', 'warn'"]),
+        ({"lock_ttl": 0}, ["lock_ttl=0", "> 0"]),
+        ({"lock_ttl": "ten"}, ["lock_ttl='ten'", "a number of seconds"]),
+        ({"lock_max_retries": -1}, ["lock_max_retries=-1", "whole number"]),
+    ],
+)
+def test_bad_option_is_a_config_error_at_decoration(
+    env: Env, options: dict[str, Any], expected: list[str]
+) -> None:
+    """A bad template, unknown option, policy or TTL raises ConfigError naming task and fix."""
+    app = env.app()
+    app.finalize()  # a finalized app builds the task class right in the decorator
+    with pytest.raises(ConfigError) as info:
+
+        @app.task(base=LockedTask, shared=False, name="inproc.bad", **options)
+        def bad(user_id: int, full: bool = False) -> None:
+            raise AssertionError("never runs")
+
+    message = str(info.value)
+    assert "'inproc.bad'" in message
+    for part in expected:
+        assert part in message
+    assert "inproc.bad" not in app.tasks
+
+
+def test_bad_template_on_a_lazy_app_fails_when_the_app_is_finalized(env: Env) -> None:
+    """On a not yet finalized app the ConfigError comes at finalize (worker start), not later."""
+    app = env.app()
+
+    @app.task(base=LockedTask, shared=False, name="inproc.lazy", lock_key="x:<usr>")
+    def lazy(user_id: int) -> None:
+        raise AssertionError("never runs")
+
+    with pytest.raises(ConfigError, match=r"'inproc.lazy'.*did you mean <user_id>"):
+        app.finalize()
+
+
+# ------------------------------------------------------------- 3.-6. contention policies
+def _holding_task(app: Celery, env: Env, **options: Any) -> Any:
+    """A task on job:<n> that counts its runs and holds the lock until flag ``go:<n>``."""
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_key="job:<n>", **options)
+    def job(self: Any, n: int, hold: bool = True) -> dict[str, Any]:
+        env.rec.incr(f"runs:{n}")
+        env.push("started", {"id": self.request.id, "t": time.time()})
+        if hold:
+            env.hold_until(f"go:{n}")
+        env.push("ended", {"id": self.request.id, "t": time.time()})
+        return {"id": self.request.id, "retries": self.request.retries}
+
+    return job
+
+
+def _started(env: Env, task_id: str) -> dict[str, Any]:
+    return wait_for(lambda: next((e for e in env.items("started") if e["id"] == task_id), None))
+
+
+def test_skip_does_not_run_and_returns_a_marker_naming_the_holder(
+    env: Env, logs: pytest.LogCaptureFixture
+) -> None:
+    """skip: B's body never runs, get() returns at once a skipped marker with A's task id."""
+    app = env.app()
+    job = _holding_task(app, env, lock_on_contended="skip")
+    with worker(app):
+        a = job.delay(1)
+        _started(env, a.id)
+        b = job.delay(1)
+        begin = time.monotonic()
+        result = b.get(timeout=10)
+        took = time.monotonic() - begin
+        assert not a.ready()  # A still holds the lock: B did not wait for it
+        env.rec.set("go:1", 1)
+        assert a.get(timeout=10)["id"] == a.id
+    assert took < 3.0
+    assert is_skipped(result)
+    assert result["lock"] == "job:1"
+    assert result["holder"]["task_id"] == a.id
+    assert result["holder"]["task_name"] == job.name
+    assert b.state == "SUCCESS"
+    assert env.rec.get("runs:1") == "1"
+    skipped = [r for r in logs.records if "skipped" in r.getMessage() and b.id in r.getMessage()]
+    assert len(skipped) == 1
+    assert skipped[0].name == "celery_redlock.task"
+    assert a.id in skipped[0].getMessage() and "job:1" in skipped[0].getMessage()
+
+
+def test_raise_fails_with_lock_contended(env: Env) -> None:
+    """raise: B ends FAILURE with LockContended naming A, without running its body."""
+    app = env.app()
+    job = _holding_task(app, env, lock_on_contended="raise")
+    with worker(app):
+        a = job.delay(1)
+        _started(env, a.id)
+        b = job.delay(1)
+        exc = b.get(timeout=10, propagate=False)
+        assert not a.ready()
+        env.rec.set("go:1", 1)
+        a.get(timeout=10)
+    assert b.state == "FAILURE"
+    assert isinstance(exc, LockContended)
+    assert str(exc).startswith("lock 'job:1' is held by task ")
+    assert exc.name == "job:1"  # rebuilt from the JSON result with its context
+    assert exc.holder["task_id"] == a.id
+    assert env.rec.get("runs:1") == "1"
+
+
+def test_wait_is_woken_by_the_release_notice_not_the_ttl(env: Env) -> None:
+    """wait with lock_ttl=30: B starts within 0.5 s of A's end, so the release notice woke it."""
+    app = env.app()
+    job = _holding_task(app, env, lock_on_contended="wait", lock_ttl=30, lock_wait_timeout=20)
+    with worker(app):
+        a = job.delay(1)
+        _started(env, a.id)
+        b = job.delay(1)
+        time.sleep(0.5)  # B is now blocked in its acquire
+        assert env.rec.get("runs:1") == "1"
+        env.rec.set("go:1", 1)
+        assert b.get(timeout=15)["id"] == b.id
+        a.get(timeout=10)
+    a_end = next(e["t"] for e in env.items("ended") if e["id"] == a.id)
+    b_start = next(e["t"] for e in env.items("started") if e["id"] == b.id)
+    assert 0 < b_start - a_end < 0.5, b_start - a_end
+
+
+def test_wait_timeout_shorter_than_the_holder_fails_with_lock_contended(env: Env) -> None:
+    """wait, lock_wait_timeout=0.3, A holds on: B fails with LockContended, A is unaffected."""
+    app = env.app()
+    job = _holding_task(app, env, lock_on_contended="wait", lock_wait_timeout=0.3)
+    with worker(app):
+        a = job.delay(1)
+        _started(env, a.id)
+        begin = time.monotonic()
+        b = job.delay(1)
+        exc = b.get(timeout=10, propagate=False)
+        took = time.monotonic() - begin
+        assert not a.ready()
+        env.rec.set("go:1", 1)
+        a.get(timeout=10)
+    assert b.state == "FAILURE"
+    assert isinstance(exc, LockContended) and exc.holder["task_id"] == a.id
+    assert 0.3 <= took < 3.0
+    assert env.rec.get("runs:1") == "1"
+
+
+def test_retry_requeues_with_backoff_outside_the_tasks_own_retry_budget(
+    env: Env, logs: pytest.LogCaptureFixture
+) -> None:
+    """retry: B (max_retries=0) is re-queued with exponential backoff, then runs once, retries=0."""
+    app = env.app()
+    job = _holding_task(
+        app,
+        env,
+        lock_on_contended="retry",
+        max_retries=0,
+        lock_max_retries=50,
+        lock_retry_backoff=0.05,
+        lock_retry_backoff_max=0.2,
+        lock_retry_jitter=False,
+    )
+    with worker(app):
+        a = job.delay(1)
+        _started(env, a.id)
+        b = job.delay(1, hold=False)
+        wait_for(lambda: len([m for m in messages(logs) if b.id in m and "lock retry" in m]) >= 4)
+        env.rec.set("go:1", 1)
+        result = b.get(timeout=10)
+        a.get(timeout=10)
+    assert result == {"id": b.id, "retries": 0}  # lock retries leave request.retries alone
+    assert env.rec.get("runs:1") == "2"
+    retries = [m for m in messages(logs) if b.id in m and "lock retry" in m]
+    delays = [float(re.search(r" in ([0-9.]+)s", m).group(1)) for m in retries]  # type: ignore[union-attr]
+    assert delays[:4] == [0.05, 0.1, 0.2, 0.2]
+    numbers = [int(re.search(r"lock retry (\d+)/50", m).group(1)) for m in retries]  # type: ignore[union-attr]
+    assert numbers == list(range(1, len(numbers) + 1))
+    a_end = next(e["t"] for e in env.items("ended") if e["id"] == a.id)
+    b_start = next(e["t"] for e in env.items("started") if e["id"] == b.id)
+    assert b_start > a_end
+
+
+def test_retry_budget_spent_fails_with_lock_contended(
+    env: Env, logs: pytest.LogCaptureFixture
+) -> None:
+    """lock_max_retries=2 while A holds on: B ends FAILURE with LockContended after 2 retries."""
+    app = env.app()
+    job = _holding_task(
+        app,
+        env,
+        lock_on_contended="retry",
+        lock_max_retries=2,
+        lock_retry_backoff=0.05,
+        lock_retry_jitter=False,
+    )
+    with worker(app):
+        a = job.delay(1)
+        _started(env, a.id)
+        b = job.delay(1)
+        exc = b.get(timeout=10, propagate=False)
+        assert not a.ready()
+        env.rec.set("go:1", 1)
+        a.get(timeout=10)
+    assert b.state == "FAILURE"
+    assert isinstance(exc, LockContended) and exc.holder["task_id"] == a.id
+    assert env.rec.get("runs:1") == "1"
+    gave_up = [m for m in messages(logs, logging.ERROR) if b.id in m]
+    assert len(gave_up) == 1
+    assert "gave up after 2 lock retries" in gave_up[0]
+    assert len([m for m in messages(logs) if b.id in m and "lock retry" in m]) == 2
+
+
+# -------------------------------------------------------------------- 7. self.retry()
+@pytest.mark.parametrize(("policy", "countdown"), [("retry", 0.1), ("skip", 0)])
+def test_self_retry_from_a_locked_task_runs_again_and_succeeds(
+    env: Env, policy: str, countdown: float
+) -> None:
+    """self.retry() re-runs the task (not skipped or blocked by its own lock) and it succeeds."""
+    app = env.app()
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        lock_key="flaky:<n>",
+        lock_on_contended=policy,
+        max_retries=3,
+        lock_retry_backoff=0.05,
+    )
+    def flaky(self: Any, n: int) -> str:
+        env.push(f"flaky:{n}", self.request.retries)
+        if self.request.retries == 0:
+            raise self.retry(countdown=countdown)
+        return "done"
+
+    with worker(app):
+        results = [flaky.delay(n) for n in range(12)]  # several, so the race shows up
+        assert [r.get(timeout=10) for r in results] == ["done"] * 12
+    for n in range(12):
+        assert env.items(f"flaky:{n}") == [0, 1]
+    assert env.held_keys() == []
+
+
+# -------------------------------------------------------- 8. released on every exit
+def test_released_on_every_exit_before_the_result_is_ready(env: Env, no_safety_net: None) -> None:
+    """Success, error, self.retry(), Ignore and Reject each free the key by the time they end."""
+    app = env.app()
+    finished: dict[str, threading.Event] = {}
+
+    def on_postrun(task_id: str | None = None, **_: Any) -> None:
+        if task_id in finished:
+            finished[task_id].set()
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_key="exit:<how>", max_retries=1)
+    def leave(self: Any, how: str) -> str:
+        env.push("held", [how, self.request.retries, env.held_keys()])
+        if how == "error":
+            raise ValueError("boom")
+        if how == "retry" and self.request.retries == 0:
+            raise self.retry(countdown=1.0)
+        if how == "ignore":
+            raise Ignore()
+        if how == "reject":
+            raise Reject("no", requeue=False)
+        return how
+
+    signals.task_postrun.connect(on_postrun, weak=False)
+    try:
+        with worker(app):
+            assert leave.delay("ok").get(timeout=10) == "ok"
+            assert env.held_keys() == []
+
+            exc = leave.delay("error").get(timeout=10, propagate=False)
+            assert isinstance(exc, ValueError)
+            assert env.held_keys() == []
+
+            retried = leave.delay("retry")
+            wait_for(lambda: retried.state == "RETRY")
+            assert env.held_keys() == []  # released before the RETRY state was stored
+            assert retried.get(timeout=10) == "retry"
+            assert env.held_keys() == []
+
+            for how in ("ignore", "reject"):
+                task_id = str(uuid.uuid4())
+                finished[task_id] = threading.Event()
+                leave.apply_async((how,), task_id=task_id)
+                assert finished[task_id].wait(10)
+                assert env.held_keys() == []
+    finally:
+        signals.task_postrun.disconnect(on_postrun)
+    held = env.items("held")
+    assert [h[:2] for h in held] == [
+        ["ok", 0],
+        ["error", 0],
+        ["retry", 0],
+        ["retry", 1],
+        ["ignore", 0],
+        ["reject", 0],
+    ]
+    for how, _, keys in held:
+        assert keys == [f"redlock:{{exit:{how}}}"]
+
+
+def test_direct_call_and_apply_lock_and_release(env: Env) -> None:
+    """task(...) and task.apply() hold the lock while the body runs and release it after."""
+    app = env.app()
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_key="direct:<n>")
+    def direct(self: Any, n: int, fail: bool = False) -> list[str]:
+        keys = env.held_keys()
+        if fail:
+            raise ValueError(keys)
+        assert self.lock is not None and self.lock.owned()
+        return keys
+
+    assert direct(1) == ["redlock:{direct:1}"]
+    assert env.held_keys() == []
+    with pytest.raises(ValueError, match="direct:2"):
+        direct(2, fail=True)
+    assert env.held_keys() == []
+    assert direct.apply((3,)).get() == ["redlock:{direct:3}"]
+    assert env.held_keys() == []
+    result = direct.apply((4,), {"fail": True})
+    assert result.state == "FAILURE"
+    assert "direct:4" in str(result.result)
+    assert env.held_keys() == []
+
+
+# ------------------------------------------------------------ 9.-11. while the body runs
+def test_task_running_three_times_its_ttl_keeps_its_lock(
+    env: Env, logs: pytest.LogCaptureFixture
+) -> None:
+    """lock_ttl=1, body runs 3 s: the key stays with one token and fence all along, never lost."""
+    app = env.app()
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_key="long", lock_ttl=1)
+    def long(self: Any) -> dict[str, Any]:
+        env.push("fence", self.lock.fence)
+        time.sleep(3.0)
+        return {"lost": self.lock.lost, "owned": self.lock.owned(), "fence": self.lock.fence}
+
+    with worker(app):
+        result = long.delay()
+        wait_for(lambda: env.items("fence"))
+        seen: set[tuple[str, str]] = set()
+        ttls: list[int] = []
+        while not result.ready():
+            token, fence = env.locks.hmget("redlock:{long}", ["token", "fence"])
+            if result.ready():
+                break
+            assert token is not None, "the lock key vanished while the task ran"
+            seen.add((token, fence))
+            ttls.append(env.locks.pttl("redlock:{long}"))
+            time.sleep(0.1)
+        outcome = result.get(timeout=10)
+    assert len(ttls) >= 20
+    assert len(seen) == 1
+    assert int(next(iter(seen))[1]) == env.items("fence")[0] == outcome["fence"]
+    assert all(0 < t <= 1000 for t in ttls)
+    assert outcome["lost"] is False and outcome["owned"] is True
+    assert not [m for m in messages(logs, logging.WARNING) if "lost" in m.lower()]
+
+
+def test_release_racing_a_renewal_round_is_not_reported_lost(
+    env: Env, logs: pytest.LogCaptureFixture
+) -> None:
+    """A renewal round that answers "key gone" after our own release does not mark it lost."""
+    lost: list[Any] = []
+
+    class RacingLock(Lock):
+        in_flight: Any = ()
+
+        def _do_release(self, token: str) -> int:
+            code = super()._do_release(token)
+            # The answer of a round that took its targets before release() started: the
+            # key is gone now (code 0), because we just deleted it ourselves.
+            self._renewal_result(time.monotonic(), self.in_flight, [0])
+            return code
+
+    lock = RacingLock(env.locks, "race", ttl=5, on_lost=lost.append)
+    assert lock.acquire(blocking=False)
+    lock.in_flight = lock._renewal_targets()
+    lock.release()
+    assert lost == []
+    assert not lock.lost
+    assert not [m for m in messages(logs, logging.WARNING) if "LOST" in m]
+
+
+def _victim(app: Celery, env: Env, policy: str, ttl: float) -> Any:
+    """A task that sleeps in small steps and records when LockLost reached it."""
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        lock_key="victim",
+        lock_ttl=ttl,
+        lock_on_lost=policy,
+    )
+    def victim(self: Any, steps: int = 120, step: float = 0.025) -> dict[str, Any]:
+        env.push(
+            "started",
+            {
+                "thread": threading.current_thread().name,
+                # which interrupt path this run uses: a signal (main thread) or an async exception
+                "signal": self.lock._redlock_watch.use_signal,
+            },
+        )
+        try:
+            for _ in range(steps):
+                time.sleep(step)
+        except LockLost:
+            env.rec.set("lost_at", time.time())
+            raise
+        return {"lost": self.lock.lost, "owned": self.lock.owned()}
+
+    return victim
+
+
+@pytest.mark.parametrize("pool", ["threads", "solo"])
+def test_stolen_lock_raises_lock_lost_in_the_body(
+    env: Env, logs: pytest.LogCaptureFixture, pool: str
+) -> None:
+    """on_lost=raise: LockLost reaches a worker-thread body within ttl/3 (async-exception path)."""
+    ttl = 1.2
+    app = env.app()
+    victim = _victim(app, env, "raise", ttl)
+    with worker(app, pool=pool, concurrency=1):
+        result = victim.delay()
+        started = wait_for(lambda: env.items("started"))[0]
+        time.sleep(0.1)
+        stolen_at = time.time()
+        assert env.locks.delete("redlock:{victim}") == 1
+        exc = result.get(timeout=10, propagate=False)
+    # start_worker runs the worker in a background thread; solo runs the body in that thread,
+    # threads in a pool thread: either way not the main thread, so the PyThreadState_SetAsyncExc
+    # path (an exception at the body's next bytecode, hence the short sleep steps).
+    assert started["thread"] != "MainThread" and started["signal"] is False
+    assert result.state == "FAILURE"
+    assert type(exc).__name__ == "LockLost"
+    assert "victim" in str(exc)
+    assert isinstance(exc, LockLost) and exc.name == "victim"
+    lost_at = float(wait_for(lambda: env.rec.get("lost_at"), timeout=1))
+    assert 0 < lost_at - stolen_at < ttl / 3 + 0.5, lost_at - stolen_at
+    assert any("lost while running" in m for m in messages(logs, logging.WARNING))
+
+
+@pytest.mark.parametrize("pool", ["threads", "solo"])
+def test_stolen_lock_with_warn_lets_the_body_finish_flagged(
+    env: Env, logs: pytest.LogCaptureFixture, pool: str
+) -> None:
+    """on_lost=warn: the body finishes, self.lock.lost is True inside it, the loss is logged."""
+    app = env.app()
+    victim = _victim(app, env, "warn", 1.2)
+    with worker(app, pool=pool, concurrency=1):
+        result = victim.delay(steps=60)  # 1.5 s
+        started = wait_for(lambda: env.items("started"))[0]
+        time.sleep(0.1)
+        assert env.locks.delete("redlock:{victim}") == 1
+        outcome = result.get(timeout=10)
+    assert started["thread"] != "MainThread" and started["signal"] is False
+    assert result.state == "SUCCESS"
+    assert outcome == {"lost": True, "owned": False}
+    assert env.rec.get("lost_at") is None
+    warnings = messages(logs, logging.WARNING)
+    assert any("victim" in m and "lost while running" in m and "warn" in m for m in warnings)
+
+
+def test_stolen_lock_interrupts_a_main_thread_body_by_signal(env: Env) -> None:
+    """A direct call in the main thread gets LockLost even inside one long sleep (signal path)."""
+    app = env.app()
+    victim = _victim(app, env, "raise", 1.2)
+    stealer = threading.Timer(0.3, lambda: env.locks.delete("redlock:{victim}"))
+    begin = time.monotonic()
+    stealer.start()
+    try:
+        with pytest.raises(LockLost, match="victim"):
+            victim(steps=1, step=5.0)  # one 5 s sleep: only a signal can cut it short
+    finally:
+        stealer.cancel()
+        stealer.join()
+    assert time.monotonic() - begin < 0.3 + 1.2 / 3 + 0.5
+    assert env.rec.get("lost_at") is not None
+    assert env.items("started")[0] == {"thread": "MainThread", "signal": True}
+    assert env.held_keys() == []
+
+
+def test_lost_lock_interrupt_never_lands_after_the_body_returned(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A LockLost interrupt sent just as the body returns never surfaces after run_locked."""
+    app = env.app()
+    body_done = threading.Event()
+    real = ctypes.pythonapi.PyThreadState_SetAsyncExc
+
+    def late_send(thread: Any, exc: Any) -> int:
+        # The renewal thread decided to interrupt while the body still ran; this send is
+        # held back until the body has returned: the race, made certain.
+        if exc is not None:
+            body_done.wait(1.0)
+        return int(real(thread, exc))
+
+    monkeypatch.setattr(ctypes.pythonapi, "PyThreadState_SetAsyncExc", late_send)
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_key="late", lock_ttl=0.6)
+    def late(self: Any) -> str:
+        env.locks.delete("redlock:{late}")
+        wait_for(lambda: self.lock.lost, timeout=3)  # the renewal thread saw the loss
+        return "returned"
+
+    outcome: list[str] = []
+
+    def caller() -> None:
+        try:
+            outcome.append(late())
+        except LockLost:
+            outcome.append("LockLost in the call")
+        body_done.set()
+        try:
+            for _ in range(50):  # plain code after the task call: nothing may land here
+                time.sleep(0.01)
+            outcome.append("clean")
+        except LockLost:
+            outcome.append("LockLost AFTER the call returned")
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert outcome[-1] == "clean", outcome
+    assert env.held_keys() == []
+
+
+def test_fence_strictly_increases_across_runs_and_lock_is_owned(env: Env) -> None:
+    """self.lock.fence is an int, strictly increasing per key across runs; owned() is True."""
+    app = env.app()
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_key="fenced:<n>")
+    def fenced(self: Any, n: int) -> list[Any]:
+        return [self.lock.fence, self.lock.owned(), type(self.lock.fence).__name__]
+
+    with worker(app):
+        runs = [fenced.delay(1).get(timeout=10) for _ in range(4)]
+        other = fenced.delay(2).get(timeout=10)
+    runs.append(fenced(1))
+    fences = [r[0] for r in runs]
+    assert all(r[1] is True and r[2] == "int" for r in [*runs, other])
+    assert all(a < b for a, b in itertools.pairwise(fences)), fences
+    assert int(env.locks.get("redlock:{fenced:1}:fence")) == fences[-1]
+
+
+# ------------------------------------------------------------------ 12. Redis down
+def _counting(app: Celery, env: Env, name: str = "inproc.counted", **options: Any) -> Any:
+    @app.task(base=LockedTask, bind=True, shared=False, name=name, lock_key="down:<n>", **options)
+    def counted(self: Any, n: int) -> str:
+        env.rec.incr("runs")
+        return "ran"
+
+    return counted
+
+
+@pytest.mark.parametrize("outage", ["stopped", "blackholed"])
+def test_redis_down_retries_then_fails_without_running(
+    env: Env,
+    logs: pytest.LogCaptureFixture,
+    redis_server: RedisServer,
+    fault_proxy: Callable[[RedisServer], Any],
+    outage: str,
+) -> None:
+    """Lock Redis down: body never runs; RETRY, then FAILURE(QuorumUnavailable); no tracebacks."""
+    if outage == "stopped":
+        url = f"redis://127.0.0.1:{redis_server.port}/1"
+        redis_server.stop()
+    else:
+        proxy = fault_proxy(redis_server)
+        proxy.blackhole()
+        url = f"redis://127.0.0.1:{proxy.port}/1"
+    app = env.app(
+        lock_url=url,
+        redlock_client_options={"socket_timeout": 0.3, "socket_connect_timeout": 0.3},
+    )
+    counted = _counting(
+        app, env, lock_max_retries=1, lock_retry_backoff=0.5, lock_retry_jitter=False
+    )
+    with worker(app):
+        result = counted.delay(1)
+        wait_for(lambda: result.state == "RETRY", timeout=10, step=0.005)
+        exc = result.get(timeout=15, propagate=False)
+    assert result.state == "FAILURE"
+    assert isinstance(exc, QuorumUnavailable)
+    assert exc.name == "down:1"
+    assert env.rec.get("runs") is None
+    ours = [r for r in logs.records if r.name.startswith(LOGGER) and r.levelno >= logging.WARNING]
+    assert all(r.exc_info is None for r in ours), [r.getMessage() for r in ours]
+    warnings = [r.getMessage() for r in ours if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings  # one line for the first run, one for its retry
+    assert all("not started" in m and result.id in m and "down:1" in m for m in warnings)
+    errors = [r.getMessage() for r in ours if r.levelno == logging.ERROR]
+    assert len(errors) == 2, errors  # worker start-up, and the final give-up
+    assert "unreachable" in errors[0]
+    assert "gave up after 1 lock retries" in errors[1] and result.id in errors[1]
+
+
+def test_redis_down_with_fail_open_runs_unlocked_and_warns(
+    env: Env, logs: pytest.LogCaptureFixture, redis_server: RedisServer
+) -> None:
+    """redlock_fail_open=True: with the lock Redis down the body runs unlocked, with a warning."""
+    url = f"redis://127.0.0.1:{redis_server.port}/1"
+    redis_server.stop()
+    app = env.app(
+        lock_url=url,
+        redlock_fail_open=True,
+        redlock_client_options={"socket_timeout": 0.3, "socket_connect_timeout": 0.3},
+    )
+    counted = _counting(app, env)
+    with worker(app):
+        result = counted.delay(1)
+        assert result.get(timeout=10) == "ran"
+    assert env.rec.get("runs") == "1"
+    assert any("UNLOCKED" in m and result.id in m for m in messages(logs, logging.WARNING))
+
+
+# ------------------------------------------------------------- 13.-15. apps and settings
+def test_two_apps_keep_their_own_settings_and_clients(
+    env: Env, redis_servers: Callable[[int], list[RedisServer]]
+) -> None:
+    """Two apps in one process lock on their own servers with their own TTLs."""
+    first, second = redis_servers(2)
+    apps = [
+        env.app(lock_url=f"{first.url[:-2]}/1", redlock_ttl=5),
+        env.app(lock_url=f"{second.url[:-2]}/1", redlock_ttl=7),
+    ]
+    stores = [first.client(db=1, decode_responses=True), second.client(db=1, decode_responses=True)]
+    tasks = []
+    for app in apps:
+
+        @app.task(base=LockedTask, bind=True, shared=False, lock_key="same")
+        def where(self: Any) -> list[Any]:
+            return [
+                self.lock.ttl,
+                [s.exists("redlock:{same}") for s in stores],
+                [s.pttl("redlock:{same}") for s in stores],
+            ]
+
+        tasks.append(where)
+    try:
+        seen = []
+        for app, task in zip(apps, tasks, strict=True):
+            with worker(app):
+                seen.append(task.delay().get(timeout=10))
+        seen.extend([tasks[0](), tasks[1](), tasks[0]()])  # interleaved in one process
+    finally:
+        for s in stores:
+            s.close()
+    for (ttl, exists, pttl), home in zip(seen, [0, 1, 0, 1, 0], strict=True):
+        assert ttl == [5.0, 7.0][home]
+        assert exists == [int(i == home) for i in range(2)]
+        assert [5000, 7000][home] - 1000 < pttl[home] <= [5000, 7000][home]
+    assert state_for(apps[0]).clients() is not state_for(apps[1]).clients()
+    assert state_for(apps[0]).settings["redlock_ttl"] == 5.0
+    assert state_for(apps[1]).settings["redlock_ttl"] == 7.0
+
+
+def test_eager_mode_keeps_lock_semantics(env: Env) -> None:
+    """task_always_eager: a held lock still makes .delay() skip (skip) or fail (retry -> wait)."""
+    app = env.app(task_always_eager=True)
+    skipper = _counting(app, env, lock_on_contended="skip")
+    retrier = _counting(
+        app, env, "inproc.retrier", lock_on_contended="retry", lock_wait_timeout=0.3
+    )
+    outside = Lock(env.locks, "down:1", ttl=10, owner_info={"task_id": "outside"})
+    assert outside.acquire(blocking=False)
+    try:
+        result = skipper.delay(1).get()
+        assert is_skipped(result)
+        assert result["holder"]["task_id"] == "outside"
+        begin = time.monotonic()
+        with pytest.raises(LockContended, match="down:1") as info:
+            retrier.delay(1).get()
+        assert info.value.holder["task_id"] == "outside"
+        assert time.monotonic() - begin >= 0.3
+    finally:
+        outside.release()
+    assert env.rec.get("runs") is None
+    assert skipper.delay(1).get() == "ran"
+    assert env.rec.get("runs") == "1"
+
+
+def test_eager_self_retry_and_per_call_key(env: Env) -> None:
+    """Eager: self.retry() re-runs and succeeds; apply_async(lock_key=...) picks the key."""
+    app = env.app(task_always_eager=True)
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_key="e:<n>", max_retries=2)
+    def eager(self: Any, n: int) -> list[Any]:
+        env.push("eager", [self.request.retries, env.held_keys()])
+        if self.request.retries == 0:
+            raise self.retry(countdown=0)
+        return env.held_keys()
+
+    assert eager.delay(1).get() == ["redlock:{e:1}"]
+    assert env.items("eager") == [[0, ["redlock:{e:1}"]], [1, ["redlock:{e:1}"]]]
+    assert eager.apply_async((2,), lock_key="per-call").get() == ["redlock:{per-call}"]
+    assert env.held_keys() == []
+
+
+def test_redlock_disable_runs_unlocked(env: Env, logs: pytest.LogCaptureFixture) -> None:
+    """redlock_disable=True: the worker warns loudly and tasks run while the lock is held."""
+    app = env.app(redlock_disable=True)
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, lock_key="down:<n>", lock_on_contended="raise"
+    )
+    def unlocked(self: Any, n: int) -> bool:
+        env.rec.incr("runs")
+        return self.lock is None
+
+    outside = Lock(env.locks, "down:1", ttl=10)
+    assert outside.acquire(blocking=False)
+    try:
+        with worker(app):
+            assert unlocked.delay(1).get(timeout=10) is True
+        assert unlocked(1) is True
+    finally:
+        outside.release()
+    assert env.rec.get("runs") == "2"
+    assert any("DISABLED" in m for m in messages(logs, logging.WARNING))
+
+
+def test_settings_typo_and_wrong_type_are_config_errors(env: Env) -> None:
+    """An unknown redlock_* setting gets a did-you-mean; a wrong type names the setting."""
+    app = env.app(redlock_ttll=5, redlock_max_retries="3", redlock_on_lost="never")
+    with pytest.raises(ConfigError) as info:
+        state_for(app).settings  # noqa: B018 - loading is the check
+    message = str(info.value)
+    assert "unknown setting 'redlock_ttll' (did you mean 'redlock_ttl'?)" in message
+    assert "redlock_max_retries='3' must be a whole number" in message
+    assert "redlock_on_lost='never' must be one of 'raise', 'warn'" in message
+
+
+def test_bad_setting_stops_the_worker_at_start(env: Env) -> None:
+    """A bad redlock_* setting raises ConfigError when the worker starts, before any task runs."""
+    app = env.app(redlock_ttl="thirty")
+
+    @app.task(base=LockedTask, shared=False)
+    def anything() -> None:
+        raise AssertionError("never runs")
+
+    with (
+        pytest.raises(ConfigError, match=r"redlock_ttl='thirty' must be a number"),
+        worker(app),
+    ):
+        raise AssertionError("the worker started")
