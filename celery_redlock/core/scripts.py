@@ -12,6 +12,7 @@ from redis.exceptions import NoScriptError
 
 __all__ = [
     "ACQUIRE",
+    "CLAIM_FIELD",
     "EXTEND",
     "EXTEND_MANY",
     "FENCED_HSET",
@@ -70,4 +71,5 @@ EXTEND = Script("extend.lua")
 EXTEND_MANY = Script("extend_many.lua")
 RAISE_FENCE = Script("raise_fence.lua")
 FORCE_RELEASE = Script("force_release.lua")  # `celery locks release`
-FENCED_HSET = Script("fenced_hset.lua")  # beat's once-per-tick claims
+FENCED_HSET = Script("fenced_hset.lua")  # beat's once-per-tick claims (before records.py)
+CLAIM_FIELD = Script("claim_field.lua")  # beat's once-per-tick claims (core/records.py)
