@@ -108,8 +108,7 @@ def obs_app(shared_redis: RedisServer) -> Iterator[tuple[Celery, dict[str, Any]]
 def test_hook_gets_frozen_events_for_acquire_contend_release_and_loss(
     obs_app: tuple[Celery, dict[str, Any]], shared_redis: RedisServer
 ) -> None:
-    """A hook added with add_hook receives frozen LockEvents with name, key, fence, holder
-    (task name and id), waited and held for acquired, contended, released and lost."""
+    """add_hook gets one frozen LockEvent per acquire/contend/release/loss, fields filled."""
     app, tasks = obs_app
     runs: dict[int, _Run] = tasks["runs"]
     runs[1], runs[2] = _Run(), _Run()
@@ -175,8 +174,7 @@ class _ListHandler(logging.Handler):
 def test_logging_hook_writes_one_line_per_event_on_celery_redlock_events(
     obs_app: tuple[Celery, dict[str, Any]],
 ) -> None:
-    """install()'s logging hook logs lock-acquired/lock-released lines with the task, fence,
-    wait and hold times on the celery_redlock.events logger."""
+    """The logging hook logs lock-acquired/-released with task, fence, wait and hold times."""
     app, tasks = obs_app
     runs: dict[int, _Run] = tasks["runs"]
     runs[3] = _Run()
@@ -205,9 +203,7 @@ def test_logging_hook_writes_one_line_per_event_on_celery_redlock_events(
 
 # -- Prometheus -------------------------------------------------------------------------------
 def test_prometheus_counts_into_a_fresh_registry(shared_redis: RedisServer) -> None:
-    """enable_prometheus(registry) counts acquisitions, contentions and releases and records
-    wait/hold histograms in that registry, even after install() enabled the default one;
-    enabling the same registry twice counts once."""
+    """enable_prometheus(fresh registry) counts events and wait/hold times there, exactly once."""
     registry = CollectorRegistry()
     task = f"prom-{uuid.uuid4().hex[:6]}"
 

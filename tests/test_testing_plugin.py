@@ -54,8 +54,7 @@ def test_redlock_redis_url_is_a_throwaway_loopback_server(redlock_redis_url: str
 def test_redlock_app_conf_locks_tasks_on_the_test_server(
     redlock_app_conf: Callable[..., None], redlock_redis_url: str
 ) -> None:
-    """After redlock_app_conf(app) a locked task holds a 5 s lease on the test server, and a
-    call while someone else holds its key is skipped."""
+    """redlock_app_conf(app): tasks take a 5 s lease on the test server; a held key skips."""
     client = redis.Redis.from_url(redlock_redis_url)
     app, work, seen = _app(client)
     redlock_app_conf(app)
@@ -76,8 +75,7 @@ def test_redlock_app_conf_locks_tasks_on_the_test_server(
 def test_redlock_disable_runs_tasks_unlocked(
     redlock_app_conf: Callable[..., None], redlock_redis_url: str
 ) -> None:
-    """redlock_app_conf(app, redlock_disable=True): the task runs with no lock even while
-    another owner holds its key."""
+    """redlock_app_conf(app, redlock_disable=True): a task runs unlocked while its key is held."""
     client = redis.Redis.from_url(redlock_redis_url)
     app, work, seen = _app(client)
     redlock_app_conf(app, redlock_disable=True)

@@ -171,9 +171,11 @@ PLAIN_BROKER, PLAIN_RECORD = 7, 8
 def workers(
     server: RedisServer, flag_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Worker]]:
-    """Three workers started together, each on its own broker database:
-    ``flags`` (--redlock-url to the password server, --redlock-ttl 7), ``disabled``
-    (--redlock-disable) and ``plain`` (configplain: redlock_tasks only, -E)."""
+    """Three workers started together, each on its own broker database.
+
+    ``flags``: --redlock-url to the password server and --redlock-ttl 7; ``disabled``:
+    --redlock-disable; ``plain``: configplain, locked by redlock_tasks only.
+    """
     logs = tmp_path_factory.mktemp("workers")
     flag_url = f"redis://:{SECRET}@127.0.0.1:{flag_server.port}/1"
     started: dict[str, Worker] = {}
@@ -286,7 +288,7 @@ def test_redlock_disable_flag_runs_unlocked_with_a_loud_warning(
     client = _client(_env(server, DISABLED_BROKER, DISABLED_RECORD))
     name = f"off-{uuid.uuid4().hex[:6]}"
     try:
-        results = [client.send_task(f"{APP}.held", args=(name, 1.5)) for _ in range(2)]
+        results = [client.send_task(f"{APP}.held", args=(name, 2.0)) for _ in range(2)]
 
         def both_started() -> list[dict[str, Any]]:
             starts = _records(server, DISABLED_RECORD, "start")
@@ -312,8 +314,7 @@ def test_redlock_disable_flag_runs_unlocked_with_a_loud_warning(
 def test_redlock_tasks_locks_a_plain_shared_task_on_prefork(
     workers: dict[str, Worker], server: RedisServer
 ) -> None:
-    """A shared_task of an app that never imports celery_redlock is locked by redlock_tasks:
-    a second same-key call is skipped while the first runs; another key runs."""
+    """redlock_tasks alone locks a plain shared_task on prefork: same key skipped, other runs."""
     client = _client(_env(server, PLAIN_BROKER, PLAIN_RECORD))
     try:
         first = client.send_task(f"{PLAIN}.plain_hold", args=(5, 2.0))
@@ -335,8 +336,7 @@ def test_redlock_tasks_locks_a_plain_shared_task_on_prefork(
 
 
 def test_redlock_tasks_locks_a_plain_task_in_process(shared_redis: RedisServer) -> None:
-    """In-process worker (threads): a task without the base class, matched by redlock_tasks,
-    is skipped while a same-key run holds the lock; no install() call is needed."""
+    """In-process worker: redlock_tasks locks a plain task (same key skipped), no install()."""
     base = f"redis://127.0.0.1:{shared_redis.port}"
     app = Celery("inproc", broker=f"{base}/10", backend=f"{base}/11")
     app.conf.redlock_url = f"{base}/12"
