@@ -6,29 +6,39 @@ Run the same command on two or more hosts::
 
 Each process tries to hold the lock ``beat:leader:<app.main>`` (setting
 ``redlock_beat_lock_name``) with a lease of ``redlock_beat_ttl`` seconds, kept
-alive by the per-process renewal thread. The holder (the leader) publishes the
-schedule; the others (standbys) publish nothing and wait for the lock, woken at
-once by a release notice and otherwise at the holder's remaining lease, so a
-SIGKILLed leader is replaced within one TTL. A leader whose lock is lost
-(renewal finds it gone, its lease ran out while it was paused, Redis went
+alive by the per-process renewal thread. The lock is the app's usual one
+(``state_for(app).make_lock``): a ``Lock`` on one Redis, or a ``Redlock`` held by
+a majority when ``redlock_url`` lists several masters. The holder (the leader)
+publishes the schedule; the others (standbys) publish nothing and wait for the
+lock, woken at once by a release notice and otherwise at the holder's remaining
+lease, so a SIGKILLed leader is replaced within one TTL. A leader whose lock is
+lost (renewal finds it gone, its lease ran out while it was paused, Redis went
 away) steps down and stands by: it never crashes beat. A standby that cannot
 reach Redis logs one line and keeps waiting.
 
 No tick is published twice across a hand-over. Leadership alone cannot promise
 that: a leader paused between "I am the leader" and "publish" may resume after
 its successor started. So the schedule's state lives in Redis, next to the
-lock (same hash tag), and every tick is *claimed* before it is published::
+lock (same hash tag: ``<prefix>{beat:leader:<app>}:ticks``), and every tick is
+*claimed* before it is published (``celery_redlock.core.records``)::
 
-    t=10.0  A (fence 7) claims tick "heartbeat @10.0": fenced_hset checks that the
-            lock still holds fence 7 and that the stored record is the one A saw,
-            writes the new record, then A publishes.
+    t=10.0  A (token ta, fence 7) claims "heartbeat" n=42: on every master, the write
+            happens only while the lock there holds ta. Written on a majority (one
+            Redis: on it) and confirmed within A's lease, so A publishes.
     t=10.4  A is SIGSTOPped (or SIGKILLed) before its next renewal.
-    t=12.4  A's lease expires; B's wait ends, B acquires (fence 8) and loads every
-            stored record: "heartbeat" last ran at 10.0, so B's schedule goes on
-            from there and fires the next tick (not the one A already sent).
-    t=13.0  A resumes and tries to claim "heartbeat @13.0": the lock holds fence
-            8, so the claim is refused; A publishes nothing, logs that it lost
+    t=12.4  A's lease expires; B's wait ends, B acquires (fence 8) and loads the
+            records from every master that answers (at least a majority), taking
+            per entry the newest (highest fence, then n): "heartbeat" last ran at
+            10.0 as n=42, so B goes on from there and fires the next tick, not the
+            one A already sent.
+    t=13.0  A resumes and claims n=43: the lock holds B's token on a majority, so
+            the claim is refused; A publishes nothing, logs that it lost
             leadership and stands by.
+
+Under Redlock the claim checks the token, not the fence: each master INCRs its own
+counter, so one acquisition's per-master ``fence`` fields differ while its token is
+the same everywhere. A claim on a minority only (the rest did not answer) is not
+published. See ``celery_redlock/core/records.py`` for the full argument.
 
 A claim is written before the message is sent, so a leader that dies between
 the two loses that one tick: ticks are published at most once, never twice.
@@ -48,104 +58,40 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 from celery.beat import Scheduler
 from celery.utils.time import maybe_make_aware
-from redis.exceptions import RedisError
 
-from .core.connect import connect, mask_url
-from .core.errors import ConfigError, RedlockError
-from .core.lock import Lock
-from .core.scripts import FENCED_HSET
+from .core.base import BaseLock
+from .core.connect import mask_url
+from .core.errors import RedlockError
+from .core.inspect import REDIS_ERRORS
+from .core.records import LockRecords
+from .settings import Settings
+from .state import state_for
 
-__all__ = ["LeaderScheduler", "LockStore", "lock_store"]
+__all__ = ["LeaderScheduler"]
 
 log = logging.getLogger("celery_redlock.beat")
 
-_REDIS_SCHEMES = ("redis", "rediss", "unix")
+#: Suffix of the hash of tick records, next to the leader lock.
+RECORDS_SUFFIX = "ticks"
+#: What a lock store that cannot answer raises (core errors, or a raw Redis one).
+_STORE_ERRORS: tuple[type[Exception], ...] = (RedlockError, *REDIS_ERRORS)
 
 
-@dataclass(frozen=True)
-class LockStore:
-    """Where an app's locks live and the lock settings beat and ``celery locks`` need."""
-
-    url: str | list[str]
-    key_prefix: str = "redlock:"
-    ttl: float = 30.0
-    beat_ttl: float = 30.0
-    beat_lock_name: str = "beat:leader"
-    client_options: Mapping[str, Any] = field(default_factory=dict)
-
-    @property
-    def is_redlock(self) -> bool:
-        """True when the locks live on several independent masters (a list of URLs)."""
-        return isinstance(self.url, list)
-
-    @property
-    def urls(self) -> list[str]:
-        """The URL(s), always as a list."""
-        return list(self.url) if isinstance(self.url, list) else [self.url]
-
-    def describe(self) -> str:
-        """The URL(s) with passwords masked."""
-        return ", ".join(mask_url(u) for u in self.urls)
-
-    def clients(self) -> list[tuple[str, Any]]:
-        """``(masked url, client)`` per master: one for a single Redis, N for Redlock."""
-        return [(mask_url(u), connect(u, **dict(self.client_options))) for u in self.urls]
+def _beat_ttl(settings: Settings) -> float:
+    """The leader lease: ``redlock_beat_ttl``, else ``redlock_ttl``."""
+    ttl = settings["redlock_beat_ttl"]
+    return float(settings["redlock_ttl"] if ttl is None else ttl)
 
 
-def lock_store(app: Any) -> LockStore:
-    """Read the lock store settings from ``app.conf`` (``redlock_*``).
-
-    ``redlock_url`` is a URL or a list of URLs; without it the broker URL is used
-    when the broker is Redis, anything else is a :class:`ConfigError` saying what
-    to set.
-    """
-    conf = app.conf
-    url = conf.get("redlock_url")
-    if isinstance(url, (list, tuple)):
-        if not url or not all(isinstance(u, str) and u for u in url):
-            raise ConfigError(f"redlock_url must be a URL or a list of URLs, got {url!r}")
-        url = list(url) if len(url) > 1 else url[0]
-    elif url is None or url == "":
-        broker = conf.get("broker_write_url") or conf.get("broker_url")
-        if isinstance(broker, (list, tuple)):
-            broker = broker[0] if broker else None
-        first = broker.split(";", 1)[0].strip() if isinstance(broker, str) else ""
-        if first.split("://", 1)[0].lower() not in _REDIS_SCHEMES:
-            shown = mask_url(first) if first else "not set"
-            raise ConfigError(
-                f"redlock_url is not set and the broker ({shown}) is not Redis: set "
-                "app.conf.redlock_url = 'redis://host:6379/1'"
-            )
-        url = first
-    elif not isinstance(url, str):
-        raise ConfigError(f"redlock_url must be a URL or a list of URLs, got {type(url).__name__}")
-    prefix = conf.get("redlock_key_prefix")
-    prefix = "redlock:" if prefix is None else prefix
-    if not isinstance(prefix, str):
-        raise ConfigError(f"redlock_key_prefix must be a string, got {prefix!r}")
-    ttl = _seconds(conf.get("redlock_ttl"), 30.0, "redlock_ttl")
-    beat_ttl = _seconds(conf.get("redlock_beat_ttl"), ttl, "redlock_beat_ttl")
-    name = conf.get("redlock_beat_lock_name") or f"beat:leader:{app.main or 'celery'}"
-    if not isinstance(name, str):
-        raise ConfigError(f"redlock_beat_lock_name must be a string, got {name!r}")
-    options = conf.get("redlock_client_options") or {}
-    if not isinstance(options, Mapping):
-        raise ConfigError(f"redlock_client_options must be a dict, got {options!r}")
-    return LockStore(url, prefix, ttl, beat_ttl, name, dict(options))
-
-
-def _seconds(value: Any, default: float, what: str) -> float:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{what} must be a number of seconds > 0, got {value!r}")
-    return float(value)
+def _beat_lock_name(settings: Settings, app: Any) -> str:
+    """The leader lock's name: ``redlock_beat_lock_name``, else ``beat:leader:<app.main>``."""
+    name = settings["redlock_beat_lock_name"]
+    return str(name) if name else f"beat:leader:{app.main or 'celery'}"
 
 
 class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
@@ -161,22 +107,20 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
     retry_fraction = 1 / 3
 
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
-        self.store = lock_store(app)
-        if self.store.is_redlock:
-            raise ConfigError(
-                "LeaderScheduler needs one Redis (a redis://, rediss://, unix://, "
-                f"sentinel:// or cluster URL); redlock_url lists {len(self.store.urls)} "
-                "independent masters"
-            )
-        self.retry_interval = max(0.05, self.store.beat_ttl * self.retry_fraction)
-        self._client: Any = None
-        self._leader_lock: Lock | None = None
+        self._app_state = state_for(app)
+        settings = self._app_state.settings  # ConfigError here: beat does not start
+        #: The leader lock's name and lease (seconds).
+        self.lock_name = _beat_lock_name(settings, app)
+        self.ttl = _beat_ttl(settings)
+        url = settings.url
+        self._where = ", ".join(mask_url(u) for u in (url if isinstance(url, list) else [url]))
+        self.retry_interval = max(0.05, self.ttl * self.retry_fraction)
+        self._leader_lock: BaseLock | None = None
+        self._tick_records: LockRecords | None = None
         self._leading = False
         self._lost = threading.Event()
         self._unreachable = False
         self._standby_logged = False
-        #: entry name -> the record this leader last saw in Redis ('' = none)
-        self._records: dict[str, str] = {}
         super().__init__(app, *args, **kwargs)
 
     # -- leadership -------------------------------------------------------------------
@@ -186,15 +130,13 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
         return self._leading
 
     @property
-    def leader_lock(self) -> Lock:
-        """The leader lock (created on first use, so a lazy scheduler never connects)."""
+    def leader_lock(self) -> BaseLock:
+        """The leader lock, a ``Lock`` or a ``Redlock`` (created on first use, so a lazy
+        scheduler never connects)."""
         if self._leader_lock is None:
-            self._client = connect(self.store.urls[0], **dict(self.store.client_options))
-            self._leader_lock = Lock(
-                self._client,
-                self.store.beat_lock_name,
-                self.store.beat_ttl,
-                key_prefix=self.store.key_prefix,
+            self._leader_lock = self._app_state.make_lock(
+                self.lock_name,
+                self.ttl,
                 auto_renew=True,
                 owner_info={"role": "beat-leader", "app": self.app.main},
                 on_lost=self._on_lost,
@@ -202,9 +144,16 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
         return self._leader_lock
 
     @property
+    def tick_records(self) -> LockRecords:
+        """The per-entry tick records next to the leader lock (``...:ticks``)."""
+        if self._tick_records is None:
+            self._tick_records = LockRecords(self.leader_lock, RECORDS_SUFFIX)
+        return self._tick_records
+
+    @property
     def records_key(self) -> str:
         """The hash of per-entry tick records (same hash tag as the leader lock)."""
-        return f"{self.leader_lock.keys.lock}:ticks"
+        return self.tick_records.key
 
     def _on_lost(self, _lock: Any) -> None:
         # Runs on the renewal thread: only flag it; tick() steps down on the beat thread.
@@ -215,13 +164,13 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
         lock = self.leader_lock
         try:
             won = lock.acquire(blocking=True, timeout=self.retry_interval)
-        except (RedlockError, RedisError) as exc:
+        except _STORE_ERRORS as exc:
             if not self._unreachable:
                 self._unreachable = True
                 log.warning(
                     "beat: cannot reach the lock store at %s (%s); standing by, "
                     "trying again every %.1f s",
-                    self.store.describe(),
+                    self._where,
                     _one_line(exc),
                     self.retry_interval,
                 )
@@ -229,22 +178,23 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
             return False
         if self._unreachable:
             self._unreachable = False
-            log.info("beat: the lock store at %s answers again", self.store.describe())
+            log.info("beat: the lock store at %s answers again", self._where)
         if not won:
             if not self._standby_logged:
                 self._standby_logged = True
                 log.info(
                     "beat: standing by; %r is held by %s",
-                    self.store.beat_lock_name,
+                    self.lock_name,
                     _describe_leader(lock.holder),
                 )
             return False
         self._lost.clear()
         try:
             self._load_records()
-        except RedisError as exc:
+        except _STORE_ERRORS as exc:
             log.warning(
-                "beat: took the leader lock but could not read the schedule state (%s)", exc
+                "beat: took the leader lock but could not read the schedule state (%s)",
+                _one_line(exc),
             )
             self._give_up_lock()
             return False
@@ -253,7 +203,7 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
         log.info(
             "beat: this beat (pid %d) is now the leader (%r, fence %s); publishing the schedule",
             os.getpid(),
-            self.store.beat_lock_name,
+            self.lock_name,
             lock.fence,
         )
         return True
@@ -265,7 +215,7 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
         self._give_up_lock()
         log.warning(
             "beat: lost leadership of %r (%s); this beat stands by and publishes nothing",
-            self.store.beat_lock_name,
+            self.lock_name,
             reason,
         )
 
@@ -273,7 +223,7 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
         lock = self._leader_lock
         if lock is None or lock.fence is None or lock.lost:
             return
-        with contextlib.suppress(RedlockError, RedisError):
+        with contextlib.suppress(*_STORE_ERRORS):
             lock.release()
 
     def _still_leading(self) -> bool:
@@ -291,11 +241,7 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
     # -- schedule state in Redis --------------------------------------------------------
     def _load_records(self) -> None:
         """Continue the schedule from what earlier leaders published (called on takeover)."""
-        raw = self._client.hgetall(self.records_key)
-        self._records = {}
-        for name_raw, value_raw in raw.items():
-            name, value = _text(name_raw), _text(value_raw)
-            self._records[name] = value
+        for name, value in self.tick_records.load().items():
             self._apply_record(name, value)
         self._heap = None  # recompute every entry's next run from the loaded state
 
@@ -316,46 +262,28 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
         """Record this tick of *entry* in Redis; True when this leader may publish it."""
         if not self._still_leading():
             return False
-        lock = self.leader_lock
         current = self.schedule.get(entry.name, entry)
         at = maybe_make_aware(current.last_run_at).timestamp()
-        record = json.dumps(
-            {
-                "at": round(at, 6),
-                "n": current.total_run_count,
-                "fence": lock.fence,
-                "pid": os.getpid(),
-                "host": socket.gethostname(),
-            },
-            separators=(",", ":"),
-        )
-        seen = self._records.get(entry.name, "")
-        try:
-            reply = FENCED_HSET(
-                self._client,
-                [lock.keys.lock, self.records_key],
-                [str(lock.fence), entry.name, seen, record],
-            )
-        except RedisError as exc:
-            log.warning(
-                "beat: could not record the tick of %r (%s); not publishing it", entry.name, exc
-            )
-            return False
-        code = int(reply[0])
-        if code == 1:
-            self._records[entry.name] = record
+        record = {"at": round(at, 6), "pid": os.getpid(), "host": socket.gethostname()}
+        claim = self.tick_records.claim(entry.name, record, current.total_run_count)
+        if claim.outcome == "claimed":
             return True
-        if code == 0:
-            self._step_down("the lock is gone or held by another beat")
+        if claim.outcome == "lost":
+            self._step_down(claim.detail)
             return False
-        stored = _text(reply[1])
+        if claim.outcome == "unavailable":
+            log.warning(
+                "beat: could not record the tick of %r (%s); not publishing it",
+                entry.name,
+                claim.detail,
+            )
+            return False
         log.warning(
-            "beat: %r was published by another beat since this one read the schedule; "
+            "beat: %r was already recorded past this tick (a newer record is stored); "
             "not publishing it again",
             entry.name,
         )
-        self._records[entry.name] = stored
-        self._apply_record(entry.name, stored)
+        self._apply_record(entry.name, claim.record)
         self._heap = None
         return False
 
@@ -386,23 +314,12 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
             if self._leading:
                 self._leading = False
                 self._give_up_lock()
-                log.info("beat: resigned leadership of %r", self.store.beat_lock_name)
+                log.info("beat: resigned leadership of %r", self.lock_name)
 
     @property
     def info(self) -> str:
         """Shown in beat's start-up banner."""
-        return (
-            f"    . leader lock -> {self.store.beat_lock_name!r} at {self.store.describe()} "
-            f"(ttl {self.store.beat_ttl:g}s)"
-        )
-
-
-def _text(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return str(value)
+        return f"    . leader lock -> {self.lock_name!r} at {self._where} (ttl {self.ttl:g}s)"
 
 
 def _describe_leader(holder: Mapping[str, Any]) -> str:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -28,7 +29,8 @@ from tests.servers import RedisServer
 ROOT = Path(__file__).resolve().parent.parent
 CELERY = str(Path(sys.executable).parent / "celery")
 TTL = 2.0  # redlock_beat_ttl of the beats under test
-RECORDS_KEY = "redlock:{beat:leader:beatapp}:ticks"
+LEADER_KEY = "redlock:{beat:leader:beatapp}"
+RECORDS_KEY = f"{LEADER_KEY}:ticks"
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,57 @@ def test_sigkilled_leader_is_replaced_within_one_ttl_and_no_tick_is_sent_twice(
     assert_each_tick_once(messages, [a.pid, b.pid])
     assert stored_run_count(client) == len(messages), "a claimed tick was not published once"
     assert "lost leadership" not in b.log()
+
+
+def newest_record(clients: list[redis.Redis]) -> dict[str, Any]:
+    """The newest "heartbeat" record (highest fence, then n) on the masters that answer."""
+    found = []
+    for client in clients:
+        with contextlib.suppress(redis.RedisError):
+            raw = client.hget(RECORDS_KEY, "heartbeat")
+            if raw is not None:
+                found.append(json.loads(raw))
+    assert found, "no master holds a tick record"
+    return max(found, key=lambda r: (r["fence"], r["n"]))
+
+
+@pytest.mark.slow
+def test_redlock_leader_sigkilled_with_a_master_down_is_replaced_within_one_ttl(
+    redis_servers: Callable[[int], list[RedisServer]], start_beat: BeatFactory
+) -> None:
+    """Beat over 3 independent masters (Redlock): the leader holds a majority and keeps
+    publishing with one master down; after SIGKILL the standby takes over within one TTL
+    and every tick is published exactly once."""
+    broker, *masters = redis_servers(4)
+    locks = ",".join(m.url for m in masters)
+    client = broker.client()
+    lock_clients = [m.client() for m in masters]
+    a = start_beat(broker.url, "a", locks=locks)
+    wait_until(lambda: "is now the leader" in a.log(), 30, "beat A to lead")
+    b = start_beat(broker.url, "b", locks=locks)
+    wait_until(lambda: "standing by" in b.log(), 30, "beat B to stand by")
+    tokens = {c.hget(LEADER_KEY, "token") for c in lock_clients}
+    assert len(tokens) == 1 and None not in tokens, "A does not hold the lock on every master"
+
+    masters[2].kill()  # a minority down: A keeps leading, B can still take over
+    just_after_a_tick(client, a.pid)
+    just_after_a_tick(client, a.pid)
+    a.proc.send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    wait_until(lambda: any(m.pid == b.pid for m in published(client)), 10, "B to publish")
+    time.sleep(2.5)
+
+    messages = published(client)
+    first_b = min(m.at for m in messages if m.pid == b.pid)
+    assert first_b - killed_at < TTL + 0.5, "the standby took longer than one TTL"
+    assert_each_tick_once(messages, [a.pid, b.pid])
+    assert sum(m.pid == a.pid for m in messages) >= 3
+    assert newest_record(lock_clients)["n"] == len(messages), "a claimed tick was not sent once"
+    holders = {c.hget(LEADER_KEY, "token") for c in lock_clients[:2]}
+    assert len(holders) == 1 and None not in holders, "B does not hold the live majority"
+    assert holders != tokens
+    assert "lost leadership" not in b.log()
+    assert "Traceback" not in b.log()
 
 
 @pytest.mark.slow

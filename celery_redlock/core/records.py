@@ -51,11 +51,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from redis.exceptions import RedisClusterException, RedisError
-
 from . import _pool
 from .base import BaseLock
 from .errors import ConfigError, QuorumUnavailable
+from .inspect import REDIS_ERRORS
 from .lock import Lock, address_of
 from .redlock import Redlock
 from .scripts import CLAIM_FIELD
@@ -66,9 +65,6 @@ __all__ = ["MIN_WAIT", "Claim", "LockRecords", "record_version"]
 #: read and written rarely (once per tick), so there is no need to cut it as fine
 #: as an acquire does.
 MIN_WAIT = 0.25
-
-_REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, RedisClusterException)
-
 
 class _NoAnswer(Exception):
     """A master did not answer in time, or was not asked (an earlier call still runs)."""
@@ -228,7 +224,7 @@ class LockRecords:
         if len(self._clients) == 1:
             try:
                 return [call(self._clients[0])]
-            except _REDIS_ERRORS as exc:
+            except REDIS_ERRORS as exc:
                 return [exc]
         results: list[Any] = [_PENDING] * len(self._clients)
         futures: dict[cf.Future[Any], int] = {}
@@ -272,7 +268,7 @@ def _outcome(future: cf.Future[Any]) -> Any:
     """The reply, or the Redis error; any other error is a bug and is raised."""
     try:
         return future.result()
-    except _REDIS_ERRORS as exc:
+    except REDIS_ERRORS as exc:
         return exc
 
 

@@ -15,7 +15,6 @@ __all__ = [
     "CLAIM_FIELD",
     "EXTEND",
     "EXTEND_MANY",
-    "FENCED_HSET",
     "FORCE_RELEASE",
     "OK",
     "OTHER_OWNER",
@@ -71,5 +70,4 @@ EXTEND = Script("extend.lua")
 EXTEND_MANY = Script("extend_many.lua")
 RAISE_FENCE = Script("raise_fence.lua")
 FORCE_RELEASE = Script("force_release.lua")  # `celery locks release`
-FENCED_HSET = Script("fenced_hset.lua")  # beat's once-per-tick claims (before records.py)
 CLAIM_FIELD = Script("claim_field.lua")  # beat's once-per-tick claims (core/records.py)

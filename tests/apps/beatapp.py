@@ -2,9 +2,10 @@
 
 Configured from the environment so each test points it at its own throwaway
 servers: ``BEATAPP_BROKER`` (required), ``BEATAPP_LOCKS`` (lock store, default:
-the broker), ``BEATAPP_BEAT_TTL`` (leader lease, seconds). Each published message
-carries the publishing beat's pid and the publish time as its arguments, evaluated
-by beat at publish time, so a test reading the broker queue knows who sent what.
+the broker; comma-separated URLs are Redlock masters), ``BEATAPP_BEAT_TTL`` (leader
+lease, seconds). Each published message carries the publishing beat's pid and the
+publish time as its arguments, evaluated by beat at publish time, so a test reading
+the broker queue knows who sent what.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import time
 from celery import Celery
 from celery.beat import BeatLazyFunc
 
+_locks = os.environ.get("BEATAPP_LOCKS", "")
+
 app = Celery("beatapp", broker=os.environ["BEATAPP_BROKER"])
 app.conf.update(
-    redlock_url=os.environ.get("BEATAPP_LOCKS") or None,
+    redlock_url=(_locks.split(",") if "," in _locks else _locks) or None,
     redlock_beat_ttl=float(os.environ.get("BEATAPP_BEAT_TTL", "2")),
     beat_max_loop_interval=1,
     broker_connection_retry_on_startup=True,
