@@ -66,6 +66,7 @@ __all__ = ["MIN_WAIT", "Claim", "LockRecords", "record_version"]
 #: as an acquire does.
 MIN_WAIT = 0.25
 
+
 class _NoAnswer(Exception):
     """A master did not answer in time, or was not asked (an earlier call still runs)."""
 
