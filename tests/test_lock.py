@@ -8,9 +8,11 @@ resurrecting, waiting by notification with O(1) commands, reentrancy, bad input.
 from __future__ import annotations
 
 import itertools
+import json
 import multiprocessing
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -602,6 +604,35 @@ def test_with_raises_lock_contended_carrying_the_holders_record(redis_client: re
     with contender:
         assert contender.owned()
     assert not redis_client.exists(contender.keys.lock)
+
+
+def test_holder_record_in_redis_names_host_pid_time_and_current_owner_info(
+    redis_client: redis.Redis,
+) -> None:
+    """The stored record shows who holds the lock, also after owner_info is edited in place."""
+    lock = Lock(
+        redis_client,
+        "record",
+        ttl=10,
+        auto_renew=False,
+        owner_info={"task_name": "proj.sync", "task_id": "a", "meta": {"n": 1}},
+    )
+    before = time.time()
+    assert lock.acquire(blocking=False)
+    first = json.loads(redis_client.hget(lock.keys.lock, "info") or b"{}")
+    assert first["hostname"] == socket.gethostname()
+    assert first["pid"] == os.getpid()
+    assert before - 0.01 <= first["acquired_at"] <= time.time() + 0.01
+    assert (first["task_name"], first["task_id"], first["meta"]) == ("proj.sync", "a", {"n": 1})
+    lock.release()
+    time.sleep(0.01)
+    lock.owner_info["task_id"] = "b"
+    lock.owner_info["meta"]["n"] = 2
+    assert lock.acquire(blocking=False)
+    second = json.loads(redis_client.hget(lock.keys.lock, "info") or b"{}")
+    assert (second["task_id"], second["meta"]) == ("b", {"n": 2})
+    assert second["acquired_at"] > first["acquired_at"]
+    lock.release()
 
 
 # --------------------------------------------------------------------------- bad input
