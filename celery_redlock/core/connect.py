@@ -32,12 +32,32 @@ LOCK_CLIENT_DEFAULTS: dict[str, Any] = {
     "health_check_interval": 30,
 }
 _SCHEMES = ("redis", "rediss", "unix", "sentinel")
-_PASSWORD = re.compile(r"(?P<head>[a-z]+://[^:/@]*:)(?P<pw>[^@/]*)@", re.IGNORECASE)
+#: Where one URL of a ``;``-joined list (Sentinel) ends: before the next ``scheme://``.
+_NEXT_URL = re.compile(r";(?=\s*[a-z][a-z0-9+.-]*://)", re.IGNORECASE)
+#: Query parameters that carry a secret: ``password=``, ``sentinel_password=`` ...
+_SECRET_PARAM = re.compile(r"(?P<key>(?:^|&)[^=&]*password[^=&]*=)[^&#]*", re.IGNORECASE)
 
 
 def mask_url(url: str) -> str:
-    """The URL with any password replaced by ``***`` (safe for logs and errors)."""
-    return _PASSWORD.sub(lambda m: m.group("head") + "***@", str(url))
+    """The URL with every password replaced by ``***`` (safe for logs and errors).
+
+    Covers the userinfo part (also when the password holds a raw ``@`` or ``/``),
+    ``password``-like query parameters, and each part of a ``;``-joined Sentinel URL.
+    """
+    return ";".join(_mask_one(part) for part in _NEXT_URL.split(str(url)))
+
+
+def _mask_one(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    head, qmark, query = rest.partition("?")
+    at = head.rfind("@")  # the host follows the *last* @ (a raw @ may be in the password)
+    if at >= 0 and ":" in head[:at]:
+        head = head[:at].split(":", 1)[0] + ":***" + head[at:]
+    if qmark:
+        query = _SECRET_PARAM.sub(lambda m: m.group("key") + "***", query)
+    return f"{scheme}{sep}{head}{qmark}{query}"
 
 
 @overload
