@@ -174,3 +174,25 @@ def test_redlock_load_takes_the_newest_record_per_field_and_needs_a_majority(
     masters[1].kill()
     with pytest.raises(QuorumUnavailable):
         records.load()
+
+
+def test_redlock_claims_do_not_wait_on_a_stalled_master(
+    masters: list[RedisServer], held: list[Lock | Redlock]
+) -> None:
+    """With one master paused (SIGSTOP), claims return as soon as the other two wrote, well
+    before the client's socket timeout, and a master still busy with an earlier call is not
+    sent another."""
+    lock = redlock(masters, held)
+    records = LockRecords(lock, "ticks")
+    masters[2].pause()
+    try:
+        for n in range(1, 4):
+            started = time.monotonic()
+            claim = records.claim("heartbeat", {"at": float(n)}, n=n)
+            assert claim.outcome == "claimed", claim
+            assert time.monotonic() - started < 1.0, "a claim waited for the stalled master"
+        busy = records._busy[2]
+        assert not busy.done(), "the first call to the paused master should still be out"
+    finally:
+        masters[2].resume()
+    assert stored(masters[0].client()) == {"at": 3.0, "fence": lock.fence, "n": 3}
