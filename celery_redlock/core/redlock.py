@@ -77,8 +77,19 @@ log_release = logging.getLogger("celery_redlock.release")
 #: scheduling alone would make healthy masters look unreachable.
 MIN_NODE_TIMEOUT = 0.02
 #: Calls to one master still running past the per-node timeout before new calls to
-#: it are counted as errors without being sent.
-MAX_LAGGING = 2
+#: it count as errors at once, without being sent or waited for: a silent master
+#: costs one per-node timeout, then one probe at a time until it answers again.
+MAX_LAGGING = 1
+#: Pool threads one master may hold with calls stuck for longer than ``STUCK_AFTER``;
+#: past that, new blocking calls to it are refused, so one silent master cannot
+#: starve the shared pool (and the renewal thread that uses it).
+MAX_POOL_WORK = 4
+#: A pool call to a master counts as stuck once its fan-out ended without its answer,
+#: or after this long (a healthy master answers far sooner).
+STUCK_AFTER = 0.01
+#: How long a release waits for a request of the same acquisition still out on a
+#: master (so it lands after it) before queueing itself behind it instead.
+_BEHIND_WAIT = 0.005
 #: Open connections kept per master for sending from the calling thread.
 MAX_IDLE = 16
 #: While pool calls are also outstanding, the socket wait wakes this often to look.
@@ -156,7 +167,8 @@ class _Node:
         self.pool: Any = pool if hasattr(pool, "get_connection") else None
         self.client = client
         self.lock = threading.Lock()
-        self.running: dict[int, float] = {}  # ticket -> monotonic start
+        # ticket -> (start, in a pool thread, outlived its fan-out)
+        self.running: dict[int, tuple[float, bool, bool]] = {}
         self.idle: list[Any] = []
         self.pid = os.getpid()
         self._tickets = itertools.count()
@@ -173,13 +185,31 @@ class _Node:
             return 0
         with self.lock:
             self._check_fork()
-            return sum(1 for started in self.running.values() if now - started > limit)
+            return sum(1 for started, _, _ in self.running.values() if now - started > limit)
 
-    def start(self, now: float) -> int:
+    def pool_full(self, now: float) -> bool:
+        """True when ``MAX_POOL_WORK`` pool threads are already stuck on this master."""
+        if not self.running:
+            return False
+        with self.lock:
+            stuck = sum(
+                1
+                for started, pooled, late in self.running.values()
+                if pooled and (late or now - started > STUCK_AFTER)
+            )
+        return stuck >= MAX_POOL_WORK
+
+    def start(self, now: float, pooled: bool = False) -> int:
         with self.lock:
             ticket = next(self._tickets)
-            self.running[ticket] = now
+            self.running[ticket] = (now, pooled, False)
             return ticket
+
+    def mark_late(self, ticket: int) -> None:
+        """The fan-out that sent this request ended without its answer; a pool thread has it."""
+        with self.lock:
+            if ticket in self.running:
+                self.running[ticket] = (self.running[ticket][0], True, True)
 
     def finish(self, ticket: int, _future: object = None) -> None:
         with self.lock:
@@ -199,13 +229,6 @@ class _Node:
                     return conn
                 self.pool.release(conn)
             return None
-
-    def connection(self) -> Any:
-        """An idle connection, or a new one from the client's pool (may block: pool threads)."""
-        conn = self.take_idle()
-        if conn is None:
-            conn = self.pool.get_connection()
-        return conn
 
     def put_back(self, conn: Any) -> None:
         with self.lock:
@@ -303,6 +326,15 @@ def _socket_of(conn: Any) -> Any:
 def _is_error_reply(exc: BaseException) -> bool:
     """An error *reply* (the connection is fine), not a broken connection."""
     return isinstance(exc, ResponseError)
+
+
+#: Pool calls still running: id(future) -> (node, ticket).
+_pool_calls: dict[int, tuple[_Node, int]] = {}
+
+
+def _pool_call_done(node: _Node, ticket: int, future: cf.Future[Any]) -> None:
+    node.finish(ticket)
+    _pool_calls.pop(id(future), None)
 
 
 _nodes: dict[int, _Node] = {}
@@ -449,6 +481,7 @@ class Redlock(BaseLock):
         self._outcomes_cache: dict[str, str] | None = None
         self._holder_ttl_ms: int | None = None
         self._wait_client: Any = None
+        self._in_flight: tuple[str, dict[int, cf.Future[Any]]] = ("", {})
 
     @property
     def masters(self) -> dict[str, str]:
@@ -479,12 +512,14 @@ class Redlock(BaseLock):
         need: int | None = None,
         *,
         settle: bool = True,
+        early_no: bool = True,
     ) -> _FanOut:
         """Send *op* to the masters (all, or *indexes*) in parallel and collect answers.
 
         *kind* sorts an answer: 1 yes, 0 no. The wait ends when *need* (default: a
         quorum) said yes, when so many said no, or so many failed, that *need* is out
-        of reach, when all answered, or after ``per_node_timeout``. Answers are
+        of reach (unless *early_no* is false), when all answered, or after
+        ``per_node_timeout``. Answers are
         ``PENDING`` (none came, or not asked), an exception (the call failed), or
         the reply. Requests still out are handed to the pool to finish, unless
         *settle* is false: then the caller must pass the result to ``_settle_late``.
@@ -506,7 +541,7 @@ class Redlock(BaseLock):
                     yes += 1
                 else:
                     no += 1
-            return yes >= q or no > slack or err > slack
+            return yes >= q or (early_no and (no > slack or err > slack))
 
         started = time.monotonic()
         deadline = started + self.per_node_timeout
@@ -534,7 +569,7 @@ class Redlock(BaseLock):
             if conn is None:
                 future = self._submit(node, op)
                 if future is None:
-                    gather.record(i, RuntimeError("the I/O pool is shut down"))
+                    gather.record(i, _Skipped("not answering (its calls are stuck)"))
                 else:
                     future.add_done_callback(partial(gather.record_future, i))
                     running[i] = future
@@ -617,18 +652,26 @@ class Redlock(BaseLock):
                 gather.record(i, value)
 
     def _submit(self, node: _Node, op: _Op) -> cf.Future[Any] | None:
-        """Run *op* on *node* in a pool thread (tracked, so a stuck master is noticed)."""
-        ticket = node.start(time.monotonic())
+        """Run *op* on *node* in a pool thread (tracked, so a stuck master is noticed).
+
+        None when it was not sent: the master already has too many stuck calls, or
+        the interpreter is shutting down.
+        """
+        now = time.monotonic()
+        if node.pool_full(now):
+            return None
+        ticket = node.start(now, pooled=True)
         try:
             future = _pool.executor().submit(node.call, op)
         except RuntimeError:  # interpreter shutting down
             node.finish(ticket)
             return None
-        future.add_done_callback(partial(node.finish, ticket))
+        _pool_calls[id(future)] = (node, ticket)
+        future.add_done_callback(partial(_pool_call_done, node, ticket))
         return future
 
-    def _settle_late(self, fan: _FanOut, then: _Op | None = None) -> None:
-        """Deal with requests still out after a fan-out.
+    def _settle_late(self, fan: _FanOut, then: _Op | None = None) -> dict[int, cf.Future[Any]]:
+        """Deal with requests still out after a fan-out; return what still runs, by master.
 
         Requests sent from this thread are handed to a pool thread that reads the late
         replies and frees the connection; *then* (a release) is first written on the
@@ -636,7 +679,12 @@ class Redlock(BaseLock):
         calls still running get *then* queued behind them.
         """
         pool = _pool.executor()
-        for late in fan.late.values():
+        still: dict[int, cf.Future[Any]] = dict(fan.running)
+        for future in fan.running.values():
+            node_ticket = _pool_calls.get(id(future))
+            if node_ticket is not None:
+                node_ticket[0].mark_late(node_ticket[1])
+        for i, late in fan.late.items():
             if late.conn is None:
                 continue
             replies = 1
@@ -650,14 +698,22 @@ class Redlock(BaseLock):
                     late.node.finish(late.ticket)
                     late.node.pool.release(late.conn)
                     continue
+            if late.node.pool_full(time.monotonic()):
+                # No thread to spare for this master: close the connection instead (the
+                # server still runs what was written on it, in order, if it ever reads it).
+                late.node.finish(late.ticket)
+                late.node.discard(late.conn)
+                continue
+            late.node.mark_late(late.ticket)
             try:
-                pool.submit(late.node.drain, late.conn, replies, late.ticket)
+                still[i] = pool.submit(late.node.drain, late.conn, replies, late.ticket)
             except RuntimeError:
                 late.node.finish(late.ticket)
                 late.node.discard(late.conn)
         if then is not None:
             for i, future in fan.running.items():
                 future.add_done_callback(partial(self._submit_later, i, then))
+        return still
 
     def _submit_later(self, index: int, op: _Op, _future: object) -> None:
         self._submit(self._masters[index].node, op)
@@ -692,14 +748,18 @@ class Redlock(BaseLock):
     def _do_acquire(self, token: str, info: str) -> Attempt:
         started = time.monotonic()
         op = _Op((self.keys.lock, self.keys.fence), (token, self.ttl_ms, info), ACQUIRE)
-        fan = self._fan_out(op, _acquire_kind, settle=False)
+        # A failed attempt waits for every answer (up to the per-node timeout): each
+        # master that granted it is then given back before acquire() returns.
+        fan = self._fan_out(op, _acquire_kind, settle=False, early_no=False)
         results = fan.results
         self._remember(fan, _describe_acquire)
         fences = {i: int(v[1]) for i, v in enumerate(results) if _is_reply(v) and int(v[0]) == 1}
         if len(fences) >= self.quorum:
             fence = self._settle_fence(fences)
             if fence is not None:
-                self._settle_late(fan)
+                # Requests of this acquisition still out must not be overtaken by its
+                # release (it would miss them and leave the key for a whole TTL).
+                self._in_flight = (token, self._settle_late(fan))
                 return Attempt(True, started, fence=fence)
         self._give_back(token, fan)
         outcomes = self._outcomes()
@@ -786,7 +846,18 @@ class Redlock(BaseLock):
         return None
 
     def _do_release(self, token: str) -> int:
-        fan = self._fan_out(self._release_op(token), lambda v: 1 if int(v) == 1 else 0)
+        release = self._release_op(token)
+        behind: dict[int, cf.Future[Any]] = {}
+        if self._in_flight[0] == token:
+            behind = {i: f for i, f in self._in_flight[1].items() if not f.done()}
+            self._in_flight = ("", {})
+            if behind:  # usually a matter of microseconds
+                cf.wait(behind.values(), timeout=min(self.per_node_timeout, _BEHIND_WAIT))
+                behind = {i: f for i, f in behind.items() if not f.done()}
+        for i, future in behind.items():  # queue the release behind the acquire still out
+            future.add_done_callback(partial(self._submit_later, i, release))
+        asked = [i for i in range(len(self._masters)) if i not in behind]
+        fan = self._fan_out(release, lambda v: 1 if int(v) == 1 else 0, asked)
         self._remember(fan, _describe_code)
         codes = [int(v) for v in fan.results if _is_reply(v)]
         ok = codes.count(1)
@@ -842,7 +913,14 @@ class Redlock(BaseLock):
         raise QuorumUnavailable(self.name, outcomes, needed=self.quorum, total=len(self._masters))
 
     def _do_wait(self, seconds: float) -> None:
+        """One BLPOP on a master that holds the other owner's key, woken by its release.
+
+        Capped at a quarter of the TTL (at least 1 s): if that master goes silent
+        mid-wait, the waiter looks again at the others after at most that long,
+        instead of sleeping out the holder's whole lease.
+        """
         client = self._wait_client or self._masters[0].client
+        seconds = min(seconds, max(1.0, self.ttl / 4))
         try:
             wait_for_notice(client, self.keys.notify, seconds)
         except RedlockError:

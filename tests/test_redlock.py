@@ -1,0 +1,517 @@
+"""Redlock over real, throwaway masters: quorum, faults, fencing, waiting and renewal."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from celery_redlock import (
+    ConfigError,
+    Lock,
+    LockContended,
+    LockLost,
+    QuorumUnavailable,
+    Redlock,
+    connect,
+)
+from celery_redlock.core.keys import lock_keys
+from celery_redlock.core.redlock import MAX_POOL_WORK
+from celery_redlock.core.renewal import get_manager
+from tests.servers import FaultProxy, RedisServer
+
+Servers = Callable[[int], list[RedisServer]]
+ProxyFactory = Callable[[RedisServer], FaultProxy]
+
+SOCKET_TIMEOUT = 1.0  # clients in these tests; per-node timeouts are far below it
+
+
+@pytest.fixture(autouse=True)
+def _forget_leftover_renewals() -> Iterator[None]:
+    """A test that failed half-way must not leave locks for the next test's renewal thread."""
+    yield
+    manager = get_manager()
+    for lock in manager.held():
+        manager.unregister(lock)
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> bool:
+    """Poll *check* until it is true; bounded in time and count."""
+    deadline = time.monotonic() + timeout
+    for _ in range(int(timeout / interval) + 1):
+        if check():
+            return True
+        if time.monotonic() > deadline:
+            break
+        time.sleep(interval)
+    return check()
+
+
+def clients_of(servers: list[RedisServer], **options: Any) -> list[Any]:
+    """connect() clients for *servers*, with a short socket timeout."""
+    options.setdefault("socket_timeout", SOCKET_TIMEOUT)
+    return connect([s.url for s in servers], **options)
+
+
+def holds_key(server: RedisServer, name: str) -> bool:
+    """True when *server* has the lock key of lock *name*."""
+    client = server.client(socket_timeout=2)
+    try:
+        return bool(client.exists(lock_keys(name).lock))
+    finally:
+        client.close()
+
+
+# --------------------------------------------------------------------------- basics
+
+
+def test_acquire_takes_every_master_and_release_frees_them(redis_servers: Servers) -> None:
+    """A free Redlock is granted on a majority (here all), owned and locked, and released."""
+    servers = redis_servers(3)
+    lock = Redlock(clients_of(servers), "rl:basic", ttl=5)
+    assert lock.acquire(blocking=False)
+    assert lock.fence is not None and lock.fence >= 1
+    assert lock.valid_until > time.monotonic() + 4
+    assert wait_for(lambda: sum(holds_key(s, "rl:basic") for s in servers) == 3, 2)
+    assert lock.owned() and lock.locked()
+    lock.release()  # returns once a majority confirmed; the last master follows
+    assert not lock.locked()
+    assert wait_for(lambda: not any(holds_key(s, "rl:basic") for s in servers), 2)
+    assert set(lock.masters) == {f"127.0.0.1:{s.port}/0" for s in servers}
+
+
+def test_contended_with_raises_lock_contended_carrying_holder_and_masters(
+    redis_servers: Servers,
+) -> None:
+    """Another owner holds a majority: acquire is False, `with` raises LockContended."""
+    servers = redis_servers(3)
+    clients = clients_of(servers)
+    holder = Redlock(clients, "rl:busy", ttl=5, owner_info={"task_name": "sync"})
+    assert holder.acquire(blocking=False)
+    try:
+        other = Redlock(clients, "rl:busy", ttl=5, blocking=False)
+        assert not other.acquire()
+        with pytest.raises(LockContended) as caught, other:
+            pytest.fail("the body must not run")
+        assert caught.value.holder.get("task_name") == "sync"
+        assert len(caught.value.masters) == 3
+        assert sum("held" in text for text in caught.value.masters.values()) >= 2
+        assert caught.value.ttl_ms is not None and 0 < caught.value.ttl_ms <= 5000
+    finally:
+        holder.release()
+
+
+def test_blocking_waiter_is_woken_by_the_release_not_the_ttl(redis_servers: Servers) -> None:
+    """A blocked acquire gets the lock right after the holder releases, long before the TTL."""
+    servers = redis_servers(3)
+    clients = clients_of(servers)
+    holder = Redlock(clients, "rl:wait", ttl=20)
+    assert holder.acquire(blocking=False)
+    waiter = Redlock(clients_of(servers), "rl:wait", ttl=20)
+    got: list[float] = []
+
+    def wait() -> None:
+        if waiter.acquire(timeout=10):
+            got.append(time.monotonic())
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    time.sleep(0.3)  # let it block
+    released_at = time.monotonic()
+    holder.release()
+    thread.join(15)
+    assert got, "the waiter never got the lock"
+    assert got[0] - released_at < 1.0  # the notice, not the 20 s lease
+    waiter.release()
+
+
+def test_split_vote_retries_soon_and_gives_back_what_it_took(redis_servers: Servers) -> None:
+    """No one has a majority (two other owners, one master each): retry after jitter, not TTL."""
+    servers = redis_servers(3)
+    clients = clients_of(servers)
+    x = Lock(clients[0], "rl:split", ttl=10, auto_renew=False)
+    y = Lock(clients[1], "rl:split", ttl=10, auto_renew=False)
+    assert x.acquire(blocking=False) and y.acquire(blocking=False)
+    servers[2].reset_stats()
+    lock = Redlock(clients, "rl:split", ttl=2)  # per-node timeout 100 ms: jitter <= 100 ms
+    began = time.monotonic()
+    assert not lock.acquire(timeout=0.6)
+    assert time.monotonic() - began < 1.5
+    # Each attempt took master 2 and gave it back: several attempts, nothing left there.
+    assert servers[2].command_count("evalsha") >= 6  # >= 3 attempts x (acquire + release)
+    assert not holds_key(servers[2], "rl:split")
+    x.release()  # now masters 0 and 2 are free: a majority
+    began = time.monotonic()
+    assert lock.acquire(timeout=5)
+    assert time.monotonic() - began < 1.0
+    lock.release()
+    y.release()
+
+
+def test_extend_needs_a_quorum_and_recomputes_validity(redis_servers: Servers) -> None:
+    """extend() lengthens the lease on a majority; with a majority gone the lock is lost."""
+    servers = redis_servers(3)
+    clients = clients_of(servers)
+    lock = Redlock(clients, "rl:extend", ttl=2, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    before = lock.valid_until
+    lock.extend(10, replace=True)
+    assert lock.valid_until > before + 7
+    key = lock_keys("rl:extend").lock
+    # A majority confirmed before extend() returned; the last master follows.
+    assert wait_for(lambda: all(8000 < s.client().pttl(key) <= 10000 for s in servers), 2)
+    for server in servers[:2]:
+        server.client().delete(key)
+    with pytest.raises(LockLost):
+        lock.extend()
+    assert lock.lost and not lock.owned()
+
+
+def test_extend_with_a_majority_unreachable_is_quorum_unavailable_not_lost(
+    redis_servers: Servers,
+) -> None:
+    """Two of three masters down: extend() cannot confirm, raises QuorumUnavailable."""
+    servers = redis_servers(3)
+    lock = Redlock(clients_of(servers), "rl:extend-down", ttl=5, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    servers[0].kill()
+    servers[1].kill()
+    with pytest.raises(QuorumUnavailable) as caught:
+        lock.extend()
+    assert caught.value.needed == 2 and caught.value.total == 3
+    assert not lock.lost  # not known to be lost: the local deadline still decides
+
+
+def test_owned_and_locked_follow_the_majority(redis_servers: Servers) -> None:
+    """Losing the key on one master keeps the lock; losing it on two loses it."""
+    servers = redis_servers(3)
+    lock = Redlock(clients_of(servers), "rl:owned", ttl=5, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    key = lock_keys("rl:owned").lock
+    assert wait_for(lambda: all(holds_key(s, "rl:owned") for s in servers), 2)
+    servers[0].client().delete(key)
+    assert lock.owned() and lock.locked()
+    servers[1].client().delete(key)
+    assert not lock.locked()
+    assert not lock.owned() and lock.lost
+
+
+def test_release_after_the_lease_ran_out_and_was_taken_raises_lock_lost(
+    redis_servers: Servers,
+) -> None:
+    """A holder whose lease expired and was taken over gets LockLost, and frees nothing."""
+    servers = redis_servers(3)
+    clients = clients_of(servers)
+    first = Redlock(clients, "rl:late", ttl=0.3, auto_renew=False)
+    assert first.acquire(blocking=False)
+    time.sleep(0.45)
+    second = Redlock(clients, "rl:late", ttl=5, auto_renew=False)
+    assert second.acquire(blocking=False)
+    assert second.fence is not None and first.fence is not None and second.fence > first.fence
+    with pytest.raises(LockLost):
+        first.release()
+    assert second.owned()
+    second.release()
+
+
+def test_renewal_keeps_a_one_second_redlock_for_four_seconds(redis_servers: Servers) -> None:
+    """auto_renew keeps a ttl=1 Redlock owned on every master well past its TTL."""
+    servers = redis_servers(3)
+    lock = Redlock(clients_of(servers), "rl:renew", ttl=1)
+    assert lock.acquire(blocking=False)
+    rounds = get_manager().rounds
+    time.sleep(4)
+    assert not lock.lost and lock.owned()
+    assert lock.valid_until > time.monotonic()
+    assert get_manager().rounds - rounds >= 8  # every ttl/3
+    for server in servers:
+        assert server.client().pttl(lock_keys("rl:renew").lock) > 0
+    lock.release()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param([], id="empty"),
+        pytest.param("redis://127.0.0.1:6379/0", id="a-url-string"),
+        pytest.param([object()], id="not-a-client"),
+    ],
+)
+def test_bad_master_lists_are_config_errors(bad: Any) -> None:
+    """Redlock refuses an empty list, a string and non-clients with ConfigError."""
+    with pytest.raises(ConfigError):
+        Redlock(bad, "rl:bad")
+
+
+def test_the_same_master_twice_is_a_config_error(redis_servers: Servers) -> None:
+    """Listing one server twice would let it vote twice: ConfigError naming it."""
+    server = redis_servers(1)[0]
+    clients = connect([server.url, server.url])
+    with pytest.raises(ConfigError, match=str(server.port)):
+        Redlock(clients, "rl:twice")
+    with pytest.raises(ConfigError):
+        Redlock(clients[:1], "rl:twice", per_node_timeout=0)
+
+
+# --------------------------------------------------------------------------- faults
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_majority_paused_raises_quorum_unavailable_promptly_and_leaves_nothing(
+    redis_servers: Servers, n: int
+) -> None:
+    """A majority SIGSTOPped: a *blocking* acquire raises QuorumUnavailable within ~2 per-node
+    timeouts, naming every master, and the live masters keep nothing of it."""
+    servers = redis_servers(n)
+    down = servers[: n // 2 + 1]
+    live = servers[n // 2 + 1 :]
+    lock = Redlock(clients_of(servers), "rl:majority", ttl=2)  # per-node timeout 100 ms
+    assert lock.acquire(blocking=False)  # warm: connections open on every master
+    lock.release()
+    for server in down:
+        server.pause()
+    try:
+        for _ in range(2):  # also the second time, when the paused masters are known bad
+            began = time.monotonic()
+            with pytest.raises(QuorumUnavailable) as caught:
+                lock.acquire()
+            elapsed = time.monotonic() - began
+            assert elapsed < 4 * lock.per_node_timeout + 0.1, elapsed
+            assert caught.value.needed == n // 2 + 1 and caught.value.total == n
+            assert set(caught.value.errors) == {f"127.0.0.1:{s.port}/0" for s in servers}
+            for server in live:
+                assert not holds_key(server, "rl:majority")
+    finally:
+        for server in down:
+            server.resume()
+
+
+def test_majority_killed_raises_quorum_unavailable_at_once(redis_servers: Servers) -> None:
+    """Two of three masters SIGKILLed: QuorumUnavailable, also when blocking, in well under 1 s."""
+    servers = redis_servers(3)
+    lock = Redlock(clients_of(servers), "rl:killed", ttl=10)
+    servers[0].kill()
+    servers[2].kill()
+    began = time.monotonic()
+    with pytest.raises(QuorumUnavailable) as caught:
+        lock.acquire(timeout=30)
+    assert time.monotonic() - began < 2 * lock.per_node_timeout + 0.2
+    assert "ConnectionError" in caught.value.errors[f"127.0.0.1:{servers[0].port}/0"]
+    assert not holds_key(servers[1], "rl:killed")
+
+
+def test_paused_master_does_not_slow_an_acquire_the_others_decide(
+    redis_servers: Servers,
+) -> None:
+    """One master SIGSTOPped: acquire and release complete on the other two at once."""
+    servers = redis_servers(3)
+    lock = Redlock(clients_of(servers), "rl:paused", ttl=2)  # per-node timeout 100 ms
+    assert lock.acquire(blocking=False)  # warm connections
+    lock.release()
+    servers[0].pause()
+    try:
+        began = time.monotonic()
+        assert lock.acquire(blocking=False)
+        lock.release()
+        assert time.monotonic() - began < lock.per_node_timeout
+    finally:
+        servers[0].resume()
+
+
+def test_paused_master_whose_vote_is_needed_costs_the_per_node_timeout_then_is_given_back(
+    redis_servers: Servers,
+) -> None:
+    """Master 0 SIGSTOPped and master 1 held elsewhere: the attempt ends after ~per_node_timeout
+    (not the 1 s socket timeout), and when master 0 resumes, the late acquire it then runs is
+    undone by the release queued behind it on the same connection (long before the 10 s TTL)."""
+    servers = redis_servers(3)
+    clients = clients_of(servers)
+    lock = Redlock(clients, "rl:needed", ttl=10, per_node_timeout=0.1)
+    assert lock.acquire(blocking=False)  # warm connections
+    lock.release()
+    other = Lock(clients[1], "rl:needed", ttl=10, auto_renew=False)
+    assert other.acquire(blocking=False)
+    servers[0].pause()
+    try:
+        began = time.monotonic()
+        assert not lock.acquire(blocking=False)
+        elapsed = time.monotonic() - began
+        assert 0.08 <= elapsed < SOCKET_TIMEOUT / 2, elapsed
+        assert "no answer within 100 ms" in lock.masters[f"127.0.0.1:{servers[0].port}/0"]
+        assert not holds_key(servers[2], "rl:needed")  # given back where it was granted
+    finally:
+        servers[0].resume()
+    assert wait_for(lambda: not holds_key(servers[0], "rl:needed"), 3)
+    other.release()
+
+
+def test_fences_rise_across_holders_whose_quorums_differ(
+    redis_servers: Servers, fault_proxy: ProxyFactory
+) -> None:
+    """Counters seeded 100/5/50; quorums {1,2}, {0,1}, {1,2}: fences 51 < 101 < 102.
+
+    Without writing the chosen fence back, the third holder would get 52 < 101.
+    """
+    servers = redis_servers(3)
+    proxies = [fault_proxy(s) for s in servers]
+    clients = connect([p.url for p in proxies], socket_timeout=0.2)
+    name = "rl:fence"
+    fence_key = lock_keys(name).fence
+    for server, seed in zip(servers, (100, 5, 50), strict=True):
+        server.client().set(fence_key, seed)
+    fences = []
+    for down in (0, 2, 0):
+        proxies[down].blackhole()
+        try:
+            lock = Redlock(clients, name, ttl=2, auto_renew=False)
+            assert lock.acquire(blocking=False), lock.masters
+            fences.append(lock.fence)
+            lock.release()
+            # Stay silent until every request to it has given up, so none lands later.
+            node = lock._masters[down].node
+            assert wait_for(lambda node=node: not node.running, 5)
+        finally:
+            proxies[down].heal()
+    assert fences == [51, 101, 102]
+    # Each chosen fence was written back to the quorum's lower counter (master 1).
+    assert int(servers[1].client().get(fence_key)) == 102
+
+
+def test_a_blackholed_master_neither_slows_acquires_nor_ties_up_the_pool(
+    redis_servers: Servers, fault_proxy: ProxyFactory
+) -> None:
+    """50 acquire/release cycles with one master silent stay fast, and only a few calls to it
+    are left hanging at any time (each would hold a pool thread until its socket timeout)."""
+    servers = redis_servers(3)
+    proxies = [fault_proxy(s) for s in servers]
+    clients = connect([p.url for p in proxies], socket_timeout=2.0)
+    lock = Redlock(clients, "rl:silent", ttl=2, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    lock.release()
+    proxies[0].blackhole()
+    try:
+        began = time.monotonic()
+        hanging = 0
+        for _ in range(50):
+            assert lock.acquire(blocking=False)
+            lock.release()
+            hanging = max(hanging, proxies[0].connection_count)
+        assert time.monotonic() - began < 50 * lock.per_node_timeout / 4
+        assert hanging <= MAX_POOL_WORK + 2, hanging
+        assert "not answering" in lock.masters[f"127.0.0.1:{proxies[0].port}/0"]
+    finally:
+        proxies[0].heal()
+
+
+# --------------------------------------------------------------------------- many processes
+
+PROCESSES = 8
+ROUNDS = 200
+
+
+def _exclusion_worker(
+    urls: list[str], counter_port: int, name: str, rounds: int, start: Any, progress: Any
+) -> None:
+    """One competing process: lock, read-modify-write the counter, log the fence."""
+    clients = connect(urls, socket_timeout=SOCKET_TIMEOUT)
+    counter = redis.Redis(host="127.0.0.1", port=counter_port, socket_timeout=10)
+    if not start.wait(30):
+        raise SystemExit(4)
+    for _ in range(rounds):
+        lock = Redlock(clients, name, ttl=10)
+        if not lock.acquire(timeout=60):
+            raise SystemExit(3)
+        try:
+            value = int(counter.get("counter") or 0)
+            counter.rpush("fences", str(lock.fence))
+            counter.set("counter", value + 1)
+        finally:
+            lock.release()
+        progress.set()
+    counter.close()
+
+
+def run_exclusion(
+    urls: list[str],
+    counter: redis.Redis,
+    counter_port: int,
+    processes: int,
+    rounds: int,
+    fault: Callable[[], None] | None = None,
+) -> None:
+    """Run *processes* workers of *rounds* each; call *fault* once a quarter is done."""
+    ctx = multiprocessing.get_context("fork")
+    start, progress = ctx.Event(), ctx.Event()
+    name = "rl:mutex"
+    procs = [
+        ctx.Process(
+            target=_exclusion_worker, args=(urls, counter_port, name, rounds, start, progress)
+        )
+        for _ in range(processes)
+    ]
+    for proc in procs:
+        proc.start()
+    total = processes * rounds
+    try:
+        began = time.monotonic()
+        start.set()
+        if fault is not None:
+            assert wait_for(lambda: int(counter.get("counter") or 0) >= total // 4, 60)
+            fault()
+        for proc in procs:
+            proc.join(timeout=max(1.0, 120 - (time.monotonic() - began)))
+        assert [p.exitcode for p in procs] == [0] * processes
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    assert int(counter.get("counter") or 0) == total
+    fences = [int(f) for f in counter.lrange("fences", 0, -1)]
+    assert len(fences) == total
+    assert all(b > a for a, b in itertools.pairwise(fences)), "fence went backwards"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [3, 5])
+def test_eight_processes_on_n_masters_never_overlap_and_fences_increase(
+    redis_servers: Servers, redis_client: redis.Redis, shared_redis: RedisServer, n: int
+) -> None:
+    """8 processes x 200 Redlock-guarded read/increment/write rounds give 1600, fences rising."""
+    servers = redis_servers(n)
+    run_exclusion([s.url for s in servers], redis_client, shared_redis.port, PROCESSES, ROUNDS)
+
+
+@pytest.mark.slow
+def test_minority_killed_mid_run_locks_are_still_granted_and_exclusive(
+    redis_servers: Servers, redis_client: redis.Redis, shared_redis: RedisServer
+) -> None:
+    """One of three masters SIGKILLed mid-run: every round still gets the lock, no overlap."""
+    servers = redis_servers(3)
+    run_exclusion(
+        [s.url for s in servers], redis_client, shared_redis.port, 4, 100, servers[1].kill
+    )
+
+
+@pytest.mark.slow
+def test_minority_blackholed_mid_run_locks_are_still_granted_and_exclusive(
+    redis_servers: Servers,
+    fault_proxy: ProxyFactory,
+    redis_client: redis.Redis,
+    shared_redis: RedisServer,
+) -> None:
+    """Two of five masters go silent mid-run (blackholed): every round still locks, no overlap."""
+    servers = redis_servers(5)
+    proxies = [fault_proxy(s) for s in servers]
+
+    def blackhole_two() -> None:
+        proxies[0].blackhole()
+        proxies[3].blackhole()
+
+    run_exclusion([p.url for p in proxies], redis_client, shared_redis.port, 4, 100, blackhole_two)

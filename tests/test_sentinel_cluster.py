@@ -1,0 +1,306 @@
+"""Sentinel failover, Redis Cluster slots, TLS and ACL URLs, and passwords kept out of sight.
+
+All against real throwaway servers: a master + replica + three sentinels, a three-master
+cluster, TLS-only ports with a CA made for the test, ACL users.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+from redis.cluster import RedisCluster
+from redis.connection import SSLConnection
+
+from celery_redlock import Lock, QuorumUnavailable, Redlock, connect
+from celery_redlock.core import mask_url
+from celery_redlock.core.keys import lock_keys
+from celery_redlock.core.renewal import get_manager
+from tests.servers import ClusterSetup, RedisServer, SentinelSetup, free_port
+
+Servers = Callable[[int], list[RedisServer]]
+
+
+@pytest.fixture(autouse=True)
+def _forget_leftover_renewals() -> Iterator[None]:
+    """A test that failed half-way must not leave locks for the next test's renewal thread."""
+    yield
+    manager = get_manager()
+    for lock in manager.held():
+        manager.unregister(lock)
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 5.0, interval: float = 0.02) -> bool:
+    """Poll *check* until it is true; bounded in time and count."""
+    deadline = time.monotonic() + timeout
+    for _ in range(int(timeout / interval) + 1):
+        if check():
+            return True
+        if time.monotonic() > deadline:
+            break
+        time.sleep(interval)
+    return check()
+
+
+# --------------------------------------------------------------------------- sentinel
+
+
+@pytest.mark.slow
+def test_sentinel_client_follows_failover_to_the_new_master(
+    sentinel_setup: SentinelSetup,
+) -> None:
+    """connect('sentinel://a;sentinel://b;sentinel://c?master=mymaster') locks on the master;
+    after the master is killed and a replica promoted, the same client locks on the new one."""
+    setup = sentinel_setup
+    url = ";".join(setup.sentinel_urls) + "?master=mymaster"
+    client = connect(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    lock = Lock(client, "sentinel:before", ttl=10, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    assert setup.master.client().exists(lock_keys("sentinel:before").lock)
+    lock.release()
+    # kombu's spelling: master_name as an option instead of ?master=
+    by_option = connect(";".join(setup.sentinel_urls), master_name="mymaster")
+    with Lock(by_option, "sentinel:option", ttl=5, auto_renew=False):
+        assert setup.master.client().exists(lock_keys("sentinel:option").lock)
+
+    setup.master.kill()
+    host, port = setup.wait_for_failover(timeout=30)
+    assert (host, port) == (setup.replica.host, setup.replica.port)
+    after = Lock(client, "sentinel:after", ttl=10, auto_renew=False)
+    acquired = False
+    deadline = time.monotonic() + 20
+    for _ in range(200):  # the client reconnects once it learns the new address
+        try:
+            acquired = after.acquire(blocking=False)
+        except QuorumUnavailable:
+            acquired = False
+        if acquired or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert acquired
+    assert setup.replica.client().exists(lock_keys("sentinel:after").lock)
+    after.release()
+    assert not setup.replica.client().exists(lock_keys("sentinel:after").lock)
+
+
+# --------------------------------------------------------------------------- cluster
+
+NAMES = [f"job:{i}" for i in range(50)]
+
+
+def slots_by_node(cluster: RedisCluster, names: list[str]) -> dict[str, set[int]]:
+    """Which hash slots the lock keys of *names* fall in, grouped by owning node."""
+    out: dict[str, set[int]] = defaultdict(set)
+    for name in names:
+        key = lock_keys(name).lock
+        node = cluster.get_node_from_key(key)
+        out[f"{node.host}:{node.port}"].add(cluster.keyslot(key))
+    return out
+
+
+@pytest.mark.slow
+def test_cluster_locks_in_many_slots_acquire_renew_and_release(
+    redis_cluster: ClusterSetup,
+) -> None:
+    """50 locks spread over all three masters (several slots each) acquire, are renewed past
+    their TTL by batched per-slot rounds, and release, with no CROSSSLOT error anywhere."""
+    host, port = redis_cluster.startup_nodes[0]
+    client = connect(f"redis://{host}:{port}/0", cluster=True)
+    assert isinstance(client, RedisCluster)
+    spread = slots_by_node(client, NAMES)
+    assert len(spread) == 3 and all(len(slots) >= 5 for slots in spread.values()), spread
+
+    locks = [Lock(client, name, ttl=0.6) for name in NAMES]
+    for lock in locks:
+        assert lock.acquire(blocking=False)
+    rounds = get_manager().rounds
+    time.sleep(1.5)  # 2.5 TTLs: only renewal keeps them
+    assert get_manager().rounds - rounds >= 4
+    assert all(lock.owned() and not lock.lost for lock in locks)
+    for lock in locks:
+        assert 0 < client.pttl(lock.keys.lock) <= 600
+    for lock in locks:
+        lock.release()
+    assert not any(client.exists(lock_keys(name).lock) for name in NAMES)
+
+
+@pytest.mark.slow
+def test_cluster_waiter_is_woken_by_the_release(redis_cluster: ClusterSetup) -> None:
+    """On a cluster, a blocked acquire wakes on the release notice (BLPOP on the key's node)."""
+    client = redis_cluster.client()
+    holder = Lock(client, "cluster:wait", ttl=20)
+    assert holder.acquire(blocking=False)
+    got: list[float] = []
+
+    def wait() -> None:
+        if Lock(redis_cluster.client(), "cluster:wait", ttl=20).acquire(timeout=10):
+            got.append(time.monotonic())
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    time.sleep(0.3)
+    released = time.monotonic()
+    holder.release()
+    thread.join(15)
+    assert got and got[0] - released < 1.0
+
+
+# --------------------------------------------------------------------------- TLS
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A throwaway CA and a server certificate for 127.0.0.1, made with openssl."""
+    d = tmp_path_factory.mktemp("tls")
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
+        "-keyout", "ca.key", "-out", "ca.crt")  # fmt: skip
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+        "-keyout", "server.key", "-out", "server.csr")  # fmt: skip
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-days", "2", "-extfile", "san.ext", "-out", "server.crt")  # fmt: skip
+    return {name: str(d / name) for name in ("ca.crt", "server.crt", "server.key")}
+
+
+def start_tls_server(files: dict[str, str]) -> tuple[RedisServer, int]:
+    """A server with a TLS-only second port (the plain one is for the harness's checks)."""
+    tls_port = free_port()
+    args = [
+        "--tls-port", str(tls_port),
+        "--tls-cert-file", files["server.crt"],
+        "--tls-key-file", files["server.key"],
+        "--tls-ca-cert-file", files["ca.crt"],
+        "--tls-auth-clients", "no",
+    ]  # fmt: skip
+    return RedisServer.start(args), tls_port
+
+
+def test_rediss_url_locks_over_tls(tls_files: dict[str, str]) -> None:
+    """rediss://...?ssl_ca_certs=CA verifies the server and a Lock works over TLS."""
+    server, tls_port = start_tls_server(tls_files)
+    try:
+        client = connect(f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={tls_files['ca.crt']}")
+        assert isinstance(client, redis.Redis)
+        assert client.connection_pool.connection_class is SSLConnection
+        with Lock(client, "tls:one", ttl=5, auto_renew=False):
+            assert server.client().exists(lock_keys("tls:one").lock)
+        # Without the CA, the self-made certificate is refused: TLS is really verified.
+        untrusted = connect(f"rediss://127.0.0.1:{tls_port}/0")
+        with pytest.raises(QuorumUnavailable, match=r"SSL|certificate"):
+            Lock(untrusted, "tls:one", ttl=5).acquire(blocking=False)
+    finally:
+        server.stop()
+
+
+def test_redlock_over_three_tls_masters(tls_files: dict[str, str]) -> None:
+    """Redlock's requests and replies travel over TLS connections to every master."""
+    started = [start_tls_server(tls_files) for _ in range(3)]
+    try:
+        urls = [f"rediss://127.0.0.1:{port}/0" for _, port in started]
+        clients = connect(urls, ssl_ca_certs=tls_files["ca.crt"])
+        lock = Redlock(clients, "tls:quorum", ttl=5)
+        for _ in range(5):  # first contact, then the open connections
+            assert lock.acquire(blocking=False)
+            assert lock.owned()
+            lock.release()
+        assert lock.acquire(blocking=False)
+        assert wait_for(lambda: all(s.client().exists(lock.keys.lock) for s, _ in started), 2)
+        lock.release()
+    finally:
+        for server, _ in started:
+            server.stop()
+
+
+# --------------------------------------------------------------------------- ACL and secrets
+
+PASSWORD = "Pw-s3cr3t-4cl"
+
+
+def add_acl_user(server: RedisServer) -> None:
+    """User alice, allowed only the redlock:* keys."""
+    server.client().acl_setuser(
+        "alice", enabled=True, passwords=[f"+{PASSWORD}"], keys=["redlock:*"], commands=["+@all"]
+    )
+
+
+def test_acl_user_and_password_url_locks_as_that_user(redis_server: RedisServer) -> None:
+    """redis://alice:PASSWORD@host works as alice (and only within alice's key pattern)."""
+    add_acl_user(redis_server)
+    client = connect(f"redis://alice:{PASSWORD}@127.0.0.1:{redis_server.port}/0")
+    assert client.acl_whoami() == "alice"
+    with Lock(client, "acl:one", ttl=5, auto_renew=False):
+        assert redis_server.client().exists(lock_keys("acl:one").lock)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        client.set("other:key", 1)  # proves the ACL user, not default, is in use
+    assert PASSWORD not in repr(client)
+
+
+def test_passwords_stay_out_of_errors_reprs_outcomes_and_logs(
+    redis_servers: Servers, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redlock over ACL masters, then wrong passwords and dead masters: the password shows
+    in no exception text, repr, per-master outcome or log record."""
+    servers = redis_servers(3)
+    for server in servers:
+        add_acl_user(server)
+    caplog.set_level(logging.DEBUG)
+    good = connect([f"redis://alice:{PASSWORD}@127.0.0.1:{s.port}/0" for s in servers])
+    lock = Redlock(good, "acl:quorum", ttl=5)
+    assert lock.acquire(blocking=False)
+    lock.release()
+
+    seen: list[str] = [repr(lock), repr(good), str(lock.masters)]
+    wrong = connect([f"redis://alice:{PASSWORD}x@127.0.0.1:{s.port}/0" for s in servers])
+    with pytest.raises(QuorumUnavailable) as caught:
+        Redlock(wrong, "acl:quorum", ttl=5).acquire()
+    assert "AuthenticationError" in str(caught.value)
+    seen += [str(caught.value), repr(caught.value), str(caught.value.errors)]
+
+    servers[0].kill()
+    servers[1].kill()
+    down = Redlock(good, "acl:quorum", ttl=5)
+    with pytest.raises(QuorumUnavailable) as caught:
+        down.acquire()
+    seen += [str(caught.value), repr(caught.value), str(down.masters), repr(down)]
+    seen += [r.getMessage() for r in caught_records(caplog)]
+    seen += [r.exc_text or "" for r in caught_records(caplog)]
+    assert any("quorum unavailable" in text for text in seen)
+    for text in seen:
+        assert PASSWORD not in text, text
+
+
+def caught_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    """Every captured record, with exc_text filled in where there is an exception."""
+    formatter = logging.Formatter()
+    for record in caplog.records:
+        if record.exc_info and not record.exc_text:
+            record.exc_text = formatter.formatException(record.exc_info)
+    return list(caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("url", "secret"),
+    [
+        ("redis://u:p@ss@127.0.0.1:6379/0", "p@ss"),  # a raw @ in the password
+        ("redis://u:a/b@127.0.0.1:6379/0", "a/b"),  # a raw / in the password
+        ("rediss://127.0.0.1:6379/0?password=qwerty1", "qwerty1"),
+        ("sentinel://:pw-one@h1:26379;sentinel://:pw-one@h2:26379?master=m", "pw-one"),
+        ("sentinel://h1:26379?master=m&sentinel_password=sentpw", "sentpw"),
+    ],
+)
+def test_mask_url_hides_passwords_in_awkward_places(url: str, secret: str) -> None:
+    """Raw @ or / in the password, password query parameters, multi-part Sentinel URLs."""
+    masked = mask_url(url)
+    assert secret not in masked
+    assert "***" in masked
+    assert "h1:26379" in masked or "127.0.0.1:6379" in masked
