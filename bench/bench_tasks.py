@@ -79,6 +79,14 @@ LOCK_PATTERNS = {
     "singleton": "SINGLETONLOCK_*",
     "floor": "floor:{k:*}",
 }
+#: Every key a variant's lock library writes (locks, fence counters, wake-up lists).
+KEY_PATTERNS = {
+    "plain": None,
+    "locked": "redlock:*",
+    "once": "qo_*",
+    "singleton": "SINGLETONLOCK_*",
+    "floor": "floor:*",
+}
 #: Commands the benchmark itself sends while timing (polling, stats).
 OWN_COMMANDS = {"get", "info", "config|resetstat", "config", "ping"}
 
@@ -298,6 +306,11 @@ class Run:
         return self.tasks / self.seconds
 
     @property
+    def cpu_per_task(self) -> float:
+        """CPU microseconds per task used by all of this benchmark's processes."""
+        return 1e6 * sum(self.cpu[p][0] for p in PARTS) / self.tasks
+
+    @property
     def outside(self) -> float:
         """CPU used by processes outside this benchmark during the run, in % of all cores."""
         return 100 * self.cpu["outside"][0] / (self.seconds * (os.cpu_count() or 1))
@@ -331,6 +344,12 @@ def wait_locks_gone(locks: redis.Redis, pattern: str | None, timeout: float = 5.
             return 0
         time.sleep(0.05)
     return left
+
+
+def count_keys(client: redis.Redis, pattern: str | None) -> int:
+    if pattern is None:
+        return 0
+    return sum(1 for _ in client.scan_iter(match=pattern, count=1000))
 
 
 def command_stats(client: redis.Redis) -> dict[str, int]:
@@ -370,7 +389,7 @@ def run_variant(
         time.sleep(0.3)  # let the last warm-up acks and releases settle
         counter.delete("done")
         stats.config_resetstat()
-        keys_before = int(locks.dbsize())
+        keys_before = count_keys(locks, KEY_PATTERNS[variant])
         before = usage(worker.proc.pid, server.proc.pid)
 
         start = time.perf_counter()
@@ -387,7 +406,7 @@ def run_variant(
         left_locks = wait_locks_gone(locks, LOCK_PATTERNS[variant])
         if left_locks:
             raise RuntimeError(f"{variant}: {left_locks} lock keys still held after the run")
-        keys_left = (int(locks.dbsize()) - keys_before) / n_tasks
+        keys_left = (count_keys(locks, KEY_PATTERNS[variant]) - keys_before) / n_tasks
         done = int(counter.get("done") or 0)
         if done != n_tasks:
             raise RuntimeError(f"{variant}: counter says {done} runs, expected {n_tasks}")
@@ -431,10 +450,12 @@ def machine_facts() -> list[tuple[str, str]]:
 def summarize(runs: list[Run], variants: list[str]) -> str:
     lines = [
         "| variant | median tasks/s | spread (min-max) | runs | vs plain | publishing, median s "
+        "| CPU per task, median µs | plain's CPU / this CPU "
         "| other processes, median % CPU | runs redone | keys left per task |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     medians = {v: statistics.median(r.rate for r in runs if r.variant == v) for v in variants}
+    cpu = {v: statistics.median(r.cpu_per_task for r in runs if r.variant == v) for v in variants}
     for v in variants:
         mine = [r for r in runs if r.variant == v]
         rates = [r.rate for r in mine]
@@ -445,7 +466,9 @@ def summarize(runs: list[Run], variants: list[str]) -> str:
         keys = statistics.median(r.keys_left for r in mine)
         lines.append(
             f"| {LABELS[v]} | {medians[v]:.0f} | {min(rates):.0f}-{max(rates):.0f} | {each} | "
-            f"{ratio} | {pub:.2f} | {outside:.0f} | {sum(r.discarded for r in mine)} | "
+            f"{ratio} | {pub:.2f} | {cpu[v]:.0f} | "
+            f"{cpu['plain'] / cpu[v] if 'plain' in cpu else 0:.2f} | "
+            f"{outside:.0f} | {sum(r.discarded for r in mine)} | "
             f"{keys:.2f} |"
         )
     return "\n".join(lines)
