@@ -2,7 +2,7 @@
 
 Run by hand (not part of the test suite)::
 
-    .venv/bin/python bench/bench_lock.py [--cycles 5000] [--blocks 10] [--warmup 500]
+    .venv/bin/python bench/bench_lock.py [--cycles 5000] [--blocks 100] [--warmup 500]
                                          [--handoffs 200] [--write-docs] [--profile]
 
 It starts its own throwaway redis-server on a free loopback port and stops it
@@ -384,7 +384,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cycles", type=int, default=5000, help="measured cycles per round")
     parser.add_argument("--warmup", type=int, default=500, help="unmeasured cycles first")
-    parser.add_argument("--blocks", type=int, default=10, help="interleaved blocks per impl")
+    parser.add_argument("--blocks", type=int, default=100, help="interleaved blocks per impl")
     parser.add_argument("--handoffs", type=int, default=200, help="hand-offs per implementation")
     parser.add_argument("--seed", type=int, default=7, help="seed of the pre-release pauses")
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
@@ -394,6 +394,7 @@ def main() -> None:
         if not 0 < value <= 1_000_000:
             parser.error("counts must be between 1 and 1,000,000")
 
+    load_before = os.getloadavg()[0]
     with _servers.running() as server:
         client = server.client()
         facts = machine_facts(server)
@@ -414,7 +415,7 @@ def main() -> None:
                 cpus[label].append(got.cpu / per_block / 1000)
                 servers[label].append(got.server_usec / per_block)
         for label, _ in CYCLE_IMPLS:
-            print(f"  {label}: {[round(r) for r in rates[label]]}", file=sys.stderr)
+            print(f"  {label}: median {statistics.median(rates[label]):,.0f}/s", file=sys.stderr)
         cycle_results = {
             label: {
                 "rate": statistics.median(rates[label]),
@@ -442,6 +443,9 @@ def main() -> None:
             f"Measured {time.strftime('%Y-%m-%d')} with `{command.strip()}`.",
             "",
             "Machine: " + "; ".join(f"{k} {v}" for k, v in facts.items()) + ".",
+            "",
+            f"Other load on the machine (1-minute load average) at start: {load_before:.2f}, "
+            f"at end: {os.getloadavg()[0]:.2f}.",
             "",
             f"Uncontended acquire+release, {args.cycles} cycles each in {args.blocks} "
             f"interleaved blocks (after {args.warmup} warm-up cycles each); cycles/s is "
