@@ -388,8 +388,8 @@ def run_variant(
         wait_count(counter, warmup, worker, timeout=90)  # also proves the worker is up
         time.sleep(0.3)  # let the last warm-up acks and releases settle
         counter.delete("done")
-        stats.config_resetstat()
         keys_before = count_keys(locks, KEY_PATTERNS[variant])
+        stats.config_resetstat()
         before = usage(worker.proc.pid, server.proc.pid)
 
         start = time.perf_counter()
