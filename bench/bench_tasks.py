@@ -435,7 +435,19 @@ def machine_facts() -> list[tuple[str, str]]:
         ["redis-server", "--version"], capture_output=True, text=True, check=False
     ).stdout.split()
     version = next((p.split("=", 1)[1] for p in server if p.startswith("v=")), "?")
+    git = ["git", "-C", str(ROOT)]
+    head = subprocess.run(
+        [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--", "celery_redlock"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.split("\n")
+    changed = [line[3:] for line in dirty if line.strip()]
     return [
+        ("celery-redlock", head + (f" + uncommitted {', '.join(changed)}" if changed else "")),
         ("nproc", str(os.cpu_count())),
         ("cpu", cpu),
         ("os", f"{platform.system()} {platform.release()}"),
@@ -444,7 +456,18 @@ def machine_facts() -> list[tuple[str, str]]:
         ("celery", celery.__version__),
         ("kombu", kombu.__version__),
         ("redis-py", redis.__version__),
+        ("celery-once", _version("celery_once")),
+        ("celery-singleton", _version("celery-singleton")),
     ]
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "?"
 
 
 def summarize(runs: list[Run], variants: list[str]) -> str:
@@ -563,7 +586,7 @@ def main() -> int:
             parser.error(f"unknown variant {v!r}")
 
     for name, value in machine_facts():
-        print(f"{name:>12}: {value}")
+        print(f"{name:>16}: {value}")
     began = time.monotonic()
     server = start_server()
     workdir = Path(tempfile.mkdtemp(prefix="bench-tasks-logs-"))
