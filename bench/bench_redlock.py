@@ -2,19 +2,24 @@
 
 Run by hand (not part of the test suite)::
 
-    .venv/bin/python bench/bench_redlock.py [--rounds 3000] [--warmup 300]
+    .venv/bin/python bench/bench_redlock.py [--rounds 5000] [--blocks 50] [--warmup 300]
+                                            [--write-docs]
 
 It starts its own five throwaway redis-servers on free loopback ports (no disk
 persistence, temp dirs) and stops them by pid when done, also on error or Ctrl-C.
 Each measured round is one non-blocking ``acquire()`` plus ``release()`` of an
-uncontended lock, timed with ``time.perf_counter_ns``; rounds alternate between
-two lock names so no round sees the previous one's release notice.
+uncontended lock (default options: ours register with the renewal thread), timed
+with ``time.perf_counter_ns``; rounds alternate between two lock names. The rows
+run in interleaved blocks (rotating order) so a burst of background load on the
+host hits them alike. ``--write-docs`` rewrites the marked block of the "Redlock"
+section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import os
 import platform
 import shutil
@@ -27,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pottery  # the bench extra: pip install -e .[bench]
@@ -112,20 +118,28 @@ def servers(n: int) -> Iterator[list[Server]]:
             stop_server(server)
 
 
-def measure(make: Callable[[str], Any], rounds: int, warmup: int) -> list[float]:
-    """Microseconds per acquire+release round, warm-up rounds dropped."""
-    locks = [make("bench:a"), make("bench:b")]
-    out: list[float] = []
-    for i in range(warmup + rounds):
-        lock = locks[i % 2]
-        t0 = time.perf_counter_ns()
-        if not lock.acquire(blocking=False):
-            raise RuntimeError(f"uncontended acquire failed on round {i}")
-        lock.release()
-        t1 = time.perf_counter_ns()
-        if i >= warmup:
-            out.append((t1 - t0) / 1000)
-    return out
+class Case:
+    """One implementation under test: two locks (alternated) and the timings so far."""
+
+    def __init__(self, label: str, make: Callable[[str], Any]) -> None:
+        self.label = label
+        tag = str(abs(hash(label)))  # rows never share a key: they run interleaved
+        self.locks = [make(f"bench:{tag}:a"), make(f"bench:{tag}:b")]
+        self.times: list[float] = []
+        self.turn = 0
+
+    def run(self, rounds: int, keep: bool = True) -> None:
+        """*rounds* acquire+release rounds; keep the microseconds of each when *keep*."""
+        for _ in range(rounds):
+            lock = self.locks[self.turn % 2]
+            self.turn += 1
+            t0 = time.perf_counter_ns()
+            if not lock.acquire(blocking=False):
+                raise RuntimeError(f"{self.label}: uncontended acquire failed")
+            lock.release()
+            t1 = time.perf_counter_ns()
+            if keep:
+                self.times.append((t1 - t0) / 1000)
 
 
 def pct(values: list[float], p: float) -> float:
@@ -133,60 +147,112 @@ def pct(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+SECTION = "## Redlock"
+BEGIN = "<!-- bench_redlock.py results: begin -->"
+END = "<!-- bench_redlock.py results: end -->"
+
+
+def write_docs(body: str) -> None:
+    """Put *body* between this script's markers in the "Redlock" section of docs/benchmarks.md.
+
+    The file is read right before writing and only the marked block changes, so
+    other sections (and notes around the block) survive a re-run.
+    """
+    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
+    block = f"{BEGIN}\n{body.strip()}\n{END}"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    elif SECTION + "\n" in text:
+        head, rest = text.split(SECTION + "\n", 1)
+        text = f"{head}{SECTION}\n\n{block}\n{rest}"
+    else:
+        text = f"{text.rstrip()}\n\n{SECTION}\n\n{block}\n"
+    DOCS.write_text(text)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3000)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5000, help="measured rounds per row")
+    parser.add_argument("--blocks", type=int, default=50, help="interleaved blocks")
     parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
     opts = parser.parse_args()
 
-    rows: list[tuple[str, list[float]]] = []
     with servers(5) as procs:
         urls = [s.url for s in procs]
         clients = connect(urls)  # one client per master, shared by every lock below
-        plain = [redis.Redis.from_url(u) for u in urls]  # redis-py defaults, for pottery
+        plain = [redis.Redis.from_url(u) for u in urls]  # redis-py defaults, for the others
 
-        def ours_single(name: str) -> Lock:
-            return Lock(clients[0], name, ttl=10)
+        def plural(n: int) -> str:
+            return f"{n} master{'s' if n > 1 else ''}"
 
-        def redis_py(name: str) -> Any:
-            return plain[0].lock(name, timeout=10)
-
-        cases: list[tuple[str, Callable[[str], Any]]] = [
-            ("redis-py Lock (1 node)", redis_py),
-            ("our Lock (1 node)", ours_single),
+        cases = [
+            Case("redis-py `Lock` (1 node)", lambda name: plain[0].lock(name, timeout=10)),
+            Case("our `Lock` (1 node)", lambda name: Lock(clients[0], name, ttl=10)),
         ]
         for n in (1, 3, 5):
             cases.append(
-                (
-                    f"our Redlock ({n} master{'s' if n > 1 else ''})",
+                Case(
+                    f"our `Redlock` ({plural(n)})",
                     lambda name, n=n: Redlock(clients[:n], name, ttl=10),
                 )
             )
         for n in (1, 3, 5):
             cases.append(
-                (
-                    f"pottery Redlock ({n} master{'s' if n > 1 else ''})",
+                Case(
+                    f"pottery `Redlock` ({plural(n)})",
                     lambda name, n=n: pottery.Redlock(
                         key=name, masters=set(plain[:n]), auto_release_time=10
                     ),
                 )
             )
-        for label, make in cases:
-            rows.append((label, measure(make, opts.rounds, opts.warmup)))
-            print(f"  measured {label}", file=sys.stderr)
+        for case in cases:
+            case.run(opts.warmup, keep=False)
+        per_block = max(1, opts.rounds // opts.blocks)
+        for block in range(opts.blocks):  # rotate the order: background load hits all alike
+            for k in range(len(cases)):
+                cases[(block + k) % len(cases)].run(per_block)
+            print(f"  block {block + 1}/{opts.blocks}", file=sys.stderr, end="\r")
         stop_renewal()
 
-    single = statistics.median(dict(rows)["our Lock (1 node)"])
-    print(
-        f"\n{opts.rounds} rounds (+{opts.warmup} warm-up) of acquire+release per row; "
-        f"Python {platform.python_version()}, redis-py {redis.__version__}, "
-        f"{os.cpu_count()} CPUs, loopback\n"
-    )
-    print("| implementation | p50 (µs) | p99 (µs) | p50 vs our Lock |")
-    print("|---|---:|---:|---:|")
-    for label, values in rows:
-        p50 = statistics.median(values)
-        print(f"| {label} | {p50:.0f} | {pct(values, 99):.0f} | {p50 / single:.2f}x |")
+    single = statistics.median(cases[1].times)
+    three = statistics.median(cases[3].times)
+    lines = [
+        f"Measured {time.strftime('%Y-%m-%d')}: {per_block * opts.blocks} acquire+release rounds "
+        f"per row in {opts.blocks} interleaved blocks (+{opts.warmup} warm-up), five "
+        f"redis-server {server_version()} on loopback, Python {platform.python_version()}, "
+        f"redis-py {redis.__version__}, pottery {importlib.metadata.version('pottery')}, "
+        f"{os.cpu_count()} CPUs ({platform.machine()}).",
+        "",
+        "| implementation | p50 (µs) | p99 (µs) | p50 vs our `Lock` |",
+        "|---|---:|---:|---:|",
+    ]
+    for case in cases:
+        p50 = statistics.median(case.times)
+        lines.append(
+            f"| {case.label} | {p50:.0f} | {pct(case.times, 99):.0f} | {p50 / single:.2f}x |"
+        )
+    verdict = "met" if three <= 1.5 * single else "NOT met"
+    lines += [
+        "",
+        f"Target 3 masters <= 1.5x our single-node `Lock`: {three / single:.2f}x, {verdict}.",
+    ]
+    body = "\n".join(lines)
+    print("\n" + body)
+    if opts.write_docs:
+        write_docs(body)
+        print(f"\nwrote {DOCS}")
+
+
+def server_version() -> str:
+    binary = shutil.which("redis-server") or shutil.which("valkey-server") or "redis-server"
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    for word in out.split():
+        if word.startswith("v="):
+            return word[2:]
+    return "?"
 
 
 if __name__ == "__main__":

@@ -312,8 +312,9 @@ def test_paused_master_does_not_slow_an_acquire_the_others_decide(
     """One master SIGSTOPped: acquire and release complete on the other two at once."""
     servers = redis_servers(3)
     lock = Redlock(clients_of(servers), "rl:paused", ttl=2)  # per-node timeout 100 ms
-    assert lock.acquire(blocking=False)  # warm connections
-    lock.release()
+    for _ in range(2):  # open connections to every master
+        assert lock.acquire(blocking=False)
+        lock.release()
     servers[0].pause()
     try:
         began = time.monotonic()
@@ -333,8 +334,9 @@ def test_paused_master_whose_vote_is_needed_costs_the_per_node_timeout_then_is_g
     servers = redis_servers(3)
     clients = clients_of(servers)
     lock = Redlock(clients, "rl:needed", ttl=10, per_node_timeout=0.1)
-    assert lock.acquire(blocking=False)  # warm connections
-    lock.release()
+    for _ in range(2):  # open connections to every master
+        assert lock.acquire(blocking=False)
+        lock.release()
     other = Lock(clients[1], "rl:needed", ttl=10, auto_renew=False)
     assert other.acquire(blocking=False)
     servers[0].pause()
@@ -423,17 +425,32 @@ def _exclusion_worker(
     counter = redis.Redis(host="127.0.0.1", port=counter_port, socket_timeout=10)
     if not start.wait(30):
         raise SystemExit(4)
-    for _ in range(rounds):
-        lock = Redlock(clients, name, ttl=10)
-        if not lock.acquire(timeout=60):
-            raise SystemExit(3)
-        try:
-            value = int(counter.get("counter") or 0)
-            counter.rpush("fences", str(lock.fence))
-            counter.set("counter", value + 1)
-        finally:
-            lock.release()
-        progress.set()
+    unavailable = 0
+    try:
+        for _ in range(rounds):
+            lock = Redlock(clients, name, ttl=10)
+            for _attempt in range(6):
+                try:
+                    if not lock.acquire(timeout=60):
+                        raise RuntimeError(f"no lock within 60 s: {lock.masters}")
+                    break
+                except QuorumUnavailable:
+                    # A starved host can miss a per-node timeout; a Celery task would be
+                    # retried. Counted, and the test bounds it.
+                    unavailable += 1
+                    counter.rpush("unavailable", "1")
+                    if unavailable > 5:
+                        raise
+            try:
+                value = int(counter.get("counter") or 0)
+                counter.rpush("fences", str(lock.fence))
+                counter.set("counter", value + 1)
+            finally:
+                lock.release()
+            progress.set()
+    except Exception as exc:  # tell the test what went wrong, then fail
+        counter.rpush("errors", f"{type(exc).__name__}: {exc}")
+        raise
     counter.close()
 
 
@@ -466,13 +483,17 @@ def run_exclusion(
             fault()
         for proc in procs:
             proc.join(timeout=max(1.0, 120 - (time.monotonic() - began)))
-        assert [p.exitcode for p in procs] == [0] * processes
+        errors = [e.decode() for e in counter.lrange("errors", 0, -1)]
+        assert [p.exitcode for p in procs] == [0] * processes, errors
     finally:
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
     assert int(counter.get("counter") or 0) == total
+    # QuorumUnavailable with every master up only happens on a starved host; a handful
+    # at most, or something is wrong.
+    assert counter.llen("unavailable") <= processes, counter.llen("unavailable")
     fences = [int(f) for f in counter.lrange("fences", 0, -1)]
     assert len(fences) == total
     assert all(b > a for a, b in itertools.pairwise(fences)), "fence went backwards"

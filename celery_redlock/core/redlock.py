@@ -73,9 +73,10 @@ __all__ = ["MAX_LAGGING", "MIN_NODE_TIMEOUT", "Redlock", "node_timeout"]
 log = logging.getLogger("celery_redlock.acquire")
 log_release = logging.getLogger("celery_redlock.release")
 
-#: The shortest per-node timeout, whatever the TTL: below this a busy host's thread
-#: scheduling alone would make healthy masters look unreachable.
-MIN_NODE_TIMEOUT = 0.02
+#: The shortest per-node timeout, whatever the TTL: below this, a first connection's
+#: handshake or a busy host's thread scheduling alone makes healthy masters look
+#: unreachable.
+MIN_NODE_TIMEOUT = 0.05
 #: Calls to one master still running past the per-node timeout before new calls to
 #: it count as errors at once, without being sent or waited for: a silent master
 #: costs one per-node timeout, then one probe at a time until it answers again.
@@ -87,11 +88,11 @@ MAX_POOL_WORK = 4
 #: A pool call to a master counts as stuck once its fan-out ended without its answer,
 #: or after this long (a healthy master answers far sooner).
 STUCK_AFTER = 0.01
-#: How long a release waits for a request of the same acquisition still out on a
-#: master (so it lands after it) before queueing itself behind it instead.
-_BEHIND_WAIT = 0.005
 #: Open connections kept per master for sending from the calling thread.
 MAX_IDLE = 16
+#: How long a release first waits for a request of the same acquisition still out on
+#: a master, so it can release there too instead of queueing behind it.
+_BEHIND_WAIT = 0.005
 #: While pool calls are also outstanding, the socket wait wakes this often to look.
 _POLL_SLICE = 0.001
 #: After the outcome is decided, how long to keep reading replies already on their way.
@@ -101,7 +102,7 @@ _R = TypeVar("_R", bound="Redlock")
 
 
 def node_timeout(ttl: float) -> float:
-    """The default per-node timeout for a lease of *ttl* seconds: 5% of it, >= 20 ms."""
+    """The default per-node timeout for a lease of *ttl* seconds: 5% of it, >= 50 ms."""
     return max(MIN_NODE_TIMEOUT, 0.05 * ttl)
 
 
@@ -395,11 +396,10 @@ class _Gather:
 
 @dataclass
 class _Late:
-    """A request sent from the calling thread that got no answer in time."""
+    """A request sent from the calling thread (``conn`` None once answered)."""
 
     node: _Node
     conn: Any
-    ticket: int
 
 
 @dataclass
@@ -410,6 +410,7 @@ class _FanOut:
     running: dict[int, cf.Future[Any]]  # pool calls, by master index
     late: dict[int, _Late]  # inline requests without an answer yet, by master index
     timed_out: bool
+    started: float = 0.0
 
 
 class Redlock(BaseLock):
@@ -421,7 +422,7 @@ class Redlock(BaseLock):
     ...     write(fence=lock.fence)   # QuorumUnavailable if 2 of the 3 are down
 
     Same interface and options as :class:`Lock`; *per_node_timeout* (seconds,
-    default 5% of the TTL, at least 20 ms) bounds how long any one call waits for
+    default 5% of the TTL, at least 50 ms) bounds how long any one call waits for
     a master. ``masters`` holds what each master answered last time (password-free
     address -> outcome).
     """
@@ -557,15 +558,13 @@ class Redlock(BaseLock):
                 continue
             conn = node.take_idle() if node.pool is not None else None
             if conn is not None:
-                ticket = node.start(started)
                 try:
                     conn.send_packed_command(_pack(conn, op, packed), check_health=False)
                 except Exception:  # a stale connection (it is disconnected now): redo below
-                    node.finish(ticket)
                     node.pool.release(conn)
                     conn = None
                 else:
-                    inline[i] = _Late(node, conn, ticket)
+                    inline[i] = _Late(node, conn)
             if conn is None:
                 future = self._submit(node, op)
                 if future is None:
@@ -578,7 +577,7 @@ class Redlock(BaseLock):
         results = gather.snapshot()
         late = {i: lt for i, lt in inline.items() if results[i] is PENDING}
         still = {i: f for i, f in running.items() if results[i] is PENDING}
-        fan = _FanOut(results, still, late, timed_out)
+        fan = _FanOut(results, still, late, timed_out, started)
         if settle:
             self._settle_late(fan)
         return fan
@@ -628,7 +627,6 @@ class Redlock(BaseLock):
                     value: Any = late.conn.read_response()
                 except BaseException as exc:
                     value = exc
-                late.node.finish(late.ticket)
                 if isinstance(value, NoScriptError) or (
                     isinstance(value, RedisConnectionError) and not _is_error_reply(value)
                 ):
@@ -642,13 +640,13 @@ class Redlock(BaseLock):
                     if future is not None:
                         future.add_done_callback(partial(gather.record_future, i))
                         running[i] = future
-                        inline[i] = _Late(late.node, None, -1)  # answered through the pool
+                        inline[i] = _Late(late.node, None)  # answered through the pool
                         continue
                 elif _is_error_reply(value) or not isinstance(value, BaseException):
                     late.node.put_back(late.conn)
                 else:
                     late.node.pool.release(late.conn)  # read_response disconnected it
-                inline[i] = _Late(late.node, None, -1)
+                inline[i] = _Late(late.node, None)
                 gather.record(i, value)
 
     def _submit(self, node: _Node, op: _Op) -> cf.Future[Any] | None:
@@ -687,6 +685,7 @@ class Redlock(BaseLock):
         for i, late in fan.late.items():
             if late.conn is None:
                 continue
+            node = late.node
             replies = 1
             if then is not None:
                 try:
@@ -695,21 +694,20 @@ class Redlock(BaseLock):
                     )
                     replies = 2
                 except Exception:  # disconnected: nothing more can be sent on it
-                    late.node.finish(late.ticket)
-                    late.node.pool.release(late.conn)
+                    node.pool.release(late.conn)
                     continue
-            if late.node.pool_full(time.monotonic()):
+            if node.pool_full(time.monotonic()):
                 # No thread to spare for this master: close the connection instead (the
                 # server still runs what was written on it, in order, if it ever reads it).
-                late.node.finish(late.ticket)
-                late.node.discard(late.conn)
+                node.discard(late.conn)
                 continue
-            late.node.mark_late(late.ticket)
+            ticket = node.start(fan.started, pooled=True)  # counts as lagging from now on
+            node.mark_late(ticket)
             try:
-                still[i] = pool.submit(late.node.drain, late.conn, replies, late.ticket)
+                still[i] = pool.submit(node.drain, late.conn, replies, ticket)
             except RuntimeError:
-                late.node.finish(late.ticket)
-                late.node.discard(late.conn)
+                node.finish(ticket)
+                node.discard(late.conn)
         if then is not None:
             for i, future in fan.running.items():
                 future.add_done_callback(partial(self._submit_later, i, then))
@@ -847,17 +845,28 @@ class Redlock(BaseLock):
 
     def _do_release(self, token: str) -> int:
         release = self._release_op(token)
+        kind: Callable[[Any], int] = lambda v: 1 if int(v) == 1 else 0  # noqa: E731
         behind: dict[int, cf.Future[Any]] = {}
         if self._in_flight[0] == token:
             behind = {i: f for i, f in self._in_flight[1].items() if not f.done()}
             self._in_flight = ("", {})
-            if behind:  # usually a matter of microseconds
+            if behind:  # usually done within a millisecond (e.g. a first connection)
                 cf.wait(behind.values(), timeout=min(self.per_node_timeout, _BEHIND_WAIT))
                 behind = {i: f for i, f in behind.items() if not f.done()}
-        for i, future in behind.items():  # queue the release behind the acquire still out
-            future.add_done_callback(partial(self._submit_later, i, release))
+        # Where a request of this acquisition is still out, the release must come after
+        # it: first release everywhere else, which is usually a majority already.
         asked = [i for i in range(len(self._masters)) if i not in behind]
-        fan = self._fan_out(release, lambda v: 1 if int(v) == 1 else 0, asked)
+        fan = self._fan_out(release, kind, asked, need=min(self.quorum, len(asked)))
+        if behind and sum(1 for v in fan.results if _is_reply(v) and kind(v)) < self.quorum:
+            cf.wait(behind.values(), timeout=self.per_node_timeout)
+            done = [i for i, f in behind.items() if f.done()]
+            if done:
+                more = self._fan_out(release, kind, done, need=len(done))
+                for i in done:
+                    fan.results[i] = more.results[i]
+                behind = {i: f for i, f in behind.items() if i not in done}
+        for i, future in behind.items():  # queue the release behind the request still out
+            future.add_done_callback(partial(self._submit_later, i, release))
         self._remember(fan, _describe_code)
         codes = [int(v) for v in fan.results if _is_reply(v)]
         ok = codes.count(1)
