@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import multiprocessing
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import redis
+from redis.sentinel import Sentinel
 
 from celery_redlock import (
     ConfigError,
@@ -257,6 +260,53 @@ def test_the_same_master_twice_is_a_config_error(redis_servers: Servers) -> None
         Redlock(clients, "rl:twice")
     with pytest.raises(ConfigError):
         Redlock(clients[:1], "rl:twice", per_node_timeout=0)
+
+
+def test_two_sentinel_groups_with_the_same_master_name_are_two_masters() -> None:
+    """Sentinel clients count as the same master only with the same name *and* sentinels."""
+    group_a = Sentinel([("127.0.0.1", 1), ("127.0.0.1", 2)]).master_for("mymaster")
+    group_b = Sentinel([("127.0.0.1", 3), ("127.0.0.1", 4)]).master_for("mymaster")
+    group_c = Sentinel([("127.0.0.1", 5), ("127.0.0.1", 6)]).master_for("mymaster")
+    lock = Redlock([group_a, group_b, group_c], "rl:sentinels")  # nothing is contacted yet
+    assert lock.quorum == 2
+    with pytest.raises(ConfigError, match="more than once"):
+        Redlock(
+            [group_a, Sentinel([("127.0.0.1", 2), ("127.0.0.1", 1)]).master_for("mymaster")], "x"
+        )
+
+
+def test_clients_are_not_kept_alive_by_redlock_bookkeeping(redis_servers: Servers) -> None:
+    """Once a Redlock and its clients are dropped, the per-master registry lets them go."""
+    servers = redis_servers(3)
+    clients = clients_of(servers)
+    lock = Redlock(clients, "rl:gc", ttl=5, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    lock.release()
+    refs = [weakref.ref(c) for c in clients]
+    del lock, clients
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+
+
+def test_fence_that_cannot_be_written_back_is_quorum_unavailable_and_given_back(
+    redis_servers: Servers,
+) -> None:
+    """Granted by masters 0 and 1 (fences 101 and 6), but master 1 refuses to raise its
+    counter: no fence can be promised, so QuorumUnavailable, and both keys are given back."""
+    servers = redis_servers(3)
+    name = "rl:no-write-back"
+    for server in servers:  # this user may not SET: raise_fence.lua fails for it
+        server.client().execute_command(
+            "ACL", "SETUSER", "nofence", "on", ">pw", "~redlock:*", "+@all", "-set"
+        )
+    servers[0].client().set(lock_keys(name).fence, 100)
+    clients = connect([f"redis://nofence:pw@127.0.0.1:{s.port}/0" for s in servers])
+    servers[2].kill()
+    lock = Redlock(clients, name, ttl=5)
+    with pytest.raises(QuorumUnavailable) as caught:
+        lock.acquire(blocking=False)
+    assert "writing fence 101 back failed" in str(caught.value)
+    assert not holds_key(servers[0], name) and not holds_key(servers[1], name)
 
 
 # --------------------------------------------------------------------------- faults

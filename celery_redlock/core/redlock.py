@@ -37,14 +37,16 @@ they come. Everything that might block goes to the shared, long-lived I/O pool
 (``_pool.executor()``; never a pool per call): opening a first connection (the
 handshake blocks on a stalled server), a retry after a stale connection, and
 draining a connection whose master did not answer in time. A master that stops
-answering (SIGSTOP, a dead link) therefore costs one ``per_node_timeout`` per
-call, not the socket timeout; once it has ``MAX_LAGGING`` calls outstanding past
-that, new calls to it count as errors at once instead of tying up more threads.
+answering (SIGSTOP, a dead link) therefore costs one ``per_node_timeout``, not the
+socket timeout; while a call to it is outstanding past that, new calls to it count
+as errors at once (``MAX_LAGGING``), and at most ``MAX_POOL_WORK`` pool threads
+wait on it, so it can neither slow every attempt nor starve the shared pool.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import itertools
 import logging
 import os
@@ -166,7 +168,7 @@ class _Node:
     def __init__(self, client: Any) -> None:
         pool = getattr(client, "connection_pool", None)
         self.pool: Any = pool if hasattr(pool, "get_connection") else None
-        self.client = client
+        self._client = weakref.ref(client)  # the registry must not keep clients alive
         self.lock = threading.Lock()
         # ticket -> (start, in a pool thread, outlived its fan-out)
         self.running: dict[int, tuple[float, bool, bool]] = {}
@@ -244,10 +246,18 @@ class _Node:
         finally:
             self.pool.release(conn)
 
+    @property
+    def client(self) -> Any:
+        """The master's client (None once it was garbage-collected)."""
+        return self._client()
+
     def call(self, op: _Op) -> Any:
         """Run *op* on this master, blocking (in a pool thread)."""
         if self.pool is None:
-            return op.call(self.client)
+            client = self.client
+            if client is None:
+                raise RuntimeError("the Redis client of this master was garbage-collected")
+            return op.call(client)
         conn = self.take_idle()
         fresh = conn is None
         if conn is None:
@@ -353,12 +363,33 @@ def _node_for(client: Any) -> _Node:
 
 
 class _Master:
-    __slots__ = ("address", "client", "node")
+    __slots__ = ("address", "client", "identity", "node")
 
     def __init__(self, client: Any) -> None:
         self.client = client
         self.address = address_of(client)
+        self.identity = _identity(client)
         self.node = _node_for(client)
+
+
+def _identity(client: Any) -> tuple[Any, ...]:
+    """What makes two clients the same server (finer than the address shown to people)."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:  # a RedisCluster: its nodes
+        nodes = client.get_nodes()
+        return ("cluster", *sorted((n.host, n.port) for n in nodes))
+    kwargs = getattr(pool, "connection_kwargs", {})
+    manager = getattr(pool, "sentinel_manager", None)
+    if manager is not None:  # a Sentinel-managed master: its name *and* its sentinels
+        sentinels = sorted(
+            (
+                s.connection_pool.connection_kwargs.get("host"),
+                s.connection_pool.connection_kwargs.get("port"),
+            )
+            for s in manager.sentinels
+        )
+        return ("sentinel", pool.service_name, *sentinels, kwargs.get("db", 0))
+    return (kwargs.get("path") or kwargs.get("host"), kwargs.get("port"), kwargs.get("db", 0))
 
 
 class _Gather:
@@ -465,13 +496,17 @@ class Redlock(BaseLock):
             on_lost=on_lost,
         )
         self._masters = [_Master(c) for c in clients]
-        seen = Counter(m.address for m in self._masters)
-        twice = sorted(a for a, k in seen.items() if k > 1)
+        seen = Counter(m.identity for m in self._masters)
+        twice = sorted({m.address for m in self._masters if seen[m.identity] > 1})
         if twice:
             raise ConfigError(
                 f"Redlock masters must be distinct servers; listed more than once: "
                 f"{', '.join(twice)} (a master counted twice breaks the majority)"
             )
+        shown = Counter(m.address for m in self._masters)
+        for i, master in enumerate(self._masters):  # e.g. two Sentinel groups "mymaster"
+            if shown[master.address] > 1:
+                master.address = f"{master.address}#{i}"
         if per_node_timeout is None:
             per_node_timeout = node_timeout(self.ttl)
         elif isinstance(per_node_timeout, bool) or not per_node_timeout > 0:
@@ -759,6 +794,9 @@ class Redlock(BaseLock):
                 # release (it would miss them and leave the key for a whole TTL).
                 self._in_flight = (token, self._settle_late(fan))
                 return Attempt(True, started, fence=fence)
+            self._give_back(token, fan)  # granted, but the fence could not be settled
+            self._event("unavailable", error="fence write-back failed")
+            raise self._unavailable("acquire", self._outcomes())
         self._give_back(token, fan)
         outcomes = self._outcomes()
         for i in fences:
@@ -885,10 +923,10 @@ class Redlock(BaseLock):
         return 0
 
     def _do_abandon(self, token: str) -> None:
-        release = self._release_op(token)
-        for master in self._masters:  # fire and forget: the leases expire anyway
-            if master.node.lagging(time.monotonic(), self.per_node_timeout) < MAX_LAGGING:
-                self._submit(master.node, release)
+        # Through release: requests of this acquisition still out get it queued behind.
+        # Where it does not get through, the lease expires by itself.
+        with contextlib.suppress(RedlockError):
+            self._do_release(token)
 
     def _do_extend(self, token: str, ms: int, replace: bool) -> int:
         op = _Op((self.keys.lock,), (token, ms, "1" if replace else "0"), EXTEND)
