@@ -25,6 +25,7 @@ from celery_redlock import (
     connect,
 )
 from celery_redlock.core.keys import lock_keys
+from celery_redlock.core.lock import wait_for_notice
 from celery_redlock.core.redlock import MAX_POOL_WORK
 from celery_redlock.core.renewal import get_manager
 from tests.servers import FaultProxy, RedisServer
@@ -459,6 +460,20 @@ def test_a_blackholed_master_neither_slows_acquires_nor_ties_up_the_pool(
         assert "not answering" in lock.masters[f"127.0.0.1:{proxies[0].port}/0"]
     finally:
         proxies[0].heal()
+
+
+def test_waiting_on_a_master_that_went_silent_is_a_redlock_error(
+    redis_servers: Servers, fault_proxy: ProxyFactory
+) -> None:
+    """The release-notice wait on a silent master (its new connection's handshake times out)
+    raises QuorumUnavailable, never a raw redis error; a Redlock waiter then tries again."""
+    server = redis_servers(1)[0]
+    proxy = fault_proxy(server)
+    client = connect(proxy.url, socket_timeout=0.2, socket_connect_timeout=0.2)
+    proxy.blackhole()
+    with pytest.raises(QuorumUnavailable):
+        wait_for_notice(client, lock_keys("rl:silent-wait").notify, 0.5)
+    proxy.heal()
 
 
 # --------------------------------------------------------------------------- many processes

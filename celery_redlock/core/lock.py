@@ -174,9 +174,14 @@ def wait_for_notice(client: Any, notify_key: str, seconds: float) -> None:
     seconds = round(max(seconds, 0.001), 3)
     pool = client.connection_pool
     try:
-        conn = pool.get_connection()
-    except TypeError:  # redis-py < 5.3 requires a command name
-        conn = pool.get_connection("BLPOP")
+        try:
+            conn = pool.get_connection()
+        except TypeError:  # redis-py < 5.3 requires a command name
+            conn = pool.get_connection("BLPOP")
+    except RedisError as exc:  # connecting (or its handshake) failed
+        raise QuorumUnavailable(
+            notify_key, {address_of(client): f"{type(exc).__name__}: {exc}"}
+        ) from exc
     try:
         conn.send_command("BLPOP", notify_key, f"{seconds:.3f}")
         if conn.can_read(timeout=seconds + 1.0):
