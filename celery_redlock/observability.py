@@ -122,8 +122,9 @@ def disable_prometheus(registry: Any = None) -> None:
     with _metrics_lock:
         entry = _metrics.pop(id(target), None)
     if entry is not None:
-        for collector in entry[1].values():
-            target.unregister(collector)
+        for name, collector in entry[1].items():
+            if name != "_children":  # the label-child cache, not a collector
+                target.unregister(collector)
 
 
 def prometheus_hook(event: LockEvent) -> None:
@@ -132,11 +133,21 @@ def prometheus_hook(event: LockEvent) -> None:
         return
     task = str(event.holder.get("task_name") or "")
     for _, metrics in list(_metrics.values()):
-        metrics["events"].labels(kind=event.kind, task=task).inc()
+        _child(metrics, "events", (event.kind, task)).inc()
         if event.waited is not None:
-            metrics["wait"].labels(task=task).observe(event.waited)
+            _child(metrics, "wait", (task,)).observe(event.waited)
         if event.held is not None:
-            metrics["hold"].labels(task=task).observe(event.held)
+            _child(metrics, "hold", (task,)).observe(event.held)
+
+
+def _child(metrics: dict[str, Any], name: str, labels: tuple[str, ...]) -> Any:
+    """A metric's child for *labels*, cached: ``labels()`` costs a lock and a dict build."""
+    cache = metrics.setdefault("_children", {})
+    key = (name, labels)
+    child = cache.get(key)
+    if child is None:
+        child = cache[key] = metrics[name].labels(*labels)
+    return child
 
 
 def send_task_event(task: Any, kind: str, **fields: Any) -> None:

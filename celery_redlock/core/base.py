@@ -283,7 +283,6 @@ class BaseLock:
             self._token = None
             self._count = 0
             self._valid_until = 0.0
-        get_manager().unregister(self)
 
     def release(self) -> None:
         """Give the lock back (owner-checked) and wake one waiter.
