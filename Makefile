@@ -30,7 +30,9 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 bench: $(STAMP)
-	$(PY) bench/run.py
+	$(PY) bench/bench_lock.py
+	$(PY) bench/bench_redlock.py
+	$(PY) bench/bench_tasks.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
