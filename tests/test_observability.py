@@ -10,10 +10,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -26,12 +22,12 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from prometheus_client import CollectorRegistry
 from servers import RedisServer
+from workers import Worker
 
 import celery_redlock
 from celery_redlock import Lock, LockContended, LockedTask, LockEvent, is_skipped
 from celery_redlock.observability import disable_prometheus, enable_prometheus
 
-ROOT = Path(__file__).resolve().parent.parent
 APP = "tests.apps.configapp"
 
 
@@ -237,53 +233,6 @@ def test_prometheus_counts_into_a_fresh_registry(shared_redis: RedisServer) -> N
 
 
 # -- Celery events from a real worker ---------------------------------------------------------
-class Worker:
-    """A `celery worker` subprocess in its own process group, stopped by pid."""
-
-    def __init__(self, env: dict[str, str], log_path: Path, extra: tuple[str, ...] = ()) -> None:
-        self.log_path = log_path
-        argv = [
-            sys.executable, "-m", "celery", "-A", APP, "worker", "-P", "prefork", "-c", "2",
-            "-l", "info", "-n", f"w{uuid.uuid4().hex[:8]}@%h",
-            "--without-heartbeat", "--without-gossip", "--without-mingle", *extra,
-        ]  # fmt: skip
-        self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            argv,
-            cwd=ROOT,
-            env={**os.environ, **env},
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def wait_ready(self, timeout: float = 40.0) -> None:
-        """Block until the worker logs that it is ready (bounded)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"worker exited early:\n{self.text()[-3000:]}")
-            if "ready." in self.text():
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"worker not ready in {timeout}s:\n{self.text()[-3000:]}")
-
-    def text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        """Warm shutdown (SIGTERM), then SIGKILL the group if it lingers."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(20)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.wait(10)
-        self.log.close()
-
-
 class EventCapture:
     """Celery events received in a background thread (bounded by a timeout)."""
 
@@ -320,7 +269,7 @@ def test_worker_with_E_sends_task_lock_events(redis_server: RedisServer, tmp_pat
         "REDLOCK_TEST_RECORD": f"{base}/3",
         "REDLOCK_TEST_CONF": "",
     }
-    worker = Worker(env, tmp_path / "events.log", extra=("-E",))
+    worker = Worker(APP, env, tmp_path / "events.log", concurrency=2, extra=("-E",))
     client = Celery(
         "client", broker=env["REDLOCK_TEST_BROKER"], backend=env["REDLOCK_TEST_BACKEND"]
     )

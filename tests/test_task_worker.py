@@ -7,14 +7,11 @@ exclusion across pool processes, on a Redis broker and on RabbitMQ.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 import uuid
 from collections import defaultdict
@@ -26,71 +23,11 @@ import kombu
 import pytest
 from celery import Celery
 from servers import RedisServer
+from workers import Worker
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 APP = "tests.apps.lockapp"
-
-
-class Worker:
-    """A `celery worker` subprocess in its own process group, stopped by pid."""
-
-    def __init__(
-        self,
-        env: dict[str, str],
-        log_path: Path,
-        concurrency: int = 4,
-        extra: tuple[str, ...] = (),
-    ) -> None:
-        self.log_path = log_path
-        self.name = f"w{uuid.uuid4().hex[:8]}@%h"
-        argv = [
-            sys.executable, "-m", "celery", "-A", APP, "worker", "-P", "prefork",
-            "-c", str(concurrency), "-l", "info", "-n", self.name,
-            "--without-heartbeat", "--without-gossip", "--without-mingle", *extra,
-        ]  # fmt: skip
-        self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            argv,
-            cwd=ROOT,
-            env={**os.environ, **env},
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def wait_ready(self, timeout: float = 40.0) -> None:
-        """Block until the worker logs that it is ready (bounded)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"worker exited early:\n{self.text()[-3000:]}")
-            if "ready." in self.text():
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"worker not ready in {timeout}s:\n{self.text()[-3000:]}")
-
-    def text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def kill(self) -> None:
-        """SIGKILL the whole worker: main process and pool children."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        """Warm shutdown (SIGTERM), then SIGKILL the group if it lingers."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(20)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.wait(10)
-        self.log.close()
 
 
 def _env(server: RedisServer, ttl: float, broker: str | None = None) -> dict[str, str]:
@@ -139,7 +76,7 @@ def server() -> Iterator[RedisServer]:
 @pytest.fixture(scope="module")
 def worker(server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     """A prefork worker with concurrency 4 and a 30 s lock TTL, shared by this module."""
-    w = Worker(_env(server, 30), tmp_path_factory.mktemp("w") / "worker.log")
+    w = Worker(APP, _env(server, 30), tmp_path_factory.mktemp("w") / "worker.log", concurrency=4)
     try:
         w.wait_ready()
         yield w
@@ -260,7 +197,7 @@ def test_whole_worker_sigkilled_lock_expires_within_ttl_then_next_run_proceeds(
     # Its own broker database: the module's shared worker must not pick these tasks up.
     env = _env(server, 3, broker=f"redis://127.0.0.1:{server.port}/4")
     app = _client_app(env)
-    first = Worker(env, tmp_path / "first.log", concurrency=1)
+    first = Worker(APP, env, tmp_path / "first.log")
     try:
         first.wait_ready()
         name = f"wk-{uuid.uuid4().hex[:6]}"
@@ -273,7 +210,7 @@ def test_whole_worker_sigkilled_lock_expires_within_ttl_then_next_run_proceeds(
         assert time.monotonic() - killed <= 3.0 + 0.5, "expired within one TTL"
     finally:
         first.stop()
-    second = Worker(env, tmp_path / "second.log", concurrency=1)
+    second = Worker(APP, env, tmp_path / "second.log")
     try:
         second.wait_ready()
         assert app.send_task(f"{APP}.hold", args=(name, 0.05)).get(timeout=20) == name
@@ -296,7 +233,7 @@ def test_exclusion_end_to_end_with_rabbitmq_broker(server: RedisServer, tmp_path
     server.client(db=3).delete("events")
     queue = f"redlock-{uuid.uuid4().hex[:8]}"  # private: stale messages never reach it
     env = _env(server, 30, broker="amqp://guest:guest@127.0.0.1:5672//")
-    w = Worker(env, tmp_path / "rabbit.log", extra=("-Q", queue))
+    w = Worker(APP, env, tmp_path / "rabbit.log", concurrency=4, extra=("-Q", queue))
     app = _client_app(env)
     try:
         w.wait_ready()
@@ -360,7 +297,7 @@ def test_warm_shutdown_finishes_the_task_and_releases(server: RedisServer, tmp_p
     server.client(db=3).delete("events")
     env = _env(server, 30, broker=f"redis://127.0.0.1:{server.port}/5")
     app = _client_app(env)
-    w = Worker(env, tmp_path / "warm.log", concurrency=1)
+    w = Worker(APP, env, tmp_path / "warm.log")
     try:
         w.wait_ready()
         name = f"warm-{uuid.uuid4().hex[:6]}"

@@ -7,7 +7,6 @@ settings stop the worker with one clear message; an unreachable lock Redis is re
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -24,6 +23,7 @@ import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from servers import RedisServer, free_port
+from workers import Worker
 
 from celery_redlock import is_skipped
 
@@ -31,67 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 APP = "tests.apps.configapp"
 PLAIN = "tests.apps.configplain"
 SECRET = f"pw-{uuid.uuid4().hex}"
-
-
-class Worker:
-    """A `celery worker` subprocess in its own process group, stopped by pid."""
-
-    def __init__(
-        self,
-        app: str,
-        env: dict[str, str],
-        log_path: Path,
-        concurrency: int = 1,
-        extra: tuple[str, ...] = (),
-    ) -> None:
-        self.log_path = log_path
-        argv = [
-            sys.executable, "-m", "celery", "-A", app, "worker", "-P", "prefork",
-            "-c", str(concurrency), "-l", "info", "-n", f"w{uuid.uuid4().hex[:8]}@%h",
-            "--without-heartbeat", "--without-gossip", "--without-mingle", *extra,
-        ]  # fmt: skip
-        self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            argv,
-            cwd=ROOT,
-            env={**os.environ, **env},
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def wait_ready(self, timeout: float = 40.0) -> None:
-        """Block until the worker logs that it is ready (bounded)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"worker exited early:\n{self.text()[-3000:]}")
-            if "ready." in self.text():
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"worker not ready in {timeout}s:\n{self.text()[-3000:]}")
-
-    def wait_exit(self, timeout: float = 40.0) -> int:
-        """Wait (bounded) for the worker to exit on its own; its exit code."""
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"worker still running:\n{self.text()[-3000:]}") from None
-
-    def text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        """Warm shutdown (SIGTERM), then SIGKILL the group if it lingers."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(20)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.wait(10)
-        self.log.close()
 
 
 def _env(server: RedisServer, broker_db: int, record_db: int, **extra: str) -> dict[str, str]:
