@@ -36,6 +36,7 @@ from celery_redlock import (
     QuorumUnavailable,
     RedlockError,
 )
+from celery_redlock.core.errors import describe_holder
 from celery_redlock.core.renewal import get_manager
 from celery_redlock.core.scripts import ACQUIRE, EXTEND, RELEASE
 from tests.servers import FaultProxy, RedisServer
@@ -600,10 +601,19 @@ def test_with_raises_lock_contended_carrying_the_holders_record(redis_client: re
     assert err.holder["task_id"] == "abc-123"
     assert err.holder["pid"] == os.getpid()
     assert "proj.sync_user" in str(err)
+    assert err.ttl_ms is not None and 9000 < err.ttl_ms <= 10000, "the holder's lease left"
+    assert "ms left" in str(err)
     holder.release()
     with contender:
         assert contender.owned()
     assert not redis_client.exists(contender.keys.lock)
+
+
+def test_holder_without_task_name_is_described_by_task_id_or_as_an_owner() -> None:
+    """Log wording: a record with only a task id names it; one with neither says 'an owner'."""
+    assert describe_holder({"task_id": "t-1", "pid": 7}) == "task [t-1] pid 7"
+    assert describe_holder({"hostname": "vm", "pid": 7}) == "an owner on vm pid 7"
+    assert describe_holder({}) == "another owner"
 
 
 def test_holder_record_in_redis_names_host_pid_time_and_current_owner_info(

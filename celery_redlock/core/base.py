@@ -118,6 +118,8 @@ class BaseLock:
         self.on_lost = on_lost
         #: The other owner's record, from the last contended attempt.
         self.holder: dict[str, Any] = {}
+        #: The other owner's remaining lease (ms) at the last contended attempt.
+        self.holder_ttl_ms: int | None = None
         self._state = threading.RLock()
         self._token: str | None = None
         self._pid = 0
@@ -254,6 +256,7 @@ class BaseLock:
                 log_acquire.warning("acquire of %r answered too late to be valid", self.name)
             else:
                 self.holder = attempt.holder
+                self.holder_ttl_ms = attempt.ttl_ms
             now = time.monotonic()
             left = None if deadline is None else deadline - now
             if not blocking or (left is not None and left <= 0):
@@ -485,7 +488,7 @@ class BaseLock:
     # -- context manager ----------------------------------------------------------------
     def __enter__(self: _L) -> _L:
         if not self.acquire():
-            raise LockContended(self.name, self.holder)
+            raise LockContended(self.name, self.holder, self.holder_ttl_ms)
         return self
 
     def __exit__(

@@ -144,9 +144,13 @@ def describe_holder(holder: Mapping[str, Any]) -> str:
     if not holder:
         return "another owner"
     parts: list[str] = []
+    tid = holder.get("task_id")
     if holder.get("task_name"):
-        tid = holder.get("task_id")
         parts.append(f"task {holder['task_name']}" + (f"[{tid}]" if tid else ""))
+    elif tid:
+        parts.append(f"task [{tid}]")
+    else:
+        parts.append("an owner")
     if holder.get("hostname"):
         parts.append(f"on {holder['hostname']}")
     if holder.get("pid"):
