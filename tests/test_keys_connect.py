@@ -342,12 +342,14 @@ def test_connect_rediss_url_uses_tls() -> None:
         ("", "''"),
         ("redis://u:s3cret@127.0.0.1:notaport/0", "notaport"),
         ("sentinel://:s3cret@127.0.0.1:26379", "master"),
+        ("redis://u:s3cret@127.0.0.1:6379/x", "'x'"),
     ],
 )
 def test_bad_urls_are_config_errors_naming_the_problem_without_the_password(
     url: str, named: str
 ) -> None:
-    """Unknown schemes, missing schemes, bad ports, a masterless Sentinel URL: ConfigError."""
+    """Unknown schemes, missing schemes, bad ports, a non-numeric db, a masterless Sentinel
+    URL: ConfigError."""
     with pytest.raises(ConfigError) as caught:
         connect(url)
     message = str(caught.value)

@@ -103,6 +103,8 @@ def _connect_one(url: str, options: dict[str, Any]) -> redis.Redis | RedisCluste
     options.setdefault("retry", Retry(NoBackoff(), 1))
     if scheme == "sentinel":
         return _sentinel(url, options)
+    if scheme in ("redis", "rediss"):
+        _check_db(url)
     if cluster:
         options.pop("health_check_interval", None)
         return RedisCluster.from_url(url, **options)
@@ -110,6 +112,17 @@ def _connect_one(url: str, options: dict[str, Any]) -> redis.Redis | RedisCluste
         return redis.Redis.from_url(url, **options)
     except ValueError as exc:
         raise ConfigError(f"bad Redis URL {mask_url(url)!r}: {exc}") from exc
+
+
+def _check_db(url: str) -> None:
+    """redis-py reads ``redis://host/x`` as db 0; a lock in the wrong database is a silent
+    split brain (two apps that think they share locks do not), so refuse it."""
+    path = urlsplit(url).path.strip("/")
+    if path and not path.isdigit():
+        raise ConfigError(
+            f"bad database number {path!r} in Redis URL {mask_url(url)!r}: use "
+            "redis://host:port/<number>"
+        )
 
 
 def _sentinel(url: str, options: dict[str, Any]) -> redis.Redis:
