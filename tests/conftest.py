@@ -24,6 +24,8 @@ from servers import (
     start_servers,
 )
 
+from celery_redlock.core.renewal import get_manager
+
 # Servers must not outlive an interrupted run: atexit covers normal exit and Ctrl-C, and a
 # SIGTERM handler (installed only if nobody else owns SIGTERM) covers being terminated.
 atexit.register(kill_all_servers)
@@ -41,6 +43,15 @@ if (
     and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 ):
     signal.signal(signal.SIGTERM, _kill_servers_then_die)
+
+
+@pytest.fixture(autouse=True)
+def _forget_leftover_renewals() -> Iterator[None]:
+    """A test that failed half-way must not leave locks for the next test's renewal thread."""
+    yield
+    manager = get_manager()
+    for lock in manager.held():
+        manager.unregister(lock)
 
 
 @pytest.fixture

@@ -1034,3 +1034,15 @@ class ClusterSetup:
         """Stop every node; idempotent."""
         for node in self.nodes:
             node.stop()
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005) -> bool:
+    """Poll *check* until it is true; bounded in time and count."""
+    deadline = time.monotonic() + timeout
+    for _ in range(int(timeout / interval) + 1):
+        if check():
+            return True
+        if time.monotonic() > deadline:
+            break
+        time.sleep(interval)
+    return check()

@@ -23,8 +23,7 @@ from typing import Any
 
 import pytest
 import redis
-
-from tests.servers import RedisServer
+from servers import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 CELERY = str(Path(sys.executable).parent / "celery")

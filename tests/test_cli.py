@@ -18,12 +18,12 @@ import pytest
 import redis
 from celery.bin.celery import celery as celery_main
 from click.testing import CliRunner, Result
+from servers import ClusterSetup, RedisServer, free_port
 
 from celery_redlock import Lock
 from celery_redlock.core.lock import address_of
 from celery_redlock.core.scripts import FORCE_RELEASE
 from tests.apps import locksapp
-from tests.servers import ClusterSetup, RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CELERY = str(Path(sys.executable).parent / "celery")

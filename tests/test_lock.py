@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,6 +26,7 @@ import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from servers import FaultProxy, RedisServer, wait_for
 
 from celery_redlock import (
     ConfigError,
@@ -39,33 +40,11 @@ from celery_redlock import (
 from celery_redlock.core.errors import describe_holder
 from celery_redlock.core.renewal import get_manager
 from celery_redlock.core.scripts import ACQUIRE, EXTEND, RELEASE
-from tests.servers import FaultProxy, RedisServer
 
 ProxyFactory = Callable[[RedisServer], FaultProxy]
 
 
-@pytest.fixture(autouse=True)
-def _forget_leftover_renewals() -> Iterator[None]:
-    """A test that failed half-way must not leave locks for the next test's renewal counts."""
-    yield
-    manager = get_manager()
-    for lock in manager.held():
-        manager.unregister(lock)
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005) -> bool:
-    """Poll *check* until it is true; bounded in time and count."""
-    deadline = time.monotonic() + timeout
-    for _ in range(int(timeout / interval) + 1):
-        if check():
-            return True
-        if time.monotonic() > deadline:
-            break
-        time.sleep(interval)
-    return check()
 
 
 def blocked_clients(client: redis.Redis) -> int:

@@ -10,13 +10,13 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import redis
+from servers import RedisServer
 
 from celery_redlock.core.connect import connect
 from celery_redlock.core.errors import QuorumUnavailable
 from celery_redlock.core.lock import Lock
 from celery_redlock.core.records import LockRecords, record_version
 from celery_redlock.core.redlock import Redlock
-from tests.servers import RedisServer
 
 KEY = "redlock:{beat:leader:t}"
 RECORDS = f"{KEY}:ticks"

@@ -8,12 +8,13 @@ import multiprocessing
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import redis
 from redis.sentinel import Sentinel
+from servers import FaultProxy, RedisServer, wait_for
 
 from celery_redlock import (
     ConfigError,
@@ -28,33 +29,11 @@ from celery_redlock.core.keys import lock_keys
 from celery_redlock.core.lock import wait_for_notice
 from celery_redlock.core.redlock import MAX_POOL_WORK
 from celery_redlock.core.renewal import get_manager
-from tests.servers import FaultProxy, RedisServer
 
 Servers = Callable[[int], list[RedisServer]]
 ProxyFactory = Callable[[RedisServer], FaultProxy]
 
 SOCKET_TIMEOUT = 1.0  # clients in these tests; per-node timeouts are far below it
-
-
-@pytest.fixture(autouse=True)
-def _forget_leftover_renewals() -> Iterator[None]:
-    """A test that failed half-way must not leave locks for the next test's renewal thread."""
-    yield
-    manager = get_manager()
-    for lock in manager.held():
-        manager.unregister(lock)
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> bool:
-    """Poll *check* until it is true; bounded in time and count."""
-    deadline = time.monotonic() + timeout
-    for _ in range(int(timeout / interval) + 1):
-        if check():
-            return True
-        if time.monotonic() > deadline:
-            break
-        time.sleep(interval)
-    return check()
 
 
 def clients_of(servers: list[RedisServer], **options: Any) -> list[Any]:

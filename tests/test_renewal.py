@@ -13,38 +13,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import redis
+from servers import RedisServer, wait_for
 
 from celery_redlock import Lock, LockLost, connect
 from celery_redlock.core.renewal import RenewalManager, get_manager
-from tests.servers import RedisServer
 
 RENEWAL_THREAD = "celery-redlock-renewal"
-
-
-@pytest.fixture(autouse=True)
-def _forget_leftover_renewals() -> Iterator[None]:
-    """A test that failed half-way must not leave locks for the next test's renewal counts."""
-    yield
-    manager = get_manager()
-    for lock in manager.held():
-        manager.unregister(lock)
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> bool:
-    """Poll *check* until it is true; bounded in time and count."""
-    deadline = time.monotonic() + timeout
-    for _ in range(int(timeout / interval) + 1):
-        if check():
-            return True
-        if time.monotonic() > deadline:
-            break
-        time.sleep(interval)
-    return check()
 
 
 def renewal_threads() -> list[threading.Thread]:

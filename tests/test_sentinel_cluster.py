@@ -11,41 +11,20 @@ import subprocess
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import redis
 from redis.cluster import RedisCluster
 from redis.connection import SSLConnection
+from servers import ClusterSetup, RedisServer, SentinelSetup, free_port
 
 from celery_redlock import Lock, QuorumUnavailable, Redlock, connect
 from celery_redlock.core import mask_url
 from celery_redlock.core.keys import lock_keys
 from celery_redlock.core.renewal import get_manager
-from tests.servers import ClusterSetup, RedisServer, SentinelSetup, free_port
 
 Servers = Callable[[int], list[RedisServer]]
-
-
-@pytest.fixture(autouse=True)
-def _forget_leftover_renewals() -> Iterator[None]:
-    """A test that failed half-way must not leave locks for the next test's renewal thread."""
-    yield
-    manager = get_manager()
-    for lock in manager.held():
-        manager.unregister(lock)
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 5.0, interval: float = 0.02) -> bool:
-    """Poll *check* until it is true; bounded in time and count."""
-    deadline = time.monotonic() + timeout
-    for _ in range(int(timeout / interval) + 1):
-        if check():
-            return True
-        if time.monotonic() > deadline:
-            break
-        time.sleep(interval)
-    return check()
 
 
 # --------------------------------------------------------------------------- sentinel
