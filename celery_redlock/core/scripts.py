@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
-from redis.exceptions import NoScriptError
+from . import _wire
 
 __all__ = [
     "ACQUIRE",
@@ -45,20 +45,16 @@ def describe_code(code: int) -> str:
 class Script:
     """A Lua script run by EVALSHA, loaded on the node on first NOSCRIPT."""
 
-    def __init__(self, filename: str) -> None:
+    def __init__(self, filename: str, source: str | None = None) -> None:
         self.filename = filename
-        self.source = (
-            resources.files(__package__).joinpath("scripts").joinpath(filename).read_text()
-        )
+        if source is None:
+            source = resources.files(__package__).joinpath("scripts").joinpath(filename).read_text()
+        self.source = source
         self.sha = hashlib.sha1(self.source.encode("utf-8"), usedforsecurity=False).hexdigest()
 
     def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run on *client* (a Redis, a Sentinel master client or a RedisCluster)."""
-        try:
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            client.script_load(self.source)
-            return client.evalsha(self.sha, len(keys), *keys, *args)
+        return _wire.evalsha(client, self.sha, self.source, keys, args)
 
     def __repr__(self) -> str:
         return f"Script({self.filename!r})"
