@@ -23,6 +23,7 @@ import threading
 from typing import Any
 
 from .core.events import LockEvent, add_hook
+from .state import state_for
 
 __all__ = [
     "disable_prometheus",
@@ -108,6 +109,7 @@ def enable_prometheus(registry: Any = None) -> bool:
                 ),
             },
         )
+        _actions.clear()
     add_hook(prometheus_hook)
     return True
 
@@ -121,10 +123,10 @@ def disable_prometheus(registry: Any = None) -> None:
     target = prom.REGISTRY if registry is None else registry
     with _metrics_lock:
         entry = _metrics.pop(id(target), None)
+        _actions.clear()
     if entry is not None:
-        for name, collector in entry[1].items():
-            if name != "_children":  # the label-child cache, not a collector
-                target.unregister(collector)
+        for collector in entry[1].values():
+            target.unregister(collector)
 
 
 def prometheus_hook(event: LockEvent) -> None:
@@ -132,28 +134,40 @@ def prometheus_hook(event: LockEvent) -> None:
     if not _metrics:
         return
     task = str(event.holder.get("task_name") or "")
-    for _, metrics in list(_metrics.values()):
-        _child(metrics, "events", (event.kind, task)).inc()
+    key = (event.kind, task)
+    actions = _actions.get(key)
+    if actions is None:
+        actions = _actions_for(key)
+    for inc, observe_wait, observe_hold in actions:
+        inc()
         if event.waited is not None:
-            _child(metrics, "wait", (task,)).observe(event.waited)
+            observe_wait(event.waited)
         if event.held is not None:
-            _child(metrics, "hold", (task,)).observe(event.held)
+            observe_hold(event.held)
 
 
-def _child(metrics: dict[str, Any], name: str, labels: tuple[str, ...]) -> Any:
-    """A metric's child for *labels*, cached: ``labels()`` costs a lock and a dict build."""
-    cache = metrics.setdefault("_children", {})
-    key = (name, labels)
-    child = cache.get(key)
-    if child is None:
-        child = cache[key] = metrics[name].labels(*labels)
-    return child
+#: (kind, task) -> per registry: (counter.inc, wait.observe, hold.observe) for those
+#: labels; ``labels()`` costs a lock and a dict build, so each label set is resolved once.
+_actions: dict[tuple[str, str], list[tuple[Any, Any, Any]]] = {}
+
+
+def _actions_for(key: tuple[str, str]) -> list[tuple[Any, Any, Any]]:
+    kind, task = key
+    with _metrics_lock:
+        actions = [
+            (
+                metrics["events"].labels(kind, task).inc,
+                metrics["wait"].labels(task).observe,
+                metrics["hold"].labels(task).observe,
+            )
+            for _, metrics in _metrics.values()
+        ]
+        _actions[key] = actions
+    return actions
 
 
 def send_task_event(task: Any, kind: str, **fields: Any) -> None:
     """Send ``task-lock-<kind>`` as a Celery event when this worker sends task events."""
-    from .state import state_for  # noqa: PLC0415 - avoids an import cycle
-
     if not state_for(task.app).send_events:
         return
     try:

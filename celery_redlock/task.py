@@ -143,6 +143,11 @@ def prepare_task_class(cls: type) -> None:
         key = key.__func__
     cls._redlock_key = _compile_key(name, key, signature)  # type: ignore[attr-defined]
     cls._redlock_signature = signature  # type: ignore[attr-defined]
+    cls._redlock_binder = (  # type: ignore[attr-defined]
+        _make_binder(signature, cls._redlock_key.fields)  # type: ignore[attr-defined]
+        if isinstance(cls._redlock_key, KeyTemplate)  # type: ignore[attr-defined]
+        else None
+    )
 
     app = cls.__dict__.get("app")
     if not already:
@@ -189,6 +194,60 @@ def _compile_key(task_name: str, key: Any, signature: inspect.Signature) -> Any:
     return template
 
 
+_EMPTY = inspect.Parameter.empty
+_Binder = Callable[[tuple[Any, ...], dict[str, Any]], "dict[str, Any] | None"]
+
+
+def _make_binder(signature: inspect.Signature, fields: tuple[str, ...]) -> _Binder | None:
+    """A fast ``signature.bind`` for the common signature: the template's fields from a call.
+
+    It returns exactly what ``bind`` + ``apply_defaults`` would give for those fields,
+    or None when the call is one ``bind`` would refuse, so the caller falls back to
+    ``bind`` and its precise TypeError. Signatures with ``*args``, ``**kwargs`` or
+    positional-only parameters get no fast binder.
+    """
+    params = list(signature.parameters.values())
+    if any(
+        p.kind
+        in (
+            inspect.Parameter.VAR_POSITIONAL,
+            inspect.Parameter.VAR_KEYWORD,
+            inspect.Parameter.POSITIONAL_ONLY,
+        )
+        for p in params
+    ):
+        return None
+    index: dict[str, int] = {}  # name -> position; keyword-only parameters get len(params)
+    for i, p in enumerate(params):
+        index[p.name] = i if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else len(params)
+    positional = sum(1 for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = tuple((p.name, index[p.name]) for p in params if p.default is _EMPTY)
+    plan = tuple((p.name, index[p.name], p.default) for p in params if p.name in set(fields))
+
+    def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        given = len(args)
+        if given > positional:
+            return None
+        for name in kwargs:
+            at = index.get(name)
+            if at is None or at < given:  # unknown, or given twice
+                return None
+        for name, at in required:
+            if at >= given and name not in kwargs:
+                return None
+        out: dict[str, Any] = {}
+        for name, at, default in plan:
+            if at < given:
+                out[name] = args[at]
+            elif name in kwargs:
+                out[name] = kwargs[name]
+            else:
+                out[name] = default
+        return out
+
+    return bind
+
+
 # -- options and key ----------------------------------------------------------------
 def option(task: Any, name: str) -> Any:
     """A task's lock option, or the app's default for it."""
@@ -216,7 +275,15 @@ def lock_name_for(
     if isinstance(key, str):
         return key
     if isinstance(key, KeyTemplate):
-        signature = getattr(type(task), "_redlock_signature", None)
+        cls = type(task)
+        template: KeyTemplate = key
+        if getattr(cls, "_redlock_key", None) is template:  # the fast binder fits this key
+            binder = getattr(cls, "_redlock_binder", None)
+            fields = binder(args, kwargs) if binder is not None else None
+            if fields is not None:
+                rendered: str = template.render(fields)
+                return rendered
+        signature = getattr(cls, "_redlock_signature", None)
         arguments: dict[str, Any] = dict(kwargs)
         if signature is not None:
             try:

@@ -13,7 +13,6 @@ counts as lost, whatever the process still believes.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
@@ -41,8 +40,8 @@ log_renew = logging.getLogger("celery_redlock.renew")
 
 TOKEN_BYTES = 20  # 160 random bits per acquisition
 _HOSTNAME = socket.gethostname()
-_AT = "\x00acquired_at\x00"  # placeholder for the time in a cached holder record
-_AT_JSON = json.dumps(_AT)
+_RESERVED = frozenset(("hostname", "pid", "acquired_at"))
+_head: tuple[int, str] = (0, "")
 
 _L = TypeVar("_L", bound="BaseLock")
 
@@ -55,6 +54,15 @@ def ttl_to_ms(ttl: float, what: str = "ttl") -> int:
     if not ms >= 1:
         raise ConfigError(f"{what} must be at least 0.001 seconds, got {ttl!r}")
     return int(ms)
+
+
+def _record_head() -> str:
+    """``{"hostname":...,"pid":...,"acquired_at":`` for this process (rebuilt after fork)."""
+    global _head
+    pid = os.getpid()
+    if _head[0] != pid:
+        _head = (pid, f'{{"hostname":{json.dumps(_HOSTNAME)},"pid":{pid},"acquired_at":')
+    return _head[1]
 
 
 def drift(ttl: float) -> float:
@@ -130,7 +138,6 @@ class BaseLock:
         self._lost = False
         self._lost_reason = ""
         self._max_hold_logged = False
-        self._record_cache: tuple[int, dict[str, Any] | None, str, str | None] | None = None
 
     # -- I/O, per subclass ------------------------------------------------------------
     def _do_acquire(self, token: str, info: str) -> Attempt:
@@ -195,22 +202,26 @@ class BaseLock:
     def _holder_record(self) -> str:
         """The JSON holder record stored with the lock (host, pid, acquired_at, owner_info).
 
-        This runs on every acquire and only ``acquired_at`` changes, so the rest is
-        serialised once per pid and owner_info (compared with a deep copy, so editing
-        ``owner_info`` in place is still seen) and the time is spliced in.
+        This runs on every acquire: the host/pid head is built once per process and
+        only ``owner_info`` (usually task name, id and worker) is serialised each
+        time, so editing ``owner_info`` in place is always seen.
         """
-        pid = os.getpid()
-        cache = self._record_cache
-        if cache is None or cache[0] != pid or not _same(cache[1], self.owner_info):
-            record: dict[str, Any] = {"hostname": _HOSTNAME, "pid": pid, "acquired_at": _AT}
-            record.update(self.owner_info)
-            text = json.dumps(record, default=str, separators=(",", ":"))
-            head, found, tail = text.partition(_AT_JSON)
-            cache = (pid, _snapshot(self.owner_info), head, tail if found else None)
-            self._record_cache = cache
-        if cache[3] is None:  # owner_info sets acquired_at itself
-            return cache[2]
-        return f"{cache[2]}{round(time.time(), 3)!r}{cache[3]}"
+        head = _record_head()
+        at = repr(round(time.time(), 3))
+        info = self.owner_info
+        if not info:
+            return f"{head}{at}}}"
+        if _RESERVED.isdisjoint(info):
+            body = json.dumps(info, default=str, separators=(",", ":"))
+            return f"{head}{at},{body[1:]}"
+        # owner_info overrides a standard field: keep the dict-update semantics
+        record: dict[str, Any] = {
+            "hostname": _HOSTNAME,
+            "pid": os.getpid(),
+            "acquired_at": round(time.time(), 3),
+        }
+        record.update(info)
+        return json.dumps(record, default=str, separators=(",", ":"))
 
     # -- public API -----------------------------------------------------------------
     def acquire(self, blocking: bool | None = None, timeout: float | None = None) -> bool:
@@ -510,22 +521,6 @@ class BaseLock:
         if self._lost:
             state = "lost"
         return f"<{type(self).__name__} {self.name!r} ttl={self.ttl}s {state} fence={self.fence}>"
-
-
-def _snapshot(info: dict[str, Any]) -> dict[str, Any] | None:
-    """A deep copy of *info* to compare with later; None (never equal) if it can't be copied."""
-    try:
-        return copy.deepcopy(info)
-    except Exception:
-        return None
-
-
-def _same(snapshot: dict[str, Any] | None, info: dict[str, Any]) -> bool:
-    """True when *info* still equals its *snapshot* (values that can't compare: never)."""
-    try:
-        return snapshot is not None and bool(snapshot == info)
-    except Exception:
-        return False
 
 
 def _code_reason(code: int) -> str:
