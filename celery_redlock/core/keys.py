@@ -83,6 +83,8 @@ def render_value(value: Any) -> str:
     """
     if isinstance(value, str):
         return value
+    if type(value) is int:  # the common key argument (ids): json.dumps would give the same
+        return str(value)
     return json.dumps(_canonical(value), sort_keys=True, separators=(",", ":"))
 
 
