@@ -133,11 +133,12 @@ if wanted("floor"):
             _locks_pid = os.getpid()
         key = f"floor:{{k:{i}}}"
         token = secrets.token_hex(20)
-        got = ACQUIRE(_locks, [key, key + ":fence"], [token, 30000, f'{{"pid":{os.getpid()}}}'])
+        record = f'{{"pid":{os.getpid()}}}'
+        got = ACQUIRE(_locks, [key, key + ":fence", key + ":waiting"], [token, 30000, record, "0"])
         if int(got[0]) != 1:
             raise RuntimeError(f"floor: {key} was held")
         bump()
-        RELEASE(_locks, [key, key + ":notify"], [token, 30000])
+        RELEASE(_locks, [key, key + ":notify", key + ":waiting"], [token, 30000])
 
     TASKS["floor"] = floor
 

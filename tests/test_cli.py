@@ -126,16 +126,19 @@ def test_list_with_a_pattern_shows_only_matching_locks_in_a_table(
     assert "report:1" not in table.stdout
 
 
-def test_list_skips_fence_and_notify_keys_and_foreign_keys_and_says_when_empty(
+def test_list_skips_fence_notify_and_waiting_keys_and_foreign_keys_and_says_when_empty(
     locks_on: redis.Redis,
 ) -> None:
-    """A released lock (its :fence and :notify keys remain) and non-lock keys are not listed."""
+    """A released lock (its :fence, :notify and :waiting keys remain) and non-lock keys
+    are not listed."""
     lock = Lock(locks_on, "gone", ttl=30)
     lock.acquire()
-    lock.release()
+    assert Lock(locks_on, "gone", ttl=30).acquire(timeout=0.01) is False  # leaves a mark
+    lock.release()  # someone may be waiting: the release pushes a notice
     locks_on.set("redlock:{plain-string}", "x")
     locks_on.hset("redlock:{other-hash}", "field", "x")
-    assert locks_on.exists("redlock:{gone}:fence", "redlock:{gone}:notify") == 2
+    keys = ("redlock:{gone}:fence", "redlock:{gone}:notify", "redlock:{gone}:waiting")
+    assert locks_on.exists(*keys) == 3
     result = run("list")
     assert result.exit_code == 0
     assert result.stdout.strip() == "no locks held"

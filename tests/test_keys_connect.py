@@ -50,11 +50,12 @@ json_values = st.recursive(
 
 
 def test_keys_show_the_name_inside_a_hash_tag_under_the_prefix() -> None:
-    """sync:42 lives at redlock:{sync:42}, with :fence and :notify beside it."""
+    """sync:42 lives at redlock:{sync:42}, with :fence, :notify and :waiting beside it."""
     keys = lock_keys("sync:42")
     assert (keys.name, keys.lock) == ("sync:42", "redlock:{sync:42}")
     assert keys.fence == "redlock:{sync:42}:fence"
     assert keys.notify == "redlock:{sync:42}:notify"
+    assert keys.waiting == "redlock:{sync:42}:waiting"
     assert lock_keys("sync:42", "app:locks:").lock == "app:locks:{sync:42}"
     assert lock_keys("x", "").lock == "{x}"
 
@@ -64,9 +65,9 @@ def test_keys_show_the_name_inside_a_hash_tag_under_the_prefix() -> None:
 @example(name="}abc", prefix="redlock:")
 @example(name="{}", prefix="redlock:")
 def test_all_keys_of_one_lock_share_one_cluster_slot(name: str, prefix: str) -> None:
-    """Whatever the name, the lock, fence and notify keys hash to the same cluster slot."""
+    """Whatever the name, all four keys of a lock hash to the same cluster slot."""
     keys = lock_keys(name, prefix)
-    slots = {key_slot(k.encode()) for k in (keys.lock, keys.fence, keys.notify)}
+    slots = {key_slot(k.encode()) for k in (keys.lock, keys.fence, keys.notify, keys.waiting)}
     assert len(slots) == 1, keys
 
 

@@ -457,6 +457,66 @@ def test_waiter_gets_the_lock_within_milliseconds_of_the_release(
     assert max(latencies) < 0.1, latencies
 
 
+def test_three_waiters_are_handed_the_lock_one_after_another_by_notices(
+    redis_client: redis.Redis, shared_redis: RedisServer
+) -> None:
+    """Holder + 3 blocked waiters, 10 s leases: each release wakes the next within ms.
+
+    Only the first release happens while all three wait; the later ones come from
+    waiters that took the lock, so the waiter mark must survive each hand-off.
+    """
+    holder = Lock(redis_client, "wait:chain", ttl=10, auto_renew=False)
+    assert holder.acquire(blocking=False)
+    order: list[tuple[int, float]] = []
+    order_lock = threading.Lock()
+
+    def wait(n: int) -> None:
+        lock = Lock(shared_redis.client(), "wait:chain", ttl=10, auto_renew=False)
+        if lock.acquire(timeout=8):
+            with order_lock:
+                order.append((n, time.perf_counter()))
+            time.sleep(0.05)  # hold briefly, then hand on to the next waiter
+            lock.release()
+
+    threads = [threading.Thread(target=wait, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    assert wait_for(lambda: blocked_clients(redis_client) == 3)
+    released = time.perf_counter()
+    holder.release()
+    for t in threads:
+        t.join(10)
+    assert len(order) == 3, order
+    # Three holds of 50 ms each: the chain ends well under a second, far from the 10 s
+    # lease a waiter without a notice would have slept out.
+    assert order[-1][1] - released < 1.0, [round(at - released, 3) for _, at in order]
+    assert not redis_client.exists(holder.keys.lock)
+
+
+def test_a_release_nobody_waits_for_pushes_no_notice(redis_client: redis.Redis) -> None:
+    """Uncontended and non-blocking contended use leave no :notify list and no waiter mark."""
+    lock = Lock(redis_client, "wait:none", ttl=5, auto_renew=False)
+    other = Lock(redis_client, "wait:none", ttl=5, auto_renew=False)
+    with lock:
+        assert other.acquire(blocking=False) is False  # will not wait: marks nothing
+        assert not redis_client.exists(lock.keys.waiting)
+    assert not redis_client.exists(lock.keys.notify)
+    assert not redis_client.exists(lock.keys.lock)
+
+
+def test_a_waiter_marks_the_lock_for_its_wait_plus_a_second(redis_client: redis.Redis) -> None:
+    """A blocking contended attempt leaves a waiter mark outliving the holder's lease."""
+    holder = Lock(redis_client, "wait:mark", ttl=3, auto_renew=False)
+    assert holder.acquire(blocking=False)
+    waiter = Lock(redis_client, "wait:mark", ttl=3, auto_renew=False)
+    assert waiter.acquire(timeout=0.2) is False
+    mark_ttl = redis_client.pttl(holder.keys.waiting)
+    lease_left = redis_client.pttl(holder.keys.lock)
+    assert lease_left + 500 < mark_ttl <= lease_left + 1000 + 50, (mark_ttl, lease_left)
+    holder.release()
+    assert redis_client.llen(holder.keys.notify) == 1  # someone may wait: a notice
+
+
 def test_waiting_two_seconds_costs_o1_commands(
     redis_client: redis.Redis, shared_redis: RedisServer
 ) -> None:

@@ -140,7 +140,8 @@ class BaseLock:
         self._max_hold_logged = False
 
     # -- I/O, per subclass ------------------------------------------------------------
-    def _do_acquire(self, token: str, info: str) -> Attempt:
+    def _do_acquire(self, token: str, info: str, wait: bool) -> Attempt:
+        """One attempt; *wait*: on contention the caller will block for a release notice."""
         raise NotImplementedError
 
     def _do_release(self, token: str) -> int:
@@ -248,7 +249,8 @@ class BaseLock:
         info = self._holder_record()
         while True:
             token = new_token()
-            attempt = self._do_acquire(token, info)  # raises QuorumUnavailable
+            will_wait = blocking and (deadline is None or time.monotonic() < deadline)
+            attempt = self._do_acquire(token, info, will_wait)  # raises QuorumUnavailable
             if attempt.acquired:
                 valid_until = attempt.started + self.ttl - drift(self.ttl)
                 if time.monotonic() < valid_until:

@@ -5,8 +5,8 @@ Each function works on one client: a plain Redis, a Sentinel master client, or a
 the node that owns their slot). For Redlock, call it once per master.
 
 Locks are found with ``SCAN ... MATCH <prefix>{<pattern>} TYPE hash``, never
-``KEYS``; the ``:fence`` and ``:notify`` keys next to each lock, and hashes that
-are not locks (no ``token`` field), are skipped.
+``KEYS``; the ``:fence``, ``:notify`` and ``:waiting`` keys next to each lock, and
+hashes that are not locks (no ``token`` field), are skipped.
 
 Errors are not translated: a node that cannot be reached raises one of
 :data:`REDIS_ERRORS`, so a caller that asks several masters can report each one
@@ -107,7 +107,7 @@ def scan_locks(client: Any, prefix: str, pattern: str = "*") -> list[LockInfo]:
                 for key in (_text(k) for k in _scan(node, match))
                 if key.startswith(prefix + "{")
                 and key.endswith("}")
-                and not key.endswith((":fence", ":notify"))
+                and not key.endswith((":fence", ":notify", ":waiting"))
             }
         )
         found += _read(node, keys, prefix)

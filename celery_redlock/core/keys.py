@@ -44,6 +44,7 @@ class LockKeys:
     lock: str
     fence: str
     notify: str
+    waiting: str
 
 
 def normalize_name(name: str) -> str:
@@ -70,7 +71,13 @@ def lock_keys(name: str, prefix: str = "redlock:") -> LockKeys:
     # with "}" would leave that empty, and the three keys would land in different slots.
     tag = "\\" + stored if stored.startswith("}") else stored
     base = f"{prefix}{{{tag}}}"
-    return LockKeys(name=stored, lock=base, fence=f"{base}:fence", notify=f"{base}:notify")
+    return LockKeys(
+        name=stored,
+        lock=base,
+        fence=f"{base}:fence",
+        notify=f"{base}:notify",
+        waiting=f"{base}:waiting",
+    )
 
 
 def render_value(value: Any) -> str:

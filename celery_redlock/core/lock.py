@@ -65,16 +65,23 @@ class Lock(BaseLock):
         )
 
     # -- I/O --------------------------------------------------------------------------
+    @property
+    def _release_keys(self) -> list[str]:
+        return [self.keys.lock, self.keys.notify, self.keys.waiting]
+
     def _unavailable(self, exc: BaseException) -> QuorumUnavailable:
         return QuorumUnavailable(
             self.name, {address_of(self.client): f"{type(exc).__name__}: {exc}"}
         )
 
-    def _do_acquire(self, token: str, info: str) -> Attempt:
+    def _do_acquire(self, token: str, info: str, wait: bool) -> Attempt:
         started = time.monotonic()
+        keys = self.keys
         try:
             reply = ACQUIRE(
-                self.client, [self.keys.lock, self.keys.fence], [token, self.ttl_ms, info]
+                self.client,
+                [keys.lock, keys.fence, keys.waiting],
+                [token, self.ttl_ms, info, "1" if wait else "0"],
             )
         except ResponseError as exc:
             raise ConfigError(
@@ -96,9 +103,7 @@ class Lock(BaseLock):
 
     def _do_release(self, token: str) -> int:
         try:
-            return int(
-                RELEASE(self.client, [self.keys.lock, self.keys.notify], [token, self.ttl_ms])
-            )
+            return int(RELEASE(self.client, self._release_keys, [token, self.ttl_ms]))
         except RedisError as exc:
             log.debug(  # the caller gets QuorumUnavailable and reports it (see _do_acquire)
                 "release of %r failed: Redis unavailable (%s); it expires within %ss",
@@ -111,7 +116,7 @@ class Lock(BaseLock):
     def _do_abandon(self, token: str) -> None:
         # On failure the lease expires by itself within one TTL.
         with contextlib.suppress(RedisError):
-            RELEASE(self.client, [self.keys.lock, self.keys.notify], [token, self.ttl_ms])
+            RELEASE(self.client, self._release_keys, [token, self.ttl_ms])
 
     def _do_extend(self, token: str, ms: int, replace: bool) -> int:
         try:
@@ -138,8 +143,7 @@ class Lock(BaseLock):
             holder = parse_holder(info)
             if token is None or any(holder.get(k) != v for k, v in match.items()):
                 return False
-            keys = [self.keys.lock, self.keys.notify]
-            return int(RELEASE(self.client, keys, [_text(token), self.ttl_ms])) == 1
+            return int(RELEASE(self.client, self._release_keys, [_text(token), self.ttl_ms])) == 1
         except RedisError as exc:
             raise self._unavailable(exc) from exc
 

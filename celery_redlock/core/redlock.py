@@ -775,12 +775,18 @@ class Redlock(BaseLock):
         return exc
 
     def _release_op(self, token: str) -> _Op:
-        return _Op((self.keys.lock, self.keys.notify), (token, self.ttl_ms), RELEASE)
+        keys = self.keys
+        return _Op((keys.lock, keys.notify, keys.waiting), (token, self.ttl_ms), RELEASE)
 
     # -- I/O for BaseLock -------------------------------------------------------------
-    def _do_acquire(self, token: str, info: str) -> Attempt:
+    def _do_acquire(self, token: str, info: str, wait: bool) -> Attempt:
         started = time.monotonic()
-        op = _Op((self.keys.lock, self.keys.fence), (token, self.ttl_ms, info), ACQUIRE)
+        keys = self.keys
+        op = _Op(
+            (keys.lock, keys.fence, keys.waiting),
+            (token, self.ttl_ms, info, "1" if wait else "0"),
+            ACQUIRE,
+        )
         # A failed attempt waits for every answer (up to the per-node timeout): each
         # master that granted it is then given back before acquire() returns.
         fan = self._fan_out(op, _acquire_kind, settle=False, early_no=False)

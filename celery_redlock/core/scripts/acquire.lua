@@ -1,9 +1,12 @@
 -- acquire: take the lock if free, or confirm we already hold it.
 -- KEYS[1]  lock key (a hash: token, fence, info)
 -- KEYS[2]  fence counter of this lock (same hash tag, never expires)
+-- KEYS[3]  waiter mark of this lock (optional): set while someone may be blocked
+--          on the notify list, so that a release knows to push a notice
 -- ARGV[1]  token of this acquisition (>= 128 random bits)
 -- ARGV[2]  lease in milliseconds (integer)
 -- ARGV[3]  holder record (JSON text), shown by `celery locks`
+-- ARGV[4]  '1' when the caller will block for a release notice if the lock is held
 -- Returns  {1, fence}          acquired; also when the key already holds ARGV[1]
 --                              (a re-sent acquire finds its own token: same fence,
 --                              lease reset)
@@ -14,7 +17,17 @@ if cur[1] == ARGV[1] then
   return {1, tonumber(cur[2])}
 end
 if cur[1] then
-  return {0, cur[3] or '', redis.call('PTTL', KEYS[1])}
+  local left = redis.call('PTTL', KEYS[1])
+  if ARGV[4] == '1' and KEYS[3] then
+    -- The caller blocks at most `left` ms (or its own lease when the key has no
+    -- expiry) from now; the mark outlives that by a second, so every release while
+    -- it waits finds the mark and pushes a notice. Several waiters: the longest wins.
+    local want = (left > 0 and left or tonumber(ARGV[2])) + 1000
+    if redis.call('PTTL', KEYS[3]) < want then
+      redis.call('SET', KEYS[3], '1', 'PX', want)
+    end
+  end
+  return {0, cur[3] or '', left}
 end
 local fence = redis.call('INCR', KEYS[2])
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fence, 'info', ARGV[3])

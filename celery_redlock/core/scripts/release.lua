@@ -1,9 +1,11 @@
 -- release: delete the lock only if ARGV[1] still owns it, and wake one waiter.
 -- KEYS[1]  lock key
 -- KEYS[2]  notify list of this lock (waiters BLPOP it)
+-- KEYS[3]  waiter mark (optional; see acquire.lua): without it nobody can be
+--          waiting, so no notice is pushed. Without KEYS[3], a notice always is.
 -- ARGV[1]  token of the acquisition being released
 -- ARGV[2]  how long an unconsumed wake-up notice lives, in milliseconds
--- Returns  1   released (and one notice pushed)
+-- Returns  1   released (and one notice pushed if someone may be waiting)
 --          0   no such lock (expired or removed)
 --          -1  held by another token: nothing touched
 local tok = redis.call('HGET', KEYS[1], 'token')
@@ -14,6 +16,9 @@ if tok ~= ARGV[1] then
   return -1
 end
 redis.call('DEL', KEYS[1])
+if KEYS[3] and redis.call('EXISTS', KEYS[3]) == 0 then
+  return 1
+end
 -- At most one notice in the list: a release wakes one waiter, the one that can win.
 redis.call('DEL', KEYS[2])
 redis.call('RPUSH', KEYS[2], '1')
