@@ -222,7 +222,8 @@ class CountingRedis(redis.Redis):
 
 
 def test_clients_that_do_not_fit_use_redis_pys_own_evalsha(shared_redis: RedisServer) -> None:
-    """A Redis subclass and a single-connection client go through execute_command."""
+    """A Redis subclass, a single-connection client and a one-connection pool go through
+    redis-py's own evalsha."""
     sub = CountingRedis(host="127.0.0.1", port=shared_redis.port)
     assert _wire._held_for(sub) is None
     CountingRedis.calls = 0
@@ -231,8 +232,14 @@ def test_clients_that_do_not_fit_use_redis_pys_own_evalsha(shared_redis: RedisSe
     single = redis.Redis(host="127.0.0.1", port=shared_redis.port, single_connection_client=True)
     assert _wire._held_for(single) is None
     assert echo(single, "single") == b"single"
+    one = redis.BlockingConnectionPool(host="127.0.0.1", port=shared_redis.port, max_connections=1)
+    tiny = redis.Redis(connection_pool=one)
+    assert _wire._held_for(tiny) is None  # holding its only connection would starve it
+    assert echo(tiny, "tiny") == b"tiny"
+    assert tiny.ping()  # and the pool still has its connection for everything else
     sub.close()
     single.close()
+    tiny.close()
 
 
 def test_arguments_of_every_supported_type_are_sent_as_redis_py_would(

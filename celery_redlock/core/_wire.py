@@ -19,8 +19,9 @@ matters from redis-py:
   the parent), and a thread that finds the held connection busy (the renewal
   thread, another task thread) takes one from the pool as usual.
 
-Clients this does not fit (Cluster, single-connection clients, pools with a
-client-side cache) go through redis-py's normal ``evalsha``.
+Clients this does not fit (Cluster, ``Redis`` subclasses, single-connection
+clients, pools with a client-side cache or a single connection) go through
+redis-py's normal ``evalsha``.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def _held_for(client: Any) -> _Held | None:
     held = _held.get(pool)
     if held is not None and held.pid == os.getpid():
         return held
-    if getattr(pool, "cache", None) is not None:
-        return None
+    if getattr(pool, "cache", None) is not None or getattr(pool, "max_connections", 2) < 2:
+        return None  # a client-side cache; a one-connection pool the held one would starve
     with _held_lock:
         held = _held.get(pool)
         if held is None or held.pid != os.getpid():
