@@ -47,6 +47,8 @@ SKIPPED = "celery_redlock.skipped"
 RETRIES_HEADER = "redlock_retries"
 #: Message header carrying a per-call key (``apply_async(lock_key=...)``).
 KEY_HEADER = "redlock_key"
+#: Failures that a task's lock options produce on purpose (added to ``Task.throws``).
+_EXPECTED = (LockContended, QuorumUnavailable)
 
 
 def is_skipped(result: Any) -> bool:
@@ -148,6 +150,12 @@ def prepare_task_class(cls: type) -> None:
         if isinstance(cls._redlock_key, KeyTemplate)  # type: ignore[attr-defined]
         else None
     )
+
+    # A run refused for contention, or given up on because Redis stayed unreachable, is
+    # an outcome the task's lock options asked for, and celery_redlock.task has already
+    # logged why in one line: Celery logs "raised expected" at INFO, not a traceback.
+    throws = tuple(inspect.getattr_static(cls, "throws", ()) or ())
+    cls.throws = throws + tuple(e for e in _EXPECTED if e not in throws)  # type: ignore[attr-defined]
 
     app = cls.__dict__.get("app")
     if not already:

@@ -363,8 +363,21 @@ def test_skip_does_not_run_and_returns_a_marker_naming_the_holder(
     assert a.id in skipped[0].getMessage() and "job:1" in skipped[0].getMessage()
 
 
-def test_raise_fails_with_lock_contended(env: Env) -> None:
-    """raise: B ends FAILURE with LockContended naming A, without running its body."""
+@pytest.fixture
+def trace_logs(logs: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """``logs``, plus Celery's tracer (``celery.app.trace``) at INFO."""
+    logs.set_level(logging.INFO, logger="celery.app.trace")
+    return logs
+
+
+def celery_failure_records(caplog: pytest.LogCaptureFixture, task_id: str) -> list[Any]:
+    """The records Celery's tracer logged for *task_id*'s failure."""
+    return [r for r in caplog.records if r.name == "celery.app.trace" and task_id in r.getMessage()]
+
+
+def test_raise_fails_with_lock_contended(env: Env, trace_logs: pytest.LogCaptureFixture) -> None:
+    """raise: B ends FAILURE with LockContended naming A, without running its body; Celery
+    logs it as an expected failure (INFO, no traceback)."""
     app = env.app()
     job = _holding_task(app, env, lock_on_contended="raise")
     with worker(app):
@@ -381,6 +394,21 @@ def test_raise_fails_with_lock_contended(env: Env) -> None:
     assert exc.name == "job:1"  # rebuilt from the JSON result with its context
     assert exc.holder["task_id"] == a.id
     assert env.rec.get("runs:1") == "1"
+    failed = celery_failure_records(trace_logs, b.id)
+    assert failed and all(r.levelno == logging.INFO and r.exc_info is None for r in failed)
+    assert "raised expected" in failed[0].getMessage()
+
+
+def test_the_tasks_own_throws_are_kept_beside_the_lock_failures(env: Env) -> None:
+    """throws=(KeyError,) on a LockedTask: KeyError, LockContended, QuorumUnavailable."""
+    app = env.app()
+
+    @app.task(base=LockedTask, shared=False, lock_key="t:<n>", throws=(KeyError,))
+    def picky(n: int) -> int:
+        return n
+
+    assert set(picky.throws) == {KeyError, LockContended, QuorumUnavailable}
+    assert picky.throws[0] is KeyError
 
 
 def test_wait_is_woken_by_the_release_notice_not_the_ttl(env: Env) -> None:
@@ -460,6 +488,7 @@ def test_retry_budget_spent_fails_with_lock_contended(
     env: Env, logs: pytest.LogCaptureFixture
 ) -> None:
     """lock_max_retries=2 while A holds on: B ends FAILURE with LockContended after 2 retries."""
+    logs.set_level(logging.INFO, logger="celery.app.trace")
     app = env.app()
     job = _holding_task(
         app,
@@ -483,6 +512,8 @@ def test_retry_budget_spent_fails_with_lock_contended(
     gave_up = [m for m in messages(logs, logging.ERROR) if b.id in m]
     assert len(gave_up) == 1
     assert "gave up after 2 lock retries" in gave_up[0]
+    failed = celery_failure_records(logs, b.id)  # our ERROR line says why; no traceback
+    assert failed and all(r.levelno < logging.ERROR and r.exc_info is None for r in failed)
     assert len([m for m in messages(logs) if b.id in m and "lock retry" in m]) == 2
 
 
@@ -844,6 +875,7 @@ def test_redis_down_retries_then_fails_without_running(
     outage: str,
 ) -> None:
     """Lock Redis down: body never runs; RETRY, then FAILURE(QuorumUnavailable); no tracebacks."""
+    logs.set_level(logging.INFO, logger="celery.app.trace")
     if outage == "stopped":
         url = f"redis://127.0.0.1:{redis_server.port}/1"
         redis_server.stop()
@@ -875,6 +907,8 @@ def test_redis_down_retries_then_fails_without_running(
     assert len(errors) == 2, errors  # worker start-up, and the final give-up
     assert "unreachable" in errors[0]
     assert "gave up after 1 lock retries" in errors[1] and result.id in errors[1]
+    failed = celery_failure_records(logs, result.id)
+    assert failed and all(r.levelno < logging.ERROR and r.exc_info is None for r in failed)
 
 
 def test_redis_down_with_fail_open_runs_unlocked_and_warns(
