@@ -178,11 +178,14 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _no_retry_client(host: str, port: int, timeout: float) -> redis.Redis:
+def _no_retry_client(
+    host: str, port: int, timeout: float, password: str | None = None
+) -> redis.Redis:
     """A client that fails fast instead of retrying, for probing readiness."""
     return redis.Redis(
         host=host,
         port=port,
+        password=password,
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
         retry=Retry(NoBackoff(), 0),
@@ -335,7 +338,7 @@ class RedisServer:
 
     def _answers_as(self, pid: int) -> bool:
         """True when the server on our port answers and reports our pid (not a squatter)."""
-        client = _no_retry_client(self.host, self.port, 0.5)
+        client = _no_retry_client(self.host, self.port, 0.5, self.password)
         try:
             info = client.info("server")
         except redis.RedisError:
@@ -381,8 +384,9 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        """``redis://127.0.0.1:PORT/0``."""
-        return f"redis://{self.host}:{self.port}/0"
+        """``redis://127.0.0.1:PORT/0`` (``redis://:PASSWORD@...`` with ``--requirepass``)."""
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     @property
     def pid(self) -> int:
@@ -395,10 +399,21 @@ class RedisServer:
         """True between pause() and resume()."""
         return self._paused and self.alive()
 
+    @property
+    def password(self) -> str | None:
+        """The ``--requirepass`` this server was started with, if any."""
+        args = self.extra_args
+        for i, arg in enumerate(args[:-1]):
+            if arg == "--requirepass":
+                return args[i + 1]
+        return None
+
     def client(self, **kwargs: Any) -> redis.Redis:
-        """A redis-py client for this server (socket_timeout=5 unless overridden)."""
+        """A redis-py client for this server (socket_timeout=5 unless overridden; the
+        server's ``--requirepass`` password, if it has one)."""
         params: dict[str, Any] = {"host": self.host, "port": self.port, "db": 0}
         params["socket_timeout"] = 5
+        params["password"] = self.password
         params.update(kwargs)
         return redis.Redis(**params)
 

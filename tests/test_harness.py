@@ -96,6 +96,22 @@ def test_server_answers_ping_and_kill_makes_it_unreachable(redis_server: RedisSe
         redis_server.client(socket_timeout=0.5, retry=no_retry()).ping()
 
 
+def test_a_server_started_with_requirepass_comes_up_and_its_helpers_authenticate() -> None:
+    """--requirepass: readiness, client(), url and the stats helpers all use the password."""
+    server = RedisServer.start(["--requirepass", "h4rness"])
+    try:
+        assert server.client().ping()
+        assert redis.Redis.from_url(server.url).ping()
+        with pytest.raises(redis.AuthenticationError):
+            server.client(password=None).set("k", "v")
+        server.reset_stats()
+        server.client().set("k", "v")
+        assert server.command_count("set") == 1
+    finally:
+        server.stop()
+    assert not server.alive()
+
+
 def test_restart_reuses_the_port_with_empty_data(redis_server: RedisServer) -> None:
     """restart() after kill() or stop() brings a new process up on the same port, empty."""
     port, first_pid = redis_server.port, redis_server.pid
