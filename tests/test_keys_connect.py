@@ -118,6 +118,12 @@ def test_strings_render_as_themselves(text: str) -> None:
     assert render_value(text) == text
 
 
+def test_an_id_passed_as_int_or_as_string_locks_the_same_name() -> None:
+    """sync:<user_id> with 42 or "42" is one lock, sync:42 (as the README says)."""
+    template = KeyTemplate("sync:<user_id>")
+    assert template.render({"user_id": 42}) == template.render({"user_id": "42"}) == "sync:42"
+
+
 @given(st.integers())
 def test_numbers_render_with_one_spelling(number: int) -> None:
     """Integers render as their decimal digits; an integral float renders like the integer."""
