@@ -106,6 +106,11 @@ SETTINGS: dict[str, tuple[Callable[[Any], Any], Any, str]] = {
     "redlock_wait_timeout": (_number(0), 30.0, "how long 'wait' blocks"),
     "redlock_fail_open": (_boolean, False, "run unlocked when Redis is down (not advised)"),
     "redlock_key_prefix": (_string, "redlock:", "prefix of every lock key"),
+    "redlock_fence_ttl": (
+        _number(0, allow_none=True, strict=True),
+        None,
+        "let a lock's fence counter expire after this long unused (None: never)",
+    ),
     "redlock_tasks": (_mapping, {}, "task-name patterns -> lock options, for tasks without base"),
     "redlock_disable": (_boolean, False, "run every task unlocked (tests)"),
     "redlock_beat_ttl": (_number(0, allow_none=True, strict=True), None, "beat leader lease"),

@@ -77,6 +77,7 @@ class AppState:
         """A core lock on this app's Redis (a ``Redlock`` when several URLs are set)."""
         clients = self.clients()
         prefix = self.settings["redlock_key_prefix"]
+        options.setdefault("fence_ttl", self.settings["redlock_fence_ttl"])
         if isinstance(clients, list):
             from .core.redlock import Redlock  # noqa: PLC0415 - only Redlock users need it
 

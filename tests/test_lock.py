@@ -684,7 +684,70 @@ def test_holder_record_in_redis_names_host_pid_time_and_current_owner_info(
     lock.release()
 
 
+# --------------------------------------------------------------------------- fence counter
+
+
+def test_by_default_the_fence_counter_counts_from_one_and_never_expires(
+    redis_client: redis.Redis,
+) -> None:
+    """fence_ttl=None: fences 1, 2, 3 and a counter key without a TTL."""
+    lock = Lock(redis_client, "fence:default", ttl=5, auto_renew=False)
+    fences = []
+    for _ in range(3):
+        with lock:
+            fences.append(lock.fence)
+    assert fences == [1, 2, 3]
+    assert redis_client.pttl(lock.keys.fence) == -1
+
+
+def test_a_fence_counter_with_fence_ttl_expires_and_fences_still_increase(
+    redis_client: redis.Redis,
+) -> None:
+    """fence_ttl=0.5: the counter expires when unused, yet the next fence is higher.
+
+    A counter that is gone restarts from the server clock in microseconds, so it is
+    above anything the expired one reached by counting.
+    """
+    lock = Lock(redis_client, "fence:ttl", ttl=5, auto_renew=False, fence_ttl=0.5)
+    before_us = int(time.time() * 1_000_000)
+    with lock:
+        first = lock.fence
+    assert first is not None and first > before_us - 5_000_000  # seeded from the clock
+    assert 0 < redis_client.pttl(lock.keys.fence) <= 500
+    with lock:
+        second = lock.fence
+    assert second == first + 1  # within its life, the counter counts
+    assert wait_for(lambda: not redis_client.exists(lock.keys.fence), timeout=3)
+    with lock:
+        third = lock.fence
+    assert third is not None and second is not None and third > second
+    assert 0 < redis_client.pttl(lock.keys.fence) <= 500
+
+
+def test_switching_fence_ttl_on_keeps_the_existing_counter_and_gives_it_a_ttl(
+    redis_client: redis.Redis,
+) -> None:
+    """A counter made without fence_ttl keeps counting and gets a TTL on the next acquire."""
+    plain = Lock(redis_client, "fence:switch", ttl=5, auto_renew=False)
+    with plain:
+        assert plain.fence == 1
+    timed = Lock(redis_client, "fence:switch", ttl=5, auto_renew=False, fence_ttl=60)
+    with timed:
+        assert timed.fence == 2
+    assert 0 < redis_client.pttl(timed.keys.fence) <= 60_000
+
+
 # --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("fence_ttl", [0, -1, "60", float("inf")])
+def test_bad_fence_ttl_is_a_config_error_naming_it(
+    redis_client: redis.Redis, fence_ttl: Any
+) -> None:
+    """fence_ttl must be a positive number of seconds (or None)."""
+    with pytest.raises(ConfigError) as caught:
+        Lock(redis_client, "bad", ttl=5, fence_ttl=fence_ttl)
+    assert "fence_ttl" in str(caught.value) and repr(fence_ttl) in str(caught.value)
 
 
 @pytest.mark.parametrize("ttl", [0, -2.5, 0.0004, float("nan"), "30", None])

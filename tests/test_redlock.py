@@ -415,6 +415,25 @@ def test_fences_rise_across_holders_whose_quorums_differ(
     assert int(servers[1].client().get(fence_key)) == 102
 
 
+def test_fence_ttl_on_redlock_keeps_a_ttl_on_every_masters_counter(
+    redis_servers: Servers,
+) -> None:
+    """fence_ttl with 3 masters: each counter is seeded from its own clock, the lower ones
+    are raised to the chosen fence and keep their TTL; after expiry fences still rise."""
+    servers = redis_servers(3)
+    lock = Redlock(clients_of(servers), "rl:fence-ttl", ttl=5, auto_renew=False, fence_ttl=0.6)
+    fence_key = lock_keys("rl:fence-ttl").fence
+    with lock:
+        first = lock.fence
+    assert first is not None
+    counters = [int(s.client().get(fence_key)) for s in servers]
+    assert sum(c >= first for c in counters) >= 2, counters  # a quorum holds the fence
+    assert all(0 < s.client().pttl(fence_key) <= 600 for s in servers)  # raised ones too
+    assert wait_for(lambda: not any(s.client().exists(fence_key) for s in servers), timeout=3)
+    with lock:
+        assert lock.fence is not None and lock.fence > first
+
+
 def test_a_blackholed_master_neither_slows_acquires_nor_ties_up_the_pool(
     redis_servers: Servers, fault_proxy: ProxyFactory
 ) -> None:

@@ -854,6 +854,24 @@ def test_fence_strictly_increases_across_runs_and_lock_is_owned(env: Env) -> Non
     assert all(r[1] is True and r[2] == "int" for r in [*runs, other])
     assert all(a < b for a, b in itertools.pairwise(fences)), fences
     assert int(env.locks.get("redlock:{fenced:1}:fence")) == fences[-1]
+    assert env.locks.pttl("redlock:{fenced:1}:fence") == -1  # redlock_fence_ttl unset
+
+
+def test_redlock_fence_ttl_gives_task_fence_counters_a_ttl(env: Env) -> None:
+    """redlock_fence_ttl=60: a task's fence counter expires when unused; fences still rise."""
+    app = env.app(redlock_fence_ttl=60)
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_key="ft:<n>")
+    def timed(self: Any, n: int) -> Any:
+        return self.lock.fence
+
+    with worker(app):
+        first = timed.delay(1).get(timeout=10)
+        second = timed.delay(1).get(timeout=10)
+    assert second == first + 1
+    assert 0 < env.locks.pttl("redlock:{ft:1}:fence") <= 60_000
+    env.locks.delete("redlock:{ft:1}:fence")  # as if it had expired
+    assert timed(1) > second
 
 
 # ------------------------------------------------------------------ 12. Redis down
@@ -1038,13 +1056,16 @@ def test_redlock_disable_runs_unlocked(env: Env, logs: pytest.LogCaptureFixture)
 
 def test_settings_typo_and_wrong_type_are_config_errors(env: Env) -> None:
     """An unknown redlock_* setting gets a did-you-mean; a wrong type names the setting."""
-    app = env.app(redlock_ttll=5, redlock_max_retries="3", redlock_on_lost="never")
+    app = env.app(
+        redlock_ttll=5, redlock_max_retries="3", redlock_on_lost="never", redlock_fence_ttl=0
+    )
     with pytest.raises(ConfigError) as info:
         state_for(app).settings  # noqa: B018 - loading is the check
     message = str(info.value)
     assert "unknown setting 'redlock_ttll' (did you mean 'redlock_ttl'?)" in message
     assert "redlock_max_retries='3' must be a whole number" in message
     assert "redlock_on_lost='never' must be one of 'raise', 'warn'" in message
+    assert "redlock_fence_ttl=0 must be > 0" in message
 
 
 def test_bad_setting_stops_the_worker_at_start(env: Env) -> None:

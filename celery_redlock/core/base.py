@@ -103,11 +103,14 @@ class BaseLock:
         blocking: bool = True,
         timeout: float | None = None,
         on_lost: Callable[[Any], object] | None = None,
+        fence_ttl: float | None = None,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"lock name must be a non-empty string, got {name!r}")
         self.ttl_ms = ttl_to_ms(ttl)
         self.ttl = self.ttl_ms / 1000.0
+        #: Idle time after which the fence counter may expire (0: never); see acquire.lua.
+        self.fence_ttl_ms = 0 if fence_ttl is None else ttl_to_ms(fence_ttl, "fence_ttl")
         if max_hold is not None:
             ttl_to_ms(max_hold, "max_hold")
         if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):

@@ -48,6 +48,7 @@ class Lock(BaseLock):
         blocking: bool = True,
         timeout: float | None = None,
         on_lost: Callable[[Any], object] | None = None,
+        fence_ttl: float | None = None,
     ) -> None:
         check_client(client)
         self.client = client
@@ -62,6 +63,7 @@ class Lock(BaseLock):
             blocking=blocking,
             timeout=timeout,
             on_lost=on_lost,
+            fence_ttl=fence_ttl,
         )
 
     # -- I/O --------------------------------------------------------------------------
@@ -81,7 +83,7 @@ class Lock(BaseLock):
             reply = ACQUIRE(
                 self.client,
                 [keys.lock, keys.fence, keys.waiting],
-                [token, self.ttl_ms, info, "1" if wait else "0"],
+                [token, self.ttl_ms, info, "1" if wait else "0", self.fence_ttl_ms],
             )
         except ResponseError as exc:
             raise ConfigError(

@@ -473,6 +473,7 @@ class Redlock(BaseLock):
         timeout: float | None = None,
         on_lost: Callable[[Any], object] | None = None,
         per_node_timeout: float | None = None,
+        fence_ttl: float | None = None,
     ) -> None:
         if isinstance(clients, (str, bytes)) or not isinstance(clients, Sequence):
             raise ConfigError(
@@ -494,6 +495,7 @@ class Redlock(BaseLock):
             blocking=blocking,
             timeout=timeout,
             on_lost=on_lost,
+            fence_ttl=fence_ttl,
         )
         self._masters = [_Master(c) for c in clients]
         seen = Counter(m.identity for m in self._masters)
@@ -784,7 +786,7 @@ class Redlock(BaseLock):
         keys = self.keys
         op = _Op(
             (keys.lock, keys.fence, keys.waiting),
-            (token, self.ttl_ms, info, "1" if wait else "0"),
+            (token, self.ttl_ms, info, "1" if wait else "0", self.fence_ttl_ms),
             ACQUIRE,
         )
         # A failed attempt waits for every answer (up to the per-node timeout): each
@@ -868,7 +870,7 @@ class Redlock(BaseLock):
             return fence
         lower = [i for i, f in fences.items() if f < fence]
         need = self.quorum - have
-        op = _Op((self.keys.fence,), (fence,), RAISE_FENCE)
+        op = _Op((self.keys.fence,), (fence, self.fence_ttl_ms), RAISE_FENCE)
         fan = self._fan_out(op, lambda v: 1 if int(v) >= fence else 0, lower, need)
         raised = sum(1 for i in lower if _is_reply(fan.results[i]) and int(fan.results[i]) >= fence)
         if raised >= need:

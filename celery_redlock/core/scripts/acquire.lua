@@ -1,12 +1,16 @@
 -- acquire: take the lock if free, or confirm we already hold it.
 -- KEYS[1]  lock key (a hash: token, fence, info)
--- KEYS[2]  fence counter of this lock (same hash tag, never expires)
+-- KEYS[2]  fence counter of this lock (same hash tag; expires only with ARGV[5])
 -- KEYS[3]  waiter mark of this lock (optional): set while someone may be blocked
 --          on the notify list, so that a release knows to push a notice
 -- ARGV[1]  token of this acquisition (>= 128 random bits)
 -- ARGV[2]  lease in milliseconds (integer)
 -- ARGV[3]  holder record (JSON text), shown by `celery locks`
 -- ARGV[4]  '1' when the caller will block for a release notice if the lock is held
+-- ARGV[5]  idle lifetime of the fence counter in ms (optional; 0 or absent: never
+--          expires). A counter that is gone (expired, or never made) restarts from
+--          the server's clock in microseconds, above any value it could have reached
+--          by counting, so fences still increase after it expired.
 -- Returns  {1, fence}          acquired; also when the key already holds ARGV[1]
 --                              (a re-sent acquire finds its own token: same fence,
 --                              lease reset)
@@ -29,7 +33,15 @@ if cur[1] then
   end
   return {0, cur[3] or '', left}
 end
+local fence_ttl = tonumber(ARGV[5] or '0')
+if fence_ttl > 0 and redis.call('EXISTS', KEYS[2]) == 0 then
+  local now = redis.call('TIME')
+  redis.call('SET', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])))
+end
 local fence = redis.call('INCR', KEYS[2])
+if fence_ttl > 0 then
+  redis.call('PEXPIRE', KEYS[2], fence_ttl)
+end
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fence, 'info', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {1, fence}
