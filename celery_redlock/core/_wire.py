@@ -35,7 +35,7 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
-__all__ = ["evalsha"]
+__all__ = ["evalsha", "resp"]
 
 
 class _Held:
@@ -55,7 +55,6 @@ class _Held:
 
 _held: weakref.WeakKeyDictionary[Any, _Held] = weakref.WeakKeyDictionary()
 _held_lock = threading.Lock()
-_HEADS: dict[tuple[str, int, int], bytes] = {}
 
 
 def _held_for(client: Any) -> _Held | None:
@@ -76,25 +75,13 @@ def _held_for(client: Any) -> _Held | None:
         return held
 
 
-def _pack(held: _Held, sha: str, keys: Sequence[str], args: Sequence[Any]) -> bytes | None:
-    """RESP bytes of ``EVALSHA sha numkeys *keys *args``; None for an argument type
-    other than str, bytes, int or float (redis-py's own encoder then decides)."""
-    nkeys = len(keys)
-    head_key = (sha, nkeys, nkeys + len(args))
-    head = _HEADS.get(head_key)
-    if head is None:
-        n = str(nkeys).encode()
-        head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%s\r\n" % (
-            3 + head_key[2],
-            sha.encode(),
-            len(n),
-            n,
-        )
-        _HEADS[head_key] = head
-    parts = [head]
-    for value in (*keys, *args):
+def resp(args: Sequence[Any], encoding: str, errors: str) -> bytes:
+    """A RESP array of bulk strings, encoded as redis-py's encoder would (str, bytes, int,
+    float); TypeError for any other type."""
+    out = [b"*%d\r\n" % len(args)]
+    for value in args:
         if isinstance(value, str):
-            data = value.encode(held.encoding, held.errors)
+            data = value.encode(encoding, errors)
         elif isinstance(value, bytes):
             data = value
         elif isinstance(value, int) and not isinstance(value, bool):
@@ -102,9 +89,9 @@ def _pack(held: _Held, sha: str, keys: Sequence[str], args: Sequence[Any]) -> by
         elif isinstance(value, float):
             data = repr(value).encode()
         else:
-            return None
-        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(parts)
+            raise TypeError(f"cannot send {type(value).__name__} {value!r} to Redis")
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
 
 
 def _roundtrip(conn: Any, packed: bytes) -> Any:
@@ -157,7 +144,12 @@ def _call(held: _Held, packed: bytes) -> Any:
 def evalsha(client: Any, sha: str, source: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
     """Run the script *sha* (loading *source* on NOSCRIPT) with *keys* and *args* on *client*."""
     held = _held_for(client)
-    packed = None if held is None else _pack(held, sha, keys, args)
+    packed = None
+    if held is not None:
+        try:
+            packed = resp(("EVALSHA", sha, len(keys), *keys, *args), held.encoding, held.errors)
+        except TypeError:
+            packed = None  # a type only redis-py's encoder knows (or refuses, clearly)
     if held is None or packed is None:
         try:
             return client.evalsha(sha, len(keys), *keys, *args)

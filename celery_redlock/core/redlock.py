@@ -65,6 +65,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from . import _pool
+from ._wire import resp
 from .base import Attempt, BaseLock
 from .errors import ConfigError, LockContended, QuorumUnavailable, RedlockError, describe_holder
 from .lock import address_of, check_client, parse_holder, wait_for_notice
@@ -310,24 +311,8 @@ def _pack(conn: Any, op: _Op, cache: dict[tuple[str, str], Any]) -> Any:
     key = (getattr(encoder, "encoding", "utf-8"), getattr(encoder, "encoding_errors", "strict"))
     data = cache.get(key)
     if data is None:
-        data = cache[key] = [_resp(op.packable(), *key)]
+        data = cache[key] = [resp(op.packable(), *key)]
     return data
-
-
-def _resp(args: Sequence[Any], encoding: str, errors: str) -> bytes:
-    """A RESP array of bulk strings, encoded as redis-py's encoder would (str, int, bytes)."""
-    out = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        if isinstance(arg, bytes):
-            data = arg
-        elif isinstance(arg, str):
-            data = arg.encode(encoding, errors)
-        elif isinstance(arg, int) and not isinstance(arg, bool):
-            data = b"%d" % arg
-        else:
-            raise TypeError(f"cannot send {type(arg).__name__} {arg!r} to Redis")
-        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(out)
 
 
 def _socket_of(conn: Any) -> Any:
