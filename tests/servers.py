@@ -1051,6 +1051,19 @@ class ClusterSetup:
             node.stop()
 
 
+def wait_child(pid: int, timeout: float = 30.0) -> int:
+    """Reap a forked child within *timeout* (SIGKILL it otherwise); return its exit code."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(f"forked child {pid} did not finish within {timeout}s")
+
+
 def wait_for(check: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005) -> bool:
     """Poll *check* until it is true; bounded in time and count."""
     deadline = time.monotonic() + timeout

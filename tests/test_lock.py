@@ -11,7 +11,6 @@ import itertools
 import json
 import multiprocessing
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -26,7 +25,7 @@ import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from servers import FaultProxy, RedisServer, wait_for
+from servers import FaultProxy, RedisServer, wait_child, wait_for
 
 from celery_redlock import (
     ConfigError,
@@ -64,19 +63,6 @@ def token_of(client: redis.Redis, lock: Lock) -> bytes | None:
     """The token stored in Redis for *lock*'s key (None when the key is gone)."""
     value = client.hget(lock.keys.lock, "token")
     return value if isinstance(value, bytes) or value is None else str(value).encode()
-
-
-def wait_child(pid: int, timeout: float = 30.0) -> int:
-    """Reap a forked child within *timeout* (SIGKILL it otherwise); return its exit code."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail(f"forked child {pid} did not finish within {timeout}s")
 
 
 # --------------------------------------------------------------------------- mutual exclusion

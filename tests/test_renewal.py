@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from servers import RedisServer, wait_for
+from servers import RedisServer, wait_child, wait_for
 
 from celery_redlock import Lock, LockLost, connect
 from celery_redlock.core.renewal import RenewalManager, get_manager
@@ -28,19 +28,6 @@ RENEWAL_THREAD = "celery-redlock-renewal"
 def renewal_threads() -> list[threading.Thread]:
     """The live renewal threads of this process."""
     return [t for t in threading.enumerate() if t.name == RENEWAL_THREAD and t.is_alive()]
-
-
-def wait_child(pid: int, timeout: float = 30.0) -> int:
-    """Reap a forked child within *timeout* (SIGKILL it otherwise); return its exit code."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail(f"forked child {pid} did not finish within {timeout}s")
 
 
 # --------------------------------------------------------------------------- keeping alive

@@ -20,7 +20,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
-from servers import BARE_CONNECT, FaultProxy, RedisServer
+from servers import BARE_CONNECT, FaultProxy, RedisServer, wait_child
 
 from celery_redlock import Lock
 from celery_redlock.core import _wire
@@ -146,17 +146,7 @@ def test_a_forked_child_takes_its_own_connection(
         for i in range(300):
             assert echo(redis_client, f"parent{i}") == f"parent{i}".encode()
     finally:
-        deadline = time.monotonic() + 30
-        status = None
-        while time.monotonic() < deadline:
-            done, raw = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status = os.waitstatus_to_exitcode(raw)
-                break
-            time.sleep(0.01)
-        if status is None:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+        status = wait_child(pid)
     assert status == 0, f"child exit code {status} (3: crossed reply, 4: shared connection)"
     assert _wire._held_for(redis_client) is held and held.conn is parent_conn
 
