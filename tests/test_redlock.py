@@ -415,6 +415,38 @@ def test_fences_rise_across_holders_whose_quorums_differ(
     assert int(servers[1].client().get(fence_key)) == 102
 
 
+def test_a_master_that_lost_its_scripts_gets_them_inline_even_with_its_pool_busy(
+    redis_servers: Servers,
+) -> None:
+    """SCRIPT FLUSH on one master whose pool calls all count as stuck (as on a first TLS
+    contact, where each handshake takes tens of ms): the NOSCRIPT reply is answered by
+    sending the script whole on the same connection, so that master still grants.
+
+    Before, the request was handed to the (full) pool and the NOSCRIPT error was the
+    master's answer: a fence write-back there failed and the acquire lost its quorum.
+    """
+    servers = redis_servers(3)
+    lock = Redlock(clients_of(servers), "rl:noscript", ttl=5, auto_renew=False)
+    with lock:  # every master now has an open connection and the scripts
+        pass
+    servers[1].client().script_flush()
+    node = lock._masters[1].node
+    # Pool calls that count as stuck but not as lagging (so requests still go out).
+    tickets = [node.start(time.monotonic() + 3600, pooled=True) for _ in range(MAX_POOL_WORK)]
+    for ticket in tickets:
+        node.mark_late(ticket)
+    try:
+        assert node.pool_full(time.monotonic())
+        assert lock.acquire(blocking=False), lock.masters
+        assert lock.masters[f"127.0.0.1:{servers[1].port}/0"].startswith("acquired"), lock.masters
+        assert holds_key(servers[1], "rl:noscript")
+        lock.release()
+        assert wait_for(lambda: not holds_key(servers[1], "rl:noscript"), 2)
+    finally:
+        for ticket in tickets:
+            node.finish(ticket)
+
+
 def test_fence_ttl_on_redlock_keeps_a_ttl_on_every_masters_counter(
     redis_servers: Servers,
 ) -> None:

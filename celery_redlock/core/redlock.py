@@ -124,6 +124,11 @@ class _Op:
             return ("EVALSHA", self.script.sha, len(self.keys), *self.keys, *self.args)
         return (self.command, *self.keys, *self.args)
 
+    def with_source(self) -> tuple[Any, ...]:
+        """The script sent whole (EVAL): runs it, and the server caches it for EVALSHA."""
+        assert self.script is not None
+        return ("EVAL", self.script.source, len(self.keys), *self.keys, *self.args)
+
     def call(self, client: Any) -> Any:
         """The plain redis-py way (any client, e.g. a RedisCluster used as one master)."""
         if self.script is not None:
@@ -305,10 +310,14 @@ class _Node:
         return out
 
 
+def _encoding_of(conn: Any) -> tuple[str, str]:
+    encoder = getattr(conn, "encoder", None)
+    return (getattr(encoder, "encoding", "utf-8"), getattr(encoder, "encoding_errors", "strict"))
+
+
 def _pack(conn: Any, op: _Op, cache: dict[tuple[str, str], Any]) -> Any:
     """*op* in RESP bytes for *conn*, packed once per distinct client encoding."""
-    encoder = getattr(conn, "encoder", None)
-    key = (getattr(encoder, "encoding", "utf-8"), getattr(encoder, "encoding_errors", "strict"))
+    key = _encoding_of(conn)
     data = cache.get(key)
     if data is None:
         data = cache[key] = [resp(op.packable(), *key)]
@@ -623,6 +632,7 @@ class Redlock(BaseLock):
             if poller is not None:
                 poller.register(fd, select.POLLIN)
         grace_until = 0.0
+        resent: set[int] = set()  # sent again whole after NOSCRIPT, on the same connection
         while by_fd:
             now = time.monotonic()
             if gather.done.is_set():
@@ -649,6 +659,23 @@ class Redlock(BaseLock):
                     value: Any = late.conn.read_response()
                 except BaseException as exc:
                     value = exc
+                if isinstance(value, NoScriptError) and op.script is not None and i not in resent:
+                    # First use of the script on this master: send it whole on the same
+                    # connection and keep reading here. No pool thread is needed, so a
+                    # master whose pool calls are slow (a first TLS handshake) still
+                    # gets it.
+                    resent.add(i)
+                    try:
+                        late.conn.send_packed_command(
+                            [resp(op.with_source(), *_encoding_of(late.conn))], check_health=False
+                        )
+                    except Exception as exc:  # disconnected meanwhile: the pool redoes it
+                        value = RedisConnectionError(str(exc))
+                    else:
+                        by_fd[fd] = i
+                        if poller is not None:
+                            poller.register(fd, select.POLLIN)
+                        continue
                 if isinstance(value, NoScriptError) or (
                     isinstance(value, RedisConnectionError) and not _is_error_reply(value)
                 ):
