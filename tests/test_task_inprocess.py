@@ -644,20 +644,24 @@ def test_task_running_three_times_its_ttl_keeps_its_lock(
     def long(self: Any) -> dict[str, Any]:
         env.push("fence", self.lock.fence)
         time.sleep(3.0)
-        return {"lost": self.lock.lost, "owned": self.lock.owned(), "fence": self.lock.fence}
+        outcome = {"lost": self.lock.lost, "owned": self.lock.owned(), "fence": self.lock.fence}
+        env.push("done", 1)  # the release follows at once, before the result is stored
+        return outcome
 
     with worker(app):
         result = long.delay()
         wait_for(lambda: env.items("fence"))
         seen: set[tuple[str, str]] = set()
         ttls: list[int] = []
-        while not result.ready():
+        give_up = time.monotonic() + 10
+        while not env.items("done") and time.monotonic() < give_up:
             token, fence = env.locks.hmget("redlock:{long}", ["token", "fence"])
-            if result.ready():
-                break
+            ttl = env.locks.pttl("redlock:{long}")
+            if env.items("done"):
+                break  # the body is over: the release may have come between the two reads
             assert token is not None, "the lock key vanished while the task ran"
             seen.add((token, fence))
-            ttls.append(env.locks.pttl("redlock:{long}"))
+            ttls.append(ttl)
             time.sleep(0.1)
         outcome = result.get(timeout=10)
     assert len(ttls) >= 20
@@ -987,6 +991,29 @@ def test_two_apps_keep_their_own_settings_and_clients(
     assert state_for(apps[0]).clients() is not state_for(apps[1]).clients()
     assert state_for(apps[0]).settings["redlock_ttl"] == 5.0
     assert state_for(apps[1]).settings["redlock_ttl"] == 7.0
+
+
+def test_task_options_are_resolved_once_per_settings_load(env: Env) -> None:
+    """A task's lock options and its app's defaults are resolved on its first run and kept
+    while the settings are (one resolution per class, not per run); after reset() (what
+    changing settings in a test needs) the next run sees the new defaults."""
+    app = env.app(redlock_ttl=5)
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_key="plan:<n>")
+    def ttl_of(self: Any, n: int) -> float:
+        assert self.lock is not None
+        return self.lock.ttl
+
+    state = state_for(app)
+    assert ttl_of(1) == 5.0
+    [plan] = state.plans.values()
+    assert ttl_of(2) == 5.0 and list(state.plans.values()) == [plan]
+    app.conf.redlock_ttl = 9
+    state.reset()
+    assert ttl_of(3) == 9.0
+    [new_plan] = state.plans.values()
+    assert new_plan is not plan and new_plan.ttl == 9.0
+    assert env.held_keys() == []  # every run released its lock
 
 
 def test_eager_mode_keeps_lock_semantics(env: Env) -> None:
