@@ -22,9 +22,13 @@ both children busy), then the clock starts at the first of ``--tasks`` publishes
 (as fast as one client publishes them, ``apply_async`` on the task object, so
 celery-once and celery-singleton take their publish-side lock there) and stops
 when the counter that every task INCRs reaches ``--tasks``. Variants are
-interleaved (plain, locked, once, singleton, floor, plain, ...) ``--reps`` times.
-``floor`` is a reference: a plain task that calls LockedTask's two Lua scripts
-directly, i.e. the same Redis round trips without any celery-redlock Python.
+interleaved (plain, locked, once, singleton, floor, core, rt2, plain, ...)
+``--reps`` times. Three are references, not libraries: ``floor`` is a plain task
+that calls LockedTask's two Lua scripts directly (the same Redis round trips
+without any celery-redlock Python), ``core`` takes and releases a core ``Lock``
+around its body (LockedTask without the Celery adapter), and ``rt2`` makes two
+bare round trips (a PING on a raw socket) around its body: no lock held while a
+task runs can cost less.
 
 After each run it checks that the queue is empty, that every lock of the run was
 released and that exactly ``--tasks`` bodies ran, and it records the Redis
@@ -62,13 +66,15 @@ import redis
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parent.parent
 APP_MODULE = "bench.taskapp"
-VARIANTS = ("plain", "locked", "once", "singleton", "floor")
+VARIANTS = ("plain", "locked", "once", "singleton", "floor", "core", "rt2")
 LABELS = {
     "plain": "plain `@app.task`",
     "locked": 'celery-redlock `LockedTask` (`lock_key="k:<i>"`)',
     "once": 'celery-once `QueueOnce` (`keys=["i"]`)',
     "singleton": "celery-singleton `Singleton`",
     "floor": "reference: plain + the same two Lua scripts, no adapter code",
+    "core": "reference: plain + the core `Lock` (acquire/release), no adapter code",
+    "rt2": "reference: plain + two bare round trips (raw-socket PING), no lock at all",
 }
 #: Lock keys each variant leaves while a task is queued or running (fence counters
 #: and wake-up lists of LockedTask are not locks and are not counted).
@@ -78,6 +84,8 @@ LOCK_PATTERNS = {
     "once": "qo_bench.once_*",
     "singleton": "SINGLETONLOCK_*",
     "floor": "floor:{k:*}",
+    "core": "redlock:{c:*}",
+    "rt2": None,
 }
 #: Every key a variant's lock library writes (locks, fence counters, wake-up lists).
 KEY_PATTERNS = {
@@ -86,6 +94,8 @@ KEY_PATTERNS = {
     "once": "qo_*",
     "singleton": "SINGLETONLOCK_*",
     "floor": "floor:*",
+    "core": "redlock:{c:*",
+    "rt2": None,
 }
 #: Commands the benchmark itself sends while timing (polling, stats).
 OWN_COMMANDS = {"get", "info", "config|resetstat", "config", "ping"}

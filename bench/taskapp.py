@@ -5,8 +5,8 @@ Configured only through the environment (the benchmark sets these):
 BENCH_BROKER    broker URL (the benchmark's throwaway Redis, db 0)
 BENCH_LOCKS     Redis URL for every lock library (db 1)
 BENCH_COUNTER   Redis URL where each task INCRs ``done`` (db 3)
-BENCH_VARIANT   plain | locked | once | singleton | floor: define only that task and import
-                only the library it needs, so the plain worker carries no lock
+BENCH_VARIANT   plain | locked | once | singleton | floor | core | rt2: define only that
+                task and import only the library it needs, so the plain worker carries no lock
                 library at all. Unset (the benchmark's own publishing process):
                 every variant.
 BENCH_PROFILE   a directory: each pool child runs under cProfile and dumps
@@ -26,7 +26,7 @@ from typing import Any
 import redis
 from celery import Celery, signals
 
-VARIANTS = ("plain", "locked", "once", "singleton", "floor")
+VARIANTS = ("plain", "locked", "once", "singleton", "floor", "core", "rt2")
 VARIANT = os.environ.get("BENCH_VARIANT", "")
 if VARIANT and VARIANT not in VARIANTS:
     raise SystemExit(f"BENCH_VARIANT must be one of {VARIANTS}, got {VARIANT!r}")
@@ -141,6 +141,66 @@ if wanted("floor"):
         RELEASE(_locks, [key, key + ":notify", key + ":waiting"], [token, 30000])
 
     TASKS["floor"] = floor
+
+
+if wanted("core"):
+    from celery_redlock.core import Lock, connect
+
+    _core_client: Any = None
+    _core_pid = 0
+
+    @app.task(name="bench.core", bind=True, ignore_result=True)
+    def core(self: Any, i: int) -> None:
+        """Reference: plain + the core ``Lock`` (same client settings, holder record and
+        renewal registration as LockedTask), without the Celery adapter around it."""
+        global _core_client, _core_pid
+        if _core_client is None or _core_pid != os.getpid():
+            _core_client = connect(LOCKS_URL)
+            _core_pid = os.getpid()
+        lock = Lock(
+            _core_client,
+            f"c:{i}",
+            30,
+            owner_info={"task_name": self.name, "task_id": self.request.id},
+        )
+        if not lock.acquire(blocking=False):
+            raise RuntimeError(f"core: c:{i} was held")
+        try:
+            bump()
+        finally:
+            lock.release()
+
+    TASKS["core"] = core
+
+
+if wanted("rt2"):
+    import socket
+    from urllib.parse import urlsplit
+
+    _sock: socket.socket | None = None
+    _sock_pid = 0
+
+    def _ping() -> None:
+        global _sock, _sock_pid
+        if _sock is None or _sock_pid != os.getpid():
+            where = urlsplit(LOCKS_URL)
+            _sock = socket.create_connection((where.hostname, where.port))
+            _sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _sock_pid = os.getpid()
+        _sock.sendall(b"*1\r\n$4\r\nPING\r\n")
+        if _sock.recv(64) != b"+PONG\r\n":
+            raise RuntimeError("rt2: unexpected reply")
+
+    @app.task(name="bench.rt2", ignore_result=True)
+    def rt2(i: int) -> None:
+        """Reference: plain + two bare round trips (PING on a raw blocking socket, no client
+        library, no script): what any lock taken before the body and released after it
+        costs at the very least, whatever it stores."""
+        _ping()
+        bump()
+        _ping()
+
+    TASKS["rt2"] = rt2
 
 
 # -- optional profiling of the pool children ------------------------------------------------

@@ -23,6 +23,7 @@ log = logging.getLogger("celery_redlock")
 
 _ATTR = "_celery_redlock_state"
 _create_lock = threading.Lock()
+_ABSENT = object()
 
 
 class AppState:
@@ -39,8 +40,13 @@ class AppState:
         self._clients: Any = None
         self._clients_pid = 0
         self._lock = threading.Lock()
+        #: (app.conf, the names Celery looks redlock_disable up by in it), for disabled
+        self._disable_names: tuple[Any, tuple[str, ...]] = (None, ())
         #: task id -> lock held for it in this process (released on every exit).
         self.held: dict[str, BaseLock] = {}
+        #: task class -> what celery_redlock.task resolved for it from these settings
+        #: (dropped with the settings by reset()).
+        self.plans: dict[Any, Any] = {}
 
     @property
     def settings(self) -> Settings:
@@ -54,13 +60,29 @@ class AppState:
         with self._lock:
             self._settings = None
             self._clients = None
+            self.plans = {}
 
     @property
     def disabled(self) -> bool:
         """True when locking is switched off for this app (flag or setting)."""
         if self.overrides.get("redlock_disable"):
             return True
-        return bool(self.app.conf.get("redlock_disable"))
+        # Read on every task (tests flip it at run time), so not through conf.get, which
+        # raises and catches a KeyError per configuration layer when the setting is absent:
+        # the same names (as Celery spells them for this app) in the same layers, in order.
+        conf = self.app.conf
+        if self._disable_names[0] is not conf:
+            to_keys = getattr(conf, "_to_keys", None)
+            if not callable(to_keys) or vars(conf).get("key_t") is not None:
+                return bool(conf.get("redlock_disable"))
+            self._disable_names = (conf, tuple(dict.fromkeys(to_keys("redlock_disable"))))
+        names = self._disable_names[1]
+        for layer in conf.maps:
+            for name in names:
+                value = layer.get(name, _ABSENT)
+                if value is not _ABSENT:
+                    return bool(value)
+        return False
 
     def clients(self) -> Any:
         """The client (one URL) or list of clients (Redlock) for this app, per process."""

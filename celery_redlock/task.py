@@ -21,6 +21,7 @@ import ctypes
 import functools
 import inspect
 import logging
+import os
 import random
 import signal
 import threading
@@ -33,6 +34,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from .core.base import BaseLock
 from .core.errors import ConfigError, LockContended, LockLost, QuorumUnavailable, describe_holder
 from .core.keys import KeyTemplate, render_value
+from .core.lock import Lock
 from .observability import send_task_event
 from .settings import TASK_OPTIONS, check_task_option
 from .state import AppState, state_for
@@ -257,13 +259,15 @@ def _make_binder(signature: inspect.Signature, fields: tuple[str, ...]) -> _Bind
 
 
 # -- options and key ----------------------------------------------------------------
-def option(task: Any, name: str) -> Any:
-    """A task's lock option, or the app's default for it."""
+def option(task: Any, name: str, state: AppState | None = None) -> Any:
+    """A task's lock option, or the app's default for it (*state*: the app's, if at hand)."""
     value = getattr(task, name, None)
     if value is not None:
         return value
     setting = TASK_OPTIONS[name]
-    return state_for(task.app).settings[setting] if setting else None
+    if not setting:
+        return None
+    return (state_for(task.app) if state is None else state).settings[setting]
 
 
 def lock_name_for(
@@ -311,6 +315,42 @@ def lock_name_for(
     return name
 
 
+class _Plan:
+    """A task class's lock options resolved against its app's settings, in one process.
+
+    Options come from the task class or, when it leaves one unset, from ``redlock_*``
+    settings; both are fixed once the app's settings are loaded (``AppState.reset()``
+    drops this with them). Each run builds its lock from ``proto``, a lock with these
+    options that is never taken itself.
+    """
+
+    __slots__ = ("max_hold", "on_contended", "pid", "proto", "ttl", "wait_timeout")
+
+    def __init__(self, task: Any, state: AppState) -> None:
+        self.pid = os.getpid()  # a forked child makes its own (clients are per process)
+        self.on_contended: str = option(task, "lock_on_contended", state)
+        self.wait_timeout: float | None = option(task, "lock_wait_timeout", state)
+        self.ttl: float = option(task, "lock_ttl", state)
+        self.max_hold: float | None = option(task, "lock_max_hold", state)
+        proto = state.make_lock(str(task.name), self.ttl, max_hold=self.max_hold, on_lost=_on_lost)
+        # Redlock keeps more per-instance state: it is built afresh for every run.
+        self.proto: Lock | None = proto if type(proto) is Lock else None
+
+    def new_lock(self, task: Any, state: AppState, name: str, owner: dict[str, Any]) -> BaseLock:
+        if self.proto is not None:
+            return self.proto._spawn(name, owner)
+        return state.make_lock(
+            name, self.ttl, owner_info=owner, max_hold=self.max_hold, on_lost=_on_lost
+        )
+
+
+def _plan_for(task: Any, state: AppState) -> _Plan:
+    plan: _Plan | None = state.plans.get(type(task))
+    if plan is None or plan.pid != os.getpid():
+        plan = state.plans[type(task)] = _Plan(task, state)
+    return plan
+
+
 # -- acquire ----------------------------------------------------------------------------
 def acquire_for_request(
     task: Any, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -322,16 +362,17 @@ def acquire_for_request(
     if state.disabled:
         return
     eager = bool(getattr(request, "is_eager", False))
-    policy = option(task, "lock_on_contended")
+    plan = _plan_for(task, state)
+    policy = plan.on_contended
     if eager and policy == "retry":
         policy = "wait"  # an eager call cannot be re-queued: wait, then raise
     headers = getattr(request, "headers", None)
     name = lock_name_for(task, args, kwargs, headers)
-    lock = _new_lock(task, state, name, task_id)
+    lock = _new_lock(task, state, name, task_id, request)
     try:
         acquired = lock.acquire(
             blocking=policy == "wait",
-            timeout=option(task, "lock_wait_timeout") if policy == "wait" else None,
+            timeout=plan.wait_timeout if policy == "wait" else None,
         )
         if not acquired and policy != "wait" and lock.holder.get("task_id") == task_id:
             # The holder is an earlier attempt of this very task id: self.retry() publishes
@@ -356,7 +397,8 @@ def acquire_for_request(
     if acquired:
         request._redlock_lock = lock
         state.held[task_id] = lock
-        send_task_event(task, "acquired", lock=name, fence=lock.fence)
+        if state.send_events:
+            send_task_event(task, "acquired", lock=name, fence=lock.fence)
         return
     holder = lock.holder
     who = describe_holder(holder)
@@ -378,18 +420,14 @@ def acquire_for_request(
     _retry_later(task, request, name, LockContended(name, holder))
 
 
-def _new_lock(task: Any, state: AppState, name: str, task_id: str | None) -> BaseLock:
+def _new_lock(
+    task: Any, state: AppState, name: str, task_id: str | None, request: Any = None
+) -> BaseLock:
     owner = {"task_name": task.name, "task_id": task_id}
-    hostname = getattr(task.request, "hostname", None)
+    hostname = getattr(task.request if request is None else request, "hostname", None)
     if hostname:
         owner["worker"] = hostname
-    return state.make_lock(
-        name,
-        option(task, "lock_ttl"),
-        owner_info=owner,
-        max_hold=option(task, "lock_max_hold"),
-        on_lost=_on_lost,
-    )
+    return _plan_for(task, state).new_lock(task, state, name, owner)
 
 
 def backoff_delay(task: Any, attempt: int) -> float:
@@ -470,7 +508,7 @@ def run_locked(
         raise LockLost(lock.name, lock._lost_reason or "lost while the task ran") from None
     finally:
         if lock is not None:
-            release_for_request(task, lock, getattr(request, "id", None))
+            release_for_request(task, lock, getattr(request, "id", None), request)
 
 
 def _acquire_direct(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -491,22 +529,28 @@ def _acquire_direct(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     raise LockContended(name, lock.holder)
 
 
-def release_for_request(task: Any, lock: BaseLock, task_id: str | None) -> None:
+def release_for_request(
+    task: Any, lock: BaseLock, task_id: str | None, request: Any = None
+) -> None:
     """Release a task's lock; problems are logged, never raised over the task's outcome."""
     state = state_for(task.app)
     if task_id is not None:
         state.held.pop(task_id, None)
-    request = task.request
+    if request is None:
+        request = task.request
     if getattr(request, "_redlock_lock", None) is lock:
         request._redlock_lock = None
     if not lock.valid_until:
         return  # already released
-    held, fence = lock.held_for, lock.fence
+    events = state.send_events  # the Celery events below are the only use of these two
+    held, fence = (lock.held_for, lock.fence) if events else (0.0, None)
     try:
         lock.release()
-        send_task_event(task, "released", lock=lock.name, fence=fence, held=held)
+        if events:
+            send_task_event(task, "released", lock=lock.name, fence=fence, held=held)
     except LockLost as exc:
-        send_task_event(task, "lost", lock=lock.name, reason=str(exc), held=held)
+        if events:
+            send_task_event(task, "lost", lock=lock.name, reason=str(exc), held=held)
         policy = option(task, "lock_on_lost")
         log.warning("Task %s[%s]: %s (lock_on_lost=%s)", task.name, task_id, exc, policy)
     except QuorumUnavailable as exc:

@@ -641,6 +641,28 @@ def test_holder_without_task_name_is_described_by_task_id_or_as_an_owner() -> No
     assert describe_holder({}) == "another owner"
 
 
+def test_a_spawned_lock_has_the_options_and_none_of_the_state_of_its_prototype(
+    redis_client: redis.Redis,
+) -> None:
+    """_spawn (one lock per Celery run): same client and options, its own name, keys, owner
+    and state; taking it changes neither the prototype nor a sibling."""
+    proto = Lock(redis_client, "proto", ttl=7, max_hold=60, fence_ttl=90, key_prefix="sp:")
+    first = proto._spawn("a:1", {"task_id": "t1"})
+    second = proto._spawn("a:2", {"task_id": "t2"})
+    assert type(first) is Lock and first.client is redis_client
+    assert (first.ttl_ms, first.max_hold, first.fence_ttl_ms) == (7000, 60, 90000)
+    assert (first.name, first.keys.lock, second.keys.lock) == ("a:1", "sp:{a:1}", "sp:{a:2}")
+    assert first._state is not proto._state and first.holder is not proto.holder
+    with first:
+        assert first.fence and first.owned()  # fence_ttl: counted from the server's clock
+        assert redis_client.pttl("sp:{a:1}") > 6000
+        assert json.loads(redis_client.hget("sp:{a:1}", "info"))["task_id"] == "t1"
+        assert proto.fence is None and not proto.locked() and second.fence is None
+        assert second.acquire(blocking=False) and second.fence
+        second.release()
+    assert not redis_client.exists("sp:{a:1}", "sp:{a:2}", "sp:{proto}")
+
+
 def test_holder_record_in_redis_names_host_pid_time_and_current_owner_info(
     redis_client: redis.Redis,
 ) -> None:

@@ -8,16 +8,18 @@ not fit the lean path.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import redis
-from redis.backoff import NoBackoff
+from redis.backoff import AbstractBackoff, NoBackoff
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from servers import BARE_CONNECT, FaultProxy, RedisServer, wait_child
@@ -200,6 +202,90 @@ def test_lock_cycles_reuse_one_connection(
     assert after - before <= 1  # the one `info` client above
 
 
+class RecordingBackoff(AbstractBackoff):
+    """No sleeping; records every reset() and compute(failures) the retry policy makes (in a
+    class attribute: each connection works on its own deep copy of the client's Retry)."""
+
+    log: ClassVar[list[Any]] = []
+
+    def reset(self) -> None:
+        RecordingBackoff.log.append("reset")
+
+    def compute(self, failures: int) -> float:
+        RecordingBackoff.log.append(failures)
+        return 0
+
+
+def test_the_retry_policy_sees_the_same_failures_and_backoffs_as_in_redis_py(
+    redis_server: RedisServer, fault_proxy: ProxyFactory
+) -> None:
+    """Every reply late, Retry(backoff, 2): the lean path runs its first attempt outside
+    call_with_retry and replays that failure into it, so the backoff is asked for exactly
+    what redis-py's own evalsha asks it for: compute(1), then compute(2)."""
+    proxy = fault_proxy(redis_server)
+    backoff = RecordingBackoff
+    client = proxy.client(socket_timeout=0.2, retry=Retry(backoff(), 2), **BARE_CONNECT)
+    assert echo(client, "warm") == b"warm"
+    backoff.log.clear()
+    assert echo(client, "warm again") == b"warm again"
+    assert backoff.log == []  # a first attempt that succeeds never involves the policy
+    sha = client.script_load(ECHO.source)
+    logs = []
+    for run in (lambda: echo(client, "lean"), lambda: client.evalsha(sha, 1, "e:{k}", "py")):
+        backoff.log.clear()
+        proxy.delay_replies(0.5)
+        with pytest.raises(RedisTimeoutError):
+            run()
+        proxy.heal()
+        time.sleep(0.6)
+        logs.append(list(backoff.log))
+    # reset() also runs inside each reconnect (redis-py's connect() has its own retry), and
+    # which connection is fresh differs between the paths; the backoffs asked for do not.
+    lean, py = ([entry for entry in log if entry != "reset"] for log in logs)
+    assert lean == py == [1, 2]
+    assert logs[0][0] == "reset"  # the policy starts clean before the failure is counted
+
+
+class CountingRetry(Retry):
+    """A Retry subclass: it may do its own thing per attempt, so it must see every one."""
+
+    calls = 0
+
+    def call_with_retry(self, do: Any, fail: Any, *args: Any, **kwargs: Any) -> Any:
+        """Count, then retry as usual."""
+        CountingRetry.calls += 1
+        return super().call_with_retry(do, fail, *args, **kwargs)
+
+
+def test_a_custom_retry_class_runs_every_call(redis_client: redis.Redis) -> None:
+    """A subclass of Retry gets every lean-path call through its own call_with_retry."""
+    pool = redis.ConnectionPool(
+        **{**redis_client.connection_pool.connection_kwargs, "retry": CountingRetry(NoBackoff(), 1)}
+    )
+    client = redis.Redis(connection_pool=pool)
+    assert _wire._held_for(client) is not None
+    assert echo(client, "a") == b"a"  # connects (the connection's own connect may count too)
+    CountingRetry.calls = 0
+    for value in ("b", "c", "d"):
+        assert echo(client, value) == value.encode()
+    assert CountingRetry.calls == 3
+    client.close()
+    pool.disconnect()
+
+
+def test_the_held_connection_goes_with_its_pool(shared_redis: RedisServer) -> None:
+    """The record of the held connection lives on the pool: a pool nobody uses any more is
+    collected (with its held connection), not kept alive by celery-redlock."""
+    pool = redis.ConnectionPool(host="127.0.0.1", port=shared_redis.port)
+    client = redis.Redis(connection_pool=pool)
+    assert echo(client, "x") == b"x"
+    assert _wire._held_for(client) is not None
+    gone = weakref.ref(pool)
+    del client, pool
+    gc.collect()
+    assert gone() is None
+
+
 class CountingRedis(redis.Redis):
     """A subclass that wraps execute_command: the lean path must leave it to redis-py."""
 
@@ -247,3 +333,113 @@ def test_arguments_of_every_supported_type_are_sent_as_redis_py_would(
     # a type the lean path does not pack falls back to redis-py, which refuses it clearly
     with pytest.raises(redis.DataError):
         ECHO(redis_client, ["echo:{k}"], [None])
+
+
+# -- our own reply reader ---------------------------------------------------------------------
+#: Scripts whose replies cover every RESP type a script can return: nested arrays, nils,
+#: status and error replies, Lua errors, a reply larger than one socket read, non-ASCII,
+#: and (with redis.setresp(3), to a RESP3 client) maps, sets, doubles and booleans.
+REPLY_SHAPES = {
+    "integer": "return 7",
+    "nested": "return {1, 'two', {3, 'four', {}}}",
+    "nil": "return false",
+    "empty": "return {}",
+    "truncated at nil": "return {1, false, 'x'}",
+    "true": "return true",
+    "float to int": "return 3.99",
+    "status": "return {ok='fine'}",
+    "error reply": "return redis.error_reply('MYERR custom text')",
+    "err table": "return {err='NOTMINE not yours'}",
+    "lua error": "error('boom')",
+    "non-ascii": "return ARGV[1]",
+    "big bulk": "return string.rep('a', 300000)",
+    "hash": "return redis.call('HGETALL', KEYS[1])",
+    "resp3 map": "redis.setresp(3); return redis.call('HGETALL', KEYS[1])",
+    "resp3 set": "redis.setresp(3); return redis.call('SMEMBERS', KEYS[2])",
+    "resp3 double": "redis.setresp(3); return redis.call('ZSCORE', KEYS[2] .. ':z', 'm')",
+    "resp3 null": "redis.setresp(3); return redis.call('GET', KEYS[1] .. ':none')",
+}
+
+
+def _outcome(run: Callable[..., Any], *args: Any) -> Any:
+    """run(*args)'s reply, or (type, message) of the error it raised."""
+    try:
+        return run(*args)
+    except redis.RedisError as exc:
+        return (type(exc), str(exc))
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["bytes", "decoded"])
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_our_reader_returns_what_redis_pys_parser_returns(
+    shared_redis: RedisServer, protocol: int, decode: bool
+) -> None:
+    """Every reply shape, over RESP2 and RESP3, as bytes and decoded: the lean path (our own
+    reader on the held connection) and redis-py's evalsha give the same value or error."""
+    client = shared_redis.client(protocol=protocol, decode_responses=decode)
+    setup = shared_redis.client()
+    setup.hset("shape:{k}", mapping={"a": "1", "b": "\u00e9"})
+    setup.sadd("shape:{k}:s", "x", "y")
+    setup.zadd("shape:{k}:s:z", {"m": 1.5})
+    keys, args = ["shape:{k}", "shape:{k}:s"], ["h\u00e9llo \u2603"]
+    try:
+        assert echo(client, "warm") in (b"warm", "warm")
+        held = _wire._held_for(client)
+        assert held is not None and held.sock is held.conn._sock  # the reader is in use
+        for name, source in REPLY_SHAPES.items():
+            script = Script(f"<shape {name}>", source=source)
+            lean = _outcome(script, client, keys, args)
+            theirs = _outcome(client.evalsha, script.sha, 2, *keys, *args)
+            assert lean == theirs, name
+            assert echo(client, name) in (name.encode(), name)  # still in step afterwards
+    finally:
+        setup.delete("shape:{k}", "shape:{k}:s", "shape:{k}:s:z")
+        setup.close()
+        client.close()
+
+
+def test_a_push_frame_before_the_reply_is_passed_on_and_the_reply_still_read(
+    shared_redis: RedisServer,
+) -> None:
+    """RESP3 client tracking on the held connection: an invalidation push that arrives before
+    a script's reply goes to redis-py's push handler, and the reply is read after it."""
+    client = shared_redis.client(protocol=3)
+    other = shared_redis.client()
+    try:
+        assert echo(client, "warm") == b"warm"
+        held = _wire._held_for(client)
+        assert held is not None and held.conn is not None
+        seen: list[Any] = []
+        held.conn._parser.set_invalidation_push_handler(seen.append)
+        held.conn.send_command("CLIENT", "TRACKING", "ON")
+        assert held.conn.read_response() in (b"OK", "OK")
+        other.set("push:{k}", "v1")
+        held.conn.send_command("GET", "push:{k}")  # a plain read: tracked for this connection
+        assert held.conn.read_response() == b"v1"
+        other.set("push:{k}", "v2")  # the server pushes an invalidation to the held one
+        time.sleep(0.2)
+        reader = Script("<read>", source="return redis.call('GET', KEYS[1])")
+        assert reader(client, ["push:{k}"], []) == b"v2"
+        assert seen and b"invalidate" in [item for item in seen[0] if isinstance(item, bytes)]
+        assert echo(client, "after") == b"after"
+    finally:
+        other.delete("push:{k}")
+        other.close()
+        client.close()
+
+
+def test_replies_split_at_every_byte_are_parsed_when_complete() -> None:
+    """_parse asks for more bytes (never guesses) until a reply is whole, at every split."""
+    parser = redis.Redis().connection_pool.make_connection()._parser
+    replies = {
+        b"*3\r\n:0\r\n$6\r\nh\xc3\xa9llo\r\n:1500\r\n": [0, b"h\xc3\xa9llo", 1500],
+        b"*2\r\n:1\r\n*2\r\n$-1\r\n_\r\n": [1, [None, None]],
+        b"%1\r\n+a\r\n#t\r\n": {b"a": True},
+        b",1.5\r\n": 1.5,
+        b"=8\r\ntxt:abcd\r\n": b"abcd",
+    }
+    for raw, expected in replies.items():
+        for cut in range(len(raw)):
+            with pytest.raises(_wire._Incomplete):
+                _wire._parse(raw[:cut], 0, parser, None)
+        assert _wire._parse(raw, 0, parser, None) == (expected, len(raw))

@@ -28,12 +28,22 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
-from redis.exceptions import NoScriptError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import InvalidResponse, NoScriptError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+try:  # redis-py's pure-Python RESP parsers: the replies our own reader may take over
+    from redis._parsers import _RESP2Parser, _RESP3Parser
+
+    _PARSERS: tuple[type, ...] = (_RESP2Parser, _RESP3Parser)
+except ImportError:  # pragma: no cover - a redis-py without them: its own reader always
+    _PARSERS = ()
 
 __all__ = ["evalsha", "resp"]
 
@@ -41,19 +51,23 @@ __all__ = ["evalsha", "resp"]
 class _Held:
     """One process's held connection to one pool, and who may use it now."""
 
-    __slots__ = ("busy", "conn", "encoding", "errors", "pid", "pool")
+    __slots__ = ("busy", "conn", "encoding", "errors", "pid", "pool", "sock")
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
         self.pid = os.getpid()
         self.busy = threading.Lock()
         self.conn: Any = None  # taken from the pool on first use, then kept
+        self.sock: Any = None  # the socket of conn our own reader was checked to fit
         kwargs = getattr(pool, "connection_kwargs", {})
         self.encoding: str = kwargs.get("encoding", "utf-8")
         self.errors: str = kwargs.get("encoding_errors", "strict")
 
 
-_held: weakref.WeakKeyDictionary[Any, _Held] = weakref.WeakKeyDictionary()
+#: Attribute on a connection pool holding this process's _Held for it. On the pool itself
+#: (not in a weak-keyed table, whose values would keep their pool alive): it goes with the
+#: pool, and finding it costs one attribute lookup on every script call.
+_ATTR = "_celery_redlock_held"
 _held_lock = threading.Lock()
 
 
@@ -62,25 +76,38 @@ def _held_for(client: Any) -> _Held | None:
     if type(client) is not redis.Redis or client.connection is not None:
         return None  # a subclass may wrap execute_command; single-connection clients share one
     pool = client.connection_pool
-    held = _held.get(pool)
+    held: _Held | None = getattr(pool, _ATTR, None)
     if held is not None and held.pid == os.getpid():
         return held
     if getattr(pool, "cache", None) is not None or getattr(pool, "max_connections", 2) < 2:
         return None  # a client-side cache; a one-connection pool the held one would starve
     with _held_lock:
-        held = _held.get(pool)
+        held = getattr(pool, _ATTR, None)
         if held is None or held.pid != os.getpid():
             held = _Held(pool)  # a forked child never touches its parent's connection
-            _held[pool] = held
+            try:
+                setattr(pool, _ATTR, held)
+            except (AttributeError, TypeError):
+                return None  # a pool that takes no attributes: redis-py's own path
         return held
 
 
 def resp(args: Sequence[Any], encoding: str, errors: str) -> bytes:
     """A RESP array of bulk strings, encoded as redis-py's encoder would (str, bytes, int,
     float); TypeError for any other type."""
-    out = [b"*%d\r\n" % len(args)]
+    return b"*%d\r\n%s" % (len(args), _bulk(args, encoding, errors))
+
+
+def _bulk(args: Sequence[Any], encoding: str, errors: str) -> bytes:
+    """The bulk strings of *args* (the part of a RESP array after its ``*N`` header)."""
+    out = []
     for value in args:
-        if isinstance(value, str):
+        kind = type(value)
+        if kind is str:
+            data = value.encode(encoding, errors)
+        elif kind is int:
+            data = b"%d" % value
+        elif isinstance(value, str):
             data = value.encode(encoding, errors)
         elif isinstance(value, bytes):
             data = value
@@ -94,13 +121,30 @@ def resp(args: Sequence[Any], encoding: str, errors: str) -> bytes:
     return b"".join(out)
 
 
-def _roundtrip(conn: Any, packed: bytes) -> Any:
+#: (sha, number of keys, number of arguments) -> the packed ``EVALSHA sha numkeys`` head
+_heads: dict[tuple[str, int, int], bytes] = {}
+
+
+def _evalsha_head(sha: str, nkeys: int, nargs: int) -> bytes:
+    head = _heads.get((sha, nkeys, nargs))
+    if head is None:
+        head = b"*%d\r\n%s" % (3 + nkeys + nargs, _bulk(("EVALSHA", sha, nkeys), "ascii", "strict"))
+        if len(_heads) < 1024:  # a handful of scripts and call shapes; bounded all the same
+            _heads[(sha, nkeys, nargs)] = head
+    return head
+
+
+def _roundtrip(conn: Any, packed: bytes, held: _Held | None = None) -> Any:
     try:
-        # connect() is a no-op while connected; after a drop it is what makes a Sentinel
-        # connection ask for the current master (send_packed_command would reconnect to
-        # the address it had before the failover).
-        conn.connect()
+        # Connecting is what makes a Sentinel connection ask for the current master after a
+        # drop (send_packed_command would reconnect to the address it had before the
+        # failover). redis-py's connect() is a no-op while connected, but only after a
+        # retry wrapper and two calls: asked only when there is no socket.
+        if getattr(conn, "_sock", None) is None:
+            conn.connect()
         conn.send_packed_command((packed,))
+        if held is not None and (held.sock is conn._sock or _reader_fits(held, conn)):
+            return _read_reply(conn)
         return conn.read_response()
     except BaseException:
         # Whatever stopped us (a timeout, LockLost raised into this thread, Ctrl-C), the
@@ -111,10 +155,167 @@ def _roundtrip(conn: Any, packed: bytes) -> Any:
         raise
 
 
-def _run(conn: Any, packed: bytes) -> Any:
-    return conn.retry.call_with_retry(
-        lambda: _roundtrip(conn, packed), lambda _e: conn.disconnect()
-    )
+# -- our own reader for script replies ------------------------------------------------------
+# redis-py reads a reply through read_response, its RESP parser and that parser's socket
+# buffer: about a dozen Python-level calls per reply, twice per lock cycle. On the held
+# connection, where nothing else reads and every reply is read whole, the reply is read
+# from the socket and parsed here instead, into exactly what redis-py's parser returns
+# (tests/test_wire.py compares the two for every reply shape). It is used only over
+# redis-py's pure-Python parsers (hiredis reads fast enough and buffers on its own), and
+# only on a socket whose parser buffer was checked to hold nothing unread.
+
+_READ_SIZE = 65536
+
+
+def _reader_fits(held: _Held, conn: Any) -> bool:
+    """True if our reader may read this connection's replies (checked once per socket)."""
+    parser = getattr(conn, "_parser", None)
+    buffer = getattr(parser, "_buffer", None)
+    if type(parser) not in _PARSERS or buffer is None or buffer.unread_bytes():
+        return False
+    held.sock = conn._sock
+    return True
+
+
+class _Incomplete(Exception):
+    """The bytes so far end inside the reply: read more."""
+
+
+class _Push:
+    """A RESP3 push frame: out of band, handed to redis-py's push handler."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+
+def _read_reply(conn: Any) -> Any:
+    sock = conn._sock
+    parser = conn._parser
+    encoder = conn.encoder
+    decode = encoder.decode if encoder.decode_responses else None
+    data = b""
+    while True:
+        try:
+            chunk = sock.recv(_READ_SIZE)
+        except TimeoutError:  # socket.timeout
+            raise RedisTimeoutError("Timeout reading from socket") from None
+        except OSError as exc:
+            raise RedisConnectionError(f"Error while reading from socket: {exc.args}") from None
+        if not chunk:
+            raise RedisConnectionError("Connection closed by server.")
+        data += chunk
+        try:
+            value, end = _parse(data, 0, parser, decode)
+            while type(value) is _Push:  # out of band: hand it on, the reply follows
+                handle = getattr(parser, "handle_push_response", None)
+                if handle is not None:
+                    handle(value.items)
+                data = data[end:]
+                value, end = _parse(data, 0, parser, decode)
+        except _Incomplete:
+            continue
+        break
+    if end != len(data):
+        # More than one reply for one command: this connection is out of step. The reply
+        # is complete and ours; the connection is dropped so nothing else is read from it.
+        conn.disconnect()
+    if conn.health_check_interval:
+        conn.next_health_check = time.monotonic() + conn.health_check_interval
+    if isinstance(value, Exception):
+        raise value
+    return value
+
+
+def _parse(  # noqa: PLR0911 - one return per RESP type
+    data: bytes, pos: int, parser: Any, decode: Callable[[bytes], Any] | None
+) -> tuple[Any, int]:
+    """One RESP2/RESP3 value at *pos*: (value as redis-py's parser gives it, next position)."""
+    eol = data.find(b"\r\n", pos)
+    if eol < 0:
+        raise _Incomplete
+    kind = data[pos]
+    line = data[pos + 1 : eol]
+    pos = eol + 2
+    if kind in (58, 40):  # ':' integer, '(' big number
+        return int(line), pos
+    if kind in (36, 61, 33):  # '$' bulk, '=' verbatim, '!' blob error
+        size = int(line)
+        if size < 0:
+            return None, pos
+        stop = pos + size
+        if stop + 2 > len(data):
+            raise _Incomplete
+        blob = data[pos:stop]
+        if kind == 33:
+            return _error(parser, blob), stop + 2
+        if kind == 61:
+            blob = blob[4:]  # "txt:" / "mkd:"
+        return (decode(blob) if decode is not None else blob), stop + 2
+    if kind in (42, 126, 62):  # '*' array, '~' set, '>' push
+        count = int(line)
+        if count < 0:
+            return None, pos
+        items = []
+        for _ in range(count):
+            item, pos = _parse(data, pos, parser, decode)
+            if isinstance(item, RedisConnectionError):
+                raise item  # as redis-py does: a connection-level error is never a value
+            items.append(item)
+        return (_Push(items) if kind == 62 else items), pos
+    if kind == 43:  # '+' simple string
+        return (decode(line) if decode is not None else line), pos
+    if kind == 45:  # '-' error
+        return _error(parser, line), pos
+    if kind == 95:  # '_' null
+        return None, pos
+    if kind == 35:  # '#' boolean
+        return line == b"t", pos
+    if kind == 44:  # ',' double
+        return float(line), pos
+    if kind == 37:  # '%' map
+        mapping = {}
+        for _ in range(int(line)):
+            key, pos = _parse(data, pos, parser, decode)
+            mapping[key], pos = _parse(data, pos, parser, decode)
+        return mapping, pos
+    raise InvalidResponse(f"Protocol Error: {data[pos - len(line) - 3 : pos]!r}")
+
+
+def _error(parser: Any, text: bytes) -> Exception:
+    """The exception redis-py makes of an error reply (NOSCRIPT -> NoScriptError, ...)."""
+    error: Exception = parser.parse_error(text.decode("utf-8", errors="replace"))
+    if isinstance(error, RedisConnectionError):
+        raise error
+    return error
+
+
+def _run(conn: Any, packed: bytes, held: _Held | None = None) -> Any:
+    """One round trip under the connection's retry policy, exactly as redis-py applies it.
+
+    With redis-py's own ``Retry`` the first attempt runs outside ``call_with_retry`` (the
+    policy has nothing to do until something fails); a failure is then replayed as the
+    policy's first attempt, so it counts, backs off and re-sends as it always would.
+    """
+    retry = conn.retry
+    if type(retry) is not Retry:  # a custom policy sees every attempt itself
+        return retry.call_with_retry(
+            lambda: _roundtrip(conn, packed, held), lambda _e: conn.disconnect()
+        )
+    try:
+        return _roundtrip(conn, packed, held)
+    except Exception as error:
+        first: Exception | None = error
+
+    def attempt() -> Any:
+        nonlocal first
+        if first is not None:
+            replay, first = first, None
+            raise replay
+        return _roundtrip(conn, packed, held)
+
+    return retry.call_with_retry(attempt, lambda _e: conn.disconnect())
 
 
 def _call(held: _Held, packed: bytes) -> Any:
@@ -127,7 +328,7 @@ def _call(held: _Held, packed: bytes) -> Any:
                 except TypeError:  # redis-py < 5.3 requires a command name
                     conn = held.pool.get_connection("EVALSHA")
                 held.conn = conn
-            return _run(conn, packed)
+            return _run(conn, packed, held)
         finally:
             held.busy.release()
     pool = held.pool
@@ -147,7 +348,9 @@ def evalsha(client: Any, sha: str, source: str, keys: Sequence[str], args: Seque
     packed = None
     if held is not None:
         try:
-            packed = resp(("EVALSHA", sha, len(keys), *keys, *args), held.encoding, held.errors)
+            packed = _evalsha_head(sha, len(keys), len(args)) + _bulk(
+                (*keys, *args), held.encoding, held.errors
+            )
         except TypeError:
             packed = None  # a type only redis-py's encoder knows (or refuses, clearly)
     if held is None or packed is None:

@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import os
-import secrets
 import socket
 import threading
 import time
@@ -42,6 +41,8 @@ TOKEN_BYTES = 20  # 160 random bits per acquisition
 _HOSTNAME = socket.gethostname()
 _RESERVED = frozenset(("hostname", "pid", "acquired_at"))
 _head: tuple[int, str] = (0, "")
+#: Holder records: compact JSON, anything unusual in owner_info shown as its str().
+_RECORD_ENCODER = json.JSONEncoder(default=str, separators=(",", ":"))
 
 _L = TypeVar("_L", bound="BaseLock")
 
@@ -71,8 +72,9 @@ def drift(ttl: float) -> float:
 
 
 def new_token() -> str:
-    """A fresh CSPRNG token for one acquisition."""
-    return secrets.token_hex(TOKEN_BYTES)
+    """A fresh CSPRNG token for one acquisition (what ``secrets.token_hex`` returns, without
+    its three Python-level calls)."""
+    return os.urandom(TOKEN_BYTES).hex()
 
 
 @dataclass
@@ -127,6 +129,10 @@ class BaseLock:
         self.blocking = blocking
         self.timeout = timeout
         self.on_lost = on_lost
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """The state of a lock nobody has taken yet (every field the public methods change)."""
         #: The other owner's record, from the last contended attempt.
         self.holder: dict[str, Any] = {}
         #: The other owner's remaining lease (ms) at the last contended attempt.
@@ -141,6 +147,21 @@ class BaseLock:
         self._lost = False
         self._lost_reason = ""
         self._max_hold_logged = False
+
+    def _spawn(self: _L, name: str, owner_info: dict[str, Any]) -> _L:
+        """A new, untaken lock with this one's options under another *name* and *owner_info*.
+
+        For a caller that builds one lock per run with the same options (the Celery
+        adapter): the options were checked when this lock was built, and this one must
+        never have been taken (its fields are copied as they are, then the state is reset).
+        """
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.name = name
+        new.keys = lock_keys(name, self.key_prefix)
+        new.owner_info = owner_info
+        new._init_state()
+        return new
 
     # -- I/O, per subclass ------------------------------------------------------------
     def _do_acquire(self, token: str, info: str, wait: bool) -> Attempt:
@@ -211,13 +232,12 @@ class BaseLock:
         time, so editing ``owner_info`` in place is always seen.
         """
         head = _record_head()
-        at = repr(round(time.time(), 3))
+        at = "%.3f" % time.time()  # noqa: UP031 - the fastest way to a millisecond stamp
         info = self.owner_info
         if not info:
             return f"{head}{at}}}"
         if _RESERVED.isdisjoint(info):
-            body = json.dumps(info, default=str, separators=(",", ":"))
-            return f"{head}{at},{body[1:]}"
+            return f"{head}{at},{_RECORD_ENCODER.encode(info)[1:]}"
         # owner_info overrides a standard field: keep the dict-update semantics
         record: dict[str, Any] = {
             "hostname": _HOSTNAME,
@@ -225,7 +245,7 @@ class BaseLock:
             "acquired_at": round(time.time(), 3),
         }
         record.update(info)
-        return json.dumps(record, default=str, separators=(",", ":"))
+        return _RECORD_ENCODER.encode(record)
 
     # -- public API -----------------------------------------------------------------
     def acquire(self, blocking: bool | None = None, timeout: float | None = None) -> bool:
@@ -259,12 +279,13 @@ class BaseLock:
                 if time.monotonic() < valid_until:
                     self._take(token, attempt, valid_until)
                     self._event("acquired", waited=time.monotonic() - begin)
-                    log_acquire.debug(
-                        "acquired %r fence=%s after %.1f ms",
-                        self.name,
-                        attempt.fence,
-                        (time.monotonic() - begin) * 1000,
-                    )
+                    if log_acquire.isEnabledFor(logging.DEBUG):
+                        log_acquire.debug(
+                            "acquired %r fence=%s after %.1f ms",
+                            self.name,
+                            attempt.fence,
+                            (time.monotonic() - begin) * 1000,
+                        )
                     return True
                 # The answer came back after the lease was already spent (a long
                 # pause): it cannot be trusted to exclude anyone. Give it back.
@@ -335,7 +356,7 @@ class BaseLock:
         if code == 1 or (code == 0 and was_valid):
             if code == 0:
                 log_release.info("lock %r was already gone at release (removed)", self.name)
-            else:
+            elif log_release.isEnabledFor(logging.DEBUG):
                 log_release.debug("released %r fence=%s after %.3f s", self.name, fence, held)
             self._event("released", held=held, fence=fence)
             return
@@ -493,7 +514,7 @@ class BaseLock:
         return "not acquired by this lock object"
 
     def _event(self, kind: events.EventKind, **fields: Any) -> None:
-        if not events.has_hooks():
+        if not events._hooks:  # events.has_hooks(), without a call on every acquire
             return
         fields.setdefault("fence", self._fence)
         fields.setdefault("holder", self.owner_info)

@@ -75,7 +75,10 @@ class RenewalManager:
     """Keeps registered locks alive from one daemon thread."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        # register/unregister (twice per locked task) take the plain lock under the
+        # condition: the same mutual exclusion without Condition's Python-level enter/exit.
+        self._mutex = threading.Lock()
+        self._cond = threading.Condition(self._mutex)
         self._locks: dict[int, Renewable] = {}
         self._inflight: dict[int, cf.Future[list[int]]] = {}
         self._next_round = float("inf")
@@ -88,7 +91,7 @@ class RenewalManager:
     # -- registration -------------------------------------------------------------
     def register(self, lock: Renewable) -> None:
         """Start keeping *lock* alive; its first renewal comes within ttl/3."""
-        with self._cond:
+        with self._mutex:
             self._locks[id(lock)] = lock
             self._next_round = min(self._next_round, time.monotonic() + _interval(lock.ttl))
             self._stop = False
@@ -105,7 +108,7 @@ class RenewalManager:
 
     def unregister(self, lock: Renewable) -> None:
         """Stop keeping *lock* alive (released or lost); unknown locks are ignored."""
-        with self._cond:
+        with self._mutex:
             self._locks.pop(id(lock), None)
             if not self._locks:
                 self._next_round = float("inf")
