@@ -7,6 +7,7 @@ dead Redis as a loss, survives the errors, and starts afresh after fork.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -102,6 +103,67 @@ def test_short_lock_taken_while_the_thread_sleeps_for_a_long_one_is_renewed_in_t
     assert redis_client.pttl(short.keys.lock) > 0
     short.release()
     long.release()
+
+
+class _HoldOnStop(logging.Handler):
+    """Holds the renewal thread at its "stopped" log line, after it left its loop."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.entered = threading.Event()
+        self.go_on = threading.Event()
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        # handle(), not emit(): emit runs under the handler's lock, which would also hold
+        # up the new thread's own "started" line.
+        if record.getMessage().startswith("renewal thread stopped"):
+            self.entered.set()
+            self.go_on.wait(10)
+        return True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        pass
+
+
+def test_lock_taken_while_a_stopping_thread_is_still_alive_is_renewed(
+    redis_client: redis.Redis,
+) -> None:
+    """stop() then a new lock while the old thread is still exiting: a new thread renews it.
+
+    The old thread has left its loop but is alive (held at its last log line). A manager
+    that looked at "is the thread alive?" would start no new thread, and the lock would
+    expire after one TTL with nobody renewing it.
+    """
+    manager = get_manager()
+    warm = Lock(redis_client, "renew:warm", ttl=30.0)
+    assert warm.acquire(blocking=False)  # makes sure a renewal thread is running
+    warm.release()
+    old = manager.thread
+    assert old is not None and old.is_alive()
+
+    logger = logging.getLogger("celery_redlock.renew")
+    hold = _HoldOnStop()
+    level = logger.level
+    logger.addHandler(hold)
+    logger.setLevel(logging.DEBUG)
+    try:
+        manager.stop(timeout=0)
+        assert hold.entered.wait(5), "the renewal thread did not stop"
+        assert old.is_alive()  # left its loop, not yet gone
+
+        lock = Lock(redis_client, "renew:after-stop", ttl=0.5)
+        assert lock.acquire(blocking=False)
+        time.sleep(1.2)  # more than two TTLs
+        assert lock.owned() and not lock.lost
+        assert redis_client.pttl(lock.keys.lock) > 0
+        assert manager.thread is not None and manager.thread is not old
+        lock.release()
+    finally:
+        hold.go_on.set()
+        logger.removeHandler(hold)
+        logger.setLevel(level)
+    old.join(5)
+    assert not old.is_alive()
 
 
 # --------------------------------------------------------------------------- a paused holder

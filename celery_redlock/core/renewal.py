@@ -93,9 +93,12 @@ class RenewalManager:
         """Start keeping *lock* alive; its first renewal comes within ttl/3."""
         with self._mutex:
             self._locks[id(lock)] = lock
-            self._next_round = min(self._next_round, time.monotonic() + _interval(lock.ttl))
+            first = time.monotonic() + max(MIN_INTERVAL, lock.ttl / 3)  # _interval(), inlined
+            self._next_round = min(self._next_round, first)
             self._stop = False
-            if self._thread is None or not self._thread.is_alive():
+            if self._thread is None:
+                # The thread clears this slot itself, under the mutex, as it exits (see
+                # _run): a stopping thread that is still alive never takes a new lock in.
                 self._thread = threading.Thread(
                     target=self._run, name="celery-redlock-renewal", daemon=True
                 )
@@ -135,9 +138,22 @@ class RenewalManager:
     # -- the loop -----------------------------------------------------------------
     def _run(self) -> None:
         log.debug("renewal thread started in pid %d", os.getpid())
+        try:
+            self._loop()
+        finally:
+            with self._mutex:
+                if self._thread is threading.current_thread():
+                    self._thread = None  # a register() from now on starts a new thread
+        log.debug("renewal thread stopped in pid %d", os.getpid())
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 if self._stop:
+                    # Decided under the mutex register() takes: a register() that got in
+                    # first reset _stop (this thread goes on); one that comes after finds
+                    # no thread and starts a new one, even while this one is still exiting.
+                    self._thread = None
                     break
                 wake = self._next_round
                 for lock in self._locks.values():
@@ -149,6 +165,7 @@ class RenewalManager:
                     self._cond.wait(timeout)
                     self._wake_at = 0.0
                     if self._stop:
+                        self._thread = None
                         break
                 locks = list(self._locks.values())
                 now = time.monotonic()
@@ -167,7 +184,6 @@ class RenewalManager:
                             _safely(lock._expire_locally, now)
             except Exception:  # the thread must outlive any error
                 log.exception("renewal round failed; the next round will try again")
-        log.debug("renewal thread stopped in pid %d", os.getpid())
 
     def _finished(self, node: int, _future: cf.Future[list[int]]) -> None:
         self._inflight.pop(node, None)
