@@ -122,6 +122,53 @@ def test_the_clients_retry_policy_re_sends_like_redis_py_does(
     assert counts == [3, 3]
 
 
+def test_a_held_connection_killed_by_the_server_is_re_sent_on_a_fresh_one(
+    redis_server: RedisServer,
+) -> None:
+    """CLIENT KILL of the held connection: the next call fails on the dead socket, the
+    client's retry policy reconnects and re-sends once, and the call answers; with no
+    re-send allowed the same call raises redis-py's ConnectionError, not a socket error."""
+    for retries, expect_answer in ((1, True), (0, False)):
+        client = redis.Redis(
+            host="127.0.0.1",
+            port=redis_server.port,
+            socket_timeout=5,
+            retry=Retry(NoBackoff(), retries),
+        )
+        assert echo(client, "warm") == b"warm"
+        held = _wire._held_for(client)
+        assert held is not None and held.sock is not None  # the fast path applies next
+        held.conn.send_command("CLIENT", "ID")
+        my_id = int(held.conn.read_response())
+        other = redis.Redis(host="127.0.0.1", port=redis_server.port, socket_timeout=5)
+        assert other.client_kill_filter(_id=my_id) == 1
+        other.close()
+        time.sleep(0.05)  # the server has closed its end
+        if expect_answer:
+            assert echo(client, "after kill") == b"after kill"
+            assert held.sock is not None and held.sock is held.conn._sock  # a new socket
+        else:
+            with pytest.raises(redis.ConnectionError):
+                echo(client, "after kill")
+            assert echo(client, "then") == b"then"  # reconnects on the next call
+        client.close()
+
+
+def test_socket_errors_from_a_send_are_reported_as_redis_py_reports_them() -> None:
+    """The fast path maps sendall's errors the way send_packed_command does, so the retry
+    policy (which picks errors by type) sees the same types."""
+    timeout = _wire._as_send_error(TimeoutError("timed out"))
+    assert type(timeout) is RedisTimeoutError
+    assert str(timeout) == "Timeout writing to socket"
+    reset = _wire._as_send_error(ConnectionResetError(104, "Connection reset by peer"))
+    assert type(reset) is redis.ConnectionError
+    assert str(reset) == "Error 104 while writing to socket. Connection reset by peer."
+    odd = _wire._as_send_error(OSError("weird"))
+    assert str(odd) == "Error UNKNOWN while writing to socket. weird."
+    other = ValueError("not a socket error")
+    assert _wire._as_send_error(other) is other
+
+
 def test_a_forked_child_takes_its_own_connection(
     redis_client: redis.Redis, shared_redis: RedisServer
 ) -> None:

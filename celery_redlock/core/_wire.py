@@ -155,6 +155,20 @@ def _roundtrip(conn: Any, packed: bytes, held: _Held | None = None) -> Any:
         raise
 
 
+def _as_send_error(error: Exception) -> Exception:
+    """A socket error from ``sendall`` as redis-py's send_packed_command reports it (the
+    retry policy chooses by these types); anything else as it is."""
+    if isinstance(error, TimeoutError):  # socket.timeout
+        return RedisTimeoutError("Timeout writing to socket")
+    if isinstance(error, OSError):
+        if len(error.args) >= 2:
+            errno, errmsg = error.args[:2]
+        else:
+            errno, errmsg = "UNKNOWN", (error.args or (error,))[0]
+        return RedisConnectionError(f"Error {errno} while writing to socket. {errmsg}.")
+    return error
+
+
 # -- our own reader for script replies ------------------------------------------------------
 # redis-py reads a reply through read_response, its RESP parser and that parser's socket
 # buffer: about a dozen Python-level calls per reply, twice per lock cycle. On the held
@@ -291,22 +305,27 @@ def _error(parser: Any, text: bytes) -> Exception:
     return error
 
 
-def _run(conn: Any, packed: bytes, held: _Held | None = None) -> Any:
+def _run(
+    conn: Any, packed: bytes, held: _Held | None = None, failed: Exception | None = None
+) -> Any:
     """One round trip under the connection's retry policy, exactly as redis-py applies it.
 
     With redis-py's own ``Retry`` the first attempt runs outside ``call_with_retry`` (the
     policy has nothing to do until something fails); a failure is then replayed as the
     policy's first attempt, so it counts, backs off and re-sends as it always would.
+    *failed*: the first attempt was already made (by ``_call``'s fast path) and failed so.
     """
     retry = conn.retry
     if type(retry) is not Retry:  # a custom policy sees every attempt itself
         return retry.call_with_retry(
             lambda: _roundtrip(conn, packed, held), lambda _e: conn.disconnect()
         )
-    try:
-        return _roundtrip(conn, packed, held)
-    except Exception as error:
-        first: Exception | None = error
+    first: Exception | None = failed
+    if first is None:
+        try:
+            return _roundtrip(conn, packed, held)
+        except Exception as error:
+            first = error
 
     def attempt() -> Any:
         nonlocal first
@@ -328,6 +347,25 @@ def _call(held: _Held, packed: bytes) -> Any:
                 except TypeError:  # redis-py < 5.3 requires a command name
                     conn = held.pool.get_connection("EVALSHA")
                 held.conn = conn
+            sock = conn._sock
+            if (
+                sock is not None
+                and sock is held.sock
+                and type(conn.retry) is Retry
+                and (not conn.health_check_interval or time.monotonic() <= conn.next_health_check)
+            ):
+                # The usual case, with _run, _roundtrip and send_packed_command inlined: a
+                # connected socket our reader was checked to fit, no health check due and
+                # redis-py's own retry policy. Failures take the same way as in _roundtrip.
+                try:
+                    sock.sendall(packed)
+                    return _read_reply(conn)
+                except Exception as error:
+                    conn.disconnect()
+                    return _run(conn, packed, held, _as_send_error(error))
+                except BaseException:
+                    conn.disconnect()
+                    raise
             return _run(conn, packed, held)
         finally:
             held.busy.release()
