@@ -368,7 +368,7 @@ def acquire_for_request(
         policy = "wait"  # an eager call cannot be re-queued: wait, then raise
     headers = getattr(request, "headers", None)
     name = lock_name_for(task, args, kwargs, headers)
-    lock = _new_lock(task, state, name, task_id, request)
+    lock = _new_lock(task, state, name, task_id, request, plan=plan)
     try:
         acquired = lock.acquire(
             blocking=policy == "wait",
@@ -421,13 +421,19 @@ def acquire_for_request(
 
 
 def _new_lock(
-    task: Any, state: AppState, name: str, task_id: str | None, request: Any = None
+    task: Any,
+    state: AppState,
+    name: str,
+    task_id: str | None,
+    request: Any = None,
+    *,
+    plan: _Plan | None = None,
 ) -> BaseLock:
     owner = {"task_name": task.name, "task_id": task_id}
     hostname = getattr(task.request if request is None else request, "hostname", None)
     if hostname:
         owner["worker"] = hostname
-    return _plan_for(task, state).new_lock(task, state, name, owner)
+    return (plan or _plan_for(task, state)).new_lock(task, state, name, owner)
 
 
 def backoff_delay(task: Any, attempt: int) -> float:
@@ -607,9 +613,9 @@ class _Watch:
         self.task = task
         self.lock = lock
         self.thread = threading.get_ident()
-        self.main = threading.current_thread() is threading.main_thread()
+        self.main = self.thread == threading.main_thread().ident
         self.running = True
-        self.use_signal = self.main and _install_signal_handler()
+        self.use_signal = self.main and (_handler_installed or _install_signal_handler())
         # lost() (renewal thread) and stop() (body thread) decide under this guard, so an
         # interrupt is either sent while the body runs or never; stop() withdraws one that
         # was sent but not yet delivered.

@@ -259,8 +259,8 @@ class BaseLock:
         blocking = self.blocking if blocking is None else blocking
         timeout = self.timeout if timeout is None else timeout
         with self._state:
-            if self._held_here() and not self._lost:
-                if self.reentrant:
+            if self._token is not None and self._pid == os.getpid() and not self._lost:
+                if self.reentrant:  # held here (_held_here(), inlined: this runs per acquire)
                     self._count += 1
                     return True
                 raise RedlockError(
@@ -271,11 +271,12 @@ class BaseLock:
         deadline = None if timeout is None else begin + timeout
         info = self._holder_record()
         while True:
-            token = new_token()
+            token = os.urandom(TOKEN_BYTES).hex()  # new_token(), inlined
             will_wait = blocking and (deadline is None or time.monotonic() < deadline)
             attempt = self._do_acquire(token, info, will_wait)  # raises QuorumUnavailable
             if attempt.acquired:
-                valid_until = attempt.started + self.ttl - drift(self.ttl)
+                ttl = self.ttl
+                valid_until = attempt.started + ttl - (0.01 * ttl + 0.002)  # drift(), inlined
                 if time.monotonic() < valid_until:
                     self._take(token, attempt, valid_until)
                     self._event("acquired", waited=time.monotonic() - begin)
@@ -334,7 +335,7 @@ class BaseLock:
         first copy already deleted it) counts as released.
         """
         with self._state:
-            if not self._held_here():
+            if self._token is None or self._pid != os.getpid():  # not _held_here(), inlined
                 raise NotOwned(self.name, self._not_held_reason())
             if self._count > 1:
                 self._count -= 1

@@ -72,23 +72,27 @@ class LockEvent:
 
 
 Hook = Callable[[LockEvent], object]
-_hooks: list[Hook] = []
+#: Replaced, never changed in place: emit() iterates it without copying it first.
+_hooks: tuple[Hook, ...] = ()
 _hooks_lock = threading.Lock()
 
 
 def add_hook(hook: Hook) -> Hook:
     """Register *hook* for every event in this process (idempotent); returns it."""
+    global _hooks
     with _hooks_lock:
         if hook not in _hooks:
-            _hooks.append(hook)
+            _hooks = (*_hooks, hook)
     return hook
 
 
 def remove_hook(hook: Hook) -> None:
     """Unregister *hook*; unknown hooks are ignored."""
+    global _hooks
     with _hooks_lock:
         if hook in _hooks:
-            _hooks.remove(hook)
+            index = _hooks.index(hook)
+            _hooks = _hooks[:index] + _hooks[index + 1 :]
 
 
 def has_hooks() -> bool:
@@ -98,7 +102,7 @@ def has_hooks() -> bool:
 
 def emit(event: LockEvent) -> None:
     """Hand *event* to every hook; a failing hook is logged, never raised."""
-    for hook in tuple(_hooks):
+    for hook in _hooks:
         try:
             hook(event)
         except Exception:
