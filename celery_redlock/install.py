@@ -30,7 +30,7 @@ from .core.connect import mask_url
 from .core.errors import ConfigError, RedlockError
 from .core.events import add_hook
 from .core.lock import address_of
-from .observability import enable_prometheus, logging_hook
+from .observability import drop_unscrapable_metrics, enable_prometheus_by_default, logging_hook
 from .settings import check_task_option
 from .state import AppState, state_for
 from .task import KEY_HEADER, LockedTask, lock_name_for, option, release_for_request
@@ -56,7 +56,7 @@ def install(app: Any) -> None:
         app.steps["worker"].add(RedlockStep)
         _connect_receivers()
         add_hook(logging_hook)
-        enable_prometheus()
+        enable_prometheus_by_default()
         app.on_after_finalize.connect(apply_redlock_tasks, weak=False)
         if app.finalized:
             apply_redlock_tasks(app)
@@ -238,6 +238,7 @@ def _connect_receivers() -> None:
     signals.task_failure.connect(_on_failure, weak=False)
     signals.task_revoked.connect(_on_revoked, weak=False)
     signals.worker_process_shutdown.connect(_on_process_shutdown, weak=False)
+    signals.worker_process_init.connect(_on_process_init, weak=False)
     _receivers_connected = True
 
 
@@ -378,6 +379,11 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _on_process_init(**_: Any) -> None:
+    """A new prefork pool child: no metrics that nothing can scrape (see observability)."""
+    drop_unscrapable_metrics()
 
 
 def _on_process_shutdown(**_: Any) -> None:

@@ -12,17 +12,19 @@
 * With ``prometheus_client`` installed, :func:`prometheus_hook` counts events by
   kind and task, and records wait and hold times in histograms, in every
   registry passed to :func:`enable_prometheus` (``install(app)`` enables the
-  default one). Lock names are not labels: per-argument keys would explode the
-  cardinality.
+  default one, except in prefork pool children without multiprocess mode, where
+  nothing could read it: :func:`drop_unscrapable_metrics`). Lock names are not
+  labels: per-argument keys would explode the cardinality.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any
 
-from .core.events import LockEvent, add_hook
+from .core.events import LockEvent, add_hook, remove_hook
 from .state import state_for
 
 __all__ = [
@@ -83,6 +85,7 @@ def enable_prometheus(registry: Any = None) -> bool:
         return False
     target = prom.REGISTRY if registry is None else registry
     with _metrics_lock:
+        _auto.discard(id(target))  # asked for by name: kept in pool children too
         if id(target) in _metrics:
             return True
         _metrics[id(target)] = (
@@ -123,10 +126,70 @@ def disable_prometheus(registry: Any = None) -> None:
     target = prom.REGISTRY if registry is None else registry
     with _metrics_lock:
         entry = _metrics.pop(id(target), None)
+        _auto.discard(id(target))
         _actions.clear()
+        if not _metrics:
+            remove_hook(prometheus_hook)  # nothing to count into: no call per event
     if entry is not None:
         for collector in entry[1].values():
             target.unregister(collector)
+
+
+#: ids of registries counted into only because ``install()`` enabled them by default.
+_auto: set[int] = set()
+
+
+def enable_prometheus_by_default() -> None:
+    """What ``install()`` does: count into the default registry, unless told otherwise.
+
+    Not marked as asked for, so :func:`drop_unscrapable_metrics` may switch it off again
+    in a prefork pool child (an explicit :func:`enable_prometheus` is never undone).
+    """
+    try:
+        import prometheus_client as prom  # noqa: PLC0415 - optional dependency
+    except ImportError:
+        return
+    with _metrics_lock:
+        known = id(prom.REGISTRY) in _metrics
+    if not known and enable_prometheus():
+        with _metrics_lock:
+            _auto.add(id(prom.REGISTRY))
+
+
+def multiprocess_mode() -> bool:
+    """True when prometheus_client's multiprocess mode is on (its directory is set)."""
+    return bool(
+        os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        # the older name, which prometheus_client still reads
+        or os.environ.get("prometheus_multiproc_dir")  # noqa: SIM112
+    )
+
+
+def drop_unscrapable_metrics() -> None:
+    """In a prefork pool child: stop counting into a default registry nobody can read.
+
+    Without prometheus_client's multiprocess mode, what a pool child counts goes into
+    its own private copy of the registry, which no exporter of the worker can see: a
+    cost on every task for nothing. The default registry that ``install()`` enabled is
+    switched off in the child then; with ``PROMETHEUS_MULTIPROC_DIR`` set, or after an
+    explicit :func:`enable_prometheus` (say, in the user's own ``worker_process_init``
+    receiver, next to a per-child exporter), counting goes on.
+    """
+    if multiprocess_mode():
+        return
+    try:
+        import prometheus_client as prom  # noqa: PLC0415 - optional dependency
+    except ImportError:
+        return
+    with _metrics_lock:
+        auto = id(prom.REGISTRY) in _auto
+    if auto:
+        disable_prometheus()
+        log.debug(
+            "pid %d: Prometheus lock metrics off in this pool child (no "
+            "PROMETHEUS_MULTIPROC_DIR: nothing could scrape them)",
+            os.getpid(),
+        )
 
 
 def prometheus_hook(event: LockEvent) -> None:

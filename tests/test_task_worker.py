@@ -310,3 +310,44 @@ def test_warm_shutdown_finishes_the_task_and_releases(server: RedisServer, tmp_p
     finally:
         w.stop()
         app.close()
+
+
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["private-registry", "multiproc-dir"])
+def test_pool_children_count_metrics_only_where_they_can_be_scraped(
+    server: RedisServer, tmp_path: Path, multiprocess: bool
+) -> None:
+    """Without PROMETHEUS_MULTIPROC_DIR a prefork child's counts land in its own copy of the
+    registry, which nothing can scrape: install()'s default metrics are off in the child.
+    With the directory set they stay on, and the children's counts reach the directory."""
+    from prometheus_client import CollectorRegistry  # noqa: PLC0415
+    from prometheus_client.multiprocess import MultiProcessCollector  # noqa: PLC0415
+
+    env = _env(server, 30)
+    prom_dir = tmp_path / "prom"
+    prom_dir.mkdir()
+    if multiprocess:
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(prom_dir)
+    w = Worker(APP, env, tmp_path / "worker.log", concurrency=1)
+    app = _client_app(env)
+    try:
+        w.wait_ready()
+        state = app.send_task(f"{APP}.metrics_state", args=(uuid.uuid4().int % 10**6,))
+        seen = state.get(timeout=30)
+        assert seen["pid"] != w.proc.pid  # it ran in a pool child
+        if multiprocess:
+            assert seen["hook"] is True and seen["registries"] == 1
+        else:
+            assert seen["hook"] is False and seen["registries"] == 0
+    finally:
+        app.close()
+        w.stop()
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(prom_dir))
+    acquired = registry.get_sample_value(
+        "celery_redlock_events_total",
+        {"kind": "acquired", "task": f"{APP}.metrics_state"},
+    )
+    if multiprocess:
+        assert acquired == 1.0
+    else:
+        assert acquired is None  # nothing was written there
