@@ -67,6 +67,15 @@ def logging_hook(event: LockEvent) -> None:
     log.log(level, " ".join(parts))
 
 
+def _logging_wants(kind: str) -> bool:
+    return log.isEnabledFor(_LEVELS.get(kind, logging.INFO))
+
+
+# The routine acquire/release lines are DEBUG: while that level is off, those two events
+# per task are not even built for this hook.
+logging_hook.lock_event_filter = _logging_wants  # type: ignore[attr-defined]
+
+
 #: id(registry) -> (registry, its metrics); the registry is kept so its id is never reused.
 _metrics: dict[int, tuple[Any, dict[str, Any]]] = {}
 _metrics_lock = threading.Lock()

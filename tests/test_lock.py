@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from servers import FaultProxy, RedisServer, wait_child, wait_for
@@ -36,6 +38,7 @@ from celery_redlock import (
     QuorumUnavailable,
     RedlockError,
 )
+from celery_redlock.core import base
 from celery_redlock.core.errors import describe_holder
 from celery_redlock.core.renewal import get_manager
 from celery_redlock.core.scripts import ACQUIRE, EXTEND, RELEASE
@@ -690,6 +693,27 @@ def test_holder_record_in_redis_names_host_pid_time_and_current_owner_info(
     assert (second["task_id"], second["meta"]) == ("b", {"n": 2})
     assert second["acquired_at"] > first["acquired_at"]
     lock.release()
+
+
+_JSON_VALUES = st.one_of(
+    st.text(),  # quotes, backslashes, control characters, non-ASCII, surrogates
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.none(),
+    st.booleans(),  # not written by hand: the encoder writes true/false
+    st.floats(allow_nan=False),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=20), _JSON_VALUES, min_size=1, max_size=6))
+def test_holder_record_members_are_written_exactly_as_the_json_encoder_writes_them(
+    info: dict[str, Any],
+) -> None:
+    """The hand-written fast case (flat str/int/None values) and the fallback both give
+    byte for byte what the record's JSON encoder gives, so the record parses the same."""
+    assert base._owner_json(info) == base._RECORD_ENCODER.encode(info)[1:-1]
 
 
 # --------------------------------------------------------------------------- fence counter

@@ -26,7 +26,8 @@ from workers import Worker
 
 import celery_redlock
 from celery_redlock import Lock, LockContended, LockedTask, LockEvent, is_skipped
-from celery_redlock.observability import disable_prometheus, enable_prometheus
+from celery_redlock.core import events
+from celery_redlock.observability import disable_prometheus, enable_prometheus, logging_hook
 
 APP = "tests.apps.configapp"
 
@@ -156,6 +157,60 @@ def test_hook_gets_frozen_events_for_acquire_contend_release_and_loss(
     assert lost.name == "obs:2" and lost.key == "redlock:{obs:2}"
     assert lost.holder["task_name"] == "obs.lossy" and lost.holder["task_id"] == lossy.id
     assert lost.held is not None and lost.held > 0 and lost.error
+
+
+class _Filtered:
+    """A hook that says which event kinds it takes."""
+
+    def __init__(self, *kinds: str) -> None:
+        self.kinds = kinds
+        self.seen: list[str] = []
+
+    def lock_event_filter(self, kind: str) -> bool:
+        return kind in self.kinds
+
+    def __call__(self, event: LockEvent) -> None:
+        self.seen.append(event.kind)
+
+
+def test_events_that_no_hooks_filter_takes_are_not_built(shared_redis: RedisServer) -> None:
+    """Only filtered hooks: an event none of them takes never reaches any hook (it is not
+    built); one unfiltered hook, and every event is built and handed to every hook again."""
+    client = shared_redis.client(db=9)
+    saved = events._hooks
+    only_released = _Filtered("released")
+    takes_all: list[str] = []
+    try:
+        events._set_hooks((only_released,))
+        assert not events.wanted("acquired") and events.wanted("released")
+        with Lock(client, f"filtered-{uuid.uuid4().hex[:6]}", 5):
+            pass
+        assert only_released.seen == ["released"]
+
+        events._set_hooks((only_released, lambda e: takes_all.append(e.kind)))
+        assert events.wanted("acquired")
+        with Lock(client, f"filtered-{uuid.uuid4().hex[:6]}", 5):
+            pass
+        assert takes_all == ["acquired", "released"]
+        assert only_released.seen == ["released", "acquired", "released"]
+    finally:
+        events._set_hooks(saved)
+
+
+def test_the_logging_hook_takes_routine_events_only_while_debug_is_on() -> None:
+    """logging_hook's filter follows its logger's level, read at each event."""
+    logger = logging.getLogger("celery_redlock.events")
+    level = logger.level
+    want = logging_hook.lock_event_filter  # type: ignore[attr-defined]
+    try:
+        logger.setLevel(logging.INFO)
+        assert not want("acquired") and not want("released") and want("lost")
+        logger.setLevel(logging.DEBUG)
+        assert want("acquired") and want("released")
+        logger.setLevel(logging.WARNING)
+        assert not want("lost") and not want("contended")
+    finally:
+        logger.setLevel(level)
 
 
 class _ListHandler(logging.Handler):

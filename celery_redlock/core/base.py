@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _json_str
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -64,6 +65,28 @@ def _record_head() -> str:
     if _head[0] != pid:
         _head = (pid, f'{{"hostname":{json.dumps(_HOSTNAME)},"pid":{pid},"acquired_at":')
     return _head[1]
+
+
+def _owner_json(info: Mapping[str, Any]) -> str:
+    """``owner_info`` as the members of a JSON object (no braces), as _RECORD_ENCODER writes
+    them. Flat str/int/None values (what the Celery adapter stores) are written here, a few
+    C calls per member; anything else goes through the encoder."""
+    parts = []
+    for key, value in info.items():
+        kind = type(value)
+        if type(key) is not str:
+            break
+        if kind is str:
+            parts.append(f"{_json_str(key)}:{_json_str(value)}")
+        elif kind is int:
+            parts.append(f"{_json_str(key)}:{value!r}")
+        elif value is None:
+            parts.append(f"{_json_str(key)}:null")
+        else:
+            break
+    else:
+        return ",".join(parts)
+    return _RECORD_ENCODER.encode(info)[1:-1]
 
 
 def drift(ttl: float) -> float:
@@ -237,7 +260,7 @@ class BaseLock:
         if not info:
             return f"{head}{at}}}"
         if _RESERVED.isdisjoint(info):
-            return f"{head}{at},{_RECORD_ENCODER.encode(info)[1:]}"
+            return f"{head}{at},{_owner_json(info)}}}"
         # owner_info overrides a standard field: keep the dict-update semantics
         record: dict[str, Any] = {
             "hostname": _HOSTNAME,
@@ -515,8 +538,16 @@ class BaseLock:
         return "not acquired by this lock object"
 
     def _event(self, kind: events.EventKind, **fields: Any) -> None:
-        if not events._hooks:  # events.has_hooks(), without a call on every acquire
-            return
+        filters = events._filters  # events.wanted(kind), inlined: this runs twice per task
+        if filters is None:
+            if not events._hooks:
+                return
+        else:
+            for want in filters:
+                if want(kind):
+                    break
+            else:
+                return
         fields.setdefault("fence", self._fence)
         fields.setdefault("holder", self.owner_info)
         events.emit(

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["EventKind", "LockEvent", "add_hook", "emit", "has_hooks", "remove_hook"]
+__all__ = ["EventKind", "LockEvent", "add_hook", "emit", "has_hooks", "remove_hook", "wanted"]
 
 log = logging.getLogger("celery_redlock.events")
 
@@ -75,24 +75,46 @@ Hook = Callable[[LockEvent], object]
 #: Replaced, never changed in place: emit() iterates it without copying it first.
 _hooks: tuple[Hook, ...] = ()
 _hooks_lock = threading.Lock()
+#: Name of the optional attribute by which a hook says which events it takes.
+FILTER_ATTR = "lock_event_filter"
+#: The hooks' filters when every hook has one (an event none of them takes is never
+#: built); None when some hook takes every event.
+_filters: tuple[Callable[[str], bool], ...] | None = None
+
+
+def _set_hooks(hooks: tuple[Hook, ...]) -> None:
+    global _hooks, _filters
+    filters = tuple(getattr(hook, FILTER_ATTR, None) for hook in hooks)
+    _filters = None if None in filters else filters  # type: ignore[assignment]
+    _hooks = hooks
+
+
+def wanted(kind: str) -> bool:
+    """True if some hook takes events of *kind* (lets hot paths skip building one)."""
+    filters = _filters
+    if filters is None:
+        return bool(_hooks)
+    return any(want(kind) for want in filters)
 
 
 def add_hook(hook: Hook) -> Hook:
-    """Register *hook* for every event in this process (idempotent); returns it."""
-    global _hooks
+    """Register *hook* for every event in this process (idempotent); returns it.
+
+    A hook with a ``lock_event_filter`` attribute (a callable taking the event kind)
+    is asked first: an event that no hook's filter takes is not built at all.
+    """
     with _hooks_lock:
         if hook not in _hooks:
-            _hooks = (*_hooks, hook)
+            _set_hooks((*_hooks, hook))
     return hook
 
 
 def remove_hook(hook: Hook) -> None:
     """Unregister *hook*; unknown hooks are ignored."""
-    global _hooks
     with _hooks_lock:
         if hook in _hooks:
             index = _hooks.index(hook)
-            _hooks = _hooks[:index] + _hooks[index + 1 :]
+            _set_hooks(_hooks[:index] + _hooks[index + 1 :])
 
 
 def has_hooks() -> bool:
