@@ -327,11 +327,12 @@ def test_pool_children_count_metrics_only_where_they_can_be_scraped(
     prom_dir.mkdir()
     if multiprocess:
         env["PROMETHEUS_MULTIPROC_DIR"] = str(prom_dir)
-    w = Worker(APP, env, tmp_path / "worker.log", concurrency=1)
+    queue = f"metrics-{uuid.uuid4().hex[:8]}"  # only this worker, not the module's shared one
+    w = Worker(APP, env, tmp_path / "worker.log", concurrency=1, extra=("-Q", queue))
     app = _client_app(env)
     try:
         w.wait_ready()
-        state = app.send_task(f"{APP}.metrics_state", args=(uuid.uuid4().int % 10**6,))
+        state = app.send_task(f"{APP}.metrics_state", args=(uuid.uuid4().int % 10**6,), queue=queue)
         seen = state.get(timeout=30)
         assert seen["pid"] != w.proc.pid  # it ran in a pool child
         if multiprocess:
