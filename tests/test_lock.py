@@ -666,6 +666,30 @@ def test_a_spawned_lock_has_the_options_and_none_of_the_state_of_its_prototype(
     assert not redis_client.exists("sp:{a:1}", "sp:{a:2}", "sp:{proto}")
 
 
+def test_a_spawned_lock_starts_in_the_state_init_state_gives_even_from_a_used_lock(
+    redis_client: redis.Redis,
+) -> None:
+    """_spawn resets the state from base._FRESH_STATE: that table holds exactly what
+    _init_state() sets (besides the two mutable fields), so a lock spawned from one that
+    was taken, lost its lease and was released carries none of that history."""
+    blank = object.__new__(Lock)
+    blank._init_state()
+    assert set(vars(blank)) == {*base._FRESH_STATE, "holder", "_state"}
+    assert {k: vars(blank)[k] for k in base._FRESH_STATE} == base._FRESH_STATE
+
+    used = Lock(redis_client, "used", ttl=0.2, auto_renew=False)
+    assert used.acquire(blocking=False)
+    time.sleep(0.3)  # the lease runs out
+    with pytest.raises(LockLost):
+        used.release()
+    used.holder = {"task_id": "someone"}
+    child = used._spawn("used:child", {"task_id": "mine"})
+    assert {k: vars(child)[k] for k in base._FRESH_STATE} == base._FRESH_STATE
+    assert child.holder == {} and child._state is not used._state
+    assert child.acquire(blocking=False) and child.fence is not None and not child.lost
+    child.release()
+
+
 def test_holder_record_in_redis_names_host_pid_time_and_current_owner_info(
     redis_client: redis.Redis,
 ) -> None:
