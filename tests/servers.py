@@ -12,6 +12,7 @@ import contextlib
 import functools
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import select
 import shutil
@@ -23,7 +24,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -1074,3 +1075,17 @@ def wait_for(check: Callable[[], bool], timeout: float = 5.0, interval: float = 
             break
         time.sleep(interval)
     return check()
+
+
+@contextlib.contextmanager
+def logger_at_debug(name: str, handler: logging.Handler) -> Iterator[logging.Logger]:
+    """Logger *name* at DEBUG with *handler* attached, both undone on exit."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield logger
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

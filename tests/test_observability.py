@@ -21,7 +21,7 @@ import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from prometheus_client import CollectorRegistry
-from servers import RedisServer
+from servers import RedisServer, logger_at_debug
 from workers import Worker
 
 import celery_redlock
@@ -230,18 +230,13 @@ def test_logging_hook_writes_one_line_per_event_on_celery_redlock_events(
     runs: dict[int, _Run] = tasks["runs"]
     runs[3] = _Run()
     runs[3].finish.set()
-    logger = logging.getLogger("celery_redlock.events")
     handler = _ListHandler()
-    old_level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
-        with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
-            result = tasks["work"].delay(3)
-            assert result.get(timeout=10) == 3
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
+    with (
+        logger_at_debug("celery_redlock.events", handler),
+        start_worker(app, pool="threads", concurrency=1, perform_ping_check=False),
+    ):
+        result = tasks["work"].delay(3)
+        assert result.get(timeout=10) == 3
     lines = [r.getMessage() for r in handler.records if "name='obs:3'" in r.getMessage()]
     assert len(lines) == 2, lines
     acquired, released = lines

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from servers import RedisServer, wait_child, wait_for
+from servers import RedisServer, logger_at_debug, wait_child, wait_for
 
 from celery_redlock import Lock, LockLost, connect
 from celery_redlock.core.renewal import RenewalManager, get_manager
@@ -141,27 +141,22 @@ def test_lock_taken_while_a_stopping_thread_is_still_alive_is_renewed(
     old = manager.thread
     assert old is not None and old.is_alive()
 
-    logger = logging.getLogger("celery_redlock.renew")
     hold = _HoldOnStop()
-    level = logger.level
-    logger.addHandler(hold)
-    logger.setLevel(logging.DEBUG)
-    try:
-        manager.stop(timeout=0)
-        assert hold.entered.wait(5), "the renewal thread did not stop"
-        assert old.is_alive()  # left its loop, not yet gone
+    with logger_at_debug("celery_redlock.renew", hold):
+        try:
+            manager.stop(timeout=0)
+            assert hold.entered.wait(5), "the renewal thread did not stop"
+            assert old.is_alive()  # left its loop, not yet gone
 
-        lock = Lock(redis_client, "renew:after-stop", ttl=0.5)
-        assert lock.acquire(blocking=False)
-        time.sleep(1.2)  # more than two TTLs
-        assert lock.owned() and not lock.lost
-        assert redis_client.pttl(lock.keys.lock) > 0
-        assert manager.thread is not None and manager.thread is not old
-        lock.release()
-    finally:
-        hold.go_on.set()
-        logger.removeHandler(hold)
-        logger.setLevel(level)
+            lock = Lock(redis_client, "renew:after-stop", ttl=0.5)
+            assert lock.acquire(blocking=False)
+            time.sleep(1.2)  # more than two TTLs
+            assert lock.owned() and not lock.lost
+            assert redis_client.pttl(lock.keys.lock) > 0
+            assert manager.thread is not None and manager.thread is not old
+            lock.release()
+        finally:
+            hold.go_on.set()
     old.join(5)
     assert not old.is_alive()
 
