@@ -197,6 +197,28 @@ def test_events_that_no_hooks_filter_takes_are_not_built(shared_redis: RedisServ
         events._set_hooks(saved)
 
 
+def test_a_filter_that_raises_never_breaks_the_lock(shared_redis: RedisServer) -> None:
+    """A broken lock_event_filter is logged; the lock works and the hook gets the events."""
+
+    class Broken(_Filtered):
+        def lock_event_filter(self, kind: str) -> bool:
+            raise RuntimeError("broken filter")
+
+    client = shared_redis.client(db=9)
+    saved = events._hooks
+    broken = Broken()
+    try:
+        events._set_hooks((broken,))
+        assert events.wanted("acquired") is True
+        lock = Lock(client, f"broken-filter-{uuid.uuid4().hex[:6]}", 5)
+        with lock:
+            assert lock.owned()
+        assert not client.exists(lock.keys.lock)
+        assert broken.seen == ["acquired", "released"]
+    finally:
+        events._set_hooks(saved)
+
+
 def test_the_logging_hook_takes_routine_events_only_while_debug_is_on() -> None:
     """logging_hook's filter follows its logger's level, read at each event."""
     logger = logging.getLogger("celery_redlock.events")

@@ -110,12 +110,6 @@ def drift(ttl: float) -> float:
     return 0.01 * ttl + 0.002
 
 
-def new_token() -> str:
-    """A fresh CSPRNG token for one acquisition (what ``secrets.token_hex`` returns, without
-    its three Python-level calls)."""
-    return os.urandom(TOKEN_BYTES).hex()
-
-
 @dataclass
 class Attempt:
     """What one acquire attempt found."""
@@ -191,8 +185,8 @@ class BaseLock:
         """A new, untaken lock with this one's options under another *name* and *owner_info*.
 
         For a caller that builds one lock per run with the same options (the Celery
-        adapter): the options were checked when this lock was built, and this one must
-        never have been taken (its fields are copied as they are, then the state is reset).
+        adapter): the options were checked when this lock was built. Its fields are copied
+        as they are and the state is reset, so what this one went through is not carried.
         """
         new = object.__new__(type(self))
         # What __init__ + _init_state() would give, in three C-level steps instead of a
@@ -316,7 +310,7 @@ class BaseLock:
         deadline = None if timeout is None else begin + timeout
         info = self._holder_record()
         while True:
-            token = os.urandom(TOKEN_BYTES).hex()  # new_token(), inlined
+            token = os.urandom(TOKEN_BYTES).hex()  # 160 fresh CSPRNG bits per attempt
             will_wait = blocking and (deadline is None or time.monotonic() < deadline)
             attempt = self._do_acquire(token, info, will_wait)  # raises QuorumUnavailable
             if attempt.acquired:
@@ -565,11 +559,14 @@ class BaseLock:
             if not events._hooks:
                 return
         else:
-            for want in filters:
-                if want(kind):
-                    break
-            else:
-                return
+            try:
+                for want in filters:
+                    if want(kind):
+                        break
+                else:
+                    return
+            except Exception:  # a broken filter must not break the lock: build the event
+                events.log.exception("celery-redlock event hook filter failed on %s", kind)
         fields.setdefault("fence", self._fence)
         fields.setdefault("holder", self.owner_info)
         events.emit(

@@ -94,7 +94,11 @@ def wanted(kind: str) -> bool:
     filters = _filters
     if filters is None:
         return bool(_hooks)
-    return any(want(kind) for want in filters)
+    try:
+        return any(want(kind) for want in filters)
+    except Exception:  # a broken filter: say yes, and let emit() report the hook
+        log.exception("celery-redlock event hook filter failed on %s", kind)
+        return True
 
 
 def add_hook(hook: Hook) -> Hook:
