@@ -521,11 +521,12 @@ def _acquire_direct(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     state = state_for(task.app)
     if state.disabled:
         return None
-    policy = option(task, "lock_on_contended")
+    plan = _plan_for(task, state)
+    policy = plan.on_contended
     name = lock_name_for(task, args, kwargs)
-    lock = _new_lock(task, state, name, None)
+    lock = _new_lock(task, state, name, None, plan=plan)
     wait = policy == "wait"
-    if lock.acquire(blocking=wait, timeout=option(task, "lock_wait_timeout") if wait else None):
+    if lock.acquire(blocking=wait, timeout=plan.wait_timeout if wait else None):
         return lock
     if policy == "skip":
         log.info(

@@ -554,19 +554,11 @@ class BaseLock:
         return "not acquired by this lock object"
 
     def _event(self, kind: events.EventKind, **fields: Any) -> None:
-        filters = events._filters  # events.wanted(kind), inlined: this runs twice per task
-        if filters is None:
+        if events._filters is None:  # no filters: any hook takes every event
             if not events._hooks:
                 return
-        else:
-            try:
-                for want in filters:
-                    if want(kind):
-                        break
-                else:
-                    return
-            except Exception:  # a broken filter must not break the lock: build the event
-                events.log.exception("celery-redlock event hook filter failed on %s", kind)
+        elif not events.wanted(kind):  # every hook filters, and none takes this kind
+            return
         fields.setdefault("fence", self._fence)
         fields.setdefault("holder", self.owner_info)
         events.emit(
