@@ -234,12 +234,24 @@ def _connect_receivers() -> None:
     global _receivers_connected
     if _receivers_connected:
         return
-    signals.task_postrun.connect(_on_postrun, weak=False)
     signals.task_failure.connect(_on_failure, weak=False)
     signals.task_revoked.connect(_on_revoked, weak=False)
     signals.worker_process_shutdown.connect(_on_process_shutdown, weak=False)
     signals.worker_process_init.connect(_on_process_init, weak=False)
     _receivers_connected = True
+
+
+_postrun_connected = False
+
+
+def use_postrun_net() -> None:
+    """Connect the ``task_postrun`` safety net (once per process): some LockedTask class has
+    its own ``before_start``, ``__call__`` or ``after_return`` (see celery_redlock.task)."""
+    global _postrun_connected
+    with _install_lock:
+        if not _postrun_connected:
+            signals.task_postrun.connect(_on_postrun, weak=False)
+            _postrun_connected = True
 
 
 def _installed(task: Any) -> AppState | None:
@@ -251,7 +263,8 @@ def _installed(task: Any) -> AppState | None:
 
 
 def _on_postrun(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
-    """Safety net: a lock still registered for a finished request is released."""
+    """Safety net: a lock still registered for a finished request is released (connected
+    by use_postrun_net)."""
     state = _installed(sender)
     if state is None or task_id is None:
         return

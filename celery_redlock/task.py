@@ -9,7 +9,15 @@ Where each step happens, and why there:
 * **release** in a wrapper around the task body, in ``finally``: before the
   result is stored, so a caller that sees the result can take the lock at once;
   it covers success, exceptions, ``self.retry()``, ``Ignore``, ``Reject``, soft
-  time limits and eager runs. ``task_postrun`` is the safety net.
+  time limits and eager runs.
+* **safety net** for a run whose body wrapper never started after the acquire (an
+  exception between the two): ``after_return`` releases a lock still held when a
+  run ends in success or failure. Only a task class with its own ``before_start``,
+  ``__call__`` or ``after_return`` can end a run any other way there (``Ignore``,
+  ``Reject`` or ``Retry`` raised by its own code after the acquire, or an
+  ``after_return`` that does not call ours): for those, a ``task_postrun``
+  receiver is connected too. It is not connected otherwise, since any receiver
+  makes Celery send the signal, with its lock and keyword dict, for every task.
 * **the main process** releases the exact acquisition of a child that is gone
   (hard time limit, lost child, ``revoke(terminate=True)``): see
   :mod:`celery_redlock.install`.
@@ -101,6 +109,21 @@ class LockedTask(Task):  # type: ignore[misc]
         super().before_start(task_id, args, kwargs)
         acquire_for_request(self, task_id, tuple(args or ()), dict(kwargs or {}))
 
+    def after_return(  # noqa: PLR0917 - Celery's signature
+        self,
+        status: str,
+        retval: Any,
+        task_id: str,
+        args: Any,
+        kwargs: Any,
+        einfo: Any,
+    ) -> None:
+        """Safety net: a lock still held when the run ends is released (see the module doc)."""
+        lock = getattr(self.request, "_redlock_lock", None)
+        if lock is not None:
+            release_for_request(self, lock, task_id, self.request)
+        super().after_return(status, retval, task_id, args, kwargs, einfo)
+
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         """Like Celery's, plus ``lock_key=`` to lock this call under another name."""
         key = options.pop("lock_key", None)
@@ -162,10 +185,23 @@ def prepare_task_class(cls: type) -> None:
     app = cls.__dict__.get("app")
     if not already:
         _wrap_run(cls, fun, bound, signature)
-    if app is not None:
-        from .install import install  # noqa: PLC0415 - install imports this module
+    if app is not None or needs_postrun_net(cls):
+        from .install import install, use_postrun_net  # noqa: PLC0415 - it imports this module
 
-        install(app)
+        if needs_postrun_net(cls):
+            use_postrun_net()
+        if app is not None:
+            install(app)
+
+
+def needs_postrun_net(cls: type) -> bool:
+    """True if the class's own code may run between the acquire and the body wrapper, or
+    replace ``after_return``: then only ``task_postrun`` sees every way a run can end."""
+    return (
+        cls.before_start is not LockedTask.before_start  # type: ignore[attr-defined]
+        or cls.after_return is not LockedTask.after_return  # type: ignore[attr-defined]
+        or cls.__call__ is not Task.__call__
+    )
 
 
 def _wrap_run(

@@ -43,6 +43,7 @@ from celery_redlock import (
     is_skipped,
 )
 from celery_redlock.state import state_for
+from celery_redlock.task import needs_postrun_net
 
 LOGGER = "celery_redlock"
 # the module, not the install() function that celery_redlock re-exports under that name
@@ -178,15 +179,25 @@ def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
     return caplog
 
 
-@pytest.fixture
-def no_safety_net() -> Iterator[None]:
-    """Disconnect the task_postrun safety net, so only the body wrapper can release."""
+@contextlib.contextmanager
+def postrun_net_off() -> Iterator[None]:
+    """Disconnect the task_postrun safety net for a while (if some class connected it)."""
     receiver = install_module._on_postrun
-    assert signals.task_postrun.disconnect(receiver)
+    connected = signals.task_postrun.disconnect(receiver)
     try:
         yield
     finally:
-        signals.task_postrun.connect(receiver, weak=False)
+        if connected:
+            signals.task_postrun.connect(receiver, weak=False)
+
+
+@pytest.fixture
+def no_safety_net(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Switch both safety nets off (LockedTask.after_return and the task_postrun receiver),
+    so only the body wrapper can release."""
+    monkeypatch.delattr(LockedTask, "after_return")
+    with postrun_net_off():
+        yield
 
 
 # ------------------------------------------------------------------ 1. keys and templates
@@ -606,6 +617,114 @@ def test_released_on_every_exit_before_the_result_is_ready(env: Env, no_safety_n
     ]
     for how, _, keys in held:
         assert keys == [f"redlock:{{exit:{how}}}"]
+
+
+class _FailsAfterAcquire(LockedTask):  # abstract: no body of its own
+    """A base whose own before_start ends the run after the lock was taken (the window the
+    safety nets exist for: the body wrapper, which normally releases, never starts).
+    Each task passes its Env as the ``test_env`` option."""
+
+    test_env: Env
+
+    def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().before_start(task_id, args, kwargs)
+        how = args[0]
+        self.test_env.push("acquired", [how, self.test_env.held_keys()])
+        if how == "error":
+            raise ValueError("after the acquire")
+        if how == "ignore":
+            raise Ignore()
+        if how == "reject":
+            raise Reject("no", requeue=False)
+
+
+def test_needs_postrun_net_only_for_classes_with_their_own_hooks(env: Env) -> None:
+    """The task_postrun receiver is needed (and connected) only for a class with its own
+    before_start, __call__ or after_return; plain LockedTask tasks rely on after_return."""
+    app = env.app()
+
+    @app.task(base=LockedTask, shared=False, lock_key="p:<n>")
+    def plain_locked(n: int) -> None:
+        return None
+
+    class OwnCall(LockedTask):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return super().__call__(*args, **kwargs)
+
+    class OwnAfterReturn(LockedTask):
+        def after_return(self, *args: Any) -> None:  # does not call ours
+            return None
+
+    @app.task(base=OwnCall, shared=False)
+    def with_call() -> None:
+        return None
+
+    @app.task(base=OwnAfterReturn, shared=False)
+    def with_after_return() -> None:
+        return None
+
+    @app.task(base=_FailsAfterAcquire, shared=False, lock_key="f:<how>", test_env=env)
+    def with_before_start(how: str) -> None:
+        return None
+
+    def cls(task: Any) -> type:
+        return type(task._get_current_object())  # the task class behind app.task's proxy
+
+    assert not needs_postrun_net(cls(plain_locked))
+    for task in (with_call, with_after_return, with_before_start):
+        assert needs_postrun_net(cls(task)), task.name
+    receivers = [r for _, r in signals.task_postrun.receivers]
+    assert install_module._on_postrun in receivers
+
+
+@pytest.mark.parametrize("how", ["error", "ignore", "reject"])
+def test_lock_taken_by_a_run_whose_body_never_starts_is_freed_when_it_ends(
+    env: Env, how: str
+) -> None:
+    """A task class's own before_start failing after the acquire (an error, Ignore or Reject:
+    the body wrapper never runs) still leaves the key free when the run ends, long before
+    the TTL: through after_return (error) or the task_postrun receiver (Ignore, Reject)."""
+    app = env.app()
+    done = threading.Event()
+
+    @app.task(
+        base=_FailsAfterAcquire, shared=False, lock_key="net:<how>", lock_ttl=60, test_env=env
+    )
+    def guarded(how: str) -> None:
+        env.push("ran", how)
+
+    def on_postrun(sender: Any = None, **_: Any) -> None:
+        if sender is not None and sender.name == guarded.name:
+            done.set()
+
+    signals.task_postrun.connect(on_postrun, weak=False)
+    try:
+        with worker(app):
+            guarded.apply_async((how,))
+            assert done.wait(10)
+            # after the receivers of this run, at most a few ms: never the 60 s TTL
+            assert wait_for(lambda: env.held_keys() == [], timeout=5)
+    finally:
+        signals.task_postrun.disconnect(on_postrun)
+    assert env.items("acquired") == [[how, [f"redlock:{{net:{how}}}"]]]
+    assert env.items("ran") == []
+
+
+def test_after_return_alone_frees_a_lock_whose_body_never_started(env: Env) -> None:
+    """With the task_postrun receiver disconnected, LockedTask.after_return is what frees the
+    key when the class's own before_start raises after the acquire."""
+    app = env.app()
+
+    @app.task(base=_FailsAfterAcquire, shared=False, lock_key="ar:<how>", lock_ttl=60, test_env=env)
+    def guarded(how: str) -> None:
+        env.push("ran", how)
+
+    with postrun_net_off(), worker(app):
+        result = guarded.apply_async(("error",))
+        assert isinstance(result.get(timeout=10, propagate=False), ValueError)
+        assert wait_for(lambda: env.held_keys() == [], timeout=5)
+    assert env.items("acquired") == [["error", ["redlock:{ar:error}"]]]
+    assert env.items("ran") == []
 
 
 def test_direct_call_and_apply_lock_and_release(env: Env) -> None:
