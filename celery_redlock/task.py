@@ -644,11 +644,16 @@ def _install_signal_handler() -> bool:
 
 
 class _Watch:
-    """Links a held lock to the thread running the body, to interrupt it on loss."""
+    """Links a held lock to the thread running the body, to interrupt it on loss.
 
-    def __init__(self, task: Any, lock: BaseLock) -> None:
+    The lock refers to its watch (``lock._redlock_watch``), not the other way round:
+    a cycle between the two would leave both, with the lock's RLock and keys, to the
+    cyclic garbage collector after every run (6 objects a task, and the collections
+    they trigger), where reference counting frees them at once.
+    """
+
+    def __init__(self, task: Any) -> None:
         self.task = task
-        self.lock = lock
         self.thread = threading.get_ident()
         self.main = self.thread == threading.main_thread().ident
         self.running = True
@@ -661,10 +666,10 @@ class _Watch:
 
     @classmethod
     def start(cls, task: Any, lock: BaseLock) -> _Watch:
-        watch = cls(task, lock)
+        watch = cls(task)
         lock._redlock_watch = watch  # type: ignore[attr-defined]
         if lock.lost:  # lost between acquire and the body start
-            watch.lost()
+            watch.lost(lock)
         return watch
 
     def stop(self) -> None:
@@ -675,13 +680,13 @@ class _Watch:
                 # Withdraw an interrupt not yet delivered (NULL clears the pending one).
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread), None)
 
-    def lost(self) -> None:
+    def lost(self, lock: BaseLock) -> None:
         policy = option(self.task, "lock_on_lost")
         log.warning(
             "Task %s: lock %r lost while running (%s); lock_on_lost=%s",
             self.task.name,
-            self.lock.name,
-            self.lock._lost_reason,
+            lock.name,
+            lock._lost_reason,
             policy,
         )
         with self._guard:
@@ -700,4 +705,4 @@ class _Watch:
 def _on_lost(lock: BaseLock) -> None:
     watch = getattr(lock, "_redlock_watch", None)
     if watch is not None:
-        watch.lost()
+        watch.lost(lock)
