@@ -185,10 +185,11 @@ def prepare_task_class(cls: type) -> None:
     app = cls.__dict__.get("app")
     if not already:
         _wrap_run(cls, fun, bound, signature)
-    if app is not None or needs_postrun_net(cls):
+    net = needs_postrun_net(cls)
+    if app is not None or net:
         from .install import install, use_postrun_net  # noqa: PLC0415 - it imports this module
 
-        if needs_postrun_net(cls):
+        if net:
             use_postrun_net()
         if app is not None:
             install(app)
