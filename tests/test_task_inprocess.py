@@ -721,7 +721,11 @@ def test_after_return_alone_frees_a_lock_whose_body_never_started(env: Env) -> N
     def guarded(how: str) -> None:
         env.push("ran", how)
 
+    # Make the task class now: its own before_start connects the receiver, which
+    # postrun_net_off() must find connected to take it away.
+    guarded._get_current_object()
     with postrun_net_off(), worker(app):
+        assert install_module._on_postrun not in [r for _, r in signals.task_postrun.receivers]
         result = guarded.apply_async(("error",))
         assert isinstance(result.get(timeout=10, propagate=False), ValueError)
         assert wait_for(lambda: env.held_keys() == [], timeout=5)
