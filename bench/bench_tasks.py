@@ -659,6 +659,20 @@ def main() -> int:
             plain = statistics.median(r.rate for r in runs if r.variant == "plain")
             locked = statistics.median(r.rate for r in runs if r.variant == "locked")
             print(f"\nLockedTask / plain = {locked / plain:.3f} (target >= 0.9)")
+            # The same, rep by rep: each LockedTask slot against the plain slot of its rep
+            # (run minutes apart at most), which the machine's drift between reps moves less.
+            by_rep = {(r.variant, r.rep): r.rate for r in runs}
+            paired = [
+                by_rep[("locked", rep)] / by_rep[("plain", rep)]
+                for rep in sorted({r.rep for r in runs})
+                if ("locked", rep) in by_rep and ("plain", rep) in by_rep
+            ]
+            print(
+                "rep by rep: "
+                + ", ".join(f"{x:.3f}" for x in paired)
+                + f"; median {statistics.median(paired):.3f}, "
+                + f"{sum(x >= 0.9 for x in paired)} of {len(paired)} at 0.9 or more"
+            )
         print()
         print(commands_table(runs, variants))
         print()
