@@ -97,8 +97,9 @@ class RenewalManager:
             self._next_round = min(self._next_round, first)
             self._stop = False
             if self._thread is None:
-                # The thread clears this slot itself, under the mutex, as it exits (see
-                # _run): a stopping thread that is still alive never takes a new lock in.
+                # The thread clears this slot itself, under the mutex, when it decides to
+                # exit (see _loop; _run's finally covers an unexpected error): a stopping
+                # thread that is still alive never takes a new lock in.
                 self._thread = threading.Thread(
                     target=self._run, name="celery-redlock-renewal", daemon=True
                 )
