@@ -11,6 +11,8 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import socket
+import struct
 import threading
 import time
 import weakref
@@ -101,6 +103,46 @@ def test_a_timed_out_call_is_not_answered_by_its_late_reply(
     assert echo(client, "next") == b"next"
 
 
+@pytest.mark.skipif(not _wire._KERNEL_TIMEOUTS, reason="kernel socket timeouts: Linux only")
+def test_the_held_socket_keeps_its_timeout_in_the_kernel_and_it_still_fires(
+    redis_server: RedisServer, fault_proxy: ProxyFactory
+) -> None:
+    """The held socket is blocking (no poll before each send and recv) with socket_timeout
+    as SO_RCVTIMEO/SO_SNDTIMEO, and a reply later than that still raises TimeoutError in
+    about socket_timeout, not later."""
+    proxy = fault_proxy(redis_server)
+    client = proxy.client(socket_timeout=0.25, retry=Retry(NoBackoff(), 0))
+    assert echo(client, "warm") == b"warm"
+    held = _wire._held_for(client)
+    assert held is not None and held.sock is not None
+    assert held.sock.gettimeout() is None  # blocking: Python polls no more
+    for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+        seconds, micros = struct.unpack("ll", held.sock.getsockopt(socket.SOL_SOCKET, option, 16))
+        assert seconds + micros / 1e6 == pytest.approx(0.25, abs=0.005)
+    proxy.delay_replies(1.0)
+    started = time.monotonic()
+    with pytest.raises(RedisTimeoutError, match="Timeout reading from socket"):
+        echo(client, "late")
+    assert 0.2 <= time.monotonic() - started < 0.6
+    proxy.heal()
+    time.sleep(1.1)
+    assert echo(client, "next") == b"next"  # a fresh socket, set up the same way
+    assert held.sock.gettimeout() is None
+
+
+def test_a_client_without_socket_timeout_keeps_a_blocking_socket_and_no_kernel_limit(
+    redis_server: RedisServer,
+) -> None:
+    """No socket_timeout means no limit: nothing is invented for the held socket."""
+    client = redis_server.client(socket_timeout=None)
+    assert echo(client, "x") == b"x"
+    held = _wire._held_for(client)
+    assert held is not None and held.sock is not None
+    assert held.sock.gettimeout() is None
+    assert held.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16) == bytes(16)
+    client.close()
+
+
 def test_the_clients_retry_policy_re_sends_like_redis_py_does(
     redis_server: RedisServer, fault_proxy: ProxyFactory
 ) -> None:
@@ -160,6 +202,10 @@ def test_socket_errors_from_a_send_are_reported_as_redis_py_reports_them() -> No
     timeout = _wire._as_send_error(TimeoutError("timed out"))
     assert type(timeout) is RedisTimeoutError
     assert str(timeout) == "Timeout writing to socket"
+    # SO_SNDTIMEO running out on a held socket (see _kernel_timeouts) is a timeout too.
+    kernel = _wire._as_send_error(BlockingIOError(11, "Resource temporarily unavailable"))
+    assert type(kernel) is RedisTimeoutError
+    assert str(kernel) == "Timeout writing to socket"
     reset = _wire._as_send_error(ConnectionResetError(104, "Connection reset by peer"))
     assert type(reset) is redis.ConnectionError
     assert str(reset) == "Error 104 while writing to socket. Connection reset by peer."

@@ -27,6 +27,9 @@ redis-py's normal ``evalsha``.
 from __future__ import annotations
 
 import os
+import socket
+import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -158,7 +161,7 @@ def _roundtrip(conn: Any, packed: bytes, held: _Held | None = None) -> Any:
 def _as_send_error(error: Exception) -> Exception:
     """A socket error from ``sendall`` as redis-py's send_packed_command reports it (the
     retry policy chooses by these types); anything else as it is."""
-    if isinstance(error, TimeoutError):  # socket.timeout
+    if isinstance(error, (TimeoutError, BlockingIOError)):  # socket.timeout; SO_SNDTIMEO
         return RedisTimeoutError("Timeout writing to socket")
     if isinstance(error, OSError):
         if len(error.args) >= 2:
@@ -188,7 +191,38 @@ def _reader_fits(held: _Held, conn: Any) -> bool:
     if type(parser) not in _PARSERS or buffer is None or buffer.unread_bytes():
         return False
     held.sock = conn._sock
+    _kernel_timeouts(held.sock)
     return True
+
+
+#: Where SO_RCVTIMEO/SO_SNDTIMEO take a ``struct timeval`` of two C longs.
+_KERNEL_TIMEOUTS = sys.platform.startswith("linux") and hasattr(socket, "SO_RCVTIMEO")
+
+
+def _kernel_timeouts(sock: Any) -> None:
+    """Let the kernel enforce a held socket's timeout instead of Python.
+
+    A Python socket with a timeout is non-blocking underneath and calls ``poll`` before
+    every ``send`` and ``recv``: four system calls per round trip instead of two. The
+    same limit set as SO_RCVTIMEO/SO_SNDTIMEO on a blocking socket holds each call to it
+    just the same, and a call that runs out raises ``BlockingIOError``, which our reader
+    and ``_as_send_error`` report as redis-py reports a timeout. Plain TCP and unix
+    sockets only (not TLS); a socket without a positive timeout is left as it is. If
+    redis-py later sets a Python timeout on it again, both limits apply, which is still
+    correct.
+    """
+    timeout = sock.gettimeout()
+    if not _KERNEL_TIMEOUTS or type(sock) is not socket.socket or not timeout or timeout < 0:
+        return
+    seconds = int(timeout)
+    micros = max(round((timeout - seconds) * 1_000_000), 0 if seconds else 1)
+    limit = struct.pack("ll", seconds, micros)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+    except OSError:
+        return  # keep Python's timeout
+    sock.settimeout(None)
 
 
 class _Incomplete(Exception):
@@ -213,7 +247,7 @@ def _read_reply(conn: Any) -> Any:
     while True:
         try:
             chunk = sock.recv(_READ_SIZE)
-        except TimeoutError:  # socket.timeout
+        except (TimeoutError, BlockingIOError):  # socket.timeout; SO_RCVTIMEO (see above)
             raise RedisTimeoutError("Timeout reading from socket") from None
         except OSError as exc:
             raise RedisConnectionError(f"Error while reading from socket: {exc.args}") from None
