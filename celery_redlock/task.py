@@ -29,7 +29,6 @@ import ctypes
 import functools
 import inspect
 import logging
-import os
 import random
 import signal
 import threading
@@ -39,6 +38,7 @@ from typing import Any, ClassVar
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 
+from .core import _pid
 from .core.base import BaseLock
 from .core.errors import ConfigError, LockContended, LockLost, QuorumUnavailable, describe_holder
 from .core.keys import KeyTemplate, render_value
@@ -369,7 +369,7 @@ class _Plan:
     __slots__ = ("max_hold", "on_contended", "pid", "proto", "ttl", "wait_timeout")
 
     def __init__(self, task: Any, state: AppState) -> None:
-        self.pid = os.getpid()  # a forked child makes its own (clients are per process)
+        self.pid = _pid.current  # a forked child makes its own (clients are per process)
         self.on_contended: str = option(task, "lock_on_contended", state)
         self.wait_timeout: float | None = option(task, "lock_wait_timeout", state)
         self.ttl: float = option(task, "lock_ttl", state)
@@ -388,7 +388,7 @@ class _Plan:
 
 def _plan_for(task: Any, state: AppState) -> _Plan:
     plan: _Plan | None = state.plans.get(type(task))
-    if plan is None or plan.pid != os.getpid():
+    if plan is None or plan.pid != _pid.current:
         plan = state.plans[type(task)] = _Plan(task, state)
     return plan
 

@@ -38,7 +38,7 @@ from celery_redlock import (
     QuorumUnavailable,
     RedlockError,
 )
-from celery_redlock.core import base
+from celery_redlock.core import _pid, base
 from celery_redlock.core.errors import describe_holder
 from celery_redlock.core.renewal import get_manager
 from celery_redlock.core.scripts import ACQUIRE, EXTEND, RELEASE
@@ -234,6 +234,26 @@ def test_forked_child_cannot_release_or_extend_the_parents_lock(
     assert lock.owned()
     lock.release()
     assert not redis_client.exists(lock.keys.lock)
+
+
+def test_the_process_id_the_locks_compare_follows_every_fork() -> None:
+    """The lock paths read this process's id from core._pid (os.getpid() is a system
+    call): a child of os.fork() sees its own id there, and so does its own child."""
+    assert _pid.current == os.getpid()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 99
+        try:
+            code = 0 if _pid.current == os.getpid() else 20
+            if code == 0:
+                grandchild = os.fork()
+                if grandchild == 0:
+                    os._exit(0 if _pid.current == os.getpid() else 21)
+                code = wait_child(grandchild)
+        finally:
+            os._exit(code)
+    assert wait_child(pid) == 0
+    assert _pid.current == os.getpid()
 
 
 def test_expired_holder_cannot_release_or_extend_the_new_holders_lock(

@@ -26,7 +26,6 @@ redis-py's normal ``evalsha``.
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 import sys
@@ -40,6 +39,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse, NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
+
+from . import _pid
 
 try:  # redis-py's pure-Python RESP parsers: the replies our own reader may take over
     from redis._parsers import _RESP2Parser, _RESP3Parser
@@ -58,7 +59,7 @@ class _Held:
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
-        self.pid = os.getpid()
+        self.pid = _pid.current
         self.busy = threading.Lock()
         self.conn: Any = None  # taken from the pool on first use, then kept
         self.sock: Any = None  # the socket of conn our own reader was checked to fit
@@ -80,13 +81,13 @@ def _held_for(client: Any) -> _Held | None:
         return None  # a subclass may wrap execute_command; single-connection clients share one
     pool = client.connection_pool
     held: _Held | None = getattr(pool, _ATTR, None)
-    if held is not None and held.pid == os.getpid():
+    if held is not None and held.pid == _pid.current:
         return held
     if getattr(pool, "cache", None) is not None or getattr(pool, "max_connections", 2) < 2:
         return None  # a client-side cache; a one-connection pool the held one would starve
     with _held_lock:
         held = getattr(pool, _ATTR, None)
-        if held is None or held.pid != os.getpid():
+        if held is None or held.pid != _pid.current:
             held = _Held(pool)  # a forked child never touches its parent's connection
             try:
                 setattr(pool, _ATTR, held)

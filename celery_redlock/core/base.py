@@ -26,7 +26,7 @@ from json.encoder import encode_basestring_ascii as _json_str
 from types import TracebackType
 from typing import Any, TypeVar
 
-from . import events
+from . import _pid, events
 from .errors import ConfigError, LockContended, LockLost, NotOwned, RedlockError
 from .keys import LockKeys, lock_keys
 from .renewal import get_manager
@@ -61,7 +61,7 @@ def ttl_to_ms(ttl: float, what: str = "ttl") -> int:
 def _record_head() -> str:
     """``{"hostname":...,"pid":...,"acquired_at":`` for this process (rebuilt after fork)."""
     global _head
-    pid = os.getpid()
+    pid = _pid.current
     if _head[0] != pid:
         _head = (pid, f'{{"hostname":{json.dumps(_HOSTNAME)},"pid":{pid},"acquired_at":')
     return _head[1]
@@ -241,7 +241,7 @@ class BaseLock:
 
     # -- state ------------------------------------------------------------------------
     def _held_here(self) -> bool:
-        return self._token is not None and self._pid == os.getpid()
+        return self._token is not None and self._pid == _pid.current
 
     @property
     def fence(self) -> int | None:
@@ -298,7 +298,7 @@ class BaseLock:
         blocking = self.blocking if blocking is None else blocking
         timeout = self.timeout if timeout is None else timeout
         with self._state:
-            if self._token is not None and self._pid == os.getpid() and not self._lost:
+            if self._token is not None and self._pid == _pid.current and not self._lost:
                 if self.reentrant:  # held here (_held_here(), inlined: this runs per acquire)
                     self._count += 1
                     return True
@@ -347,7 +347,7 @@ class BaseLock:
     def _take(self, token: str, attempt: Attempt, valid_until: float) -> None:
         with self._state:
             self._token = token
-            self._pid = os.getpid()
+            self._pid = _pid.current
             self._fence = attempt.fence
             self._valid_until = valid_until
             self._acquired_at = attempt.started
@@ -374,7 +374,7 @@ class BaseLock:
         first copy already deleted it) counts as released.
         """
         with self._state:
-            if self._token is None or self._pid != os.getpid():  # not _held_here(), inlined
+            if self._token is None or self._pid != _pid.current:  # not _held_here(), inlined
                 raise NotOwned(self.name, self._not_held_reason())
             if self._count > 1:
                 self._count -= 1
@@ -549,7 +549,7 @@ class BaseLock:
                 log_renew.exception("on_lost callback for %r failed", self.name)
 
     def _not_held_reason(self) -> str:
-        if self._token is not None and self._pid != os.getpid():
+        if self._token is not None and self._pid != _pid.current:
             return f"acquired in process {self._pid}; a forked child holds none of its locks"
         return "not acquired by this lock object"
 

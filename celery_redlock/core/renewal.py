@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any, Protocol
 
-from . import _pool
+from . import _pid, _pool
 from .scripts import EXTEND_MANY
 
 __all__ = ["Renewable", "RenewalManager", "get_manager", "shutdown"]
@@ -85,7 +85,7 @@ class RenewalManager:
         self._wake_at = 0.0  # when the waiting thread wakes by itself; 0.0 while it runs
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._pid = os.getpid()
+        self._pid = _pid.current
         self.rounds = 0
 
     # -- registration -------------------------------------------------------------
@@ -279,10 +279,10 @@ _manager_lock = threading.Lock()
 def get_manager() -> RenewalManager:
     """The renewal manager of this process (a new one after fork)."""
     global _manager
-    if _manager is not None and _manager._pid == os.getpid():
+    if _manager is not None and _manager._pid == _pid.current:
         return _manager
     with _manager_lock:
-        if _manager is None or _manager._pid != os.getpid():
+        if _manager is None or _manager._pid != _pid.current:
             _manager = RenewalManager()
         return _manager
 
