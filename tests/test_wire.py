@@ -411,6 +411,33 @@ def test_clients_that_do_not_fit_use_redis_pys_own_evalsha(shared_redis: RedisSe
     tiny.close()
 
 
+def test_ascii_arguments_are_packed_as_the_general_packer_packs_them() -> None:
+    """_bulk_ascii gives _bulk's bytes for ASCII str and int, and None for anything else;
+    only encodings that write ASCII text as ASCII bytes use it."""
+    samples: list[tuple[Any, ...]] = [
+        ("redlock:{k:1}", "redlock:{k:1}:fence", "a" * 40, 30000, '{"pid":1,"x":"y"}', "0", 0),
+        ("", -42, 10**30, "\x00\x7f"),
+        (),
+    ]
+    for values in samples:
+        assert _wire._bulk_ascii(values) == _wire._bulk(values, "utf-8", "strict")
+    for odd in ["h\u00e9llo", b"raw", 1.5, True, None]:
+        assert _wire._bulk_ascii(("k", odd)) is None
+    assert _wire._ascii_superset("utf-8") and _wire._ascii_superset("latin-1")
+    assert not _wire._ascii_superset("utf-16") and not _wire._ascii_superset("no-such")
+
+
+def test_a_client_whose_encoding_is_not_ascii_compatible_sends_what_redis_py_would(
+    shared_redis: RedisServer,
+) -> None:
+    """encoding='utf-16' never takes the ASCII path: the script gets the UTF-16 bytes."""
+    client = redis.Redis(host="127.0.0.1", port=shared_redis.port, encoding="utf-16")
+    held = _wire._held_for(client)
+    assert held is not None and not held.ascii
+    assert ECHO(client, ["echo:{k}"], ["abc"]) == "abc".encode("utf-16")
+    client.close()
+
+
 def test_arguments_of_every_supported_type_are_sent_as_redis_py_would(
     redis_client: redis.Redis,
 ) -> None:

@@ -26,6 +26,7 @@ redis-py's normal ``evalsha``.
 
 from __future__ import annotations
 
+import codecs
 import socket
 import struct
 import sys
@@ -55,7 +56,7 @@ __all__ = ["evalsha", "resp"]
 class _Held:
     """One process's held connection to one pool, and who may use it now."""
 
-    __slots__ = ("busy", "conn", "encoding", "errors", "pid", "pool", "sock")
+    __slots__ = ("ascii", "busy", "conn", "encoding", "errors", "pid", "pool", "sock")
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
@@ -66,6 +67,8 @@ class _Held:
         kwargs = getattr(pool, "connection_kwargs", {})
         self.encoding: str = kwargs.get("encoding", "utf-8")
         self.errors: str = kwargs.get("encoding_errors", "strict")
+        #: ASCII text encodes to the same bytes in this encoding (see _bulk_ascii).
+        self.ascii = _ascii_superset(self.encoding)
 
 
 #: Attribute on a connection pool holding this process's _Held for it. On the pool itself
@@ -123,6 +126,41 @@ def _bulk(args: Sequence[Any], encoding: str, errors: str) -> bytes:
             raise TypeError(f"cannot send {type(value).__name__} {value!r} to Redis")
         out.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return b"".join(out)
+
+
+def _ascii_superset(encoding: str) -> bool:
+    """True if *encoding* writes ASCII text as ASCII bytes (UTF-8, Latin-1, ...)."""
+    try:
+        name = codecs.lookup(encoding).name
+    except LookupError:
+        return False  # redis-py's encoder will say what is wrong with it
+    return name in _ASCII_SUPERSETS
+
+
+_ASCII_SUPERSETS = frozenset(("utf-8", "ascii", "iso8859-1", "cp1252"))
+
+
+def _bulk_ascii(args: Sequence[Any]) -> bytes | None:
+    """What :func:`_bulk` gives for *args* of ASCII ``str`` and ``int`` only, in an
+    encoding where ASCII text is ASCII bytes; None for anything else.
+
+    Lock names, tokens, holder records and TTLs are nearly always just that: the bulk
+    strings are built as one text and encoded once, instead of one encode and one
+    bytes format per argument.
+    """
+    parts = []
+    for value in args:
+        kind = type(value)
+        if kind is str:
+            if not value.isascii():
+                return None
+            text = value
+        elif kind is int:
+            text = str(value)
+        else:
+            return None
+        parts.append(f"${len(text)}\r\n{text}\r\n")
+    return "".join(parts).encode("ascii")
 
 
 #: (sha, number of keys, number of arguments) -> the packed ``EVALSHA sha numkeys`` head
@@ -420,10 +458,12 @@ def evalsha(client: Any, sha: str, source: str, keys: Sequence[str], args: Seque
     held = _held_for(client)
     packed = None
     if held is not None:
+        values = (*keys, *args)
+        body = _bulk_ascii(values) if held.ascii else None
         try:
-            packed = _evalsha_head(sha, len(keys), len(args)) + _bulk(
-                (*keys, *args), held.encoding, held.errors
-            )
+            if body is None:
+                body = _bulk(values, held.encoding, held.errors)
+            packed = _evalsha_head(sha, len(keys), len(args)) + body
         except TypeError:
             packed = None  # a type only redis-py's encoder knows (or refuses, clearly)
     if held is None or packed is None:
