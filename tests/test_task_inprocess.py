@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery, signals
+from celery import Celery, Task, signals
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
 from servers import RedisServer
@@ -50,6 +50,7 @@ from celery_redlock.task import _Watch, needs_postrun_net
 LOGGER = "celery_redlock"
 # the module, not the install() function that celery_redlock re-exports under that name
 install_module = importlib.import_module("celery_redlock.install")
+task_module = importlib.import_module("celery_redlock.task")
 _app_numbers = itertools.count(1)
 
 
@@ -783,6 +784,60 @@ def test_direct_call_and_apply_lock_and_release(env: Env) -> None:
     result = direct.apply((4,), {"fail": True})
     assert result.state == "FAILURE"
     assert "direct:4" in str(result.result)
+    assert env.held_keys() == []
+
+
+def test_the_body_gets_its_request_from_before_start_and_nothing_is_left_behind(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """before_start hands the run's request to the body (one Celery request lookup fewer)
+    only for classes without their own before_start or __call__; the body clears it, so a
+    task nested in a body, eager or called directly, gets its own request and lock."""
+    app = env.app()
+    lookups = [0]
+    celery_request = Task.request
+
+    def counted(task: Any) -> Any:
+        lookups[0] += 1
+        return celery_request.fget(task)
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_key="inner:<n>")
+    def inner(self: Any, n: int) -> list[Any]:
+        return [self.request.id, task_module._handoff.request, env.held_keys()]
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_key="outer:<n>")
+    def outer(self: Any, n: int) -> list[Any]:
+        assert task_module._handoff.request is None  # taken by the body wrapper already
+        nested_eager = inner.apply((n,), task_id=f"eager-{n}").get()
+        nested_direct = inner(n + 100)
+        return [self.request.id, nested_eager, nested_direct, env.held_keys()]
+
+    class OwnBeforeStart(LockedTask):
+        def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+            super().before_start(task_id, args, kwargs)
+            env.push("handoff", [task_module._handoff.request is None])
+
+    @app.task(base=OwnBeforeStart, bind=True, shared=False, lock_key="own:<n>")
+    def own(self: Any, n: int) -> str:
+        return str(self.request.id)
+
+    got = outer.apply((1,), task_id="outer-1").get()
+    assert got[0] == "outer-1"
+    assert got[1] == ["eager-1", None, ["redlock:{inner:1}", "redlock:{outer:1}"]]
+    assert got[2][0] != "outer-1"  # the direct call's own request, not the outer one's
+    assert got[2][2] == ["redlock:{inner:101}", "redlock:{outer:1}"]
+    assert got[3] == ["redlock:{outer:1}"]
+    assert task_module._handoff.request is None
+    assert env.held_keys() == []
+
+    monkeypatch.setattr(Task, "request", property(counted))
+    lookups[0] = 0
+    assert inner.apply((2,), task_id="plain-2").get()[0] == "plain-2"
+    plain_lookups = lookups[0]
+    lookups[0] = 0
+    assert own.apply((2,), task_id="own-2").get() == "own-2"
+    assert env.items("handoff") == [[True]]  # not handed over past a class's own before_start
+    assert lookups[0] == plain_lookups + 1  # ... so its body asked Celery
     assert env.held_keys() == []
 
 
