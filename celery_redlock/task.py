@@ -681,6 +681,13 @@ def _install_signal_handler() -> bool:
     return True
 
 
+#: lost() (renewal thread) and stop() (body thread) decide under this guard, so an
+#: interrupt is either sent while the body runs or never; stop() withdraws one that was
+#: sent but not yet delivered. One for all watches: both sides hold it only for a few
+#: attribute reads and writes, and a lost lock is rare.
+_watch_guard = threading.Lock()
+
+
 class _Watch:
     """Links a held lock to the thread running the body, to interrupt it on loss.
 
@@ -690,16 +697,15 @@ class _Watch:
     they trigger), where reference counting frees them at once.
     """
 
+    __slots__ = ("_sent", "running", "task", "thread", "use_signal")
+
     def __init__(self, task: Any) -> None:
         self.task = task
-        self.thread = threading.get_ident()
-        self.main = self.thread == threading.main_thread().ident
+        self.thread = thread = threading.get_ident()
         self.running = True
-        self.use_signal = self.main and (_handler_installed or _install_signal_handler())
-        # lost() (renewal thread) and stop() (body thread) decide under this guard, so an
-        # interrupt is either sent while the body runs or never; stop() withdraws one that
-        # was sent but not yet delivered.
-        self._guard = threading.Lock()
+        self.use_signal = thread == threading.main_thread().ident and (
+            _handler_installed or _install_signal_handler()
+        )
         self._sent = False
 
     @classmethod
@@ -711,12 +717,14 @@ class _Watch:
         return watch
 
     def stop(self) -> None:
-        with self._guard:
+        with _watch_guard:
             self.running = False
-            _pending_interrupts.discard(self.thread)
-            if self._sent and not self.use_signal:
-                # Withdraw an interrupt not yet delivered (NULL clears the pending one).
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread), None)
+            if self._sent:
+                if self.use_signal:
+                    _pending_interrupts.discard(self.thread)
+                else:
+                    # Withdraw an interrupt not yet delivered (NULL clears the pending one).
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread), None)
 
     def lost(self, lock: BaseLock) -> None:
         policy = option(self.task, "lock_on_lost")
@@ -727,7 +735,7 @@ class _Watch:
             lock._lost_reason,
             policy,
         )
-        with self._guard:
+        with _watch_guard:
             if policy != "raise" or not self.running:
                 return
             self._sent = True
