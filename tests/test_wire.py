@@ -130,6 +130,23 @@ def test_the_held_socket_keeps_its_timeout_in_the_kernel_and_it_still_fires(
     assert held.sock.gettimeout() is None
 
 
+@pytest.mark.skipif(not _wire._KERNEL_TIMEOUTS, reason="kernel socket timeouts: Linux only")
+@pytest.mark.parametrize("timeout", [0.25, 2.0, 1.9999999, 1e-9])
+def test_a_timeout_becomes_a_valid_kernel_time_value(timeout: float) -> None:
+    """The kernel takes the value (microseconds below one second) and keeps the limit, a
+    tiny timeout included (0 would mean no limit at all). It rounds up to its clock
+    tick, so what it reports back may be a few milliseconds longer."""
+    ours, other = socket.socketpair()
+    with ours, other:
+        ours.settimeout(timeout)
+        _wire._kernel_timeouts(ours)
+        assert ours.gettimeout() is None  # the kernel has the limit now, not Python
+        for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            seconds, micros = struct.unpack("ll", ours.getsockopt(socket.SOL_SOCKET, option, 16))
+            assert 0 <= micros < 1_000_000
+            assert max(timeout, 1e-6) - 1e-6 <= seconds + micros / 1e6 <= timeout + 0.011
+
+
 def test_a_client_without_socket_timeout_keeps_a_blocking_socket_and_no_kernel_limit(
     redis_server: RedisServer,
 ) -> None:

@@ -253,8 +253,7 @@ def _kernel_timeouts(sock: Any) -> None:
     timeout = sock.gettimeout()
     if not _KERNEL_TIMEOUTS or type(sock) is not socket.socket or not timeout or timeout < 0:
         return
-    seconds = int(timeout)
-    micros = max(round((timeout - seconds) * 1_000_000), 0 if seconds else 1)
+    seconds, micros = divmod(max(round(timeout * 1_000_000), 1), 1_000_000)
     limit = struct.pack("ll", seconds, micros)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
