@@ -22,8 +22,9 @@ both children busy), then the clock starts at the first of ``--tasks`` publishes
 (as fast as one client publishes them, ``apply_async`` on the task object, so
 celery-once and celery-singleton take their publish-side lock there) and stops
 when the counter that every task INCRs reaches ``--tasks``. Variants are
-interleaved (plain, locked, once, singleton, floor, core, rt2, plain, ...)
-``--reps`` times. Three are references, not libraries: ``floor`` is a plain task
+interleaved ``--reps`` times, each rep starting one variant later than the one
+before (plain, locked, ..., rt2, then locked, once, ..., rt2, plain, ...), so no
+variant always runs first; ``--order fixed`` keeps one order. Three are references, not libraries: ``floor`` is a plain task
 that calls LockedTask's two Lua scripts directly (the same Redis round trips
 without any celery-redlock Python), ``core`` takes and releases a core ``Lock``
 around its body (LockedTask without the Celery adapter), and ``rt2`` makes two
@@ -567,6 +568,13 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument(
+        "--order",
+        choices=("rotate", "fixed"),
+        default="rotate",
+        help="rotate: each rep starts one variant later; fixed: every rep in --variants order "
+        "(as before the fourth round)",
+    )
+    parser.add_argument(
         "--max-outside",
         type=float,
         default=15.0,
@@ -631,7 +639,10 @@ def main() -> int:
         runs: list[Run] = []
         index = 0
         for rep in range(args.reps):
-            for v in variants:
+            # --order rotate: rep r starts with the r-th variant, so no variant always runs
+            # first (right after the previous rep's last one) or last.
+            shift = rep % len(variants) if args.order == "rotate" else 0
+            for v in variants[shift:] + variants[:shift]:
                 for attempt in range(args.retries + 1):
                     within_budget = time.monotonic() - began < args.budget
                     if within_budget:
