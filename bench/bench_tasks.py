@@ -24,12 +24,12 @@ celery-once and celery-singleton take their publish-side lock there) and stops
 when the counter that every task INCRs reaches ``--tasks``. Variants are
 interleaved ``--reps`` times, each rep starting one variant later than the one
 before (plain, locked, ..., rt2, then locked, once, ..., rt2, plain, ...), so no
-variant always runs first; ``--order fixed`` keeps one order. Three are references, not libraries: ``floor`` is a plain task
-that calls LockedTask's two Lua scripts directly (the same Redis round trips
-without any celery-redlock Python), ``core`` takes and releases a core ``Lock``
-around its body (LockedTask without the Celery adapter), and ``rt2`` makes two
-bare round trips (a PING on a raw socket) around its body: no lock held while a
-task runs can cost less.
+variant always runs first; ``--order fixed`` keeps one order. Three are
+references, not libraries: ``floor`` is a plain task that calls LockedTask's two
+Lua scripts directly (the same Redis round trips without any celery-redlock
+Python), ``core`` takes and releases a core ``Lock`` around its body (LockedTask
+without the Celery adapter), and ``rt2`` makes two bare round trips (a PING on a
+raw socket) around its body: no lock held while a task runs can cost less.
 
 After each run it checks that the queue is empty, that every lock of the run was
 released and that exactly ``--tasks`` bodies ran, and it records the Redis
