@@ -321,6 +321,22 @@ class EventCapture:
             with contextlib.suppress(TimeoutError, OSError):
                 self.receiver.capture(limit=None, timeout=timeout, wakeup=True)
 
+    def wait_live(self, client: Celery, tries: int = 20) -> None:
+        """Return once an event has arrived: the receiver is subscribed.
+
+        The receiver subscribes to the event fanout only once its thread drains, and a
+        worker started `--without-heartbeat` sends events only when asked, so a single
+        wakeup answered before the subscription is lost. Ask again every half second.
+        """
+        for _ in range(tries):
+            client.control.heartbeat()
+            deadline = time.monotonic() + 0.5
+            while time.monotonic() < deadline:
+                if self.events:
+                    return
+                time.sleep(0.02)
+        raise AssertionError(f"no Celery event reached the receiver after {tries} heartbeats")
+
     def of(self, kind: str, task_id: str) -> list[dict[str, Any]]:
         return [e for e in list(self.events) if e["type"] == kind and e.get("uuid") == task_id]
 
@@ -349,8 +365,7 @@ def test_worker_with_E_sends_task_lock_events(redis_server: RedisServer, tmp_pat
     try:
         worker.wait_ready()
         capture = EventCapture(client)
-        # the receiver is live once the worker answers its wakeup with a heartbeat event
-        _wait_for(lambda: capture is not None and capture.events, 10)
+        capture.wait_live(client)
         name = f"ev-{uuid.uuid4().hex[:6]}"
         first = client.send_task(f"{APP}.held", args=(name, 1.0))
         _wait_for(lambda: redis_server.client(db=3).llen("events"), 20)
