@@ -478,6 +478,11 @@ def test_arguments_of_every_supported_type_are_sent_as_redis_py_would(
 #: and (with redis.setresp(3), to a RESP3 client) maps, sets, doubles and booleans.
 REPLY_SHAPES = {
     "integer": "return 7",
+    "negative integer": "return -1",
+    "two integers": "return {1, 7}",
+    "two integers, one negative": "return {0, -5}",
+    "three integers": "return {1, 2, 3}",
+    "integer and text": "return {1, 'x'}",
     "nested": "return {1, 'two', {3, 'four', {}}}",
     "nil": "return false",
     "empty": "return {}",
@@ -580,3 +585,26 @@ def test_replies_split_at_every_byte_are_parsed_when_complete() -> None:
             with pytest.raises(_wire._Incomplete):
                 _wire._parse(raw[:cut], 0, parser, None)
         assert _wire._parse(raw, 0, parser, None) == (expected, len(raw))
+
+
+def test_the_integer_fast_path_reads_only_whole_integer_replies() -> None:
+    """_integers takes exactly a whole ``:n`` or ``*2 :a :b`` reply and gives what _parse gives;
+    a cut reply, two replies in one read, or any other shape is left to _parse (None)."""
+    parser = redis.Redis().connection_pool.make_connection()._parser
+    taken = [b":1\r\n", b":-1\r\n", b":0\r\n", b"*2\r\n:1\r\n:12345\r\n", b"*2\r\n:0\r\n:-7\r\n"]
+    for raw in taken:
+        assert _wire._integers(raw) == _wire._parse(raw, 0, parser, None)[0], raw
+        for cut in range(1, len(raw)):
+            assert _wire._integers(raw[:cut]) is None, (raw, cut)
+    left = [
+        b":1\r\n:2\r\n",  # two replies in one read: the reader must see the extra one
+        b"*2\r\n:1\r\n:2\r\n:3\r\n",
+        b"*3\r\n:1\r\n:2\r\n:3\r\n",
+        b"*2\r\n:1\r\n$1\r\nx\r\n",
+        b"*2\r\n$1\r\nx\r\n:1\r\n",
+        b"$1\r\n1\r\n",
+        b"-ERR no\r\n",
+        b">2\r\n:1\r\n:2\r\n",
+    ]
+    for raw in left:
+        assert _wire._integers(raw) is None, raw

@@ -292,6 +292,10 @@ def _read_reply(conn: Any) -> Any:
         if not chunk:
             raise RedisConnectionError("Connection closed by server.")
         data += chunk
+        value = _integers(data)  # a lock script's usual reply, whole: no parser needed
+        if value is not None:
+            end = len(data)
+            break
         try:
             value, end = _parse(data, 0, parser, decode)
             while type(value) is _Push:  # out of band: hand it on, the reply follows
@@ -312,6 +316,24 @@ def _read_reply(conn: Any) -> Any:
     if isinstance(value, Exception):
         raise value
     return value
+
+
+def _integers(data: bytes) -> Any:
+    """The reply in *data* if it is exactly one integer (``:1``) or an array of two integers
+    (``*2 :1 :7``, an acquire's answer); None for anything else, which _parse then reads.
+
+    Gives what _parse gives for these, with a few C calls instead of three Python calls.
+    """
+    if data[:1] == b":":
+        end = len(data) - 2
+        if end > 1 and data.find(b"\r\n") == end:
+            return int(data[1:end])
+        return None
+    if data[:5] == b"*2\r\n:":
+        parts = data.split(b"\r\n")
+        if len(parts) == 4 and not parts[3] and parts[2][:1] == b":":
+            return [int(parts[1][1:]), int(parts[2][1:])]
+    return None
 
 
 def _parse(  # noqa: PLR0911 - one return per RESP type

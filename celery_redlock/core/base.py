@@ -297,15 +297,19 @@ class BaseLock:
         """
         blocking = self.blocking if blocking is None else blocking
         timeout = self.timeout if timeout is None else timeout
-        with self._state:
-            if self._token is not None and self._pid == _pid.current and not self._lost:
-                if self.reentrant:  # held here (_held_here(), inlined: this runs per acquire)
-                    self._count += 1
-                    return True
-                raise RedlockError(
-                    f"lock {self.name!r} is already held by this Lock object; "
-                    "pass reentrant=True to take it again"
-                )
+        # A lock not held (every lock the Celery adapter builds) skips the guard: it only
+        # makes this check atomic, and an acquire racing in another thread on the same
+        # object is decided by Redis either way (one token wins the key).
+        if self._token is not None:
+            with self._state:
+                if self._token is not None and self._pid == _pid.current and not self._lost:
+                    if self.reentrant:  # held here (_held_here(), inlined: runs per acquire)
+                        self._count += 1
+                        return True
+                    raise RedlockError(
+                        f"lock {self.name!r} is already held by this Lock object; "
+                        "pass reentrant=True to take it again"
+                    )
         begin = time.monotonic()
         deadline = None if timeout is None else begin + timeout
         info = self._holder_record()
@@ -358,12 +362,6 @@ class BaseLock:
         if self.auto_renew:
             get_manager().register(self)
 
-    def _clear(self) -> None:
-        with self._state:
-            self._token = None
-            self._count = 0
-            self._valid_until = 0.0
-
     def release(self) -> None:
         """Give the lock back (owner-checked) and wake one waiter.
 
@@ -385,14 +383,14 @@ class BaseLock:
             reported = self._lost  # _mark_lost already emitted "lost" for this acquisition
             held = time.monotonic() - self._acquired_at
             fence = self._fence
-            # From here on the acquisition is being given back: a renewal round already in
-            # flight must not answer "key gone" after our own RELEASE and mark it lost.
+            # From here on the acquisition is being given back, whatever the script answers:
+            # a renewal round already in flight must not answer "key gone" after our own
+            # RELEASE and mark it lost, nor move the deadline of a lease given back.
             self._token = None
+            self._count = 0
+            self._valid_until = 0.0
         get_manager().unregister(self)
-        try:
-            code = self._do_release(token)
-        finally:
-            self._clear()
+        code = self._do_release(token)
         if code == 1 or (code == 0 and was_valid):
             if code == 0:
                 log_release.info("lock %r was already gone at release (removed)", self.name)

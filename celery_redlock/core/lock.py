@@ -79,12 +79,16 @@ class Lock(BaseLock):
     def _do_acquire(self, token: str, info: str, wait: bool) -> Attempt:
         started = time.monotonic()
         keys = self.keys
+        if wait or self.fence_ttl_ms:
+            script_keys = [keys.lock, keys.fence, keys.waiting]
+            args: list[Any] = [token, self.ttl_ms, info, "1" if wait else "0", self.fence_ttl_ms]
+        else:
+            # No waiter mark to set and no counter lifetime: the script's optional key and
+            # arguments are left out (three fewer values to pack, send and hand to Lua).
+            script_keys = [keys.lock, keys.fence]
+            args = [token, self.ttl_ms, info]
         try:
-            reply = ACQUIRE(
-                self.client,
-                [keys.lock, keys.fence, keys.waiting],
-                [token, self.ttl_ms, info, "1" if wait else "0", self.fence_ttl_ms],
-            )
+            reply = ACQUIRE(self.client, script_keys, args)
         except ResponseError as exc:
             raise ConfigError(
                 f"lock {self.name!r}: Redis refused the acquire script ({exc}); is "

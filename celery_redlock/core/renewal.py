@@ -43,6 +43,7 @@ log = logging.getLogger("celery_redlock.renew")
 MIN_INTERVAL = 0.02
 #: How long an idle thread sleeps before looking again (it is also woken on register).
 IDLE_WAIT = 5.0
+_NEVER = float("inf")
 
 
 class Renewable(Protocol):
@@ -81,7 +82,7 @@ class RenewalManager:
         self._cond = threading.Condition(self._mutex)
         self._locks: dict[int, Renewable] = {}
         self._inflight: dict[int, cf.Future[list[int]]] = {}
-        self._next_round = float("inf")
+        self._next_round = _NEVER
         self._wake_at = 0.0  # when the waiting thread wakes by itself; 0.0 while it runs
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -93,7 +94,8 @@ class RenewalManager:
         """Start keeping *lock* alive; its first renewal comes within ttl/3."""
         with self._mutex:
             self._locks[id(lock)] = lock
-            first = time.monotonic() + max(MIN_INTERVAL, lock.ttl / 3)  # _interval(), inlined
+            interval = lock.ttl / 3  # _interval(), inlined
+            first = time.monotonic() + (interval if interval > MIN_INTERVAL else MIN_INTERVAL)
             self._next_round = min(self._next_round, first)
             self._stop = False
             if self._thread is None:
@@ -115,7 +117,7 @@ class RenewalManager:
         with self._mutex:
             self._locks.pop(id(lock), None)
             if not self._locks:
-                self._next_round = float("inf")
+                self._next_round = _NEVER
 
     def held(self) -> list[Renewable]:
         """The locks this process currently keeps alive."""

@@ -7,6 +7,7 @@
 -- ARGV[2]  lease in milliseconds (integer)
 -- ARGV[3]  holder record (JSON text), shown by `celery locks`
 -- ARGV[4]  '1' when the caller will block for a release notice if the lock is held
+--          (optional; absent: it will not)
 -- ARGV[5]  idle lifetime of the fence counter in ms (optional; 0 or absent: never
 --          expires). A counter that is gone (expired, or never made) restarts from
 --          the server's clock in microseconds, above any value it could have reached
