@@ -364,6 +364,16 @@ def test_beat_job_longer_than_its_period_never_overlaps_and_logs_each_skip(
         )
         wait_until(lambda: "Sending due task" in beat_log.read_text(), 30, "beat to publish")
         time.sleep(8)
+        # Stop beat just after a send, not during one: beat logs "Sending due task" before
+        # it publishes, and a SIGTERM in between loses that message (Celery's beat, not
+        # ours), which the count of logged sends below would miss.
+        ticks = beat_log.read_text().count("Sending due task slow-job")
+        wait_until(
+            lambda: beat_log.read_text().count("Sending due task slow-job") > ticks,
+            3,
+            "the next beat tick",
+        )
+        time.sleep(0.3)  # that tick's message is out; the next tick is 0.7 s away
         stop_group(procs[1])  # beat: no more deliveries
         sent = beat_log.read_text().count("Sending due task slow-job")
         records = redis_server.client(db=3)
