@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest demo bench clean venv tests bench docs examples
+.PHONY: test lint typecheck pytest demo bench clean venv tests bench docs examples bench-instructions
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,9 @@ bench: $(STAMP)
 	$(PY) bench/bench_lock.py
 	$(PY) bench/bench_redlock.py
 	$(PY) bench/bench_tasks.py
+
+bench-instructions: $(STAMP)
+	$(PY) bench/bench_instructions.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

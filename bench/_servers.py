@@ -60,15 +60,16 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start(binary: str | None = None) -> Server:
-    """Start redis-server on a free loopback port; wait (bounded) until it answers PING."""
+def start(binary: str | None = None, wrapper: tuple[str, ...] = (), startup: float = 5.0) -> Server:
+    """Start redis-server on a free loopback port; wait (at most *startup* seconds) until it
+    answers PING. *wrapper*: a command the server runs under (``valgrind ...``)."""
     binary = binary or find_binary()
     for _ in range(5):
         port = _free_port()
         tmp = tempfile.mkdtemp(prefix=f"bench-lock-{port}-")
         proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no",
-             "--dir", tmp, "--daemonize", "no", "--logfile", ""],
+            [*wrapper, binary, "--port", str(port), "--bind", HOST, "--save", "",
+             "--appendonly", "no", "--dir", tmp, "--daemonize", "no", "--logfile", ""],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -76,7 +77,7 @@ def start(binary: str | None = None) -> Server:
         server = Server(binary, port, proc, tmp)
         probe = redis.Redis(host=HOST, port=port, socket_timeout=0.5)
         try:
-            for _ in range(250):  # at most ~5 s
+            for _ in range(round(startup / 0.02)):  # at most ~startup seconds
                 if proc.poll() is not None:
                     break  # port taken meanwhile: try another
                 with contextlib.suppress(redis.RedisError):
