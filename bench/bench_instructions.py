@@ -103,8 +103,16 @@ def _stub_scripts() -> None:
     taskapp = sys.modules["bench.taskapp"]
 
     class _Counter:
+        """Counts like the real ``done`` counter, so only the first body stamps ``first``."""
+
+        n = 0
+
         def incr(self, _key: str) -> int:
-            return 1
+            self.n += 1
+            return self.n
+
+        def set(self, _key: str, _value: str) -> None:
+            pass
 
     taskapp._counter = _Counter()  # the body's INCR answers at once as well
     taskapp._counter_pid = os.getpid()

@@ -21,6 +21,7 @@ result backend is configured, so only broker, lock and pool overhead is measured
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import redis
@@ -52,12 +53,17 @@ _counter_pid = 0
 
 
 def bump() -> None:
-    """INCR the shared ``done`` counter (one client per process, made after fork)."""
+    """INCR the shared ``done`` counter (one client per process, made after fork).
+
+    The body that brings it to 1 also stamps ``first`` with the wall time: with
+    ``--publish before`` the clock runs from that stamp to the last body.
+    """
     global _counter, _counter_pid
     if _counter is None or _counter_pid != os.getpid():
         _counter = redis.Redis.from_url(os.environ["BENCH_COUNTER"])
         _counter_pid = os.getpid()
-    _counter.incr("done")
+    if _counter.incr("done") == 1:
+        _counter.set("first", repr(time.time()))
 
 
 TASKS: dict[str, Any] = {}
