@@ -467,8 +467,7 @@ def run_variant(
             if counter.get("done"):
                 raise RuntimeError(f"{variant}: tasks ran before the timed queue was reopened")
             before = usage(worker.proc.pid, server.proc.pid)
-            start = published = time.perf_counter()
-            _control(control, "add_consumer", timed_queue, worker)
+            _control(control, "add_consumer", timed_queue, worker)  # the clock: see below
         else:
             before = usage(worker.proc.pid, server.proc.pid)
             start = time.perf_counter()
@@ -480,8 +479,10 @@ def run_variant(
         timed = 0
         if publish_first:
             # From the first body's wall-clock stamp to the end, seen on this perf_counter.
-            first = float(counter.get("first") or "nan")
-            start = published = time.perf_counter() - (time.time() - first)  # published before
+            stamp = counter.get("first")
+            if stamp is None:
+                raise RuntimeError(f"{variant}: no body stamped 'first' (see taskapp.bump)")
+            start = published = time.perf_counter() - (time.time() - float(stamp))
             timed = n_tasks - 1
 
         calls = command_stats(stats)
@@ -502,9 +503,10 @@ def run_variant(
     per_task = {
         k: v / n_tasks for k, v in calls.items() if k not in OWN_COMMANDS and v >= n_tasks / 100
     }
-    run = Run(variant, rep, end - start, published - start, n_tasks, per_task, cpu, keys_left)
-    run.timed = timed
-    return run
+    return Run(
+        variant, rep, end - start, published - start, n_tasks, per_task, cpu, keys_left,
+        timed=timed,
+    )  # fmt: skip
 
 
 # -- reporting ---------------------------------------------------------------------------------
@@ -663,8 +665,8 @@ def main() -> int:
         choices=("during", "before"),
         default="during",
         help="during: the clock runs while one client publishes the tasks and the worker "
-        "consumes them (every run of record); before: all tasks are queued first and the "
-        "clock times the worker draining them, with no publisher on the CPUs",
+        "consumes them (every run before the sixth round); before: all tasks are queued "
+        "first and the clock times the worker draining them, with no publisher on the CPUs",
     )
     parser.add_argument(
         "--budget",
