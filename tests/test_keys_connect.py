@@ -141,12 +141,55 @@ def test_scalars_have_one_canonical_spelling() -> None:
     u = uuid.UUID("12345678-1234-5678-1234-567812345678")
     assert render_value(None) == "null"
     assert (render_value(True), render_value(False)) == ("true", "false")
-    assert render_value(u) == json.dumps(str(u))
-    assert render_value(decimal.Decimal("1.50")) == '"1.50"'
-    assert render_value(dt.date(2024, 6, 1)) == '"2024-06-01"'
-    assert render_value(dt.datetime(2024, 6, 1, 12, 30)) == '"2024-06-01T12:30:00"'
-    assert render_value(Color.RED) == '"red"'
-    assert render_value(b"\x00\xff") == '"00ff"'
+    assert render_value(u) == "12345678-1234-5678-1234-567812345678"
+    assert render_value(decimal.Decimal("1.50")) == "1.50"
+    assert render_value(dt.date(2024, 6, 1)) == "2024-06-01"
+    assert render_value(dt.datetime(2024, 6, 1, 12, 30)) == "2024-06-01T12:30:00"
+    assert render_value(Color.RED) == "red"
+    assert render_value(b"\x00\xff") == "00ff"
+    assert render_value(1.5) == "1.5"
+
+
+def test_a_value_and_its_text_form_render_alike() -> None:
+    """A UUID, date, decimal, float or text enum renders exactly as its text would (no quotes).
+
+    Celery's JSON serializer hands the worker a UUID when the caller sent a UUID and a
+    str when it sent a str: both must give the one name a user reads and types.
+    """
+
+    class Color(enum.Enum):
+        RED = "red"
+
+    u = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    day = dt.date(2024, 6, 1)
+    template = KeyTemplate("sync:<user_id>")
+    for value, text in [
+        (u, str(u)),
+        (day, "2024-06-01"),
+        (decimal.Decimal("1.50"), "1.50"),
+        (2.5, "2.5"),
+        (Color.RED, "red"),
+    ]:
+        assert render_value(value) == render_value(text) == text
+        assert template.render({"user_id": value}) == template.render({"user_id": text})
+    # Inside a container, text stays JSON text, and a UUID equals its string there too.
+    inside = render_value({"ids": [u], "day": day})
+    assert inside == render_value({"ids": [str(u)], "day": str(day)})
+
+
+def test_a_uuid_and_its_string_exclude_each_other(redis_server: RedisServer) -> None:
+    """A holder of sync:<user_id> rendered from a UUID blocks one rendered from its string."""
+    u = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    template = KeyTemplate("sync:<user_id>")
+    client = connect(redis_server.url)
+    holder = Lock(client, template.render({"user_id": u}), ttl=5, auto_renew=False)
+    assert holder.acquire(blocking=False)
+    try:
+        other = Lock(client, template.render({"user_id": str(u)}), ttl=5, auto_renew=False)
+        assert not other.acquire(blocking=False)
+        assert redis_server.client().exists(f"redlock:{{sync:{u}}}")
+    finally:
+        holder.release()
 
 
 @given(json_values.filter(lambda v: not isinstance(v, str)))

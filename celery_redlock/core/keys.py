@@ -92,12 +92,22 @@ def render_value(value: Any) -> str:
     enums have one spelling; dicts render with sorted keys, so key order does not
     matter. Objects without a canonical form are refused (their ``str()`` may hold a
     memory address, which would give every process a different lock).
+
+    A value whose canonical form is text (a UUID, a date, a decimal, a non-integral
+    float, an enum with a text value) renders as that text, without JSON's quotes,
+    exactly as the string would: Celery's JSON serializer hands a worker a ``UUID``
+    when the caller sent one and a ``str`` when the caller sent that, and both must
+    lock the same name (``sync:<user_id>`` -> ``sync:12345678-...``), as 42 and "42"
+    do. Containers render as JSON.
     """
     if isinstance(value, str):
         return value
     if type(value) is int:  # the common key argument (ids): json.dumps would give the same
         return str(value)
-    return json.dumps(_canonical(value), sort_keys=True, separators=(",", ":"))
+    canonical = _canonical(value)
+    if isinstance(canonical, str):
+        return canonical
+    return json.dumps(canonical, sort_keys=True, separators=(",", ":"))
 
 
 def _canonical(value: Any) -> Any:  # noqa: PLR0911 - one return per kind of value
