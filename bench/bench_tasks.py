@@ -755,12 +755,11 @@ def main() -> int:
         print()
         print(summarize(runs, variants))
         if "plain" in variants and "locked" in variants:
-            plain = statistics.median(r.rate for r in runs if r.variant == "plain")
-            locked = statistics.median(r.rate for r in runs if r.variant == "locked")
-            low, high = ratio_interval(
-                [r.rate for r in runs if r.variant == "locked"],
-                [r.rate for r in runs if r.variant == "plain"],
-            )
+            plain_rates = [r.rate for r in runs if r.variant == "plain"]
+            locked_rates = [r.rate for r in runs if r.variant == "locked"]
+            plain = statistics.median(plain_rates)
+            locked = statistics.median(locked_rates)
+            low, high = ratio_interval(locked_rates, plain_rates)
             print(
                 f"\nLockedTask / plain = {locked / plain:.3f} (target >= 0.9); "
                 f"90% bootstrap interval {low:.3f}-{high:.3f}"
