@@ -585,7 +585,7 @@ def run_locked(
                 watch.stop()  # after this no interrupt can reach this thread
     except _LockLostInterrupt:  # raised in the body, or on the way out before stop() ran
         assert lock is not None
-        raise LockLost(lock.name, lock._lost_reason or "lost while the task ran") from None
+        raise LockLost(lock.name, lock.lost_reason or "lost while the task ran") from None
     finally:
         if lock is not None:
             release_for_request(task, lock, getattr(request, "id", None), request)
@@ -732,7 +732,7 @@ class _Watch:
             "Task %s: lock %r lost while running (%s); lock_on_lost=%s",
             self.task.name,
             lock.name,
-            lock._lost_reason,
+            lock.lost_reason,
             policy,
         )
         with _watch_guard:

@@ -259,6 +259,11 @@ class BaseLock:
         return self._lost
 
     @property
+    def lost_reason(self) -> str:
+        """Why the current acquisition was lost ("" while it is not)."""
+        return self._lost_reason if self._lost else ""
+
+    @property
     def held_for(self) -> float:
         """Seconds since the current acquisition (0.0 when not held)."""
         return time.monotonic() - self._acquired_at if self._held_here() else 0.0

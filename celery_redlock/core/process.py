@@ -1,0 +1,63 @@
+"""This process: its id, and the one after-fork reset for everything kept per process.
+
+Whatever the package keeps per process (the renewal thread, the I/O pool, held
+connections, an app's Redis clients) registers a reset with :func:`on_fork`. One
+``os.register_at_fork`` hook runs them all in a forked child, before ``os.fork()``
+returns there, so a child never uses its parent's threads, sockets or locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from types import MethodType
+
+__all__ = ["on_fork", "pid"]
+
+log = logging.getLogger("celery_redlock")
+
+_pid = os.getpid()
+_resets: list[Callable[[], Callable[[], None] | None]] = []
+_resets_lock = threading.Lock()
+
+
+def pid() -> int:
+    """The id of the process this runs in (kept current across ``fork``, no system call)."""
+    return _pid
+
+
+def on_fork(reset: Callable[[], None]) -> Callable[[], None]:
+    """Run *reset* in every child forked from now on; returns it (usable as a decorator).
+
+    A bound method is held weakly: registering an object's method does not keep the
+    object alive, and a method of a collected object is dropped.
+    """
+    ref: Callable[[], Callable[[], None] | None] = (
+        weakref.WeakMethod(reset) if isinstance(reset, MethodType) else lambda: reset
+    )
+    with _resets_lock:
+        _resets.append(ref)
+    return reset
+
+
+def _after_fork_in_child() -> None:
+    global _pid, _resets_lock
+    _pid = os.getpid()
+    _resets_lock = threading.Lock()  # the parent may have held it while forking
+    alive = []
+    for ref in _resets:
+        reset = ref()
+        if reset is None:
+            continue
+        alive.append(ref)
+        try:
+            reset()
+        except Exception:  # a reset must never break the child
+            log.exception("celery-redlock: after-fork reset %r failed", reset)
+    _resets[:] = alive
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
