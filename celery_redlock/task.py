@@ -25,12 +25,10 @@ Where each step happens, and why there:
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import inspect
 import logging
 import random
-import signal
 import threading
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -43,6 +41,7 @@ from .core.base import BaseLock
 from .core.errors import ConfigError, LockContended, LockLost, QuorumUnavailable, describe_holder
 from .core.keys import KeyTemplate, render_value
 from .core.lock import Lock
+from .interrupt import LockLostInterrupt, Watch, on_lost, watch
 from .observability import send_task_event
 from .settings import TASK_OPTIONS, check_task_option
 from .state import AppState, state_for
@@ -380,7 +379,7 @@ class _Plan:
         self.wait_timeout: float | None = option(task, "lock_wait_timeout", state)
         self.ttl: float = option(task, "lock_ttl", state)
         self.max_hold: float | None = option(task, "lock_max_hold", state)
-        proto = state.make_lock(str(task.name), self.ttl, max_hold=self.max_hold, on_lost=_on_lost)
+        proto = state.make_lock(str(task.name), self.ttl, max_hold=self.max_hold, on_lost=on_lost)
         # Redlock keeps more per-instance state: it is built afresh for every run.
         self.proto: Lock | None = proto if type(proto) is Lock else None
 
@@ -388,7 +387,7 @@ class _Plan:
         if self.proto is not None:
             return self.proto._spawn(name, owner)
         return state.make_lock(
-            name, self.ttl, owner_info=owner, max_hold=self.max_hold, on_lost=_on_lost
+            name, self.ttl, owner_info=owner, max_hold=self.max_hold, on_lost=on_lost
         )
 
 
@@ -574,16 +573,16 @@ def run_locked(
         lock = direct
         if lock is not None:
             request._redlock_lock = lock
-    watch: _Watch | None = None
+    running: Watch | None = None
     try:
         try:
             if lock is not None:
-                watch = _Watch.start(task, lock)
+                running = watch(lock, task.name, option(task, "lock_on_lost"))
             return fun(task, *args, **kwargs) if bound else fun(*args, **kwargs)
         finally:
-            if watch is not None:
-                watch.stop()  # after this no interrupt can reach this thread
-    except _LockLostInterrupt:  # raised in the body, or on the way out before stop() ran
+            if running is not None:
+                running.stop(lock)  # after this no interrupt can reach this thread
+    except LockLostInterrupt:  # raised in the body, or on the way out before stop() ran
         assert lock is not None
         raise LockLost(lock.name, lock.lost_reason or "lost while the task ran") from None
     finally:
@@ -645,110 +644,3 @@ def release_for_request(
         )
     except Exception:
         log.exception("Task %s[%s]: releasing lock %r failed", task.name, task_id, lock.name)
-
-
-# -- loss while running ----------------------------------------------------------------------
-class _LockLostInterrupt(LockLost):
-    """Raised into a running body when its lock is lost (lock_on_lost='raise')."""
-
-    def __init__(self, name: str = "", reason: str = "the lock was lost while the task ran"):
-        super().__init__(name, reason)
-
-
-_INTERRUPT_SIGNAL = getattr(signal, "SIGUSR2", None)
-_pending_interrupts: set[int] = set()
-_handler_installed = False
-_previous_handler: Any = None
-
-
-def _signal_handler(signum: int, frame: Any) -> None:
-    ident = threading.get_ident()
-    if ident in _pending_interrupts:
-        _pending_interrupts.discard(ident)
-        raise _LockLostInterrupt()
-    if callable(_previous_handler):
-        _previous_handler(signum, frame)
-
-
-def _install_signal_handler() -> bool:
-    global _handler_installed, _previous_handler
-    if _handler_installed:
-        return True
-    if _INTERRUPT_SIGNAL is None or threading.current_thread() is not threading.main_thread():
-        return False
-    _previous_handler = signal.signal(_INTERRUPT_SIGNAL, _signal_handler)
-    _handler_installed = True
-    return True
-
-
-#: lost() (renewal thread) and stop() (body thread) decide under this guard, so an
-#: interrupt is either sent while the body runs or never; stop() withdraws one that was
-#: sent but not yet delivered. One for all watches: both sides hold it only for a few
-#: attribute reads and writes, and a lost lock is rare.
-_watch_guard = threading.Lock()
-
-
-class _Watch:
-    """Links a held lock to the thread running the body, to interrupt it on loss.
-
-    The lock refers to its watch (``lock._redlock_watch``), not the other way round:
-    a cycle between the two would leave both, with the lock's RLock and keys, to the
-    cyclic garbage collector after every run (6 objects a task, and the collections
-    they trigger), where reference counting frees them at once.
-    """
-
-    __slots__ = ("_sent", "running", "task", "thread", "use_signal")
-
-    def __init__(self, task: Any) -> None:
-        self.task = task
-        self.thread = thread = threading.get_ident()
-        self.running = True
-        self.use_signal = thread == threading.main_thread().ident and (
-            _handler_installed or _install_signal_handler()
-        )
-        self._sent = False
-
-    @classmethod
-    def start(cls, task: Any, lock: BaseLock) -> _Watch:
-        watch = cls(task)
-        lock._redlock_watch = watch  # type: ignore[attr-defined]
-        if lock.lost:  # lost between acquire and the body start
-            watch.lost(lock)
-        return watch
-
-    def stop(self) -> None:
-        with _watch_guard:
-            self.running = False
-            if self._sent:
-                if self.use_signal:
-                    _pending_interrupts.discard(self.thread)
-                else:
-                    # Withdraw an interrupt not yet delivered (NULL clears the pending one).
-                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread), None)
-
-    def lost(self, lock: BaseLock) -> None:
-        policy = option(self.task, "lock_on_lost")
-        log.warning(
-            "Task %s: lock %r lost while running (%s); lock_on_lost=%s",
-            self.task.name,
-            lock.name,
-            lock.lost_reason,
-            policy,
-        )
-        with _watch_guard:
-            if policy != "raise" or not self.running:
-                return
-            self._sent = True
-            if self.use_signal and _INTERRUPT_SIGNAL is not None:
-                _pending_interrupts.add(self.thread)
-                signal.pthread_kill(self.thread, _INTERRUPT_SIGNAL)
-            else:
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                    ctypes.c_ulong(self.thread), ctypes.py_object(_LockLostInterrupt)
-                )
-
-
-def _on_lost(lock: BaseLock) -> None:
-    watch = getattr(lock, "_redlock_watch", None)
-    if watch is not None:
-        watch.lost(lock)

@@ -44,8 +44,9 @@ from celery_redlock import (
 )
 from celery_redlock.core.base import BaseLock
 from celery_redlock.core.keys import LockKeys
+from celery_redlock.interrupt import Watch, watch_of
 from celery_redlock.state import state_for
-from celery_redlock.task import _Watch, needs_postrun_net
+from celery_redlock.task import needs_postrun_net
 
 LOGGER = "celery_redlock"
 # the module, not the install() function that celery_redlock re-exports under that name
@@ -745,7 +746,7 @@ def test_a_locked_run_leaves_nothing_to_the_cyclic_garbage_collector(env: Env) -
         return n
 
     assert work.apply((0,)).get() == 0  # warm-up: client, plan and renewal thread exist now
-    ours = (BaseLock, LockKeys, _Watch)
+    ours = (BaseLock, LockKeys, Watch)
     gc.collect()
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds unreachable stays in gc.garbage
@@ -922,7 +923,7 @@ def _victim(app: Celery, env: Env, policy: str, ttl: float) -> Any:
             {
                 "thread": threading.current_thread().name,
                 # which interrupt path this run uses: a signal (main thread) or an async exception
-                "signal": self.lock._redlock_watch.use_signal,
+                "signal": watch_of(self.lock).use_signal,
             },
         )
         try:
