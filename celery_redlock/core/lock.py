@@ -11,13 +11,30 @@ from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import (
+    BusyLoadingError,
+    ClusterDownError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 
 from .base import Attempt, BaseLock
 from .errors import ConfigError, QuorumUnavailable
+from .keys import LockKeys
 from .scripts import ACQUIRE, EXTEND, RELEASE
 
-__all__ = ["Lock", "address_of", "check_client", "wait_for_notice"]
+__all__ = [
+    "Lock",
+    "address_of",
+    "check_client",
+    "foreign_data_message",
+    "parse_holder",
+    "server_refused",
+    "wait_for_notice",
+]
 
 log = logging.getLogger("celery_redlock.acquire")
 
@@ -90,10 +107,14 @@ class Lock(BaseLock):
         try:
             reply = ACQUIRE(self.client, script_keys, args)
         except ResponseError as exc:
-            raise ConfigError(
-                f"lock {self.name!r}: Redis refused the acquire script ({exc}); is "
-                f"{self.keys.lock!r} used by something else?"
-            ) from exc
+            if server_refused(exc):  # out of memory, a read-only replica, ...: retry later
+                log.debug("acquire of %r refused by Redis (%s)", self.name, exc)
+                raise self._unavailable(exc) from exc
+            # Foreign data at one of the lock's keys. A script stops at its first error but
+            # keeps what it wrote before it: take back whatever this token may hold.
+            self._do_abandon(token)
+            message = foreign_data_message(self.client, self.keys, self.key_prefix, exc)
+            raise ConfigError(message) from exc
         except RedisError as exc:
             # The script may have run before the reply was lost: take back what
             # this token might hold, so an unclear attempt leaves no orphan.
@@ -105,7 +126,16 @@ class Lock(BaseLock):
             raise self._unavailable(exc) from exc
         if int(reply[0]) == 1:
             return Attempt(True, started, fence=int(reply[1]))
-        return Attempt(False, started, holder=parse_holder(reply[1]), ttl_ms=int(reply[2]))
+        ttl_ms = int(reply[2])
+        if ttl_ms == -1:  # our locks always expire: this key was written by something else
+            log.warning(
+                "lock %r is held with NO expiry (%r has no TTL): it is never freed by itself; "
+                "if its holder is gone, remove it with `celery locks release %s`",
+                self.name,
+                self.keys.lock,
+                self.name,
+            )
+        return Attempt(False, started, holder=parse_holder(reply[1]), ttl_ms=ttl_ms)
 
     def _do_release(self, token: str) -> int:
         try:
@@ -133,6 +163,10 @@ class Lock(BaseLock):
     def _do_owned(self, token: str) -> bool:
         try:
             current = self.client.hget(self.keys.lock, "token")
+        except ResponseError as exc:
+            if server_refused(exc):
+                raise self._unavailable(exc) from exc
+            return False  # the key holds foreign data: this owner's lock is gone
         except RedisError as exc:
             raise self._unavailable(exc) from exc
         return _text(current) == token
@@ -150,15 +184,25 @@ class Lock(BaseLock):
             if token is None or any(holder.get(k) != v for k, v in match.items()):
                 return False
             return int(RELEASE(self.client, self._release_keys, [_text(token), self.ttl_ms])) == 1
+        except ResponseError as exc:
+            raise self._refused(exc) from exc
         except RedisError as exc:
             raise self._unavailable(exc) from exc
 
     def _do_read_holder(self) -> dict[str, Any] | None:
         try:
             token, info = self.client.hmget(self.keys.lock, ["token", "info"])
+        except ResponseError as exc:
+            raise self._refused(exc) from exc
         except RedisError as exc:
             raise self._unavailable(exc) from exc
         return None if token is None else parse_holder(info)
+
+    def _refused(self, exc: ResponseError) -> QuorumUnavailable | ConfigError:
+        """A refused command: the server cannot serve now (unavailable), or foreign data."""
+        if server_refused(exc):
+            return self._unavailable(exc)
+        return ConfigError(foreign_data_message(self.client, self.keys, self.key_prefix, exc))
 
     def _do_wait(self, seconds: float) -> None:
         wait_for_notice(self.client, self.keys.notify, seconds)
@@ -231,16 +275,95 @@ def address_of(client: Any) -> str:
     return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}"
 
 
+#: Holder records longer than this (ours are a few hundred bytes) are not decoded: they are
+#: foreign data, and would otherwise travel whole into errors, logs and task results.
+MAX_RECORD = 65536
+_RAW_HEAD = 200
+
+
 def parse_holder(raw: Any) -> dict[str, Any]:
-    """Decode the holder record stored with a lock; unreadable records become ``{}``."""
+    """Decode the holder record stored with a lock; unreadable records become ``{"raw": ...}``
+    (cut to its first 200 characters when the record is over :data:`MAX_RECORD`)."""
     text = _text(raw)
     if not text:
         return {}
+    if len(text) > MAX_RECORD:
+        return {"raw": f"{text[:_RAW_HEAD]}... ({len(text)} characters)"}
     try:
         value = json.loads(text)
     except ValueError:
         return {"raw": text}
     return value if isinstance(value, dict) else {"raw": text}
+
+
+#: Error codes of a server that cannot serve a lock right now, whatever the data: out of
+#: memory, a read-only replica, a busy script, a failed save, no replicas, a node loading
+#: or down. A lock refused with one is
+#: unavailable (retry later), not bad input.
+_SERVER_STATES = frozenset(
+    ("OOM", "READONLY", "BUSY", "MISCONF", "NOREPLICAS", "MASTERDOWN", "LOADING", "TRYAGAIN")
+)
+_SERVER_STATE_ERRORS = (
+    OutOfMemoryError,
+    ReadOnlyError,
+    BusyLoadingError,
+    ClusterDownError,  # MasterDownError is one
+    TryAgainError,
+)
+
+
+def server_refused(exc: BaseException) -> bool:
+    """True when a Redis error reply says the server cannot serve now (see _SERVER_STATES).
+
+    redis-py strips the code of the replies it has a class for (``OutOfMemoryError``,
+    ``ReadOnlyError``, ...) and keeps the others' (``MISCONF ...``); Redis < 7 reports an
+    error inside a script as ``Error running script ...: -OOM ...``.
+    """
+    if isinstance(exc, _SERVER_STATE_ERRORS):
+        return True
+    text = str(exc)
+    code = text.split(" ", 1)[0]
+    if code in _SERVER_STATES:
+        return True
+    return any(f"-{state} " in text for state in _SERVER_STATES)
+
+
+def foreign_data_message(client: Any, keys: LockKeys, prefix: str, exc: BaseException) -> str:
+    """Say which of a lock's keys holds data celery-redlock did not write, and what to do.
+
+    Called after Redis refused a lock script on the data (``WRONGTYPE``, a counter that
+    is not an integer): looks at the keys (a few reads, on this error path only).
+    """
+    detail = ""
+    try:
+        kind = _text(client.type(keys.lock))
+        if kind not in ("hash", "none"):
+            detail = f"{keys.lock!r} holds a {kind}, not a lock hash"
+        else:
+            kind = _text(client.type(keys.fence))
+            value = _text(client.get(keys.fence)) if kind == "string" else None
+            if kind not in ("string", "none"):
+                detail = f"its fence counter {keys.fence!r} holds a {kind}, not an integer"
+            elif value is not None and not _is_int64(value):
+                detail = f"its fence counter {keys.fence!r} holds {value[:40]!r}, not an integer"
+            elif value is not None and int(value) >= 2**63 - 1:
+                detail = f"its fence counter {keys.fence!r} is at the largest integer Redis keeps"
+    except RedisError:
+        pass
+    if not detail:
+        return f"lock {keys.name!r}: Redis refused the lock script on {keys.lock!r} ({exc})"
+    return (
+        f"lock {keys.name!r}: {detail}. Something other than celery-redlock writes under the "
+        f"key prefix {prefix!r}: delete that key if it is stale, or give celery-redlock a "
+        "prefix of its own (key_prefix=, or the redlock_key_prefix setting)"
+    )
+
+
+def _is_int64(text: str) -> bool:
+    try:
+        return -(2**63) <= int(text) < 2**63 and text.strip() == text
+    except ValueError:
+        return False
 
 
 def _text(value: Any) -> str | None:

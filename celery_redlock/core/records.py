@@ -51,11 +51,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from redis.exceptions import ResponseError
+
 from . import _pool
 from .base import BaseLock
 from .errors import ConfigError, QuorumUnavailable
 from .inspect import REDIS_ERRORS
-from .lock import Lock, address_of
+from .lock import Lock, address_of, server_refused
 from .redlock import Redlock
 from .scripts import CLAIM_FIELD
 
@@ -143,7 +145,8 @@ class LockRecords:
         """Every field's newest record (by ``(fence, n)``) on the masters that answer.
 
         Raises :class:`QuorumUnavailable` when fewer than a majority answer: records
-        read from a minority could miss what the last holder claimed.
+        read from a minority could miss what the last holder claimed; :class:`ConfigError`
+        when the key holds something that is not a hash (foreign data).
         """
 
         def read(client: Any) -> Any:
@@ -152,6 +155,13 @@ class LockRecords:
         results = self._call_all(read, lambda _: False, time.monotonic() + self.timeout)
         answers = [r for r in results if isinstance(r, dict)]
         if len(answers) < self.quorum:
+            foreign = [r for r in results if isinstance(r, ResponseError) and not server_refused(r)]
+            if foreign:  # e.g. WRONGTYPE: not a Redis outage, and no retry will mend it
+                raise ConfigError(
+                    f"{self.key!r} holds data that is not a hash of records ({foreign[0]}): "
+                    "something other than celery-redlock writes under the lock key prefix; "
+                    "delete that key if it is stale"
+                )
             raise QuorumUnavailable(
                 self.lock.name,
                 self._errors(results),

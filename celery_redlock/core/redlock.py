@@ -68,8 +68,8 @@ from . import _pool
 from ._wire import resp
 from .base import Attempt, BaseLock
 from .errors import ConfigError, LockContended, QuorumUnavailable, RedlockError, describe_holder
-from .lock import address_of, check_client, parse_holder, wait_for_notice
-from .scripts import ACQUIRE, EXTEND, RAISE_FENCE, RELEASE, Script
+from .lock import address_of, check_client, parse_holder, server_refused, wait_for_notice
+from .scripts import ACQUIRE, EXTEND, RAISE_FENCE, RELEASE, Script, describe_code
 
 __all__ = ["MAX_LAGGING", "MIN_NODE_TIMEOUT", "Redlock", "node_timeout"]
 
@@ -829,6 +829,14 @@ class Redlock(BaseLock):
         }
         answered = len(fences) + len(held)
         if answered < self.quorum:
+            foreign = [v for v in results if isinstance(v, ResponseError) and not server_refused(v)]
+            if foreign:  # e.g. WRONGTYPE: data under our keys, not a Redis outage
+                raise ConfigError(
+                    f"lock {self.name!r}: {len(foreign)} of {len(self._masters)} masters "
+                    f"refused the acquire script on the data at {self.keys.lock!r} "
+                    f"({'; '.join(f'{m}: {o}' for m, o in outcomes.items())}): something other "
+                    f"than celery-redlock writes under the key prefix {self.key_prefix!r}"
+                )
             # Too few masters answered to decide anything: Redis trouble, not contention.
             self._event("unavailable", error="quorum unavailable")
             raise self._unavailable("acquire", outcomes)
@@ -931,8 +939,8 @@ class Redlock(BaseLock):
         if ok >= self.quorum:
             return 1
         unknown = len(self._masters) - len(codes)
-        if -1 in codes and ok + unknown < self.quorum:
-            return -1
+        if min(codes, default=0) < 0 and ok + unknown < self.quorum:
+            return min(codes)  # -1 another owner, -2 foreign data (see release.lua)
         if len(codes) < self.quorum:
             log_release.warning(
                 "release of %r: too few masters answered; it expires within %ss",
@@ -960,7 +968,7 @@ class Redlock(BaseLock):
         unknown = len(self._masters) - len(codes)
         if len(leases) + unknown >= self.quorum:
             raise self._unavailable("extend", self._outcomes())
-        return -1 if -1 in codes else 0
+        return min(min(codes, default=0), 0)
 
     def _do_owned(self, token: str) -> bool:
         op = _Op((self.keys.lock,), ("token",), command="HGET")
@@ -1012,7 +1020,7 @@ class Redlock(BaseLock):
             return QuorumUnavailable(
                 self.name, errors, needed=self.quorum, total=len(self._masters)
             )
-        return -1 if -1 in codes else 0
+        return min(min(codes, default=0), 0)
 
     # -- context manager and repr -----------------------------------------------------
     def __enter__(self: _R) -> _R:
@@ -1050,7 +1058,9 @@ def _describe_code(value: Any) -> str:
         return f"ok ({code} ms)"
     if code == 0:
         return "the key is gone (expired or removed)"
-    return "another owner holds it"
+    if code == -1:
+        return "another owner holds it"
+    return describe_code(code)
 
 
 def _text(value: Any) -> str:

@@ -16,6 +16,7 @@ __all__ = [
     "EXTEND",
     "EXTEND_MANY",
     "FORCE_RELEASE",
+    "FOREIGN",
     "OK",
     "OTHER_OWNER",
     "RAISE_FENCE",
@@ -29,6 +30,7 @@ __all__ = [
 OK = 1
 UNKNOWN = 0  # no such key: expired or removed
 OTHER_OWNER = -1
+FOREIGN = -2  # the lock key holds something that is not a lock hash
 
 
 def describe_code(code: int) -> str:
@@ -37,6 +39,11 @@ def describe_code(code: int) -> str:
         return "the key is gone (expired or removed)"
     if code == OTHER_OWNER:
         return "another owner holds it now"
+    if code == FOREIGN:
+        return (
+            "the key now holds data that is not a celery-redlock lock: something else "
+            "writes under the lock key prefix"
+        )
     if code >= OK:
         return "owned"
     raise ValueError(f"unexpected status code {code!r} from a celery-redlock script")

@@ -6,7 +6,11 @@
 -- Returns  the new lease in ms (> 0) when extended
 --          0   no such lock (expired or removed): lost
 --          -1  held by another token: lost
-local tok = redis.call('HGET', KEYS[1], 'token')
+--          -2  the key holds something that is not a lock hash (foreign data): lost
+local tok = redis.pcall('HGET', KEYS[1], 'token')
+if type(tok) == 'table' and tok.err then
+  return -2
+end
 if not tok then
   return 0
 end

@@ -8,7 +8,12 @@
 -- Returns  1   released (and one notice pushed if someone may be waiting)
 --          0   no such lock (expired or removed)
 --          -1  held by another token: nothing touched
-local tok = redis.call('HGET', KEYS[1], 'token')
+--          -2  the key holds something that is not a lock hash (foreign data under
+--              our prefix): nothing touched
+local tok = redis.pcall('HGET', KEYS[1], 'token')
+if type(tok) == 'table' and tok.err then
+  return -2
+end
 if not tok then
   return 0
 end
