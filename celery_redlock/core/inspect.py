@@ -23,6 +23,7 @@ from typing import Any, Literal
 from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
+from .errors import ConfigError
 from .keys import lock_keys
 from .lock import parse_holder
 from .scripts import FORCE_RELEASE
@@ -118,7 +119,7 @@ def read_lock(client: Any, prefix: str, name: str) -> LockInfo | None:
     """Lock *name* (the rendered name) as *client* stores it, or None when not held.
 
     Raises :class:`~celery_redlock.core.errors.ConfigError` for a name or prefix no
-    lock can have.
+    lock can have, and when the key holds something that is not a lock (foreign data).
     """
     key = lock_keys(name, prefix).lock
     if isinstance(client, RedisCluster):
@@ -126,7 +127,17 @@ def read_lock(client: Any, prefix: str, name: str) -> LockInfo | None:
             client.get_node_from_key(key)  # type: ignore[no-untyped-call]
         )
     found = _read(client, [key], prefix)
-    return found[0] if found else None
+    if found:
+        return found[0]
+    kind = _text(client.type(key))
+    if kind != "none":  # something is there, but not a lock celery-redlock wrote
+        what = "a hash without a lock token" if kind == "hash" else f"a {kind}"
+        raise ConfigError(
+            f"{key!r} holds {what}, not a celery-redlock lock: something else writes under "
+            f"the key prefix {prefix!r}; celery-redlock leaves it alone (delete it with "
+            "redis-cli if it is stale)"
+        )
+    return None
 
 
 def force_release(
@@ -192,7 +203,7 @@ def _read(node: Any, keys: Sequence[str], prefix: str) -> list[LockInfo]:
 
 def _int(value: Any) -> int | None:
     text = _text(value)
-    return int(text) if text.isdigit() else None
+    return int(text) if text.isascii() and text.isdigit() else None  # not "²": int() refuses it
 
 
 def _text(value: Any) -> str:
