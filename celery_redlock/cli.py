@@ -22,6 +22,7 @@ to exit codes and renders.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,12 +32,13 @@ from typing import Any, NoReturn
 import click
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 from celery.exceptions import CeleryCommandException
+from redis.exceptions import AuthenticationError, ResponseError
 
 from .core.connect import connect, mask_url
 from .core.errors import ConfigError, describe_holder
 from .core.inspect import REDIS_ERRORS, LockInfo, force_release, read_lock, scan_locks
 from .core.keys import lock_keys
-from .core.lock import address_of
+from .core.lock import address_of, server_refused
 from .settings import Settings, load_settings
 from .state import state_for
 
@@ -65,14 +67,18 @@ class LockRow:
 
     @property
     def acquired_at(self) -> float | None:
-        """Wall-clock time of the acquisition, as the holder recorded it."""
+        """Wall-clock time of the acquisition, as the holder recorded it (None when the
+        record holds no plausible time: foreign data may hold anything)."""
         value = self.record.get("acquired_at")
-        return float(value) if isinstance(value, (int, float)) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        stamp = float(value)
+        return stamp if 0 < stamp < _LATEST else None
 
     @property
     def holder(self) -> dict[str, Any]:
-        """The documented holder fields."""
-        return {k: self.record.get(k) for k in ("task_name", "task_id", "hostname", "pid")}
+        """The documented holder fields (each a JSON scalar: see _scalar)."""
+        return {k: _scalar(self.record.get(k)) for k in ("task_name", "task_id", "hostname", "pid")}
 
     def as_json(self, with_master: bool) -> dict[str, Any]:
         """The documented ``--json`` object."""
@@ -90,9 +96,24 @@ class LockRow:
 
 
 class _Unreachable(Exception):
+    """A master that could not be asked: unreachable (exit 3), or it refused (exit 2)."""
+
     def __init__(self, url: str, exc: BaseException) -> None:
         self.url = url
-        super().__init__(f"cannot reach Redis at {url}: {_one_line(exc)}")
+        #: A refusal that no retry mends (a wrong password, missing ACL rights, foreign
+        #: data under the prefix) is a configuration error, not an outage.
+        self.refused = _refused(exc)
+        self.exit_code = EXIT_USAGE if self.refused else EXIT_UNREACHABLE
+        if self.refused:
+            super().__init__(f"Redis at {url} refused the request: {_one_line(exc)}")
+        else:
+            super().__init__(f"cannot reach Redis at {url}: {_one_line(exc)}")
+
+
+def _refused(exc: BaseException) -> bool:
+    if isinstance(exc, AuthenticationError):
+        return True
+    return isinstance(exc, ResponseError) and not server_refused(exc)
 
 
 class _Session:
@@ -132,6 +153,8 @@ class _Session:
             except REDIS_ERRORS as exc:
                 self.unreachable.append(_Unreachable(url, exc))
                 continue
+            except ConfigError as exc:  # foreign data where the lock should be
+                raise CeleryCommandException(f"{url}: {exc}", EXIT_USAGE) from None
             master = self.master_of(client)
             rows += [LockRow.of(info, master) for info in infos]
         if self.unreachable and len(self.unreachable) == len(self.clients):
@@ -146,7 +169,8 @@ class _Session:
         first, *rest = self.unreachable
         for problem in rest:
             self.ctx.obj.error(f"celery locks: {problem}")
-        raise CeleryCommandException(str(first), EXIT_UNREACHABLE)
+        code = min(problem.exit_code for problem in self.unreachable)  # a refusal says more
+        raise CeleryCommandException(str(first), code)
 
     def finish(self) -> None:
         """Exit 3 when some master could not be reached (after showing what was read)."""
@@ -305,7 +329,7 @@ def _table(rows: Sequence[LockRow], with_master: bool) -> str:
         ]
         if with_master:
             line.append(r.master or "-")
-        lines.append(line)
+        lines.append([_cell(cell) for cell in line])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join(
         "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
@@ -326,7 +350,8 @@ def _details(r: LockRow) -> str:
         pairs.append(("acquired_at", f"{stamp} ({_duration(now - r.acquired_at)} ago)"))
     pairs += [("ttl left", _ttl(r.ttl_ms)), ("fence", "-" if r.fence is None else str(r.fence))]
     shown = {"task_name", "task_id", "hostname", "pid", "acquired_at"}
-    pairs += [(k, str(v)) for k, v in sorted(r.record.items()) if k not in shown]
+    pairs += [(str(k), str(v)) for k, v in sorted(r.record.items()) if k not in shown]
+    pairs = [(_cell(k), _cell(v)) for k, v in pairs]
     width = max(len(k) for k, _ in pairs) + 1
     return "\n".join(f"{(k + ':').ljust(width)} {v}" for k, v in pairs)
 
@@ -338,7 +363,34 @@ def _who(record: dict[str, Any]) -> str:
     return str(record.get("role") or "-")
 
 
+#: acquired_at values past this (the year 9999) are not shown as times: not a real record.
+_LATEST = 253402300799.0
+#: Longest text shown in one table cell or detail line; the rest is cut (foreign records
+#: may hold megabytes).
+_CELL = 200
+
+
+def _cell(text: str) -> str:
+    """*text* on one line, cut to _CELL characters."""
+    text = " ".join(text.split()) if any(c in text for c in "\r\n\t") else text
+    if len(text) <= _CELL:
+        return text
+    return f"{text[:_CELL]}... ({len(text)} characters)"
+
+
+def _scalar(value: Any) -> Any:
+    """A JSON scalar for the ``--json`` holder fields: what is not one (a list, a NaN) is
+    shown as its text, so the output stays strict JSON."""
+    if value is None or isinstance(value, (str, int)):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    return _cell(json.dumps(value, default=str))
+
+
 def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "-"
     seconds = max(seconds, 0.0)
     if seconds < 60:
         return f"{seconds:.1f}s"
