@@ -66,7 +66,7 @@ from celery.utils.time import maybe_make_aware
 
 from .core.base import BaseLock
 from .core.connect import mask_url
-from .core.errors import RedlockError
+from .core.errors import ConfigError, RedlockError
 from .core.inspect import REDIS_ERRORS
 from .core.records import LockRecords
 from .settings import Settings
@@ -121,6 +121,8 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
         self._lost = threading.Event()
         self._unreachable = False
         self._standby_logged = False
+        #: The standby problem logged last (foreign data, unreadable records): logged once.
+        self._problem = ""
         super().__init__(app, *args, **kwargs)
 
     # -- leadership -------------------------------------------------------------------
@@ -164,6 +166,10 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
         lock = self.leader_lock
         try:
             won = lock.acquire(blocking=True, timeout=self.retry_interval)
+        except ConfigError as exc:
+            # Foreign data at the leader lock's keys: no beat leads until someone removes it.
+            self._stand_by(f"beat: cannot take the leader lock: {_one_line(exc)}", logging.ERROR)
+            return False
         except _STORE_ERRORS as exc:
             if not self._unreachable:
                 self._unreachable = True
@@ -191,15 +197,24 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
         self._lost.clear()
         try:
             self._load_records()
-        except _STORE_ERRORS as exc:
-            log.warning(
-                "beat: took the leader lock but could not read the schedule state (%s)",
-                _one_line(exc),
-            )
+        except Exception as exc:  # whatever failed, never keep the lock without leading
             self._give_up_lock()
+            if isinstance(exc, ConfigError):
+                problem = f"beat: the schedule state in Redis is unreadable: {_one_line(exc)}"
+                self._stand_by(problem, logging.ERROR)
+            elif isinstance(exc, _STORE_ERRORS):
+                problem = (
+                    "beat: took the leader lock but could not read the schedule state "
+                    f"({_one_line(exc)})"
+                )
+                self._stand_by(problem, logging.WARNING)
+            else:
+                log.exception("beat: reading the schedule state from %r failed", self.records_key)
+                time.sleep(self.retry_interval)
             return False
         self._leading = True
         self._standby_logged = False
+        self._problem = ""
         log.info(
             "beat: this beat (pid %d) is now the leader (%r, fence %s); publishing the schedule",
             os.getpid(),
@@ -207,6 +222,13 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
             lock.fence,
         )
         return True
+
+    def _stand_by(self, problem: str, level: int) -> None:
+        """Log *problem* (once until it changes: not a line per retry) and pace the retries."""
+        if problem != self._problem:
+            self._problem = problem
+            log.log(level, "%s; standing by, retrying every %.1f s", problem, self.retry_interval)
+        time.sleep(self.retry_interval)
 
     def _step_down(self, reason: str) -> None:
         if not self._leading:
@@ -252,11 +274,19 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
         try:
             record = json.loads(value)
             at = datetime.fromtimestamp(float(record["at"]), tz=timezone.utc)
-        except (ValueError, KeyError, TypeError):
-            log.warning("beat: ignoring an unreadable record for %r: %r", name, value)
+            count = int(record.get("n") or 0)
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, OSError):
+            # Not written by a LeaderScheduler (or by an incompatible one): start this entry
+            # afresh rather than stop the whole schedule over it.
+            log.warning(
+                "beat: ignoring an unreadable record for %r in %r: %.200r",
+                name,
+                self.records_key,
+                value,
+            )
             return
         entry.last_run_at = at.astimezone(self.app.timezone)
-        entry.total_run_count = max(int(record.get("n") or 0), entry.total_run_count or 0)
+        entry.total_run_count = max(count, entry.total_run_count or 0)
 
     def _claim(self, entry: Any) -> bool:
         """Record this tick of *entry* in Redis; True when this leader may publish it."""
@@ -273,8 +303,9 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
             return False
         if claim.outcome == "unavailable":
             log.warning(
-                "beat: could not record the tick of %r (%s); not publishing it",
+                "beat: could not record the tick of %r in %r (%s); not publishing it",
                 entry.name,
+                self.records_key,
                 claim.detail,
             )
             return False
