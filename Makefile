@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest demo bench clean venv tests bench docs examples bench-instructions
+.PHONY: test lint typecheck pytest demo bench clean venv tests bench docs examples bench-instructions chaos
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ pytest: $(STAMP)
 	$(PY) -m pytest tests -p no:randomly $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+# Fault injection for longer than `make test` does: CHAOS_MINUTES (default 10) of rounds of
+# tests/chaos with longer fault phases; CHAOS_SEED replays a run (the seed is printed first).
+chaos: $(STAMP)
+	$(PY) tests/chaos/run_chaos.py
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
