@@ -49,8 +49,12 @@ def mask_url(url: str) -> str:
 
 def _mask_one(url: str) -> str:
     scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
+    if not sep:  # no scheme (a mistake the error will be about): still hide "user:secret@"
+        at = url.rfind("@")
+        if at < 0:
+            return url
+        user, colon, _ = url[:at].partition(":")
+        return f"{user}:***{url[at:]}" if colon else f"***{url[at:]}"
     head, qmark, query = rest.partition("?")
     at = head.rfind("@")  # the host follows the *last* @ (a raw @ may be in the password)
     if at >= 0 and ":" in head[:at]:
