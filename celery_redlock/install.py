@@ -24,12 +24,13 @@ from typing import Any
 import click
 from celery import bootsteps, signals
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
+from redis.cluster import RedisCluster
+from redis.exceptions import AuthenticationError, BusyLoadingError
 
 from .core import renewal
 from .core.connect import mask_url
 from .core.errors import ConfigError, RedlockError
 from .core.events import add_hook
-from .core.lock import address_of
 from .observability import drop_unscrapable_metrics, enable_prometheus_by_default, logging_hook
 from .settings import check_task_option
 from .state import AppState, state_for
@@ -154,6 +155,7 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
             apply_redlock_tasks(app)
             if not state.disabled:
                 state.settings  # noqa: B018 - check now: a bad setting stops the worker here
+                state.clients()  # and a URL no client can be made of (nothing connects yet)
         except ConfigError as exc:
             raise StartupConfigError(str(exc)) from None
 
@@ -167,22 +169,70 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
             return
         log.info("celery-redlock: %s", state.settings.describe())
         clients = state.clients()
-        for client in clients if isinstance(clients, list) else [clients]:
-            try:
-                client.ping()
-            except Exception as exc:
-                log.error(
-                    "celery-redlock: lock Redis %s is unreachable (%s); locked tasks will be "
-                    "retried until it answers",
-                    address_of(client),
-                    exc,
-                )
+        url = state.settings.url
+        urls = url if isinstance(url, list) else [url]
+        per_url = clients if isinstance(clients, list) else [clients]
+        for where, client in zip(urls, per_url, strict=True):
+            check_lock_redis(mask_url(where), client)
 
     def stop(self, parent: Any) -> None:
         release_all_held(self.state)
 
     def shutdown(self, parent: Any) -> None:
         renewal.shutdown(timeout=2.0)
+
+
+def check_lock_redis(where: str, client: Any) -> None:
+    """Ping one lock Redis at start-up; say clearly (naming *where*, a masked URL) what is
+    wrong. Never raises: tasks whose lock cannot be taken are retried, never run unlocked.
+
+    A refused password and a replica are configuration errors (ERROR); a server still
+    loading its data set is transient (WARNING); anything else is "unreachable" (ERROR),
+    with a hint when the URL asks for TLS, since a TLS client talking to a plain server
+    sees only a connect timeout.
+    """
+    try:
+        client.ping()
+    except AuthenticationError as exc:
+        log.error(
+            "celery-redlock: lock Redis %s refused the credentials (%s): check the user "
+            "name and password in redlock_url; locked tasks will be retried until it "
+            "accepts them",
+            where,
+            exc,
+        )
+        return
+    except BusyLoadingError as exc:
+        log.warning(
+            "celery-redlock: lock Redis %s is loading its data set (%s); locked tasks "
+            "will be retried until it is ready",
+            where,
+            exc,
+        )
+        return
+    except Exception as exc:
+        tls = " (the URL asks for TLS: does that server accept TLS?)"
+        log.error(
+            "celery-redlock: lock Redis %s is unreachable (%s)%s; locked tasks will be "
+            "retried until it answers",
+            where,
+            exc,
+            tls if where.lower().startswith("rediss://") else "",
+        )
+        return
+    if isinstance(client, RedisCluster):
+        return
+    try:
+        role = client.execute_command("ROLE")
+    except Exception:  # an ACL may refuse ROLE: nothing to learn from that
+        return
+    kind = role[0].decode() if isinstance(role[0], bytes) else str(role[0])
+    if kind in ("slave", "replica"):
+        log.error(
+            "celery-redlock: lock Redis %s is a read-only replica: no lock can be taken "
+            "there; point redlock_url at its master. Locked tasks will be retried",
+            where,
+        )
 
 
 def release_all_held(state: AppState) -> None:
