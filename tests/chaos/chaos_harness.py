@@ -170,6 +170,7 @@ class Run:
     write: dict[str, Any] | None = None
     end: float | None = None
     outcome: str = ""
+    lost_at_end: bool = False
 
 
 def build_runs(events: Iterable[dict[str, Any]]) -> dict[str, Run]:
@@ -200,6 +201,7 @@ def build_runs(events: Iterable[dict[str, Any]]) -> dict[str, Run]:
         elif kind == "end":
             r2.end = e["t"]
             r2.outcome = e["outcome"]
+            r2.lost_at_end = bool(e["lost"])
             if e["valid"]:
                 r2.valid_at.append((e["t"], e["vu"]))
     return runs
@@ -406,6 +408,8 @@ class Scenario:
         self._feeding = threading.Event()
         self._feed_error: BaseException | None = None
         self.figures = Figures(name, SEED)
+        #: seconds spent in each phase (printed with -s, to keep the suite inside its budget)
+        self.phases: dict[str, float] = {}
         self.infra = self.add_server(RedisServer.start())
         base = f"redis://{self.infra.host}:{self.infra.port}"
         self.store_client = self.infra.client(db=2)
@@ -567,6 +571,10 @@ class Scenario:
         self.killed[pid] = now
         self.fault(kind, now, now, f"pid {pid}")
 
+    def whole_worker_killed(self) -> bool:
+        """True once a whole worker was SIGKILLed."""
+        return any(w.killed for w in self.workers)
+
     def kill_worker(self, worker: ChaosWorker) -> None:
         """SIGKILL a whole worker (its process group) and log every pid it had."""
         now = time.monotonic()
@@ -602,6 +610,7 @@ class Scenario:
     def run_chaos(self, seconds: float, inject: Callable[[Scenario], None]) -> None:
         """Feed tasks while calling *inject* until *seconds* have passed; then feed until the
         system made progress after the last fault, and stop feeding."""
+        self.phases["setup"] = time.monotonic() - self.started
         self.start_feeding()
         try:
             wait_until(lambda: any(r.write for r in self.runs().values()), 60, "a first write")
@@ -613,26 +622,56 @@ class Scenario:
             self.wait_for_progress_after_faults()
         finally:
             self.stop_feeding()
+            self.phases["chaos"] = time.monotonic() - self.started - self.phases["setup"]
 
     # ---- end
 
     def drain(self, timeout: float = 90.0) -> None:
         """Until every task settled and the broker holds nothing: no queued or unacked
-        message, so no redelivery or retry can start another run."""
+        message, so no redelivery or retry can start another run.
+
+        A message a worker had popped from the queue but not yet written to its unacked
+        set when the whole worker was SIGKILLed is gone (kombu's Redis transport moves it
+        in two steps): such a task, received by nobody, with the broker empty, counts as
+        vanished (a figure), not as unsettled."""
         broker = self.infra.client(db=0)
+        vanished: set[str] = set()
 
         def state() -> dict[str, Any]:
+            queued, unacked = broker.llen("celery"), broker.hlen("unacked")
+            unsettled = self.unsettled()
+            if unsettled and not queued and not unacked and self.whole_worker_killed():
+                received = {e["task_id"] for e in self.events() if e["event"] == "received"}
+                vanished.update(t for t in unsettled if t not in received)
             return {
-                "unsettled": {t: self.results[t].state for t in self.unsettled()},
-                "queued": broker.llen("celery"),
-                "unacked": broker.hlen("unacked"),
+                "unsettled": {t: self.results[t].state for t in unsettled if t not in vanished},
+                "queued": queued,
+                "unacked": unacked,
                 "open runs": [(r.task_id, r.pid) for r in self.open_runs()],
             }
 
+        began = time.monotonic()
         try:
             wait_until(lambda: not any(state().values()), timeout, "the tasks to settle", 0.1)
+            self.phases["drain"] = time.monotonic() - began
+            if vanished:
+                self.figures.extra["vanished_tasks"] = len(vanished)
         except AssertionError as exc:
-            raise AssertionError(f"{exc}: {state()}") from None
+            now = state()
+            history = {
+                t: [
+                    (e["event"], e["pid"], round(e.get("t", 0), 3))
+                    for e in self.events()
+                    if e.get("task_id") == t
+                    or e.get("run") in {r.run for r in self.runs().values() if r.task_id == t}
+                ]
+                for t in now["unsettled"]
+            }
+            killed = {p: round(t, 3) for p, t in self.killed.items()}
+            raise AssertionError(
+                f"{exc}: {now}; history of unsettled tasks: {history}; killed pids: {killed}; "
+                f"worker pids: {[(w.pid, w.killed) for w in self.workers]}"
+            ) from None
         finally:
             broker.close()
 
@@ -645,8 +684,10 @@ class Scenario:
     def check_no_lock_alive(self) -> float:
         """No lock of any key is alive on any lock server one TTL after the system went
         quiet; returns how long after going quiet the check ran."""
+        began = time.monotonic()
         deadline = self.quiet_since() + self.ttl * 1.01 + 0.25
         wait_until(lambda: time.monotonic() >= deadline, self.ttl + 5, "one TTL to pass")
+        self.phases["ttl-check"] = time.monotonic() - began
         alive_locks = []
         for url in self.check_urls:
             client = connect(url)
@@ -686,8 +727,35 @@ class Scenario:
         f.faults = len(self.faults)
         f.lost_tasks = len(self.lost_task_ids() - self._ready)
         f.longest_recovery = self.longest_recovery()
+        runs = self.runs().values()
+        f.extra["runs_that_lost_their_lock"] = sum(
+            1 for r in runs if r.outcome == "LockLost" or (r.end is not None and r.lost_at_end)
+        )
+        f.extra["false_loss_reports"] = len(self.false_loss_reports())
+        f.extra["unavailable_log_lines"] = sum(
+            w.worker.text().count("unavailable") for w in self.workers
+        )
         self.fail_on_violations(found)
         return found
+
+    def false_loss_reports(self, margin: float = 0.5) -> list[str]:
+        """``lost`` events for acquisitions that were not lost: the run's last record (just
+        before its release) shows the lock valid with *margin* seconds of lease left."""
+        runs = {(f"chaos:{r.key}", r.fence): r for r in self.runs().values()}
+        out = []
+        for e in self.events():
+            if e["event"] != "lock-lost":
+                continue
+            r = runs.get((e["name"], e["fence"]))
+            if r is None or r.end is None or not r.valid_at or r.valid_at[-1][0] != r.end:
+                continue
+            if r.valid_at[-1][1] - r.end > margin:
+                out.append(
+                    f"{e['name']} fence {e['fence']} (pid {e['pid']}) reported lost "
+                    f"({e['error']}) after {e['held']:.3f}s; its run ended at {r.end:.3f} "
+                    f"with the lease valid until {r.valid_at[-1][1]:.3f}"
+                )
+        return out
 
     def longest_recovery(self) -> float | None:
         """The longest time from a fault's end to the next accepted write."""
@@ -705,12 +773,15 @@ class Scenario:
 
     def finish(self) -> Figures:
         """Ping, stop every worker, server and proxy, check nothing leaked, print figures."""
+        began = time.monotonic()
         self.check_pings()
         self.shutdown()
+        self.phases["finish"] = time.monotonic() - began
         self.check_no_leaks()
         self.figures.seconds = time.monotonic() - self.started
         FIGURES.append(self.figures)
-        print(f"\nCHAOS {self.figures.line()}")
+        phases = " ".join(f"{k}={v:.1f}s" for k, v in self.phases.items())
+        print(f"\nCHAOS {self.figures.line()}\n      phases: {phases}")
         return self.figures
 
     def shutdown(self) -> None:

@@ -13,7 +13,8 @@ Each body run records, in the store's ``chaos:events`` list, its start, its fenc
 read, its fenced write and its end; every record carries what the run's lock said at
 that moment (``lock.fence``, ``lock.valid_until``, ``lock.lost``), measured with
 ``time.monotonic()``, which is one clock for every process on the machine. The main
-process records every message it receives, so redeliveries can be counted.
+process records every message it receives, so redeliveries can be counted, and every
+process records each ``lost`` event its locks report (``add_hook``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import redis
 from celery import Celery, Task
 from celery.signals import task_received
 
-from celery_redlock import LockedTask
+from celery_redlock import LockedTask, LockEvent, add_hook
 from tests.chaos.fenced_store import FencedStore
 
 _locks = os.environ.get("CHAOS_LOCKS", "redis://127.0.0.1:1/0")
@@ -73,12 +74,24 @@ def check(lock: Any) -> dict[str, Any]:
     return {"t": now, "vu": valid_until, "lost": lost, "valid": not lost and now < valid_until}
 
 
+def _on_lock_event(event: LockEvent) -> None:
+    """Every process: record each loss the lock reports (through the public hook API)."""
+    if event.kind == "lost":
+        record("lock-lost", name=event.name, fence=event.fence, held=event.held,
+               error=event.error, t=time.monotonic())  # fmt: skip
+
+
+add_hook(_on_lock_event)
+
+
 @task_received.connect
 def _received(request: Any = None, **_: Any) -> None:
     """Main process: count every delivery of every task id (redeliveries included)."""
     task_id = getattr(request, "id", None)
     if task_id is not None:
-        record("received", task_id=task_id, t=time.monotonic())
+        delivery = getattr(request, "delivery_info", None) or {}
+        redelivered = bool(delivery.get("redelivered"))
+        record("received", task_id=task_id, t=time.monotonic(), redelivered=redelivered)
 
 
 def _body(task: Task, key: str, work: float) -> str:

@@ -12,11 +12,16 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from chaos_harness import LONG, Scenario, alive, chaos_seconds, scenario, wait_until
-from servers import RedisServer
+from chaos_harness import LONG, Run, Scenario, alive, chaos_seconds, scenario, wait_until
+from servers import FaultProxy, RedisServer, SentinelSetup, start_servers
+
+from celery_redlock import Lock, QuorumUnavailable, connect
 
 pytestmark = pytest.mark.slow
 
@@ -165,3 +170,274 @@ def test_lock_redis_sigkilled_and_restarted_empty(tmp_path: Path, fence_ttl: flo
         sc.verify()
         sc.check_no_lock_alive()
         sc.finish()
+
+
+def test_redlock_minority_of_masters_killed_paused_or_blackholed(tmp_path: Path) -> None:
+    """Three Redlock masters (each persisting every write, as docs/redlock.md asks, and behind
+    a fault proxy): one at a time is SIGKILLed and restarted, SIGSTOPped, or blackholed;
+    locks keep working on the majority and every invariant holds."""
+    persist = ["--appendonly", "yes", "--appendfsync", "always", "--dir", "{tmp}"]
+    masters = start_servers(3, lambda _: persist)
+    proxies = [FaultProxy.start(m.host, m.port) for m in masters]
+    with scenario("redlock-minority", tmp_path, lock_url=[p.url for p in proxies],
+                  check_urls=[m.url for m in masters], ttl=3.0) as sc:  # fmt: skip
+        for m in masters:
+            sc.add_server(m)
+        for p in proxies:
+            sc.add_proxy(p)
+        sc.start_workers(2)
+        kinds: dict[str, int] = defaultdict(int)
+
+        def inject(sc: Scenario) -> None:
+            sc.pause(sc.rng.uniform(0.3, 1.0))
+            i = sc.rng.randrange(3)
+            kind = sc.rng.choice(["sigkill", "sigstop", "blackhole"])
+            began = time.monotonic()
+            if kind == "sigkill":
+                masters[i].kill()
+            elif kind == "sigstop":
+                masters[i].pause()
+            else:
+                proxies[i].blackhole()
+            sc.pause(sc.rng.uniform(0.5, 2.0))
+            if kind == "sigkill":
+                masters[i].restart()  # same port, its append-only file reloaded
+            elif kind == "sigstop":
+                masters[i].resume()
+            else:
+                proxies[i].heal()
+            kinds[kind] += 1
+            sc.fault(f"master-{kind}", began, detail=f"master {i}")
+
+        sc.run_chaos(chaos_seconds(6), inject)
+        sc.drain()
+        sc.verify()
+        sc.check_no_lock_alive()
+        sc.figures.extra.update(sorted(kinds.items()))
+        sc.finish()
+        assert not [p for p in proxies if p.connection_count], "proxy connections left open"
+
+
+def test_sentinel_failover_during_the_run(tmp_path: Path) -> None:
+    """The Sentinel-monitored lock master is SIGKILLed mid-run and its replica promoted:
+    tasks retry through the failover, then lock on the new master; every invariant holds."""
+    setup = SentinelSetup.start()
+    url = ";".join(setup.sentinel_urls) + "?master=mymaster"
+    with scenario("sentinel-failover", tmp_path, lock_url=url, ttl=3.0) as sc:
+        for server in [*setup.sentinel_servers, setup.replica, setup.master]:
+            sc.add_server(server)  # stopped in this order: sentinels first
+        sc.start_workers(2)
+        failovers = 0
+
+        def inject(sc: Scenario) -> None:
+            nonlocal failovers
+            sc.pause(sc.rng.uniform(0.5, 1.5))
+            if failovers:
+                sc.pause(0.5)  # one failover: the old master stays down
+                return
+            began = time.monotonic()
+            setup.master.kill()
+            new = setup.wait_for_failover(timeout=60)
+            failovers += 1
+            sc.fault("sentinel-failover", began, detail=f"new master {new[0]}:{new[1]}")
+
+        sc.run_chaos(chaos_seconds(5), inject)
+        sc.drain()
+        sc.verify()
+        sc.check_no_lock_alive()
+        sc.figures.extra["failover_s"] = round(sc.faults[0].end - sc.faults[0].start, 2)
+        sc.finish()
+
+
+@dataclass
+class Outcome:
+    """What a scenario run once by a module fixture found (checked by several tests)."""
+
+    error: AssertionError | None
+    figures: dict[str, object]
+    false_losses: list[str]
+
+
+@pytest.fixture(scope="module")
+def delayed_replies(tmp_path_factory: pytest.TempPathFactory) -> Outcome:
+    """Bursts in which the lock Redis's replies come later than the clients' socket timeout
+    (1 s, set through redlock_client_options)."""
+    server = RedisServer.start()
+    proxy = FaultProxy.start(server.host, server.port)
+    timeout = 1.0
+    delay = timeout + 0.5
+    conf = {"redlock_client_options": {"socket_timeout": timeout}}
+    tmp_path = tmp_path_factory.mktemp("delayed")
+    # Mostly waiting tasks: a waiter woken by a release takes the key at once.
+    tasks = ("chaos.rmw_warn", "chaos.rmw_warn", "chaos.rmw")
+    with scenario("delayed-replies", tmp_path, lock_url=proxy.url, check_urls=[server.url],
+                  ttl=3.0, conf=conf, tasks=tasks) as sc:  # fmt: skip
+        sc.add_server(server)
+        sc.add_proxy(proxy)
+        sc.start_workers(2)
+
+        def inject(sc: Scenario) -> None:
+            sc.pause(sc.rng.uniform(0.3, 1.0))
+            began = time.monotonic()
+            proxy.delay_replies(delay)
+            sc.pause(sc.rng.uniform(0.5, 2.0))
+            proxy.heal()
+            # replies sent during the burst still arrive up to `delay` late
+            sc.fault("delayed-replies", began, time.monotonic() + delay, f"{delay}s")
+            sc.pause(delay)
+
+        sc.run_chaos(chaos_seconds(6), inject)
+        sc.drain()
+        error = None
+        try:
+            sc.verify()
+        except AssertionError as exc:
+            error = exc
+        sc.check_no_lock_alive()
+        false_losses = sc.false_loss_reports()
+        sc.finish()
+        return Outcome(error, sc.figures.extra, false_losses)
+
+
+def test_replies_delayed_past_the_socket_timeout(delayed_replies: Outcome) -> None:
+    """Replies later than the socket timeout: commands run but their replies are lost,
+    clients reconnect and re-send (connect()'s one retry), failed acquires are taken
+    back; every invariant holds."""
+    if delayed_replies.error is not None:
+        raise delayed_replies.error
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "core release(): when a release's reply is lost and redis-py re-sends it, a waiter "
+        "woken by the first copy may hold the key by then; the re-sent copy answers -1 "
+        "(another token) and release() logs 'lost before release ... may have overlapped', "
+        "emits a 'lost' event and raises LockLost, although the lease was valid and released"
+    ),
+)
+def test_delayed_release_reply_is_not_reported_as_a_loss(
+    delayed_replies: Outcome,
+) -> None:
+    """A lock released while its lease was valid is never reported lost, even when the
+    release's reply was lost and the command re-sent."""
+    assert not delayed_replies.false_losses, "\n".join(delayed_replies.false_losses[:10])
+
+
+@dataclass
+class Redelivery:
+    """What the redelivery scenario saw (run once, checked by two tests)."""
+
+    error: AssertionError | None
+    redelivered: list[str]
+    runs_of: dict[str, list[Run]]
+
+
+@pytest.fixture(scope="module")
+def redelivery(tmp_path_factory: pytest.TempPathFactory) -> Redelivery:
+    """acks_late, a 2 s visibility timeout and bodies of 2.4-2.9 s: the broker hands a
+    running task's message out again while its first delivery still runs. (Much shorter
+    timeouts make kombu restore its own restored copies, a flood that never drains.)"""
+    server = RedisServer.start()
+    options = {
+        "visibility_timeout": 2,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+        "unacked_mutex_expire": 5,
+    }
+    conf = {"task_acks_late": True, "broker_transport_options": options}
+    tmp_path = tmp_path_factory.mktemp("redelivery")
+    with scenario("redelivery", tmp_path, lock_url=server.url, conf=conf, keys=2,
+                  tasks=("chaos.rmw", "chaos.rmw_skip"), work=(2.4, 2.9),
+                  max_inflight=3) as sc:  # fmt: skip
+        sc.add_server(server)
+        sc.start_workers(2)
+
+        def inject(sc: Scenario) -> None:
+            sc.pause(0.5)  # the broker is the fault here: nothing to inject
+
+        sc.run_chaos(chaos_seconds(1.5), inject)
+        sc.drain()
+        error = None
+        try:
+            sc.verify()
+        except AssertionError as exc:
+            error = exc
+        sc.check_no_lock_alive()
+        deliveries: dict[str, int] = defaultdict(int)
+        runs_of: dict[str, list[Run]] = defaultdict(list)
+        for e in sc.events():
+            if e["event"] == "received" and e["redelivered"]:
+                deliveries[e["task_id"]] += 1
+        for r in sc.runs().values():
+            runs_of[r.task_id].append(r)
+        duplicates = sum(len(v) - 1 for v in runs_of.values())
+        sc.figures.faults = sum(deliveries.values())
+        sc.figures.extra.update(redelivered_tasks=len(deliveries), duplicate_runs=duplicates)
+        sc.finish()
+        return Redelivery(error, sorted(deliveries), dict(runs_of))
+
+
+def test_redelivered_message_never_runs_while_its_first_delivery_runs(
+    redelivery: Redelivery,
+) -> None:
+    """The broker redelivers messages whose first delivery still runs (acks_late, short
+    visibility timeout): no second run of a key overlaps the first, and every invariant
+    holds."""
+    assert redelivery.redelivered, "the broker redelivered nothing: the scenario did not happen"
+    if redelivery.error is not None:
+        raise redelivery.error
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "celery_redlock/task.py acquire_for_request: a delivery that finds its own task id "
+        "holding the lock waits up to one TTL for that holder (meant for self.retry()), so a "
+        "redelivered copy of a still-running message runs the body again once the first "
+        "delivery ends, even with lock_on_contended='skip'"
+    ),
+)
+def test_redelivered_copy_of_a_running_message_is_refused_not_run_later(
+    redelivery: Redelivery,
+) -> None:
+    """A redelivered copy of a message whose first delivery is still running does not run
+    the body at all (skip policy: skipped; retry: not re-run once the first succeeded)."""
+    twice = {t: runs for t, runs in redelivery.runs_of.items() if len(runs) > 1}
+    assert redelivery.redelivered
+    assert not twice, "task ids whose body ran more than once: " + "; ".join(
+        f"{t[:8]} ({runs[0].task}): "
+        + ", ".join(f"pid {r.pid} fence {r.fence} {r.start:.2f}-{r.end or 0:.2f}" for r in runs)
+        for t, runs in list(twice.items())[:5]
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "connect()'s one retry multiplies: after the command times out, redis-py reconnects "
+        "(the HELLO handshake times out too, and is itself retried), then the failed acquire "
+        "is taken back (_do_abandon) on the same silent server with the same retries: about "
+        "7 socket timeouts (14 s with the default 2 s) before QuorumUnavailable"
+    ),
+)
+def test_delayed_acquire_reports_unavailable_within_about_two_socket_timeouts(
+    redis_server: RedisServer, fault_proxy: Callable[[RedisServer], FaultProxy]
+) -> None:
+    """DESIGN.md: with the one Redis unreachable, acquire raises QuorumUnavailable promptly,
+    within about two per-node timeouts, also when the server still accepts connections
+    but its replies come later than the socket timeout."""
+    proxy = fault_proxy(redis_server)
+    timeout = 0.5
+    client = connect(proxy.url, socket_timeout=timeout)
+    lock = Lock(client, "chaos:stalled", ttl=5, auto_renew=False)
+    assert lock.acquire(blocking=False)  # a warm connection, as a worker has
+    lock.release()
+    proxy.delay_replies(60)  # past anything below: the server has stopped answering
+    started = time.monotonic()
+    with pytest.raises(QuorumUnavailable):
+        lock.acquire(blocking=False)
+    took = time.monotonic() - started
+    proxy.heal()
+    client.close()
+    assert took < 3 * timeout, f"{took:.1f}s: {took / timeout:.1f} socket timeouts"
