@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest demo bench clean venv tests bench docs examples bench-instructions chaos
+.PHONY: test lint typecheck pytest demo bench clean venv tests bench docs examples chaos
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,9 +38,6 @@ bench: $(STAMP)
 	$(PY) bench/bench_lock.py
 	$(PY) bench/bench_redlock.py
 	$(PY) bench/bench_tasks.py
-
-bench-instructions: $(STAMP)
-	$(PY) bench/bench_instructions.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

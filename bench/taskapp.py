@@ -136,15 +136,18 @@ if wanted("floor"):
         global _locks, _locks_pid
         if _locks is None or _locks_pid != os.getpid():
             _locks = redis.Redis.from_url(LOCKS_URL)
+            _locks.script_load(ACQUIRE.source)
+            _locks.script_load(RELEASE.source)
             _locks_pid = os.getpid()
         key = f"floor:{{k:{i}}}"
         token = secrets.token_hex(20)
         record = f'{{"pid":{os.getpid()}}}'
-        got = ACQUIRE(_locks, [key, key + ":fence", key + ":waiting"], [token, 30000, record, "0"])
+        keys = [key, key + ":fence", key + ":waiting"]
+        got = _locks.evalsha(ACQUIRE.sha, 3, *keys, token, 30000, record, "0", 0)
         if int(got[0]) != 1:
             raise RuntimeError(f"floor: {key} was held")
         bump()
-        RELEASE(_locks, [key, key + ":notify", key + ":waiting"], [token, 30000])
+        _locks.evalsha(RELEASE.sha, 3, key, key + ":notify", key + ":waiting", token, 30000)
 
     TASKS["floor"] = floor
 

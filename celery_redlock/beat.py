@@ -64,10 +64,10 @@ from typing import Any
 from celery.beat import Scheduler
 from celery.utils.time import maybe_make_aware
 
-from .core.base import BaseLock
 from .core.connect import mask_url
 from .core.errors import ConfigError, RedlockError
 from .core.inspect import REDIS_ERRORS
+from .core.lock import Lock
 from .core.records import LockRecords
 from .settings import Settings
 from .state import state_for
@@ -115,7 +115,7 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
         url = settings.url
         self._where = ", ".join(mask_url(u) for u in (url if isinstance(url, list) else [url]))
         self.retry_interval = max(0.05, self.ttl * self.retry_fraction)
-        self._leader_lock: BaseLock | None = None
+        self._leader_lock: Lock | None = None
         self._tick_records: LockRecords | None = None
         self._leading = False
         self._lost = threading.Event()
@@ -132,7 +132,7 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
         return self._leading
 
     @property
-    def leader_lock(self) -> BaseLock:
+    def leader_lock(self) -> Lock:
         """The leader lock, a ``Lock`` or a ``Redlock`` (created on first use, so a lazy
         scheduler never connects)."""
         if self._leader_lock is None:

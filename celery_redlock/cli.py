@@ -34,11 +34,11 @@ from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 from celery.exceptions import CeleryCommandException
 from redis.exceptions import AuthenticationError, ResponseError
 
-from .core.connect import connect, mask_url
+from .core.connect import address_of, connect, mask_url
 from .core.errors import ConfigError, describe_holder
 from .core.inspect import REDIS_ERRORS, LockInfo, force_release, read_lock, scan_locks
 from .core.keys import lock_keys
-from .core.lock import address_of, server_refused
+from .core.stores.redis import server_refused
 from .settings import Settings, load_settings
 from .state import state_for
 

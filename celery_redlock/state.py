@@ -12,9 +12,9 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from .core.base import BaseLock
 from .core.connect import connect
-from .core.lock import Lock
+from .core.lock import Lock, open_store
+from .core.store import Store
 from .settings import Settings, load_settings
 
 __all__ = ["AppState", "state_for"]
@@ -39,11 +39,12 @@ class AppState:
         self._settings: Settings | None = None
         self._clients: Any = None
         self._clients_pid = 0
+        self._store: tuple[Any, Store] | None = None
         self._lock = threading.Lock()
         #: (app.conf, the names Celery looks redlock_disable up by in it), for disabled
         self._disable_names: tuple[Any, tuple[str, ...]] = (None, ())
         #: task id -> lock held for it in this process (released on every exit).
-        self.held: dict[str, BaseLock] = {}
+        self.held: dict[str, Lock] = {}
         #: task class -> what celery_redlock.task resolved for it from these settings
         #: (dropped with the settings by reset()).
         self.plans: dict[Any, Any] = {}
@@ -95,16 +96,20 @@ class AppState:
                     self._clients_pid = pid
         return self._clients
 
-    def make_lock(self, name: str, ttl: float, **options: Any) -> BaseLock:
-        """A core lock on this app's Redis (a ``Redlock`` when several URLs are set)."""
+    def store(self) -> Store:
+        """The core store of this app's Redis, per process (a quorum when several URLs
+        are set)."""
         clients = self.clients()
+        cached = self._store
+        if cached is None or cached[0] is not clients:
+            cached = self._store = (clients, open_store(clients))
+        return cached[1]
+
+    def make_lock(self, name: str, ttl: float, **options: Any) -> Lock:
+        """A core lock on this app's Redis (held by a majority when several URLs are set)."""
         prefix = self.settings["redlock_key_prefix"]
         options.setdefault("fence_ttl", self.settings["redlock_fence_ttl"])
-        if isinstance(clients, list):
-            from .core.redlock import Redlock  # noqa: PLC0415 - only Redlock users need it
-
-            return Redlock(clients, name, ttl, key_prefix=prefix, **options)
-        return Lock(clients, name, ttl, key_prefix=prefix, **options)
+        return Lock(self.store(), name, ttl, key_prefix=prefix, **options)
 
 
 def state_for(app: Any) -> AppState:

@@ -36,8 +36,7 @@ from typing import Any, ClassVar
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 
-from .core import _pid
-from .core.base import BaseLock
+from .core import process
 from .core.errors import ConfigError, LockContended, LockLost, QuorumUnavailable, describe_holder
 from .core.keys import KeyTemplate, render_value
 from .core.lock import Lock
@@ -99,7 +98,7 @@ class LockedTask(Task):  # type: ignore[misc]
         prepare_task_class(cls)
 
     @property
-    def lock(self) -> BaseLock | None:
+    def lock(self) -> Lock | None:
         """The lock held for the running request (None outside a locked run)."""
         return getattr(self.request, "_redlock_lock", None)
 
@@ -367,25 +366,19 @@ class _Plan:
 
     Options come from the task class or, when it leaves one unset, from ``redlock_*``
     settings; both are fixed once the app's settings are loaded (``AppState.reset()``
-    drops this with them). Each run builds its lock from ``proto``, a lock with these
-    options that is never taken itself.
+    drops this with them). Each run builds its lock with these options.
     """
 
-    __slots__ = ("max_hold", "on_contended", "pid", "proto", "ttl", "wait_timeout")
+    __slots__ = ("max_hold", "on_contended", "pid", "ttl", "wait_timeout")
 
     def __init__(self, task: Any, state: AppState) -> None:
-        self.pid = _pid.current  # a forked child makes its own (clients are per process)
+        self.pid = process.pid()  # a forked child makes its own (clients are per process)
         self.on_contended: str = option(task, "lock_on_contended", state)
         self.wait_timeout: float | None = option(task, "lock_wait_timeout", state)
         self.ttl: float = option(task, "lock_ttl", state)
         self.max_hold: float | None = option(task, "lock_max_hold", state)
-        proto = state.make_lock(str(task.name), self.ttl, max_hold=self.max_hold, on_lost=on_lost)
-        # Redlock keeps more per-instance state: it is built afresh for every run.
-        self.proto: Lock | None = proto if type(proto) is Lock else None
 
-    def new_lock(self, task: Any, state: AppState, name: str, owner: dict[str, Any]) -> BaseLock:
-        if self.proto is not None:
-            return self.proto._spawn(name, owner)
+    def new_lock(self, task: Any, state: AppState, name: str, owner: dict[str, Any]) -> Lock:
         return state.make_lock(
             name, self.ttl, owner_info=owner, max_hold=self.max_hold, on_lost=on_lost
         )
@@ -393,7 +386,7 @@ class _Plan:
 
 def _plan_for(task: Any, state: AppState) -> _Plan:
     plan: _Plan | None = state.plans.get(type(task))
-    if plan is None or plan.pid != _pid.current:
+    if plan is None or plan.pid != process.pid():
         plan = state.plans[type(task)] = _Plan(task, state)
     return plan
 
@@ -480,7 +473,7 @@ def _new_lock(
     request: Any = None,
     *,
     plan: _Plan | None = None,
-) -> BaseLock:
+) -> Lock:
     owner = {"task_name": task.name, "task_id": task_id}
     hostname = getattr(task.request if request is None else request, "hostname", None)
     if hostname:
@@ -564,7 +557,7 @@ def run_locked(
     skip = getattr(request, "_redlock_skip", None)
     if skip is not None:
         return skip
-    lock: BaseLock | None = getattr(request, "_redlock_lock", None)
+    lock: Lock | None = getattr(request, "_redlock_lock", None)
     if lock is None and not getattr(request, "_redlock_checked", False):
         # Called directly (``task(...)``), not through a worker or apply(): lock here.
         direct = _acquire_direct(task, args, kwargs)
@@ -609,9 +602,7 @@ def _acquire_direct(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     raise LockContended(name, lock.holder)
 
 
-def release_for_request(
-    task: Any, lock: BaseLock, task_id: str | None, request: Any = None
-) -> None:
+def release_for_request(task: Any, lock: Lock, task_id: str | None, request: Any = None) -> None:
     """Release a task's lock; problems are logged, never raised over the task's outcome."""
     state = state_for(task.app)
     if task_id is not None:

@@ -21,8 +21,9 @@ from click.testing import CliRunner, Result
 from servers import ClusterSetup, RedisServer, free_port
 
 from celery_redlock import Lock
-from celery_redlock.core.lock import address_of
+from celery_redlock.core.connect import address_of
 from celery_redlock.core.scripts import FORCE_RELEASE
+from celery_redlock.core.stores.redis import RedisStore
 from tests.apps import locksapp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -215,8 +216,8 @@ def test_confirmed_release_leaves_a_lock_taken_meanwhile_alone(
     """force_release.lua with the confirmed fence does not remove a newer acquisition."""
     lock = hold(locks_on, "sync:11")
     stale = str((lock.fence or 0) - 1)
-    code, _, fence = FORCE_RELEASE(
-        locks_on, ["redlock:{sync:11}", "redlock:{sync:11}:notify"], [1000, stale]
+    code, _, fence = RedisStore.of(locks_on).call(
+        FORCE_RELEASE(["redlock:{sync:11}", "redlock:{sync:11}:notify"], [1000, stale])
     )
     assert (code, int(fence)) == (-1, lock.fence)
     assert lock.owned()

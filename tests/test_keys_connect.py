@@ -30,9 +30,8 @@ from redis.connection import SSLConnection, UnixDomainSocketConnection
 from servers import RedisServer, free_port
 
 from celery_redlock import ConfigError, KeyTemplate, Lock, QuorumUnavailable, connect
-from celery_redlock.core.connect import LOCK_CLIENT_DEFAULTS, mask_url
+from celery_redlock.core.connect import LOCK_CLIENT_DEFAULTS, address_of, mask_url
 from celery_redlock.core.keys import MAX_NAME_LENGTH, lock_keys, normalize_name, render_value
-from celery_redlock.core.lock import address_of
 
 names = st.text(min_size=1, max_size=300)
 identifiers = st.from_regex(r"\A[A-Za-z_][A-Za-z0-9_]{0,11}\Z")

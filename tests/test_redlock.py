@@ -26,9 +26,9 @@ from celery_redlock import (
     connect,
 )
 from celery_redlock.core.keys import lock_keys
-from celery_redlock.core.lock import wait_for_notice
-from celery_redlock.core.redlock import MAX_POOL_WORK
 from celery_redlock.core.renewal import get_manager
+from celery_redlock.core.send import MAX_QUEUED
+from celery_redlock.core.stores.redis import RedisStore
 
 Servers = Callable[[int], list[RedisServer]]
 ProxyFactory = Callable[[RedisServer], FaultProxy]
@@ -118,8 +118,8 @@ def test_split_vote_retries_soon_and_gives_back_what_it_took(redis_servers: Serv
     """No one has a majority (two other owners, one master each): retry after jitter, not TTL."""
     servers = redis_servers(3)
     clients = clients_of(servers)
-    x = Lock(clients[0], "rl:split", ttl=10, auto_renew=False)
-    y = Lock(clients[1], "rl:split", ttl=10, auto_renew=False)
+    x = Lock(clients[0], "rl:split", ttl=10, auto_renew=False, owner_info={"task_id": "x"})
+    y = Lock(clients[1], "rl:split", ttl=10, auto_renew=False, owner_info={"task_id": "y"})
     assert x.acquire(blocking=False) and y.acquire(blocking=False)
     servers[2].reset_stats()
     lock = Redlock(clients, "rl:split", ttl=2)  # per-node timeout 100 ms: jitter <= 100 ms
@@ -406,7 +406,7 @@ def test_fences_rise_across_holders_whose_quorums_differ(
             fences.append(lock.fence)
             lock.release()
             # Stay silent until every request to it has given up, so none lands later.
-            node = lock._masters[down].node
+            node = lock.store.members[down]
             assert wait_for(lambda node=node: not node.running, 5)
         finally:
             proxies[down].heal()
@@ -415,36 +415,19 @@ def test_fences_rise_across_holders_whose_quorums_differ(
     assert int(servers[1].client().get(fence_key)) == 102
 
 
-def test_a_master_that_lost_its_scripts_gets_them_inline_even_with_its_pool_busy(
-    redis_servers: Servers,
-) -> None:
-    """SCRIPT FLUSH on one master whose pool calls all count as stuck (as on a first TLS
-    contact, where each handshake takes tens of ms): the NOSCRIPT reply is answered by
-    sending the script whole on the same connection, so that master still grants.
-
-    Before, the request was handed to the (full) pool and the NOSCRIPT error was the
-    master's answer: a fence write-back there failed and the acquire lost its quorum.
-    """
+def test_a_master_that_lost_its_scripts_gets_them_inline(redis_servers: Servers) -> None:
+    """SCRIPT FLUSH on one master: its NOSCRIPT reply is answered by sending the script
+    whole on the same connection, so that master still grants (and releases)."""
     servers = redis_servers(3)
     lock = Redlock(clients_of(servers), "rl:noscript", ttl=5, auto_renew=False)
     with lock:  # every master now has an open connection and the scripts
         pass
     servers[1].client().script_flush()
-    node = lock._masters[1].node
-    # Pool calls that count as stuck but not as lagging (so requests still go out).
-    tickets = [node.start(time.monotonic() + 3600, pooled=True) for _ in range(MAX_POOL_WORK)]
-    for ticket in tickets:
-        node.mark_late(ticket)
-    try:
-        assert node.pool_full(time.monotonic())
-        assert lock.acquire(blocking=False), lock.masters
-        assert lock.masters[f"127.0.0.1:{servers[1].port}/0"].startswith("acquired"), lock.masters
-        assert holds_key(servers[1], "rl:noscript")
-        lock.release()
-        assert wait_for(lambda: not holds_key(servers[1], "rl:noscript"), 2)
-    finally:
-        for ticket in tickets:
-            node.finish(ticket)
+    assert lock.acquire(blocking=False), lock.masters
+    assert lock.masters[f"127.0.0.1:{servers[1].port}/0"].startswith("acquired"), lock.masters
+    assert holds_key(servers[1], "rl:noscript")
+    lock.release()
+    assert wait_for(lambda: not holds_key(servers[1], "rl:noscript"), 2)
 
 
 def test_fence_ttl_on_redlock_keeps_a_ttl_on_every_masters_counter(
@@ -486,7 +469,7 @@ def test_a_blackholed_master_neither_slows_acquires_nor_ties_up_the_pool(
             lock.release()
             hanging = max(hanging, proxies[0].connection_count)
         assert time.monotonic() - began < 50 * lock.per_node_timeout / 4
-        assert hanging <= MAX_POOL_WORK + 2, hanging
+        assert hanging <= MAX_QUEUED + 2, hanging
         assert "not answering" in lock.masters[f"127.0.0.1:{proxies[0].port}/0"]
     finally:
         proxies[0].heal()
@@ -502,7 +485,7 @@ def test_waiting_on_a_master_that_went_silent_is_a_redlock_error(
     client = connect(proxy.url, socket_timeout=0.2, socket_connect_timeout=0.2)
     proxy.blackhole()
     with pytest.raises(QuorumUnavailable):
-        wait_for_notice(client, lock_keys("rl:silent-wait").notify, 0.5)
+        RedisStore.of(client).wait(lock_keys("rl:silent-wait"), 0.5)
     proxy.heal()
 
 

@@ -42,8 +42,10 @@ from celery_redlock import (
     QuorumUnavailable,
     is_skipped,
 )
-from celery_redlock.core.base import BaseLock
 from celery_redlock.core.keys import LockKeys
+from celery_redlock.core.lock import Lock as CoreLock
+from celery_redlock.core.scripts import Status
+from celery_redlock.core.stores.redis import RedisStore
 from celery_redlock.interrupt import Watch, watch_of
 from celery_redlock.state import state_for
 from celery_redlock.task import needs_postrun_net
@@ -746,7 +748,7 @@ def test_a_locked_run_leaves_nothing_to_the_cyclic_garbage_collector(env: Env) -
         return n
 
     assert work.apply((0,)).get() == 0  # warm-up: client, plan and renewal thread exist now
-    ours = (BaseLock, LockKeys, Watch)
+    ours = (CoreLock, LockKeys, Watch)
     gc.collect()
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds unreachable stays in gc.garbage
@@ -887,19 +889,20 @@ def test_release_racing_a_renewal_round_is_not_reported_lost(
     """A renewal round that answers "key gone" after our own release does not mark it lost."""
     lost: list[Any] = []
 
-    class RacingLock(Lock):
-        in_flight: Any = ()
+    class RacingStore(RedisStore):
+        lock: Any = None
 
-        def _do_release(self, token: str) -> int:
-            code = super()._do_release(token)
+        def release(self, keys: Any, token: str, notice_ms: int) -> Status:
+            status = super().release(keys, token, notice_ms)
             # The answer of a round that took its targets before release() started: the
-            # key is gone now (code 0), because we just deleted it ourselves.
-            self._renewal_result(time.monotonic(), self.in_flight, [0])
-            return code
+            # key is gone now, because we just deleted it ourselves.
+            self.lock.renewed(time.monotonic(), token, Status.GONE)
+            return status
 
-    lock = RacingLock(env.locks, "race", ttl=5, on_lost=lost.append)
+    store = RacingStore(env.locks)
+    lock = Lock(store, "race", ttl=5, on_lost=lost.append)
+    store.lock = lock
     assert lock.acquire(blocking=False)
-    lock.in_flight = lock._renewal_targets()
     lock.release()
     assert lost == []
     assert not lock.lost

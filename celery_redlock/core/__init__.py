@@ -1,11 +1,13 @@
 """The lock core: Redis locks with no knowledge of Celery.
 
-Dependency points one way: this package never imports celery.
+Dependency points one way: this package never imports celery. The lock logic
+(:mod:`.lock`) talks to Redis only through a store (:mod:`.store`): one Redis
+(:mod:`.stores.redis`) or a quorum of masters (:mod:`.stores.quorum`), which send
+through one path (:mod:`.send`, :mod:`.fanout`).
 """
 
 from __future__ import annotations
 
-from .base import BaseLock
 from .connect import connect, mask_url
 from .errors import (
     ConfigError,
@@ -17,12 +19,11 @@ from .errors import (
 )
 from .events import LockEvent, add_hook, remove_hook
 from .keys import KeyTemplate, lock_keys, render_value
-from .lock import Lock
-from .redlock import Redlock
+from .lock import Lock, Redlock, open_store
 from .renewal import get_manager
+from .store import Store
 
 __all__ = [
-    "BaseLock",
     "ConfigError",
     "KeyTemplate",
     "Lock",
@@ -33,11 +34,13 @@ __all__ = [
     "QuorumUnavailable",
     "Redlock",
     "RedlockError",
+    "Store",
     "add_hook",
     "connect",
     "get_manager",
     "lock_keys",
     "mask_url",
+    "open_store",
     "remove_hook",
     "render_value",
 ]

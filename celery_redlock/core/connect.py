@@ -22,7 +22,7 @@ from redis.sentinel import Sentinel
 
 from .errors import ConfigError
 
-__all__ = ["LOCK_CLIENT_DEFAULTS", "connect", "mask_url"]
+__all__ = ["LOCK_CLIENT_DEFAULTS", "address_of", "connect", "mask_url"]
 
 #: Defaults for clients that carry lock traffic; every one can be overridden.
 LOCK_CLIENT_DEFAULTS: dict[str, Any] = {
@@ -177,3 +177,19 @@ def _sentinel(url: str, options: dict[str, Any]) -> redis.Redis:
     sentinel = Sentinel(hosts, sentinel_kwargs=sentinel_kwargs, **options)  # type: ignore[no-untyped-call]
     client: redis.Redis = sentinel.master_for(master, **options)  # type: ignore[no-untyped-call]
     return client
+
+
+def address_of(client: Any) -> str:
+    """``host:port/db`` (or the socket path, or the Sentinel service) of a client, never
+    its password."""
+    if isinstance(client, RedisCluster):
+        nodes = client.get_nodes()  # type: ignore[no-untyped-call]
+        return "cluster(" + ",".join(f"{n.host}:{n.port}" for n in nodes[:3]) + ")"
+    pool = client.connection_pool
+    service = getattr(pool, "service_name", None)
+    if service:
+        return f"sentinel-master:{service}"
+    kwargs = getattr(pool, "connection_kwargs", {})
+    if kwargs.get("path"):
+        return f"unix:{kwargs['path']}"
+    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}"

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisError
 
 from .errors import ConfigError
 from .keys import lock_keys
-from .lock import parse_holder
 from .scripts import FORCE_RELEASE
+from .store import parse_holder, text
+from .stores.redis import REDIS_ERRORS, RedisStore
 
 __all__ = [
     "REDIS_ERRORS",
@@ -36,9 +37,6 @@ __all__ = [
     "read_lock",
     "scan_locks",
 ]
-
-#: What a call here raises when its node cannot be reached or refuses the command.
-REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, RedisClusterException)
 
 #: Keys asked for per SCAN round trip, and lock hashes read per pipeline.
 SCAN_COUNT = 500
@@ -105,7 +103,7 @@ def scan_locks(client: Any, prefix: str, pattern: str = "*") -> list[LockInfo]:
         keys = sorted(
             {
                 key
-                for key in (_text(k) for k in _scan(node, match))
+                for key in (text(k) for k in _scan(node, match))
                 if key.startswith(prefix + "{")
                 and key.endswith("}")
                 and not key.endswith((":fence", ":notify", ":waiting"))
@@ -129,7 +127,7 @@ def read_lock(client: Any, prefix: str, name: str) -> LockInfo | None:
     found = _read(client, [key], prefix)
     if found:
         return found[0]
-    kind = _text(client.type(key))
+    kind = text(client.type(key))
     if kind != "none":  # something is there, but not a lock celery-redlock wrote
         what = "a hash without a lock token" if kind == "hash" else f"a {kind}"
         raise ConfigError(
@@ -158,7 +156,9 @@ def force_release(
     keys = lock_keys(name, prefix)
     notice_ms = max(1, round(notice_ttl * 1000))
     expected = "" if fence is None else str(fence)
-    reply = FORCE_RELEASE(client, [keys.lock, keys.notify], [notice_ms, expected])
+    reply = RedisStore.of(client).call(
+        FORCE_RELEASE([keys.lock, keys.notify], [notice_ms, expected])
+    )
     code = int(reply[0])
     if code == 0:
         return ForceRelease("gone")
@@ -202,13 +202,5 @@ def _read(node: Any, keys: Sequence[str], prefix: str) -> list[LockInfo]:
 
 
 def _int(value: Any) -> int | None:
-    text = _text(value)
-    return int(text) if text.isascii() and text.isdigit() else None  # not "²": int() refuses it
-
-
-def _text(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return str(value)
+    digits = text(value)
+    return int(digits) if digits.isascii() and digits.isdigit() else None  # not "²"

@@ -1,59 +1,98 @@
-"""``Lock``: a lock on one Redis (a plain server, a Sentinel master, or a Cluster)."""
+"""``Lock`` and ``Redlock``: the state of one lock, over a store that does the I/O.
+
+``acquire``, ``release``, ``extend`` and ``owned`` check and change the local
+state of an acquisition (token, fence, local deadline, reentrancy count, lost);
+the store (:mod:`celery_redlock.core.store`) talks to Redis. A ``Lock`` on one
+client uses a :class:`RedisStore`; on a list of clients, or as ``Redlock``, a
+:class:`QuorumStore` over independent masters.
+
+Why the local deadline is authoritative: validity is ``ttl - elapsed - drift``
+(drift = 1% of the TTL + 2 ms) counted with ``time.monotonic()`` from *before*
+the first request was sent. Redis may keep the key a little longer, never
+shorter, so while ``monotonic() < valid_until`` no one else can hold the lock.
+Past it, without a confirmed renewal, the lock counts as lost, whatever the
+process still believes.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
+import math
+import os
+import socket
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from types import TracebackType
+from typing import Any, TypeVar
 
-import redis
-from redis.cluster import RedisCluster
-from redis.exceptions import (
-    BusyLoadingError,
-    ClusterDownError,
-    OutOfMemoryError,
-    ReadOnlyError,
-    RedisError,
-    ResponseError,
-    TryAgainError,
-)
+from . import events, process
+from .errors import ConfigError, LockContended, LockLost, NotOwned, QuorumUnavailable, RedlockError
+from .keys import LockKeys, lock_keys
+from .renewal import get_manager
+from .scripts import Status
+from .store import Grant, Store
+from .stores.quorum import QuorumStore
+from .stores.redis import RedisStore
 
-from .base import Attempt, BaseLock
-from .errors import ConfigError, QuorumUnavailable
-from .keys import LockKeys
-from .scripts import ACQUIRE, EXTEND, RELEASE
+__all__ = ["DEFAULT_FENCE_TTL", "Lock", "Redlock", "drift", "open_store", "ttl_to_ms"]
 
-__all__ = [
-    "Lock",
-    "address_of",
-    "check_client",
-    "foreign_data_message",
-    "parse_holder",
-    "server_refused",
-    "wait_for_notice",
-]
+log_acquire = logging.getLogger("celery_redlock.acquire")
+log_release = logging.getLogger("celery_redlock.release")
+log_renew = logging.getLogger("celery_redlock.renew")
 
-log = logging.getLogger("celery_redlock.acquire")
+TOKEN_BYTES = 20  # 160 random bits per acquisition
+#: How long an unused fence counter lives (seconds; None: for ever); see docs/redlock.md.
+DEFAULT_FENCE_TTL: float | None = None
+_HOSTNAME = socket.gethostname()
+
+_L = TypeVar("_L", bound="Lock")
 
 
-class Lock(BaseLock):
-    """A lease on one Redis, kept alive by the per-process renewal thread.
+def ttl_to_ms(ttl: float, what: str = "ttl") -> int:
+    """Seconds (float) to whole milliseconds, refusing what Redis cannot store."""
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl):
+        raise ConfigError(f"{what} must be a finite number of seconds, got {ttl!r}")
+    ms = round(ttl * 1000)
+    if not ms >= 1:
+        raise ConfigError(f"{what} must be at least 0.001 seconds, got {ttl!r}")
+    return int(ms)
+
+
+def drift(ttl: float) -> float:
+    """Clock drift allowance for a lease of *ttl* seconds: 1% + 2 ms."""
+    return 0.01 * ttl + 0.002
+
+
+def open_store(target: Any, *, per_node_timeout: float | None = None) -> Store:
+    """The store for *target*: a store as it is, a list of clients as a quorum of
+    masters (Redlock), one client (plain, Sentinel master or Cluster) as one Redis."""
+    if isinstance(target, (RedisStore, QuorumStore)):
+        return target
+    if isinstance(target, (list, tuple)):
+        return QuorumStore(target, per_node_timeout=per_node_timeout)
+    return RedisStore.of(target)
+
+
+class Lock:
+    """A lease on Redis, kept alive by the per-process renewal thread.
 
     >>> lock = Lock(redis.Redis(), "report:2024-06", ttl=30)
     >>> with lock:                # raises LockContended if someone else holds it
     ...     write(fence=lock.fence)
 
-    Every mutation is one owner-checked Lua script; a fresh 160-bit token per
-    acquisition means nobody releases or extends what they do not own: not
-    another thread, not a forked child, not a retried duplicate.
+    *target* is a ``redis.Redis`` (or a Sentinel ``master_for()`` client, or a
+    ``RedisCluster``), a list of clients of independent masters (a Redlock
+    quorum), or a store from :func:`open_store`. Every mutation is one
+    owner-checked Lua script; a fresh 160-bit token per acquisition means nobody
+    releases or extends what they do not own: not another thread, not a forked
+    child, not a retried duplicate.
     """
 
     def __init__(
         self,
-        client: Any,
+        target: Any,
         name: str,
         ttl: float = 30.0,
         *,
@@ -64,311 +103,448 @@ class Lock(BaseLock):
         owner_info: Mapping[str, Any] | None = None,
         blocking: bool = True,
         timeout: float | None = None,
-        on_lost: Callable[[Any], object] | None = None,
-        fence_ttl: float | None = None,
+        on_lost: Callable[[Lock], object] | None = None,
+        fence_ttl: float | None = DEFAULT_FENCE_TTL,
     ) -> None:
-        check_client(client)
-        self.client = client
-        super().__init__(
-            name,
-            ttl,
-            key_prefix=key_prefix,
-            auto_renew=auto_renew,
-            reentrant=reentrant,
-            max_hold=max_hold,
-            owner_info=owner_info,
-            blocking=blocking,
-            timeout=timeout,
-            on_lost=on_lost,
-            fence_ttl=fence_ttl,
-        )
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"lock name must be a non-empty string, got {name!r}")
+        self.ttl_ms = ttl_to_ms(ttl)
+        self.ttl = self.ttl_ms / 1000.0
+        #: Idle time after which the fence counter may expire (0: never); see acquire.lua.
+        self.fence_ttl_ms = 0 if fence_ttl is None else ttl_to_ms(fence_ttl, "fence_ttl")
+        if max_hold is not None:
+            ttl_to_ms(max_hold, "max_hold")
+        if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
+            raise ConfigError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
+        if owner_info is not None and not isinstance(owner_info, Mapping):
+            raise ConfigError(f"owner_info must be a mapping, got {type(owner_info).__name__}")
+        self.store: Store = open_store(target)
+        self.name = name
+        self.keys: LockKeys = lock_keys(name, key_prefix)
+        self.key_prefix = key_prefix
+        self.auto_renew = bool(auto_renew)
+        self.reentrant = bool(reentrant)
+        self.max_hold = max_hold
+        self.owner_info: dict[str, Any] = dict(owner_info or {})
+        self.blocking = blocking
+        self.timeout = timeout
+        self.on_lost = on_lost
+        #: The other owner's record, from the last contended attempt.
+        self.holder: dict[str, Any] = {}
+        #: The other owner's remaining lease (ms) at the last contended attempt.
+        self.holder_ttl_ms: int | None = None
+        #: What each master answered in the last attempt (quorum stores).
+        self.masters: dict[str, str] = {}
+        self._state = threading.RLock()
+        self._token: str | None = None
+        self._pid = 0
+        self._fence: int | None = None
+        self._valid_until = 0.0
+        self._acquired_at = 0.0
+        self._count = 0
+        self._lost = False
+        self._lost_reason = ""
+        self._max_hold_logged = False
 
-    # -- I/O --------------------------------------------------------------------------
+    # -- state ------------------------------------------------------------------------
+    def _held_here(self) -> bool:
+        return self._token is not None and self._pid == process.pid()
+
     @property
-    def _release_keys(self) -> list[str]:
-        return [self.keys.lock, self.keys.notify, self.keys.waiting]
+    def fence(self) -> int | None:
+        """The fencing token of the current acquisition (strictly increasing per key)."""
+        return self._fence if self._held_here() else None
 
-    def _unavailable(self, exc: BaseException) -> QuorumUnavailable:
-        return QuorumUnavailable(
-            self.name, {address_of(self.client): f"{type(exc).__name__}: {exc}"}
-        )
+    @property
+    def token(self) -> str | None:
+        """The random token of the current acquisition (None when not held here)."""
+        return self._token if self._held_here() else None
 
-    def _do_acquire(self, token: str, info: str, wait: bool) -> Attempt:
-        started = time.monotonic()
-        keys = self.keys
-        if wait or self.fence_ttl_ms:
-            script_keys = [keys.lock, keys.fence, keys.waiting]
-            args: list[Any] = [token, self.ttl_ms, info, "1" if wait else "0", self.fence_ttl_ms]
-        else:
-            # No waiter mark to set and no counter lifetime: the script's optional key and
-            # arguments are left out (three fewer values to pack, send and hand to Lua).
-            script_keys = [keys.lock, keys.fence]
-            args = [token, self.ttl_ms, info]
-        try:
-            reply = ACQUIRE(self.client, script_keys, args)
-        except ResponseError as exc:
-            if server_refused(exc):  # out of memory, a read-only replica, ...: retry later
-                log.debug("acquire of %r refused by Redis (%s)", self.name, exc)
-                raise self._unavailable(exc) from exc
-            # Foreign data at one of the lock's keys. A script stops at its first error but
-            # keeps what it wrote before it: take back whatever this token may hold.
-            self._do_abandon(token)
-            message = foreign_data_message(self.client, self.keys, self.key_prefix, exc)
-            raise ConfigError(message) from exc
-        except RedisError as exc:
-            # The script may have run before the reply was lost: take back what
-            # this token might hold, so an unclear attempt leaves no orphan.
-            self._do_abandon(token)
-            # Debug only: the caller gets QuorumUnavailable with the same facts and logs it
-            # once with its own context (the Celery adapter names the task); a warning here too
-            # gave two lines per failed attempt.
-            log.debug("acquire of %r failed: Redis unavailable (%s)", self.name, exc)
-            raise self._unavailable(exc) from exc
-        if int(reply[0]) == 1:
-            return Attempt(True, started, fence=int(reply[1]))
-        ttl_ms = int(reply[2])
-        if ttl_ms == -1:  # our locks always expire: this key was written by something else
-            log.warning(
-                "lock %r is held with NO expiry (%r has no TTL): it is never freed by itself; "
-                "if its holder is gone, remove it with `celery locks release %s`",
-                self.name,
-                self.keys.lock,
-                self.name,
-            )
-        return Attempt(False, started, holder=parse_holder(reply[1]), ttl_ms=ttl_ms)
+    @property
+    def valid_until(self) -> float:
+        """``time.monotonic()`` deadline of the lease (0.0 when not held)."""
+        return self._valid_until if self._held_here() else 0.0
 
-    def _do_release(self, token: str) -> int:
-        try:
-            return int(RELEASE(self.client, self._release_keys, [token, self.ttl_ms]))
-        except RedisError as exc:
-            log.debug(  # the caller gets QuorumUnavailable and reports it (see _do_acquire)
-                "release of %r failed: Redis unavailable (%s); it expires within %ss",
-                self.name,
-                exc,
-                self.ttl,
-            )
-            raise self._unavailable(exc) from exc
+    @property
+    def lost(self) -> bool:
+        """True once the current acquisition was lost (expired, taken, or past deadline)."""
+        return self._lost
 
-    def _do_abandon(self, token: str) -> None:
-        # On failure the lease expires by itself within one TTL.
-        with contextlib.suppress(RedisError):
-            RELEASE(self.client, self._release_keys, [token, self.ttl_ms])
+    @property
+    def lost_reason(self) -> str:
+        """Why the current acquisition was lost ("" while it is not)."""
+        return self._lost_reason if self._lost else ""
 
-    def _do_extend(self, token: str, ms: int, replace: bool) -> int:
-        try:
-            return int(EXTEND(self.client, [self.keys.lock], [token, ms, "1" if replace else "0"]))
-        except RedisError as exc:
-            raise self._unavailable(exc) from exc
+    @property
+    def held_for(self) -> float:
+        """Seconds since the current acquisition (0.0 when not held)."""
+        return time.monotonic() - self._acquired_at if self._held_here() else 0.0
 
-    def _do_owned(self, token: str) -> bool:
-        try:
-            current = self.client.hget(self.keys.lock, "token")
-        except ResponseError as exc:
-            if server_refused(exc):
-                raise self._unavailable(exc) from exc
-            return False  # the key holds foreign data: this owner's lock is gone
-        except RedisError as exc:
-            raise self._unavailable(exc) from exc
-        return _text(current) == token
+    def _holder_record(self) -> str:
+        """The JSON holder record stored with the lock: host, pid, when, and owner_info."""
+        record: dict[str, Any] = {
+            "hostname": _HOSTNAME,
+            "pid": process.pid(),
+            "acquired_at": round(time.time(), 3),
+        }
+        record.update(self.owner_info)
+        return json.dumps(record, separators=(",", ":"), default=str)
 
-    def _do_locked(self) -> bool:
-        try:
-            return bool(self.client.exists(self.keys.lock))
-        except RedisError as exc:
-            raise self._unavailable(exc) from exc
+    # -- public API -----------------------------------------------------------------
+    def acquire(self, blocking: bool | None = None, timeout: float | None = None) -> bool:
+        """Take the lock; ``False`` when another owner holds it (non-blocking, or timed out).
 
-    def _do_release_matching(self, match: Mapping[str, Any]) -> bool:
-        try:
-            token, info = self.client.hmget(self.keys.lock, ["token", "info"])
-            holder = parse_holder(info)
-            if token is None or any(holder.get(k) != v for k, v in match.items()):
+        Blocking waits are woken by the holder's release notice and capped at the
+        holder's remaining lease, since expiry sends no notice. Raises
+        :class:`QuorumUnavailable` promptly when Redis cannot answer, also when
+        blocking: waiting is for contention, not for outages.
+        """
+        blocking = self.blocking if blocking is None else blocking
+        timeout = self.timeout if timeout is None else timeout
+        with self._state:
+            if self._held_here() and not self._lost:
+                if not self.reentrant:
+                    raise RedlockError(
+                        f"lock {self.name!r} is already held by this Lock object; "
+                        "pass reentrant=True to take it again"
+                    )
+                self._count += 1
+                return True
+        begin = time.monotonic()
+        deadline = None if timeout is None else begin + timeout
+        record = self._holder_record()
+        while True:
+            token = os.urandom(TOKEN_BYTES).hex()  # 160 fresh CSPRNG bits per attempt
+            will_wait = blocking and (deadline is None or time.monotonic() < deadline)
+            started = time.monotonic()
+            grant = self.store.acquire(
+                self.keys,
+                token,
+                self.ttl_ms,
+                record,
+                wait=will_wait,
+                fence_ttl_ms=self.fence_ttl_ms,
+            )  # raises QuorumUnavailable
+            self.masters = dict(grant.masters)
+            if grant.acquired:
+                valid_until = started + self.ttl - drift(self.ttl)
+                if time.monotonic() < valid_until:
+                    self._take(token, grant, started, valid_until)
+                    waited = time.monotonic() - begin
+                    self._event("acquired", waited=waited)
+                    log_acquire.debug(
+                        "acquired %r fence=%s after %.1f ms", self.name, grant.fence, waited * 1000
+                    )
+                    return True
+                # The answer came back after the lease was already spent (a long
+                # pause): it cannot be trusted to exclude anyone. Give it back.
+                self.store.abandon(self.keys, token, self.ttl_ms)
+                log_acquire.warning("acquire of %r answered too late to be valid", self.name)
+            else:
+                self.holder = dict(grant.holder)
+                self.holder_ttl_ms = grant.holder_ttl_ms
+                if grant.holder_ttl_ms == -1:  # our locks always expire: not written by us
+                    log_acquire.warning(
+                        "lock %r is held with NO expiry (%r has no TTL): it is never freed by "
+                        "itself; if its holder is gone, remove it with `celery locks release %s`",
+                        self.name,
+                        self.keys.lock,
+                        self.name,
+                    )
+            now = time.monotonic()
+            left = None if deadline is None else deadline - now
+            if not blocking or (left is not None and left <= 0):
+                self._event("contended", holder=self.holder, waited=now - begin)
                 return False
-            return int(RELEASE(self.client, self._release_keys, [_text(token), self.ttl_ms])) == 1
-        except ResponseError as exc:
-            raise self._refused(exc) from exc
-        except RedisError as exc:
-            raise self._unavailable(exc) from exc
+            wait = self.ttl if not grant.wait_ms or grant.wait_ms < 0 else grant.wait_ms / 1000
+            if left is not None:
+                wait = min(wait, left)
+            self.store.wait(self.keys, max(wait, 0.001), grant)
 
-    def _do_read_holder(self) -> dict[str, Any] | None:
-        try:
-            token, info = self.client.hmget(self.keys.lock, ["token", "info"])
-        except ResponseError as exc:
-            raise self._refused(exc) from exc
-        except RedisError as exc:
-            raise self._unavailable(exc) from exc
-        return None if token is None else parse_holder(info)
+    def _take(self, token: str, grant: Grant, started: float, valid_until: float) -> None:
+        with self._state:
+            self._token = token
+            self._pid = process.pid()
+            self._fence = grant.fence
+            self._valid_until = valid_until
+            self._acquired_at = started
+            self._count = 1
+            self._lost = False
+            self._lost_reason = ""
+            self._max_hold_logged = False
+        if self.auto_renew:
+            get_manager().register(self)
 
-    def _refused(self, exc: ResponseError) -> QuorumUnavailable | ConfigError:
-        """A refused command: the server cannot serve now (unavailable), or foreign data."""
-        if server_refused(exc):
-            return self._unavailable(exc)
-        return ConfigError(foreign_data_message(self.client, self.keys, self.key_prefix, exc))
+    def release(self) -> None:
+        """Give the lock back (owner-checked) and wake one waiter.
 
-    def _do_wait(self, seconds: float) -> None:
-        wait_for_notice(self.client, self.keys.notify, seconds)
-
-    def _targets(self, token: str) -> Sequence[tuple[Any, str, str, int]]:
-        return ((self.client, self.keys.lock, token, self.ttl_ms),)
-
-    def _combine_renewal(self, outcomes: Sequence[int | BaseException]) -> int | BaseException:
-        return outcomes[0]
-
-
-def wait_for_notice(client: Any, notify_key: str, seconds: float) -> None:
-    """Block up to *seconds* for a release notice on *notify_key*: one BLPOP.
-
-    The BLPOP runs on a connection taken from the pool with its own read
-    deadline, so a wait longer than the client's socket timeout is still one
-    command, and redis-py's retry policy never re-sends it.
-    """
-    if isinstance(client, RedisCluster):
-        client = client.get_redis_connection(
-            client.get_node_from_key(notify_key)  # type: ignore[no-untyped-call]
+        Raises :class:`NotOwned` if this object does not hold it, and
+        :class:`LockLost` if it was held but another owner has it now or its lease
+        ran out first. A key that is simply gone while the lease was still valid
+        (removed by ``celery locks release --force``, or a re-sent release whose
+        first copy already deleted it) counts as released.
+        """
+        with self._state:
+            if not self._held_here():
+                raise NotOwned(self.name, self._not_held_reason())
+            if self._count > 1:
+                self._count -= 1
+                return
+            token = self._token
+            assert token is not None
+            was_valid = not self._lost and time.monotonic() < self._valid_until
+            reported = self._lost  # _mark_lost already emitted "lost" for this acquisition
+            held = time.monotonic() - self._acquired_at
+            fence = self._fence
+            # From here on the acquisition is being given back, whatever the store answers:
+            # a renewal round already in flight must not answer "key gone" after our own
+            # release and mark it lost, nor move the deadline of a lease given back.
+            self._token = None
+            self._count = 0
+            self._valid_until = 0.0
+        get_manager().unregister(self)
+        status = self.store.release(self.keys, token, self.ttl_ms)
+        if status is Status.OK or (status is Status.GONE and was_valid):
+            if status is Status.GONE:
+                log_release.info("lock %r was already gone at release (removed)", self.name)
+            else:
+                log_release.debug("released %r fence=%s after %.3f s", self.name, fence, held)
+            self._event("released", held=held, fence=fence)
+            return
+        reason = self._lost_reason or status.describe()
+        log_release.warning(
+            "lock %r was lost before release (%s) after %.3f s: the work it guarded may "
+            "have overlapped with another holder",
+            self.name,
+            reason,
+            held,
         )
-    seconds = round(max(seconds, 0.001), 3)
-    pool = client.connection_pool
-    try:
+        if not reported:
+            self._event("lost", held=held, fence=fence, error=reason)
+        raise LockLost(self.name, reason)
+
+    def extend(self, ttl: float | None = None, *, replace: bool = False) -> None:
+        """Add *ttl* seconds (default: the lock's TTL) to the lease, or set it with replace.
+
+        Never recreates a missing key: that means the lock is lost (:class:`LockLost`).
+        """
+        ms = self.ttl_ms if ttl is None else ttl_to_ms(ttl)
+        with self._state:
+            if not self._held_here():
+                raise NotOwned(self.name, self._not_held_reason())
+            token = self._token
+            assert token is not None
+        started = time.monotonic()
+        self.expire_if_past(started)
+        if self._lost:
+            raise LockLost(self.name, self._lost_reason)
+        outcome = self.store.extend(self.keys, token, ms, replace=replace)
+        if isinstance(outcome, Status):
+            self._mark_lost(outcome.describe())
+            raise LockLost(self.name, outcome.describe())
+        lease = outcome / 1000
+        with self._state:
+            if self._token == token:
+                self._valid_until = started + lease - drift(lease)
+
+    def owned(self) -> bool:
+        """True while this owner still holds the lock.
+
+        False at once past the local deadline; otherwise Redis is asked. If Redis
+        cannot answer, the local deadline decides (still valid, so still owned).
+        """
+        with self._state:
+            if not self._held_here() or self._lost:
+                return False
+            token = self._token
+        now = time.monotonic()
+        if now >= self._valid_until:
+            self.expire_if_past(now)
+            return False
         try:
-            conn = pool.get_connection()
-        except TypeError:  # redis-py < 5.3 requires a command name
-            conn = pool.get_connection("BLPOP")
-    except RedisError as exc:  # connecting (or its handshake) failed
-        raise QuorumUnavailable(
-            notify_key, {address_of(client): f"{type(exc).__name__}: {exc}"}
-        ) from exc
-    try:
-        conn.send_command("BLPOP", notify_key, f"{seconds:.3f}")
-        if conn.can_read(timeout=seconds + 1.0):
-            conn.read_response()
-        else:  # no reply in time: the connection is in an unknown state, drop it
-            conn.disconnect()
-    except RedisError as exc:
-        conn.disconnect()
-        raise QuorumUnavailable(
-            notify_key, {address_of(client): f"{type(exc).__name__}: {exc}"}
-        ) from exc
-    finally:
-        pool.release(conn)
+            holder = self.store.holder(self.keys)
+        except QuorumUnavailable:
+            return time.monotonic() < self._valid_until
+        except ConfigError:  # the key holds foreign data: this owner's lock is gone
+            holder = None
+        mine = holder is not None and holder.token == token
+        if not mine:
+            self._mark_lost("another owner holds it now, or it is gone")
+        return mine
 
+    def release_matching(self, **match: Any) -> bool:
+        """Release whatever acquisition of this name has a holder record matching *match*.
 
-def check_client(client: Any) -> None:
-    """Refuse anything that is not a redis-py client, naming what was given."""
-    if not isinstance(client, (redis.Redis, RedisCluster)):
-        raise ConfigError(
-            f"expected a redis.Redis, a Sentinel master_for() client or a RedisCluster, "
-            f"got {type(client).__module__}.{type(client).__name__}; build one with "
-            "celery_redlock.connect(url)"
+        For a process that did not take the lock but knows its holder is gone: the
+        worker's main process after a hard time limit or a lost child releases the
+        acquisition whose record says ``task_id=<that task>``. The record is read,
+        compared, and the acquisition released by its own token (owner-checked), so
+        a newer holder is never touched. Returns True if something was released.
+        """
+        if not match:
+            raise ConfigError("release_matching() needs at least one field to match")
+        holder = self.store.holder(self.keys)
+        if holder is None or any(holder.record.get(k) != v for k, v in match.items()):
+            return False
+        return self.store.release(self.keys, holder.token, self.ttl_ms) is Status.OK
+
+    def read_holder(self) -> dict[str, Any] | None:
+        """The current holder's record (``task_name``, ``task_id``, ``hostname``, ``pid``,
+        ``acquired_at``), or None when the lock is free."""
+        holder = self.store.holder(self.keys)
+        return None if holder is None else dict(holder.record)
+
+    def locked(self) -> bool:
+        """True when anyone holds the lock."""
+        return self.store.locked(self.keys)
+
+    # -- renewal (the renewal thread calls these) -----------------------------------------
+    def renewal(self) -> tuple[str, int] | None:
+        """(token, lease ms) to renew this round, or None to skip (not held, lost, or
+        past ``max_hold``)."""
+        with self._state:
+            if not self._held_here() or self._lost or self._token is None:
+                return None
+            if self.max_hold is not None and self.held_for >= self.max_hold:
+                if not self._max_hold_logged:
+                    self._max_hold_logged = True
+                    log_renew.warning(
+                        "lock %r reached max_hold=%ss: no longer renewed, expires within %ss",
+                        self.name,
+                        self.max_hold,
+                        self.ttl,
+                    )
+                return None
+            return self._token, self.ttl_ms
+
+    def renewed(self, started: float, token: str, outcome: Status | QuorumUnavailable) -> None:
+        """Take the outcome of a renewal round for the acquisition *token*."""
+        if token != self._token:
+            return  # released (or re-acquired) while the round was in flight
+        if isinstance(outcome, QuorumUnavailable):
+            left = self._valid_until - time.monotonic()
+            log_renew.warning(
+                "renewal of %r failed (%s); the lease runs out in %.2f s unless a "
+                "later round gets through",
+                self.name,
+                outcome,
+                left,
+            )
+            self._event("renew_failed", error=str(outcome))
+            return
+        if outcome is Status.OK:
+            with self._state:
+                if self._token == token and not self._lost:
+                    self._valid_until = max(self._valid_until, started + self.ttl - drift(self.ttl))
+            return
+        self._mark_lost(outcome.describe())
+
+    def expire_if_past(self, now: float) -> None:
+        """Mark the lock lost if *now* is past its local deadline."""
+        if self._held_here() and not self._lost and now >= self._valid_until:
+            self._mark_lost("the lease ran out before a confirmed renewal")
+
+    def _mark_lost(self, reason: str) -> None:
+        with self._state:
+            if not self._held_here() or self._lost:
+                return
+            self._lost = True
+            self._lost_reason = reason
+            held = self.held_for
+        get_manager().unregister(self)
+        log_renew.warning(
+            "lock %r LOST after %.3f s (fence %s): %s", self.name, held, self._fence, reason
+        )
+        self._event("lost", held=held, error=reason)
+        if self.on_lost is not None:
+            try:
+                self.on_lost(self)
+            except Exception:
+                log_renew.exception("on_lost callback for %r failed", self.name)
+
+    def _not_held_reason(self) -> str:
+        if self._token is not None and self._pid != process.pid():
+            return f"acquired in process {self._pid}; a forked child holds none of its locks"
+        return "not acquired by this lock object"
+
+    def _event(self, kind: events.EventKind, **fields: Any) -> None:
+        if not events.wanted(kind):
+            return
+        fields.setdefault("fence", self._fence)
+        fields.setdefault("holder", self.owner_info)
+        events.emit(
+            events.LockEvent(kind=kind, name=self.name, key=self.keys.lock, ttl=self.ttl, **fields)
+        )
+
+    # -- context manager ----------------------------------------------------------------
+    def __enter__(self: _L) -> _L:
+        if not self.acquire():
+            raise LockContended(self.name, self.holder, self.holder_ttl_ms, masters=self.masters)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.release()
+            return
+        try:
+            self.release()
+        except RedlockError as release_error:  # never mask the body's own exception
+            log_release.warning("release of %r after an error failed: %s", self.name, release_error)
+
+    def __repr__(self) -> str:
+        state = "held" if self._held_here() else "free"
+        if self._lost:
+            state = "lost"
+        store = self.store
+        extra = f" quorum={store.quorum}/{len(store.members)}" if len(store.members) > 1 else ""
+        return (
+            f"<{type(self).__name__} {self.name!r} ttl={self.ttl}s {state} "
+            f"fence={self.fence}{extra}>"
         )
 
 
-def address_of(client: Any) -> str:
-    """``host:port/db`` (or the socket path) of a client, never its password."""
-    if isinstance(client, RedisCluster):
-        nodes = client.get_nodes()  # type: ignore[no-untyped-call]
-        return "cluster(" + ",".join(f"{n.host}:{n.port}" for n in nodes[:3]) + ")"
-    kwargs = getattr(client.connection_pool, "connection_kwargs", {})
-    service = getattr(client.connection_pool, "service_name", None)
-    if service:
-        return f"sentinel-master:{service}"
-    if kwargs.get("path"):
-        return f"unix:{kwargs['path']}"
-    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}"
+class Redlock(Lock):
+    """One lock over N independent Redis masters, held by a majority.
 
-
-#: Holder records longer than this (ours are a few hundred bytes) are not decoded: they are
-#: foreign data, and would otherwise travel whole into errors, logs and task results.
-MAX_RECORD = 65536
-_RAW_HEAD = 200
-
-
-def parse_holder(raw: Any) -> dict[str, Any]:
-    """Decode the holder record stored with a lock; unreadable records become ``{"raw": ...}``
-    (cut to its first 200 characters when the record is over :data:`MAX_RECORD`)."""
-    text = _text(raw)
-    if not text:
-        return {}
-    if len(text) > MAX_RECORD:
-        return {"raw": f"{text[:_RAW_HEAD]}... ({len(text)} characters)"}
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return {"raw": text}
-    return value if isinstance(value, dict) else {"raw": text}
-
-
-#: Error codes of a server that cannot serve a lock right now, whatever the data: out of
-#: memory, a read-only replica, a busy script, a failed save, no replicas, a node loading
-#: or down. A lock refused with one is
-#: unavailable (retry later), not bad input.
-_SERVER_STATES = frozenset(
-    ("OOM", "READONLY", "BUSY", "MISCONF", "NOREPLICAS", "MASTERDOWN", "LOADING", "TRYAGAIN")
-)
-_SERVER_STATE_ERRORS = (
-    OutOfMemoryError,
-    ReadOnlyError,
-    BusyLoadingError,
-    ClusterDownError,  # MasterDownError is one
-    TryAgainError,
-)
-
-
-def server_refused(exc: BaseException) -> bool:
-    """True when a Redis error reply says the server cannot serve now (see _SERVER_STATES).
-
-    redis-py strips the code of the replies it has a class for (``OutOfMemoryError``,
-    ``ReadOnlyError``, ...) and keeps the others' (``MISCONF ...``); Redis < 7 reports an
-    error inside a script as ``Error running script ...: -OOM ...``.
+    Same interface as :class:`Lock`; see :mod:`celery_redlock.core.stores.quorum`
+    for how an attempt goes. ``per_node_timeout`` bounds the wait for each master
+    (default: 5% of the TTL, at least 50 ms).
     """
-    if isinstance(exc, _SERVER_STATE_ERRORS):
-        return True
-    text = str(exc)
-    code = text.split(" ", 1)[0]
-    if code in _SERVER_STATES:
-        return True
-    return any(f"-{state} " in text for state in _SERVER_STATES)
 
+    def __init__(
+        self,
+        clients: Sequence[Any],
+        name: str,
+        ttl: float = 30.0,
+        *,
+        per_node_timeout: float | None = None,
+        **options: Any,
+    ) -> None:
+        if not isinstance(clients, (list, tuple)):
+            raise ConfigError(
+                f"Redlock takes a list of Redis clients (one per master), got "
+                f"{type(clients).__name__}; use Lock for one Redis"
+            )
+        store = QuorumStore(clients, per_node_timeout=per_node_timeout)
+        super().__init__(store, name, ttl, **options)
+        self.quorum_store = store
 
-def foreign_data_message(client: Any, keys: LockKeys, prefix: str, exc: BaseException) -> str:
-    """Say which of a lock's keys holds data celery-redlock did not write, and what to do.
+    @property
+    def quorum(self) -> int:
+        """How many masters must agree."""
+        return self.quorum_store.quorum
 
-    Called after Redis refused a lock script on the data (``WRONGTYPE``, a counter that
-    is not an integer): looks at the keys (a few reads, on this error path only).
-    """
-    detail = ""
-    try:
-        kind = _text(client.type(keys.lock))
-        if kind not in ("hash", "none"):
-            detail = f"{keys.lock!r} holds a {kind}, not a lock hash"
-        else:
-            kind = _text(client.type(keys.fence))
-            value = _text(client.get(keys.fence)) if kind == "string" else None
-            if kind not in ("string", "none"):
-                detail = f"its fence counter {keys.fence!r} holds a {kind}, not an integer"
-            elif value is not None and not _is_int64(value):
-                detail = f"its fence counter {keys.fence!r} holds {value[:40]!r}, not an integer"
-            elif value is not None and int(value) >= 2**63 - 1:
-                detail = f"its fence counter {keys.fence!r} is at the largest integer Redis keeps"
-    except RedisError:
-        pass
-    if not detail:
-        return f"lock {keys.name!r}: Redis refused the lock script on {keys.lock!r} ({exc})"
-    return (
-        f"lock {keys.name!r}: {detail}. Something other than celery-redlock writes under the "
-        f"key prefix {prefix!r}: delete that key if it is stale, or give celery-redlock a "
-        "prefix of its own (key_prefix=, or the redlock_key_prefix setting)"
-    )
+    @property
+    def clients(self) -> list[Any]:
+        """The masters' clients, in the order given."""
+        return self.quorum_store.clients
 
-
-def _is_int64(text: str) -> bool:
-    try:
-        return -(2**63) <= int(text) < 2**63 and text.strip() == text
-    except ValueError:
-        return False
-
-
-def _text(value: Any) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return str(value)
+    @property
+    def per_node_timeout(self) -> float:
+        """How long each master is waited for (seconds)."""
+        return self.quorum_store.timeout(self.ttl_ms)

@@ -44,22 +44,19 @@ was never published either.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from redis.exceptions import ResponseError
-
-from . import _pool
-from .base import BaseLock
 from .errors import ConfigError, QuorumUnavailable
-from .inspect import REDIS_ERRORS
-from .lock import Lock, address_of, server_refused
-from .redlock import Redlock
+from .fanout import FanOut, answered
+from .lock import Lock
 from .scripts import CLAIM_FIELD
+from .send import Command, Plain
+from .store import text
+from .stores.redis import REDIS_ERRORS, is_foreign
 
 __all__ = ["MIN_WAIT", "Claim", "LockRecords", "record_version"]
 
@@ -67,13 +64,6 @@ __all__ = ["MIN_WAIT", "Claim", "LockRecords", "record_version"]
 #: read and written rarely (once per tick), so there is no need to cut it as fine
 #: as an acquire does.
 MIN_WAIT = 0.25
-
-
-class _NoAnswer(Exception):
-    """A master did not answer in time, or was not asked (an earlier call still runs)."""
-
-
-_PENDING: Any = object()
 
 
 @dataclass(frozen=True)
@@ -109,36 +99,27 @@ class LockRecords:
     >>> records.claim("heartbeat", {"at": 1718000000.0}, n=42).outcome
     'claimed'
 
-    *lock* is a :class:`Lock` or a :class:`Redlock`; claims need it held by this
-    process. *timeout* bounds the wait for each master under Redlock (default: the
-    lock's ``per_node_timeout``, at least :data:`MIN_WAIT`); a single Redis answers
-    within its client's socket timeout.
+    *lock* is a :class:`Lock` (on one Redis or a quorum of masters); claims need it
+    held by this process. *timeout* bounds the wait for each master of a quorum
+    (default: the lock's per-node timeout, at least :data:`MIN_WAIT`); a single
+    Redis answers within its client's socket timeout.
     """
 
-    def __init__(self, lock: BaseLock, suffix: str = "records", *, timeout: float | None = None):
-        if isinstance(lock, Redlock):
-            self._clients: list[Any] = list(lock.clients)
-            self.quorum = lock.quorum
-            default = max(MIN_WAIT, lock.per_node_timeout)
-        elif isinstance(lock, Lock):
-            self._clients = [lock.client]
-            self.quorum = 1
-            default = MIN_WAIT
-        else:
+    def __init__(self, lock: Lock, suffix: str = "records", *, timeout: float | None = None):
+        if not isinstance(lock, Lock):
             raise ConfigError(f"LockRecords needs a Lock or a Redlock, got {type(lock).__name__}")
         if not isinstance(suffix, str) or not suffix:
             raise ConfigError(f"records suffix must be a non-empty string, got {suffix!r}")
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.lock = lock
+        self.members = lock.store.members
+        self.quorum = lock.store.quorum
         #: The Redis key of the hash (same hash tag as the lock).
         self.key = f"{lock.keys.lock}:{suffix}"
+        default = max(MIN_WAIT, lock.store.timeout(lock.ttl_ms))
         self.timeout = default if timeout is None else float(timeout)
-        self.addresses = [address_of(c) for c in self._clients]
-        # Per master, the last call sent from the pool: a master still busy with it is
-        # not sent another (one stuck pool thread per master at most, and the calls
-        # to one master are never re-ordered).
-        self._busy: dict[int, cf.Future[Any]] = {}
+        self.addresses = [m.address for m in self.members]
 
     # -- reading ----------------------------------------------------------------------
     def load(self) -> dict[str, str]:
@@ -148,34 +129,30 @@ class LockRecords:
         read from a minority could miss what the last holder claimed; :class:`ConfigError`
         when the key holds something that is not a hash (foreign data).
         """
-
-        def read(client: Any) -> Any:
-            return client.hgetall(self.key)
-
-        results = self._call_all(read, lambda _: False, time.monotonic() + self.timeout)
-        answers = [r for r in results if isinstance(r, dict)]
+        results = self._call_all(Plain("HGETALL", self.key), lambda _: False)
+        foreign = [r for r in results if is_foreign(r)]
+        if foreign:  # e.g. WRONGTYPE: not a Redis outage, and no retry will mend it
+            raise ConfigError(
+                f"{self.key!r} holds data that is not a hash of records ({foreign[0]}): "
+                "something other than celery-redlock writes under the lock key prefix; "
+                "delete that key if it is stale"
+            )
+        answers = [_as_dict(r) for r in results if answered(r)]
         if len(answers) < self.quorum:
-            foreign = [r for r in results if isinstance(r, ResponseError) and not server_refused(r)]
-            if foreign:  # e.g. WRONGTYPE: not a Redis outage, and no retry will mend it
-                raise ConfigError(
-                    f"{self.key!r} holds data that is not a hash of records ({foreign[0]}): "
-                    "something other than celery-redlock writes under the lock key prefix; "
-                    "delete that key if it is stale"
-                )
             raise QuorumUnavailable(
                 self.lock.name,
                 self._errors(results),
                 needed=self.quorum,
-                total=len(self._clients),
+                total=len(self.members),
             )
         newest: dict[str, tuple[tuple[int, int], str]] = {}
         for answer in answers:
             for raw_field, raw_value in answer.items():
-                name, text = _text(raw_field), _text(raw_value)
-                version = record_version(text)
+                name, value = text(raw_field), text(raw_value)
+                version = record_version(value)
                 if name not in newest or version > newest[name][0]:
-                    newest[name] = (version, text)
-        return {name: text for name, (_, text) in newest.items()}
+                    newest[name] = (version, value)
+        return {name: value for name, (_, value) in newest.items()}
 
     # -- writing ----------------------------------------------------------------------
     def claim(self, name: str, record: Mapping[str, Any], n: int) -> Claim:
@@ -187,24 +164,18 @@ class LockRecords:
         lease's local deadline. Never raises for Redis errors: see :class:`Claim`.
         """
         lock = self.lock
-        fence = lock.fence
-        token = lock._token  # core-internal: the current acquisition's token
+        fence, token = lock.fence, lock.token
         if fence is None or token is None or lock.lost:
             return Claim("lost", detail="this process does not hold the lock")
         if time.monotonic() >= lock.valid_until:
             return Claim("lost", detail="the lease ran out before a confirmed renewal")
         value = json.dumps({**record, "fence": fence, "n": n}, separators=(",", ":"), default=str)
-        keys = [lock.keys.lock, self.key]
-        args = [token, name, value, fence, n]
-
-        def write(client: Any) -> Any:
-            return CLAIM_FIELD(client, keys, args)
+        command = CLAIM_FIELD([lock.keys.lock, self.key], [token, name, value, fence, n])
 
         def enough(results: Sequence[Any]) -> bool:
             return sum(1 for r in results if _code(r) == 1) >= self.quorum
 
-        deadline = min(time.monotonic() + self.timeout, lock.valid_until)
-        return self._verdict(value, self._call_all(write, enough, deadline))
+        return self._verdict(value, self._call_all(command, enough, lock.valid_until))
 
     def _verdict(self, value: str, results: Sequence[Any]) -> Claim:
         """Reduce the per-master answers of a claim to one :class:`Claim`."""
@@ -213,55 +184,32 @@ class LockRecords:
             if time.monotonic() < self.lock.valid_until:
                 return Claim("claimed", value)
             return Claim("lost", detail="the lease ran out before the claim was confirmed")
-        if codes.count(0) > len(self._clients) - self.quorum:
+        if codes.count(0) > len(self.members) - self.quorum:
             return Claim("lost", detail="the lock is gone or held by another acquisition")
-        stored = [_text(r[1]) for r, c in zip(results, codes, strict=True) if c == -1]
+        stored = [text(r[1]) for r, c in zip(results, codes, strict=True) if c == -1]
         if stored:
             return Claim("stale", max(stored, key=record_version))
         return Claim("unavailable", detail=_describe(self._errors(results)))
 
     # -- fan-out ------------------------------------------------------------------------
-    def _call_all(
-        self,
-        call: Callable[[Any], Any],
-        enough: Callable[[Sequence[Any]], bool],
-        deadline: float,
-    ) -> list[Any]:
-        """*call* on every master: its reply, or the exception (Redis error, no answer).
+    def _call_all(self, command: Command, enough: Any, deadline: float | None = None) -> list[Any]:
+        """*command* on every master: its reply, or the error (Redis error, no answer).
 
-        One master: called on this thread. Several: in parallel on the shared I/O
-        pool, until *enough* says the outcome is decided, all answered, or *deadline*.
+        One master: called on this thread (its client's socket timeout applies).
+        Several: at once, until *enough* says the outcome is decided, all answered,
+        or the timeout (cut at *deadline*, a ``monotonic()`` time, when given).
         """
-        if len(self._clients) == 1:
+        if len(self.members) == 1:
             try:
-                return [call(self._clients[0])]
+                return [self.members[0].call(command)]
             except REDIS_ERRORS as exc:
                 return [exc]
-        results: list[Any] = [_PENDING] * len(self._clients)
-        futures: dict[cf.Future[Any], int] = {}
-        pool = _pool.executor()
-        for i, client in enumerate(self._clients):
-            previous = self._busy.get(i)
-            if previous is not None and not previous.done():
-                results[i] = _NoAnswer("not asked: an earlier call is still waiting for it")
-                continue
-            future = pool.submit(call, client)
-            self._busy[i] = future
-            futures[future] = i
-        pending = set(futures)
-        while pending and not enough(results):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            done, pending = cf.wait(pending, timeout=left, return_when=cf.FIRST_COMPLETED)
-            for future in done:
-                results[futures[future]] = _outcome(future)
-        for future in pending:
-            if future.done():
-                results[futures[future]] = _outcome(future)
-            else:
-                ms = max(0.0, self.timeout) * 1000
-                results[futures[future]] = _NoAnswer(f"no answer within {ms:.0f} ms")
+        timeout = self.timeout
+        if deadline is not None:
+            timeout = min(timeout, max(deadline - time.monotonic(), 0.0))
+        fan = FanOut(self.members, command, timeout)
+        results = fan.wait(lambda r: enough(r) or all(answered(v) for v in r))
+        fan.finish()
         return results
 
     def _errors(self, results: Sequence[Any]) -> dict[str, str]:
@@ -272,15 +220,15 @@ class LockRecords:
         }
 
     def __repr__(self) -> str:
-        return f"<LockRecords {self.key!r} on {len(self._clients)} master(s)>"
+        return f"<LockRecords {self.key!r} on {len(self.members)} master(s)>"
 
 
-def _outcome(future: cf.Future[Any]) -> Any:
-    """The reply, or the Redis error; any other error is a bug and is raised."""
-    try:
-        return future.result()
-    except REDIS_ERRORS as exc:
-        return exc
+def _as_dict(reply: Any) -> dict[Any, Any]:
+    """An ``HGETALL`` reply as a dict (RESP2 sends a flat list of field, value)."""
+    if isinstance(reply, dict):
+        return reply
+    items = list(reply or [])
+    return dict(zip(items[::2], items[1::2], strict=True))
 
 
 def _code(reply: Any) -> int | None:
@@ -291,11 +239,3 @@ def _code(reply: Any) -> int | None:
 
 def _describe(errors: Mapping[str, str]) -> str:
     return "; ".join(f"{address}: {error}" for address, error in errors.items()) or "no answer"
-
-
-def _text(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return str(value)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import os
 import threading
 import time
 from collections import defaultdict
@@ -32,8 +31,13 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any, Protocol
 
-from . import _pid, _pool
-from .scripts import EXTEND_MANY
+from . import process
+from .errors import QuorumUnavailable
+from .keys import LockKeys
+from .scripts import Status
+from .send import executor
+from .store import Store
+from .stores.redis import REDIS_ERRORS, RedisStore
 
 __all__ = ["Renewable", "RenewalManager", "get_manager", "shutdown"]
 
@@ -47,27 +51,25 @@ _NEVER = float("inf")
 
 
 class Renewable(Protocol):
-    """What the manager needs from a held lock (``Lock`` and ``Redlock`` both are)."""
+    """What the manager needs from a held lock (a :class:`~celery_redlock.core.lock.Lock`)."""
 
     ttl: float
+    name: str
+    keys: LockKeys
+    store: Store
 
     @property
     def valid_until(self) -> float: ...
 
-    def _renewal_targets(self) -> Sequence[tuple[Any, str, str, int]]:
-        """(client, key, token, lease ms) per node to renew; empty to skip this round."""
+    def renewal(self) -> tuple[str, int] | None:
+        """(token, lease ms) to renew this round; None to skip it."""
         ...
 
-    def _renewal_result(
-        self,
-        started: float,
-        targets: Sequence[tuple[Any, str, str, int]],
-        outcomes: Sequence[int | BaseException],
-    ) -> None:
-        """Take one outcome per target (a status code, or the error of that node)."""
+    def renewed(self, started: float, token: str, outcome: Status | QuorumUnavailable) -> None:
+        """Take the outcome of the round for the acquisition *token*."""
         ...
 
-    def _expire_locally(self, now: float) -> None:
+    def expire_if_past(self, now: float) -> None:
         """Mark the lock lost if *now* is past its local deadline."""
         ...
 
@@ -81,12 +83,11 @@ class RenewalManager:
         self._mutex = threading.Lock()
         self._cond = threading.Condition(self._mutex)
         self._locks: dict[int, Renewable] = {}
-        self._inflight: dict[int, cf.Future[list[int]]] = {}
+        self._inflight: dict[int, cf.Future[list[Status]]] = {}
         self._next_round = _NEVER
         self._wake_at = 0.0  # when the waiting thread wakes by itself; 0.0 while it runs
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._pid = _pid.current
         self.rounds = 0
 
     # -- registration -------------------------------------------------------------
@@ -140,14 +141,14 @@ class RenewalManager:
 
     # -- the loop -----------------------------------------------------------------
     def _run(self) -> None:
-        log.debug("renewal thread started in pid %d", os.getpid())
+        log.debug("renewal thread started in pid %d", process.pid())
         try:
             self._loop()
         finally:
             with self._mutex:
                 if self._thread is threading.current_thread():
                     self._thread = None  # a register() from now on starts a new thread
-        log.debug("renewal thread stopped in pid %d", os.getpid())
+        log.debug("renewal thread stopped in pid %d", process.pid())
 
     def _loop(self) -> None:
         while True:
@@ -184,55 +185,59 @@ class RenewalManager:
                 else:
                     for lock in locks:
                         if lock.valid_until <= now:
-                            _safely(lock._expire_locally, now)
+                            _safely(lock.expire_if_past, now)
             except Exception:  # the thread must outlive any error
                 log.exception("renewal round failed; the next round will try again")
 
-    def _finished(self, node: int, _future: cf.Future[list[int]]) -> None:
+    def _finished(self, node: int, _future: cf.Future[list[Status]]) -> None:
         self._inflight.pop(node, None)
 
     def _round(self, locks: list[Renewable], interval: float) -> None:
         started = time.monotonic()
         for lock in locks:  # a lease already past its deadline is not renewed, ever
-            _safely(lock._expire_locally, started)
-        # Group every target by node: one script per node per round.
-        per_node: dict[int, list[tuple[Renewable, int, str, str, int]]] = defaultdict(list)
-        clients: dict[int, Any] = {}
-        plans: dict[int, list[int | BaseException]] = {}
-        planned: dict[int, Sequence[tuple[Any, str, str, int]]] = {}
+            _safely(lock.expire_if_past, started)
+        # One batched script per node (store member) for every lock held there.
+        per_node: dict[int, list[tuple[int, int, str, str, int]]] = defaultdict(list)
+        nodes: dict[int, RedisStore] = {}
+        planned: list[tuple[Renewable, str, list[Status | BaseException]]] = []
         for lock in locks:
-            targets = _safely(lock._renewal_targets) or ()
-            if not targets:
+            renewal = _safely(lock.renewal)
+            if renewal is None:
                 continue
-            planned[id(lock)] = targets
-            plans[id(lock)] = [TimeoutError("no answer from the node this round")] * len(targets)
-            for index, (client, key, token, ms) in enumerate(targets):
-                per_node[id(client)].append((lock, index, key, token, ms))
-                clients[id(client)] = client
-        if not per_node:
+            token, ms = renewal
+            members = lock.store.members
+            outcomes: list[Status | BaseException] = [
+                TimeoutError("no answer from the node this round")
+            ] * len(members)
+            for index, member in enumerate(members):
+                per_node[id(member)].append((len(planned), index, lock.keys.lock, token, ms))
+                nodes[id(member)] = member
+            planned.append((lock, token, outcomes))
+        if not planned:
             return
-        futures: dict[cf.Future[list[int]], int] = {}
-        pool = _pool.executor()
+        futures: dict[cf.Future[list[Status]], int] = {}
+        pool = executor()
         for node, items in per_node.items():
             if node in self._inflight:  # the previous call to this node has not returned
-                log.warning("renewal: node %s still busy with the previous round", clients[node])
+                log.warning("renewal: node %s still busy with the previous round", nodes[node])
                 continue
-            fut = pool.submit(_renew_node, clients[node], [(k, t, ms) for _, _, k, t, ms in items])
-            self._inflight[node] = fut
-            fut.add_done_callback(partial(self._finished, node))
-            futures[fut] = node
+            future = pool.submit(nodes[node].renew_many, [(k, t, ms) for *_, k, t, ms in items])
+            self._inflight[node] = future
+            future.add_done_callback(partial(self._finished, node))
+            futures[future] = node
         done, _ = cf.wait(futures, timeout=max(interval / 2, 0.01))
-        for fut in done:
-            items = per_node[futures[fut]]
+        for future in done:
+            items = per_node[futures[future]]
             try:
-                codes: Sequence[int | BaseException] = fut.result()
-            except Exception as exc:
-                codes = [exc] * len(items)
-            for (lock, index, *_), code in zip(items, codes, strict=True):
-                plans[id(lock)][index] = code
-        by_id = {id(lk): lk for lk in locks}
-        for lock_id, outcomes in plans.items():
-            _safely(by_id[lock_id]._renewal_result, started, planned[lock_id], outcomes)
+                statuses: Sequence[Status | BaseException] = future.result()
+            except REDIS_ERRORS as exc:
+                statuses = [exc] * len(items)
+            for (lock_index, member_index, *_), status in zip(items, statuses, strict=True):
+                planned[lock_index][2][member_index] = status
+        for lock, token, outcomes in planned:
+            outcome = _safely(lock.store.settle, lock.name, outcomes)
+            if outcome is not None:
+                _safely(lock.renewed, started, token, outcome)
 
 
 def _interval(ttl: float) -> float:
@@ -247,33 +252,6 @@ def _safely(fn: Any, *args: Any) -> Any:
         return None
 
 
-def _renew_node(client: Any, items: list[tuple[str, str, int]]) -> list[int]:
-    """One batched extend on one node (per hash slot on a Redis Cluster)."""
-    if _is_cluster(client):
-        by_slot: dict[int, list[int]] = defaultdict(list)
-        for i, (key, _, _) in enumerate(items):
-            by_slot[client.keyslot(key)].append(i)
-        codes = [0] * len(items)
-        for indexes in by_slot.values():
-            part = [items[i] for i in indexes]
-            for i, code in zip(indexes, _extend_many(client, part), strict=True):
-                codes[i] = code
-        return codes
-    return _extend_many(client, items)
-
-
-def _extend_many(client: Any, items: list[tuple[str, str, int]]) -> list[int]:
-    keys = [k for k, _, _ in items]
-    args: list[Any] = []
-    for _, token, ms in items:
-        args += [token, ms]
-    return [int(c) for c in EXTEND_MANY(client, keys, args)]
-
-
-def _is_cluster(client: Any) -> bool:
-    return hasattr(client, "keyslot") and hasattr(client, "get_node_from_key")
-
-
 _manager: RenewalManager | None = None
 _manager_lock = threading.Lock()
 
@@ -281,24 +259,23 @@ _manager_lock = threading.Lock()
 def get_manager() -> RenewalManager:
     """The renewal manager of this process (a new one after fork)."""
     global _manager
-    if _manager is not None and _manager._pid == _pid.current:
-        return _manager
-    with _manager_lock:
-        if _manager is None or _manager._pid != _pid.current:
-            _manager = RenewalManager()
-        return _manager
+    if _manager is None:
+        with _manager_lock:
+            if _manager is None:
+                _manager = RenewalManager()
+    return _manager
 
 
 def shutdown(timeout: float = 5.0) -> None:
     """Stop this process's renewal thread, if one runs."""
-    if _manager is not None and _manager._pid == os.getpid():
+    if _manager is not None:
         _manager.stop(timeout)
 
 
-def _after_fork_in_child() -> None:
+def _after_fork() -> None:
     global _manager, _manager_lock
-    _manager = None  # the child holds none of the parent's locks
+    _manager = None  # the child holds none of the parent's locks, and has no thread
     _manager_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+process.on_fork(_after_fork)

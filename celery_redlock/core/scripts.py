@@ -1,14 +1,13 @@
 """The Lua scripts (one ``.lua`` file each, header first) and the one place that
-maps their status codes to outcomes."""
+says what their status codes mean."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from enum import IntEnum
 from importlib import resources
 from typing import Any
-
-from . import _wire
 
 __all__ = [
     "ACQUIRE",
@@ -16,55 +15,90 @@ __all__ = [
     "EXTEND",
     "EXTEND_MANY",
     "FORCE_RELEASE",
-    "FOREIGN",
-    "OK",
-    "OTHER_OWNER",
     "RAISE_FENCE",
     "RELEASE",
-    "UNKNOWN",
     "Script",
-    "describe_code",
+    "ScriptCall",
+    "Status",
 ]
 
-#: Status codes returned by release/extend scripts.
-OK = 1
-UNKNOWN = 0  # no such key: expired or removed
-OTHER_OWNER = -1
-FOREIGN = -2  # the lock key holds something that is not a lock hash
+
+class Status(IntEnum):
+    """What a release or extend script found (renewal: one per lock)."""
+
+    OK = 1
+    #: No such key: it expired or was removed.
+    GONE = 0
+    #: Another acquisition holds the key now.
+    TAKEN = -1
+    #: The key holds something that is not a lock (foreign data under our prefix).
+    FOREIGN = -2
+
+    @classmethod
+    def of(cls, code: Any) -> Status:
+        """The status a script returned; a code no script returns is an error, not a guess."""
+        value = int(code)
+        if value > 0:
+            return cls.OK  # extend returns the new lease in ms
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"unexpected status code {code!r} from a celery-redlock script"
+            ) from None
+
+    def describe(self) -> str:
+        """The status in words, for log lines and errors."""
+        return _WORDS[self]
 
 
-def describe_code(code: int) -> str:
-    """Say in words what a release/extend status code means; unknown codes are errors."""
-    if code == UNKNOWN:
-        return "the key is gone (expired or removed)"
-    if code == OTHER_OWNER:
-        return "another owner holds it now"
-    if code == FOREIGN:
-        return (
-            "the key now holds data that is not a celery-redlock lock: something else "
-            "writes under the lock key prefix"
-        )
-    if code >= OK:
-        return "owned"
-    raise ValueError(f"unexpected status code {code!r} from a celery-redlock script")
+_WORDS = {
+    Status.OK: "ok",
+    Status.GONE: "the key is gone (expired or removed)",
+    Status.TAKEN: "another owner holds it now",
+    Status.FOREIGN: (
+        "the key now holds data that is not a celery-redlock lock: something else "
+        "writes under the lock key prefix"
+    ),
+}
 
 
 class Script:
-    """A Lua script run by EVALSHA, loaded on the node on first NOSCRIPT."""
+    """A Lua script of this package, run by ``EVALSHA`` (``EVAL`` once per server)."""
 
-    def __init__(self, filename: str, source: str | None = None) -> None:
+    def __init__(self, filename: str) -> None:
         self.filename = filename
-        if source is None:
-            source = resources.files(__package__).joinpath("scripts").joinpath(filename).read_text()
-        self.source = source
+        self.source = (
+            resources.files(__package__).joinpath("scripts").joinpath(filename).read_text()
+        )
         self.sha = hashlib.sha1(self.source.encode("utf-8"), usedforsecurity=False).hexdigest()
 
-    def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """Run on *client* (a Redis, a Sentinel master client or a RedisCluster)."""
-        return _wire.evalsha(client, self.sha, self.source, keys, args)
+    def __call__(self, keys: Sequence[str], args: Sequence[Any]) -> ScriptCall:
+        """This script with *keys* and *args*, ready to send (see ``core.send``)."""
+        return ScriptCall(self, tuple(keys), tuple(args))
 
     def __repr__(self) -> str:
         return f"Script({self.filename!r})"
+
+
+class ScriptCall:
+    """One run of a script: what a channel sends, and what it sends after ``NOSCRIPT``."""
+
+    __slots__ = ("args_", "keys", "script")
+
+    def __init__(self, script: Script, keys: tuple[str, ...], args: tuple[Any, ...]) -> None:
+        self.script = script
+        self.keys = keys
+        self.args_ = args
+
+    def args(self) -> tuple[Any, ...]:
+        return ("EVALSHA", self.script.sha, len(self.keys), *self.keys, *self.args_)
+
+    def fallback(self) -> tuple[Any, ...] | None:
+        return ("EVAL", self.script.source, len(self.keys), *self.keys, *self.args_)
+
+    def __repr__(self) -> str:
+        return f"<{self.script.filename} keys={list(self.keys)!r}>"
 
 
 ACQUIRE = Script("acquire.lua")

@@ -49,4 +49,3 @@ def held(self, name: str, seconds: float) -> str:
     time.sleep(seconds)
     record("end", name=name)
     return name
-

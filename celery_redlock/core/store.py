@@ -1,0 +1,160 @@
+"""The seam between lock logic and Redis I/O.
+
+:class:`~celery_redlock.core.lock.Lock` keeps the state of an acquisition
+(token, fence, local deadline, reentrancy, events); a :class:`Store` does the I/O
+for it and answers in the typed results below. Two stores exist:
+
+- :class:`~celery_redlock.core.stores.redis.RedisStore`: one Redis (a plain
+  server, a Sentinel master, or a Cluster);
+- :class:`~celery_redlock.core.stores.quorum.QuorumStore`: a majority of N
+  independent masters (Redlock), each a ``RedisStore``.
+
+The renewal thread, :mod:`~celery_redlock.core.records` and the CLI talk to the
+same seam: a store's ``members`` are the single-node stores it is made of (a
+``RedisStore`` is its own only member), and ``settle`` turns one outcome per
+member into the store's outcome.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .keys import LockKeys
+from .scripts import Status
+
+if TYPE_CHECKING:
+    from .errors import QuorumUnavailable
+    from .stores.redis import RedisStore
+
+__all__ = ["MIN_NODE_TIMEOUT", "Grant", "Holder", "Store", "node_timeout", "parse_holder", "text"]
+
+#: The shortest per-node timeout, whatever the TTL: below this, a first connection's
+#: handshake or a busy host's scheduling alone makes healthy masters look unreachable.
+MIN_NODE_TIMEOUT = 0.05
+
+
+def node_timeout(ttl: float) -> float:
+    """The default per-node timeout for a lease of *ttl* seconds: 5% of it, >= 50 ms."""
+    return max(MIN_NODE_TIMEOUT, 0.05 * ttl)
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """What one acquire attempt found."""
+
+    acquired: bool
+    #: The fence of this acquisition (acquired).
+    fence: int | None = None
+    #: The other owner's record (not acquired).
+    holder: Mapping[str, Any] = field(default_factory=dict)
+    #: The other owner's lease left, in ms (not acquired; None when unknown).
+    holder_ttl_ms: int | None = None
+    #: How long a blocking caller may wait for a release notice before trying again (ms).
+    wait_ms: int | None = None
+    #: Which member to wait on for that notice (quorum stores: one the holder has).
+    wait_on: int = 0
+    #: What each master answered, by address (quorum stores; shown in errors).
+    masters: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Who holds a lock now: the acquisition's token and its holder record."""
+
+    token: str
+    record: Mapping[str, Any]
+
+
+class Store(Protocol):
+    """Where locks live: one Redis, or a quorum of masters."""
+
+    #: How many members must agree (1 for one Redis).
+    quorum: int
+
+    @property
+    def members(self) -> Sequence[RedisStore]:
+        """The single-node stores this store is made of, in a fixed order."""
+        ...
+
+    def describe(self) -> str:
+        """The password-free address(es), for log lines."""
+        ...
+
+    def timeout(self, ttl_ms: int | None) -> float:
+        """How long to wait for each member's answer, for a lease of *ttl_ms*."""
+        ...
+
+    def acquire(
+        self, keys: LockKeys, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
+    ) -> Grant:
+        """One attempt to take *keys* for *token*; :class:`QuorumUnavailable` when Redis
+        cannot decide. *wait*: a refused caller will block for a release notice."""
+        ...
+
+    def release(self, keys: LockKeys, token: str, notice_ms: int) -> Status:
+        """Give back *token*'s acquisition and wake one waiter."""
+        ...
+
+    def abandon(self, keys: LockKeys, token: str, notice_ms: int) -> None:
+        """Best-effort :meth:`release` after a failed or unclear attempt (never raises
+        for Redis errors: the lease then expires by itself)."""
+        ...
+
+    def extend(self, keys: LockKeys, token: str, ms: int, *, replace: bool) -> int | Status:
+        """Lengthen *token*'s lease: the new lease in ms, or why not (GONE / TAKEN)."""
+        ...
+
+    def holder(self, keys: LockKeys) -> Holder | None:
+        """Who holds *keys* now (a majority's view for a quorum), or None when free."""
+        ...
+
+    def locked(self, keys: LockKeys) -> bool:
+        """True when anyone holds *keys*."""
+        ...
+
+    def wait(self, keys: LockKeys, seconds: float, refused: Grant | None = None) -> None:
+        """Block up to *seconds* for a release notice of *keys* (*refused*: the attempt
+        that found it held)."""
+        ...
+
+    def settle(
+        self, name: str, outcomes: Sequence[Status | BaseException]
+    ) -> Status | QuorumUnavailable:
+        """One renewal outcome from one outcome per member (in ``members`` order)."""
+        ...
+
+
+#: Holder records longer than this (ours are a few hundred bytes) are not decoded: they are
+#: foreign data, and would otherwise travel whole into errors, logs and task results.
+MAX_RECORD = 65536
+_RAW_HEAD = 200
+
+
+def parse_holder(raw: Any) -> dict[str, Any]:
+    """Decode a holder record as stored with a lock; an unreadable one becomes
+    ``{"raw": <its text>}`` (its first 200 characters when over :data:`MAX_RECORD`), an
+    empty or missing one ``{}``."""
+    if raw is None:
+        return {}
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+    if not text:
+        return {}
+    if len(text) > MAX_RECORD:
+        return {"raw": f"{text[:_RAW_HEAD]}... ({len(text)} characters)"}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {"raw": text}
+    return value if isinstance(value, dict) else {"raw": text}
+
+
+def text(value: Any) -> str:
+    """A reply as text: bytes decoded (invalid bytes replaced), None as ``""``."""
+    if value is None:
+        return ""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)

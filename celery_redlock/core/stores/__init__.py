@@ -1,0 +1,1 @@
+"""The stores behind the seam of :mod:`celery_redlock.core.store`."""

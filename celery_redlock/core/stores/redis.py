@@ -1,0 +1,393 @@
+"""``RedisStore``: locks on one Redis (a plain server, a Sentinel master, or a Cluster).
+
+One store per client object (:meth:`RedisStore.of`), shared by every lock on that
+client in this process: the renewal thread batches by store, and a quorum store
+counts the calls still running on each of its members.
+
+Every mutation is one owner-checked script; commands go through the client's
+:class:`~celery_redlock.core.send.Channel`, except on a ``RedisCluster``, whose
+own client routes each script to the node that owns the key's slot (and follows
+``MOVED``/``ASK`` while slots move).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from redis.cluster import RedisCluster
+from redis.exceptions import (
+    BusyLoadingError,
+    ClusterDownError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
+
+from .. import process
+from ..connect import address_of
+from ..errors import ConfigError, QuorumUnavailable, RedlockError
+from ..keys import LockKeys
+from ..scripts import ACQUIRE, EXTEND, EXTEND_MANY, RELEASE, Status
+from ..send import Channel, Command, Lane, Plain, Sent, checkout
+from ..store import Grant, Holder, node_timeout, parse_holder, text
+
+__all__ = [
+    "REDIS_ERRORS",
+    "RedisStore",
+    "check_client",
+    "foreign_data_message",
+    "is_foreign",
+    "refused",
+    "server_refused",
+]
+
+#: What a call raises when its node cannot be reached or refuses the command.
+REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, RedisClusterException)
+
+
+class RedisStore:
+    """Locks on one Redis."""
+
+    quorum = 1
+
+    def __init__(self, client: Any) -> None:
+        check_client(client)
+        self.client = client
+        self._cluster = isinstance(client, RedisCluster)
+        #: The held connection for lock traffic (a cluster routes each call itself).
+        self.channel: Channel | None = None if self._cluster else Channel(client)
+        self._address: str | None = None
+        #: Calls to this node that may block, run in order (see core.fanout).
+        self.lane = Lane()
+
+    @classmethod
+    def of(cls, client: Any) -> RedisStore:
+        """The store of *client* in this process (one per client object)."""
+        ref = _stores.get(id(client))
+        store = None if ref is None else ref()
+        if store is None or store.client is not client:
+            with _stores_lock:
+                ref = _stores.get(id(client))
+                store = None if ref is None else ref()
+                if store is None or store.client is not client:
+                    store = cls(client)
+                    _stores[id(client)] = weakref.ref(store)
+                    weakref.finalize(store, _forget_store, id(client), _stores[id(client)])
+        return store
+
+    @property
+    def members(self) -> Sequence[RedisStore]:
+        return (self,)
+
+    @property
+    def first_contact(self) -> bool:
+        """True until a call to this node got an answer in this process."""
+        return self.channel is not None and self.channel.first_contact
+
+    @property
+    def running(self) -> int:
+        """Calls to this node queued or running in its lane."""
+        return self.lane.pending()
+
+    @property
+    def address(self) -> str:
+        """``host:port/db`` (or the socket path, or the Sentinel service), never a password."""
+        if self._address is None:
+            self._address = address_of(self.client)
+        return self._address
+
+    def describe(self) -> str:
+        return self.address
+
+    def timeout(self, ttl_ms: int | None) -> float:
+        return node_timeout(30.0 if ttl_ms is None else ttl_ms / 1000)
+
+    # -- sending ------------------------------------------------------------------------
+    def call(self, command: Command) -> Any:
+        """Run *command* on this node and return its reply (errors raised as they come)."""
+        if self.channel is not None:
+            return self.channel.call(command)
+        try:
+            return self.client.execute_command(*command.args())
+        except NoScriptError:
+            whole = command.fallback()
+            if whole is None:
+                raise
+            return self.client.execute_command(*whole)
+
+    def send(self, command: Command) -> Sent | None:
+        """Write *command* without waiting for the reply, when that cannot block."""
+        return None if self.channel is None else self.channel.send(command)
+
+    def unavailable(self, name: str, exc: BaseException) -> QuorumUnavailable:
+        """The error for a lock whose one Redis did not answer."""
+        return QuorumUnavailable(name, {self.address: f"{type(exc).__name__}: {exc}"})
+
+    # -- the Store protocol -------------------------------------------------------------
+    def acquire(
+        self, keys: LockKeys, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
+    ) -> Grant:
+        command = acquire_command(keys, token, ttl_ms, record, wait=wait, fence_ttl_ms=fence_ttl_ms)
+        try:
+            reply = self.call(command)
+        except ResponseError as exc:
+            if not server_refused(exc):
+                # Foreign data at one of the lock's keys. A script stops at its first error
+                # but keeps what it wrote before it: take back whatever this token may hold.
+                self.abandon(keys, token, ttl_ms)
+            raise refused(self, keys, exc) from exc
+        except REDIS_ERRORS as exc:
+            # The script may have run before the reply was lost: take back what this
+            # token may hold, so an unclear attempt leaves nothing behind.
+            self.abandon(keys, token, ttl_ms)
+            raise self.unavailable(keys.name, exc) from exc
+        return grant_of(reply)
+
+    def release(self, keys: LockKeys, token: str, notice_ms: int) -> Status:
+        try:
+            return Status.of(self.call(release_command(keys, token, notice_ms)))
+        except REDIS_ERRORS as exc:
+            raise self.unavailable(keys.name, exc) from exc
+
+    def abandon(self, keys: LockKeys, token: str, notice_ms: int) -> None:
+        try:
+            self.call(release_command(keys, token, notice_ms))
+        except REDIS_ERRORS:
+            return  # the lease expires by itself within one TTL
+
+    def extend(self, keys: LockKeys, token: str, ms: int, *, replace: bool) -> int | Status:
+        try:
+            code = int(self.call(EXTEND([keys.lock], [token, ms, "1" if replace else "0"])))
+        except REDIS_ERRORS as exc:
+            raise self.unavailable(keys.name, exc) from exc
+        return code if code > 0 else Status.of(code)
+
+    def holder(self, keys: LockKeys) -> Holder | None:
+        try:
+            token, info = self.call(Plain("HMGET", keys.lock, "token", "info"))
+        except ResponseError as exc:
+            raise refused(self, keys, exc) from exc
+        except REDIS_ERRORS as exc:
+            raise self.unavailable(keys.name, exc) from exc
+        return None if token is None else Holder(text(token), parse_holder(info))
+
+    def locked(self, keys: LockKeys) -> bool:
+        try:
+            return bool(self.call(Plain("EXISTS", keys.lock)))
+        except REDIS_ERRORS as exc:
+            raise self.unavailable(keys.name, exc) from exc
+
+    def wait(self, keys: LockKeys, seconds: float, refused: Grant | None = None) -> None:
+        """One ``BLPOP`` on the notify list, on a connection of its own with its own read
+        deadline: a wait longer than the socket timeout is still one command, and the
+        client's retry policy never re-sends it."""
+        client = self.client
+        if self._cluster:
+            client = client.get_redis_connection(client.get_node_from_key(keys.notify))
+        seconds = round(max(seconds, 0.001), 3)
+        pool = client.connection_pool
+        try:
+            conn = checkout(pool)
+        except REDIS_ERRORS as exc:  # connecting (or its handshake) failed
+            raise self.unavailable(keys.name, exc) from exc
+        try:
+            conn.send_command("BLPOP", keys.notify, f"{seconds:.3f}")
+            if conn.can_read(timeout=seconds + 1.0):
+                conn.read_response()
+            else:  # no reply in time: the connection is in an unknown state
+                conn.disconnect()
+        except REDIS_ERRORS as exc:
+            conn.disconnect()
+            raise self.unavailable(keys.name, exc) from exc
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+
+    def settle(
+        self, name: str, outcomes: Sequence[Status | BaseException]
+    ) -> Status | QuorumUnavailable:
+        outcome = outcomes[0]
+        if isinstance(outcome, BaseException):
+            return self.unavailable(name, outcome)
+        return outcome
+
+    # -- renewal ------------------------------------------------------------------------
+    def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[Status]:
+        """Renew (key, token, lease ms) items in one script per hash slot; a status each."""
+        if not self._cluster:
+            return _extend_many(self, items)
+        by_slot: dict[int, list[int]] = defaultdict(list)
+        for i, (key, _, _) in enumerate(items):
+            by_slot[self.client.keyslot(key)].append(i)
+        statuses = [Status.GONE] * len(items)
+        for indexes in by_slot.values():
+            part = [items[i] for i in indexes]
+            for i, status in zip(indexes, _extend_many(self, part), strict=True):
+                statuses[i] = status
+        return statuses
+
+    def __repr__(self) -> str:
+        return f"<RedisStore {self.address}>"
+
+
+def _extend_many(store: RedisStore, items: Sequence[tuple[str, str, int]]) -> list[Status]:
+    args: list[Any] = []
+    for _, token, ms in items:
+        args += [token, ms]
+    reply = store.call(EXTEND_MANY([key for key, _, _ in items], args))
+    return [Status.of(code) for code in reply]
+
+
+# -- commands and replies, shared with the quorum store ------------------------------------
+def acquire_command(
+    keys: LockKeys, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
+) -> Command:
+    """The acquire script for *token* (see acquire.lua for what each argument does)."""
+    return ACQUIRE(
+        [keys.lock, keys.fence, keys.waiting],
+        [token, ttl_ms, record, "1" if wait else "0", fence_ttl_ms],
+    )
+
+
+def release_command(keys: LockKeys, token: str, notice_ms: int) -> Command:
+    """The release script for *token*: owner-checked, wakes one waiter."""
+    return RELEASE([keys.lock, keys.notify, keys.waiting], [token, notice_ms])
+
+
+def grant_of(reply: Any) -> Grant:
+    """An acquire script's reply as a :class:`Grant`."""
+    if int(reply[0]) == 1:
+        return Grant(True, fence=int(reply[1]))
+    left = int(reply[2])
+    return Grant(False, holder=parse_holder(reply[1]), holder_ttl_ms=left, wait_ms=left)
+
+
+def refused(store: RedisStore, keys: LockKeys, exc: ResponseError) -> RedlockError:
+    """The error for a lock command the server answered with an error reply: the server
+    cannot serve now (see :func:`server_refused`: unavailable, retry later), or the data
+    at the lock's keys is not ours (a ConfigError saying which key holds what)."""
+    if server_refused(exc):
+        return store.unavailable(keys.name, exc)
+    return ConfigError(foreign_data_message(store.client, keys, exc))
+
+
+#: Error codes of a server that cannot serve a lock right now, whatever the data: out of
+#: memory, a read-only replica, a busy script, a failed save, no replicas, a node loading
+#: or down. A lock refused with one is unavailable (retry later), not bad input.
+_SERVER_STATES = frozenset(
+    ("OOM", "READONLY", "BUSY", "MISCONF", "NOREPLICAS", "MASTERDOWN", "LOADING", "TRYAGAIN")
+)
+_SERVER_STATE_ERRORS = (
+    OutOfMemoryError,
+    ReadOnlyError,
+    BusyLoadingError,
+    ClusterDownError,  # MasterDownError is one
+    TryAgainError,
+)
+
+
+def server_refused(exc: BaseException) -> bool:
+    """True when a Redis error reply says the server cannot serve now (see _SERVER_STATES).
+
+    redis-py strips the code of the replies it has a class for (``OutOfMemoryError``,
+    ``ReadOnlyError``, ...) and keeps the others' (``MISCONF ...``); Redis < 7 reports an
+    error inside a script as ``Error running script ...: -OOM ...``.
+    """
+    if isinstance(exc, _SERVER_STATE_ERRORS):
+        return True
+    message = str(exc)
+    if message.split(" ", 1)[0] in _SERVER_STATES:
+        return True
+    return any(f"-{state} " in message for state in _SERVER_STATES)
+
+
+def is_foreign(value: Any) -> bool:
+    """True for an error reply about the data (``WRONGTYPE``, not an integer, ...)."""
+    return isinstance(value, ResponseError) and not server_refused(value)
+
+
+def foreign_data_message(client: Any, keys: LockKeys, exc: BaseException) -> str:
+    """Say which of a lock's keys holds data celery-redlock did not write, and what to do.
+
+    Called after Redis refused a lock script on the data (``WRONGTYPE``, a counter that
+    is not an integer): looks at the keys (a few reads, on this error path only).
+    """
+    detail = ""
+    prefix = keys.lock[: keys.lock.index("{")]
+    try:
+        kind = text(client.type(keys.lock))
+        if kind not in ("hash", "none"):
+            detail = f"{keys.lock!r} holds a {kind}, not a lock hash"
+        else:
+            kind = text(client.type(keys.fence))
+            value = text(client.get(keys.fence)) if kind == "string" else None
+            if kind not in ("string", "none"):
+                detail = f"its fence counter {keys.fence!r} holds a {kind}, not an integer"
+            elif value is not None and not _is_int64(value):
+                detail = f"its fence counter {keys.fence!r} holds {value[:40]!r}, not an integer"
+            elif value is not None and int(value) >= 2**63 - 1:
+                detail = f"its fence counter {keys.fence!r} is at the largest integer Redis keeps"
+    except REDIS_ERRORS:
+        detail = ""  # the refusal itself is reported below
+    if not detail:
+        return f"lock {keys.name!r}: Redis refused the lock script on {keys.lock!r} ({exc})"
+    return (
+        f"lock {keys.name!r}: {detail}. Something other than celery-redlock writes under the "
+        f"key prefix {prefix!r}: delete that key if it is stale, or give celery-redlock a "
+        "prefix of its own (key_prefix=, or the redlock_key_prefix setting)"
+    )
+
+
+def _is_int64(value: str) -> bool:
+    try:
+        return -(2**63) <= int(value) < 2**63 and value.strip() == value
+    except ValueError:
+        return False
+
+
+def check_client(client: Any) -> None:
+    """Refuse anything that is not a redis-py client, naming what was given."""
+    if not isinstance(client, (redis.Redis, RedisCluster)):
+        raise ConfigError(
+            f"expected a redis.Redis, a Sentinel master_for() client or a RedisCluster, "
+            f"got {type(client).__module__}.{type(client).__name__}; build one with "
+            "celery_redlock.connect(url)"
+        )
+
+
+#: Each client's store, by id(client): weak, so a store (and the client it keeps)
+#: goes when no lock uses it.
+_stores: dict[int, weakref.ref[RedisStore]] = {}
+_stores_lock = threading.Lock()
+
+
+def _forget_store(key: int, ref: weakref.ref[RedisStore]) -> None:
+    with _stores_lock:
+        if _stores.get(key) is ref:
+            del _stores[key]
+
+
+def _after_fork() -> None:
+    global _stores_lock
+    _stores_lock = threading.Lock()
+    for ref in list(_stores.values()):
+        store = ref()
+        if store is None:
+            continue
+        store.lane = Lane()  # the parent's pool threads do not exist here
+        if store.channel is not None:
+            store.channel.forget()  # the parent's connection is the parent's
+
+
+process.on_fork(_after_fork)
