@@ -331,9 +331,9 @@ def test_replies_delayed_past_the_socket_timeout(delayed_replies: Outcome) -> No
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "core release(): when a release's reply is lost and redis-py re-sends it, a waiter "
-        "woken by the first copy may hold the key by then; the re-sent copy answers -1 "
-        "(another token) and release() logs 'lost before release ... may have overlapped', "
+        "core Lock.release(): when a release's reply is lost and redis-py re-sends it, a "
+        "waiter woken by the first copy may hold the key by then; the re-sent copy finds "
+        "another token, and release() logs 'lost before release ... may have overlapped', "
         "emits a 'lost' event and raises LockLost, although the lease was valid and released"
     ),
 )
@@ -437,9 +437,10 @@ def test_redelivered_copy_of_a_running_message_is_refused_not_run_later(
     strict=True,
     reason=(
         "connect()'s one retry multiplies: after the command times out, redis-py reconnects "
-        "(the HELLO handshake times out too, and is itself retried), then the failed acquire "
-        "is taken back (_do_abandon) on the same silent server with the same retries: about "
-        "7 socket timeouts (14 s with the default 2 s) before QuorumUnavailable"
+        "(the HELLO handshake times out too, and is itself retried), then the single-node "
+        "store takes the failed attempt back (abandon) on the same silent server with the "
+        "same retries: about 7 socket timeouts (14 s with the default 2 s) before "
+        "QuorumUnavailable"
     ),
 )
 def test_delayed_acquire_reports_unavailable_within_about_two_socket_timeouts(
