@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest demo bench clean venv tests bench docs examples chaos
+.PHONY: test lint typecheck pytest demo bench clean venv tests bench docs examples chaos test-compat
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(PY) -m ruff check celery_redlock tests bench examples
+	$(PY) -m ruff check celery_redlock tests bench examples tools
 	$(PY) -m ruff format --check celery_redlock
 
 typecheck: $(STAMP)
@@ -30,6 +30,12 @@ test: lint typecheck pytest
 # tests/chaos with longer fault phases; CHAOS_SEED replays a run (the seed is printed first).
 chaos: $(STAMP)
 	$(PY) tests/chaos/run_chaos.py
+
+# The suite on every supported combination (oldest, newest, hiredis, valkey), one venv each
+# under .compat/; by hand, not in CI. COMPAT=oldest (or "oldest,valkey") runs only those,
+# COMPAT_PYTEST_ARGS="-x tests/test_lock.py" narrows the pytest run.
+test-compat:
+	nice -n 10 $(PYTHON) tools/compat.py $(COMPAT)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py

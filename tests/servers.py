@@ -12,6 +12,7 @@ import contextlib
 import functools
 import importlib.metadata
 import importlib.util
+import inspect
 import logging
 import os
 import select
@@ -53,7 +54,13 @@ _handed_out_ports: set[int] = set()
 # redis-py 8 (RESP3 by default) sends HELLO and CLIENT SETINFO on every (re)connect. Behind
 # FaultProxy.delay_replies() those handshake replies are late too, so a reconnect times out before
 # the command is re-sent. Pass these kwargs to a client whose retry must actually re-send.
-BARE_CONNECT: dict[str, Any] = {"protocol": 2, "driver_info": None}
+# A redis-py with a driver_info argument takes the CLIENT SETINFO data there; older ones (5.x)
+# take lib_name/lib_version, and None turns CLIENT SETINFO off in both.
+BARE_CONNECT: dict[str, Any] = (
+    {"protocol": 2, "driver_info": None}
+    if "driver_info" in inspect.signature(redis.Redis.__init__).parameters
+    else {"protocol": 2, "lib_name": None, "lib_version": None}
+)
 
 
 class ServerStartError(RuntimeError):

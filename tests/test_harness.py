@@ -245,8 +245,14 @@ def test_delayed_replies_let_a_retried_evalsha_reach_the_server_each_time(
     sha = redis_server.client().script_load("return redis.call('INCR', KEYS[1])")
     proxy = fault_proxy(redis_server)
     # BARE_CONNECT: no HELLO/CLIENT SETINFO on reconnect, whose late replies would time out the
-    # reconnect itself and keep redis-py from ever re-sending the command.
-    client = proxy.client(socket_timeout=0.2, retry=Retry(NoBackoff(), 1), **BARE_CONNECT)
+    # reconnect itself and keep redis-py from ever re-sending the command. retry_on_error names
+    # TimeoutError because redis-py 5 retries only the errors listed there.
+    client = proxy.client(
+        socket_timeout=0.2,
+        retry=Retry(NoBackoff(), 1),
+        retry_on_error=[redis.TimeoutError],
+        **BARE_CONNECT,
+    )
     assert client.ping()
     redis_server.reset_stats()
     proxy.delay_replies(0.5)

@@ -321,7 +321,17 @@ def test_connect_redis_url_gives_a_working_lock_client_with_lock_defaults(
     kwargs = client.connection_pool.connection_kwargs
     for key, value in LOCK_CLIENT_DEFAULTS.items():
         assert kwargs[key] == value
-    assert kwargs["retry"].get_retries() == 1
+    attempts: list[int] = []
+
+    def refused() -> None:
+        attempts.append(1)
+        raise redis.ConnectionError("refused")
+
+    # One retry: the policy runs a failing call twice (Retry.call_with_retry is public on
+    # every supported redis-py; get_retries() only exists from redis-py 6).
+    with pytest.raises(redis.ConnectionError):
+        kwargs["retry"].call_with_retry(refused, lambda _error: None)
+    assert len(attempts) == 2
     lock = Lock(client, "connect:tcp", ttl=5, auto_renew=False)
     assert lock.acquire(blocking=False)
     assert redis_server.client().exists("redlock:{connect:tcp}")
