@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import os
 import threading
-import time
 import weakref
 from typing import Any
 
@@ -27,19 +25,20 @@ from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from redis.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, BusyLoadingError
 
+from . import task as task_module
 from .core import renewal
 from .core.connect import mask_url
-from .core.errors import ConfigError, RedlockError
+from .core.errors import ConfigError
 from .core.events import add_hook
 from .observability import drop_unscrapable_metrics, enable_prometheus_by_default, logging_hook
-from .settings import check_task_option
+from .options import check_task_option
+from .runtime import KEY_HEADER, release_all_held, release_for_gone_child
 from .state import AppState, state_for
-from .task import KEY_HEADER, LockedTask, lock_name_for, option, release_for_request
+from .task import LockedTask
 
 __all__ = ["RedlockStep", "apply_redlock_tasks", "install"]
 
 log = logging.getLogger("celery_redlock")
-log_release = logging.getLogger("celery_redlock.release")
 
 _states: weakref.WeakSet[AppState] = weakref.WeakSet()
 _receivers_connected = False
@@ -235,17 +234,6 @@ def check_lock_redis(where: str, client: Any) -> None:
         )
 
 
-def release_all_held(state: AppState) -> None:
-    """Release every lock this process holds for *state*'s app (warm shutdown)."""
-    for task_id, lock in list(state.held.items()):
-        state.held.pop(task_id, None)
-        try:
-            lock.release()
-            log_release.info("released %r held by task %s at shutdown", lock.name, task_id)
-        except RedlockError as exc:
-            log_release.warning("could not release %r at shutdown: %s", lock.name, exc)
-
-
 # -- redlock_tasks: lock tasks that do not use the base class ---------------------------------
 def apply_redlock_tasks(app: Any = None, sender: Any = None, **_: Any) -> None:
     """Give tasks matched by ``app.conf.redlock_tasks`` the LockedTask behaviour."""
@@ -291,36 +279,12 @@ def _connect_receivers() -> None:
     _receivers_connected = True
 
 
-_postrun_connected = False
-
-
-def use_postrun_net() -> None:
-    """Connect the ``task_postrun`` safety net (once per process): some LockedTask class has
-    its own ``before_start``, ``__call__`` or ``after_return`` (see celery_redlock.task)."""
-    global _postrun_connected
-    with _install_lock:
-        if not _postrun_connected:
-            signals.task_postrun.connect(_on_postrun, weak=False)
-            _postrun_connected = True
-
-
 def _installed(task: Any) -> AppState | None:
     app = getattr(task, "app", None)
     if app is None or not isinstance(task, LockedTask):
         return None
     state = state_for(app)
     return state if state.installed else None
-
-
-def _on_postrun(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
-    """Safety net: a lock still registered for a finished request is released (connected
-    by use_postrun_net)."""
-    state = _installed(sender)
-    if state is None or task_id is None:
-        return
-    lock = state.held.get(task_id)
-    if lock is not None:
-        release_for_request(sender, lock, task_id)
 
 
 def _on_failure(
@@ -338,7 +302,7 @@ def _on_failure(
     if state is None or task_id is None or task_id in state.held:
         return
     headers = getattr(getattr(sender, "request", None), "headers", None)
-    _release_for_gone_child(sender, task_id, args, kwargs, headers, why=type(exception).__name__)
+    release_for_gone_child(sender, task_id, args, kwargs, headers, why=type(exception).__name__)
 
 
 def _on_revoked(
@@ -352,96 +316,12 @@ def _on_revoked(
     if state is None or task_id is None or task_id in state.held:
         return
     headers = {}
-    raw_headers = getattr(request, "_request_dict", {}) or {}
+    raw_headers = getattr(request, "request_dict", None) or {}  # the message headers
     if KEY_HEADER in raw_headers:
         headers[KEY_HEADER] = raw_headers[KEY_HEADER]
-    _release_for_gone_child(
+    release_for_gone_child(
         sender, task_id, request.args, request.kwargs, headers, why="revoked (terminated)"
     )
-
-
-def _release_for_gone_child(
-    task: Any, task_id: str, args: Any, kwargs: Any, headers: Any, *, why: str
-) -> None:
-    """Release the acquisition of *task_id* once its process is gone (in a short thread).
-
-    Timeline that makes the wait necessary: billiard calls the hard-time-limit
-    callback (which fires task_failure here) *before* it kills the child, and
-    revoke(terminate=True) only sends the signal. Releasing at once would let
-    the next run start while the old one may still be writing. So: read the
-    holder record, wait (bounded by the TTL) until its pid has exited, then
-    release exactly the acquisition whose record names this task id.
-    """
-    try:
-        name = lock_name_for(task, tuple(args or ()), dict(kwargs or {}), headers)
-        ttl = float(option(task, "lock_ttl"))
-        lock = state_for(task.app).make_lock(name, ttl, auto_renew=False)
-    except Exception as exc:
-        log_release.warning(
-            "task %s[%s] %s: cannot find its lock (%s)", task.name, task_id, why, exc
-        )
-        return
-
-    def release() -> None:
-        try:
-            holder = lock.read_holder()
-            if not holder or holder.get("task_id") != task_id:
-                return
-            pid = holder.get("pid")
-            deadline = time.monotonic() + ttl
-            while isinstance(pid, int) and _alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if isinstance(pid, int) and _alive(pid):
-                log_release.warning(
-                    "task %s[%s] %s but pid %s still runs: its lock %r expires within %ss",
-                    task.name,
-                    task_id,
-                    why,
-                    pid,
-                    name,
-                    ttl,
-                )
-                return
-            match = {"task_id": task_id} if pid is None else {"task_id": task_id, "pid": pid}
-            if lock.release_matching(**match):
-                log_release.warning(
-                    "task %s[%s] %s: released its lock %r at once (holder pid %s is gone)",
-                    task.name,
-                    task_id,
-                    why,
-                    name,
-                    pid,
-                )
-        except Exception as exc:
-            log_release.warning(
-                "task %s[%s] %s: could not release %r (%s); it expires within %ss",
-                task.name,
-                task_id,
-                why,
-                name,
-                exc,
-                ttl,
-            )
-
-    threading.Thread(target=release, name="celery-redlock-release", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    """True while *pid* runs (a zombie waiting to be reaped counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            return fh.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _on_process_init(**_: Any) -> None:
@@ -456,8 +336,5 @@ def _on_process_shutdown(**_: Any) -> None:
     renewal.shutdown(timeout=1.0)
 
 
-def describe_url(url: Any) -> str:
-    """Password-free rendering of a URL or list of URLs."""
-    if isinstance(url, list):
-        return ", ".join(mask_url(u) for u in url)
-    return mask_url(str(url))
+# Defining a task class on an app (base=LockedTask) installs that app.
+task_module.app_hooks.append(install)

@@ -28,7 +28,7 @@ import signal
 import threading
 from typing import Any
 
-from .core.errors import LockLost
+from .core import LockLost
 
 __all__ = ["LockLostInterrupt", "Watch", "on_lost", "watch", "watch_of"]
 

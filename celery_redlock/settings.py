@@ -13,55 +13,9 @@ from typing import Any
 
 from .core.connect import mask_url
 from .core.errors import ConfigError
+from .options import OPTIONS, boolean, check_task_option, seconds
 
-__all__ = [
-    "CONTENDED_POLICIES",
-    "LOST_POLICIES",
-    "SETTINGS",
-    "TASK_OPTIONS",
-    "Settings",
-    "check_task_option",
-    "load_settings",
-]
-
-CONTENDED_POLICIES = ("retry", "skip", "wait", "raise")
-LOST_POLICIES = ("raise", "warn")
-
-
-def _number(
-    minimum: float, *, allow_none: bool = False, strict: bool = False
-) -> Callable[[Any], Any]:
-    def check(value: Any) -> Any:
-        if value is None and allow_none:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError("a number of seconds")
-        if value < minimum or (strict and value == minimum):
-            raise ValueError(f"{'>' if strict else '>='} {minimum}")
-        return float(value)
-
-    return check
-
-
-def _integer(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise TypeError("a whole number >= 0")
-    return value
-
-
-def _boolean(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError("True or False")
-    return value
-
-
-def _choice(*choices: str) -> Callable[[Any], str]:
-    def check(value: Any) -> str:
-        if value not in choices:
-            raise ValueError("one of " + ", ".join(repr(c) for c in choices))
-        return str(value)
-
-    return check
+__all__ = ["SETTINGS", "Settings", "load_settings"]
 
 
 def _url(value: Any) -> Any:
@@ -80,79 +34,46 @@ def _string(value: Any) -> Any:
     raise TypeError("a string")
 
 
-def _key_option(value: Any) -> Any:
-    if value is None or callable(value) or (isinstance(value, str) and value):
-        return value
-    raise TypeError('a template such as "sync:<user_id>", or a callable (*args, **kwargs) -> str')
-
-
 def _mapping(value: Any) -> Any:
     if isinstance(value, Mapping):
         return dict(value)
     raise TypeError("a dict")
 
 
+def _like(option: str) -> Callable[[Any], Any]:
+    """The check of the setting that gives task option *option* its default: the option's."""
+    return OPTIONS[option].check
+
+
 #: app setting -> (checker, default, what it means)
 SETTINGS: dict[str, tuple[Callable[[Any], Any], Any, str]] = {
     "redlock_url": (_url, None, "where locks live; default: the broker URL when it is redis://"),
-    "redlock_ttl": (_number(0, strict=True), 30.0, "lease length in seconds"),
-    "redlock_default_key": (_key_option, None, "key when a task sets none (default: task name)"),
-    "redlock_on_contended": (_choice(*CONTENDED_POLICIES), "retry", "policy when held"),
-    "redlock_on_lost": (_choice(*LOST_POLICIES), "raise", "what a task gets on loss"),
-    "redlock_max_retries": (_integer, 50, "contention retries before failing"),
-    "redlock_retry_backoff": (_number(0), 1.0, "first contention retry delay"),
-    "redlock_retry_backoff_max": (_number(0), 60.0, "longest contention retry delay"),
-    "redlock_retry_jitter": (_boolean, True, "randomise contention retry delays"),
-    "redlock_wait_timeout": (_number(0), 30.0, "how long 'wait' blocks"),
-    "redlock_fail_open": (_boolean, False, "run unlocked when Redis is down (not advised)"),
+    "redlock_ttl": (_like("lock_ttl"), 30.0, "lease length in seconds"),
+    "redlock_default_key": (_like("lock_key"), None, "key when a task sets none (task name)"),
+    "redlock_on_contended": (_like("lock_on_contended"), "retry", "policy when held"),
+    "redlock_on_lost": (_like("lock_on_lost"), "raise", "what a task gets on loss"),
+    "redlock_max_retries": (_like("lock_max_retries"), 50, "contention retries before failing"),
+    "redlock_retry_backoff": (_like("lock_retry_backoff"), 1.0, "first contention retry delay"),
+    "redlock_retry_backoff_max": (
+        _like("lock_retry_backoff_max"),
+        60.0,
+        "longest contention retry delay",
+    ),
+    "redlock_retry_jitter": (_like("lock_retry_jitter"), True, "randomise contention retry delays"),
+    "redlock_wait_timeout": (_like("lock_wait_timeout"), 30.0, "how long 'wait' blocks"),
+    "redlock_fail_open": (boolean, False, "run unlocked when Redis is down (not advised)"),
     "redlock_key_prefix": (_string, "redlock:", "prefix of every lock key"),
     "redlock_fence_ttl": (
-        _number(0, allow_none=True, strict=True),
+        seconds(0, allow_none=True, strict=True),
         None,
         "let a lock's fence counter expire after this long unused (None: never)",
     ),
     "redlock_tasks": (_mapping, {}, "task-name patterns -> lock options, for tasks without base"),
-    "redlock_disable": (_boolean, False, "run every task unlocked (tests)"),
-    "redlock_beat_ttl": (_number(0, allow_none=True, strict=True), None, "beat leader lease"),
+    "redlock_disable": (boolean, False, "run every task unlocked (tests)"),
+    "redlock_beat_ttl": (seconds(0, allow_none=True, strict=True), None, "beat leader lease"),
     "redlock_beat_lock_name": (_string, None, "name of the beat leader lock"),
     "redlock_client_options": (_mapping, {}, "extra redis-py client options"),
 }
-
-#: task option -> the app setting that gives its default
-TASK_OPTIONS: dict[str, str] = {
-    "lock_key": "redlock_default_key",
-    "lock_ttl": "redlock_ttl",
-    "lock_on_contended": "redlock_on_contended",
-    "lock_on_lost": "redlock_on_lost",
-    "lock_max_retries": "redlock_max_retries",
-    "lock_retry_backoff": "redlock_retry_backoff",
-    "lock_retry_backoff_max": "redlock_retry_backoff_max",
-    "lock_retry_jitter": "redlock_retry_jitter",
-    "lock_wait_timeout": "redlock_wait_timeout",
-    "lock_max_hold": "",
-}
-_TASK_CHECKS: dict[str, Callable[[Any], Any]] = {
-    "lock_key": _key_option,
-    "lock_max_hold": _number(0, allow_none=True, strict=True),
-}
-
-
-def check_task_option(task_name: str, option: str, value: Any) -> Any:
-    """Validate one task option; ConfigError names the task, the option and the fix."""
-    if option not in TASK_OPTIONS:
-        guess = difflib.get_close_matches(option, TASK_OPTIONS, n=1)
-        hint = f"; did you mean {guess[0]!r}?" if guess else ""
-        raise ConfigError(
-            f"task {task_name!r}: unknown lock option {option!r}{hint} "
-            f"(known: {', '.join(sorted(TASK_OPTIONS))})"
-        )
-    checker = _TASK_CHECKS.get(option) or SETTINGS[TASK_OPTIONS[option]][0]
-    try:
-        return checker(value)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(
-            f"task {task_name!r}: {option}={value!r} is not valid; it must be {exc}"
-        ) from None
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,12 @@ settings or clients (the mistake of module-global client caches).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Mapping
 from typing import Any
 
-from .core.connect import connect
-from .core.lock import Lock, open_store
-from .core.store import Store
+from .core import Lock, Store, connect, open_store, process
+from .options import TaskOptions, resolve
 from .settings import Settings, load_settings
 
 __all__ = ["AppState", "state_for"]
@@ -23,7 +21,6 @@ log = logging.getLogger("celery_redlock")
 
 _ATTR = "_celery_redlock_state"
 _create_lock = threading.Lock()
-_ABSENT = object()
 
 
 class AppState:
@@ -38,16 +35,14 @@ class AppState:
         self.send_events = False
         self._settings: Settings | None = None
         self._clients: Any = None
-        self._clients_pid = 0
         self._store: tuple[Any, Store] | None = None
         self._lock = threading.Lock()
-        #: (app.conf, the names Celery looks redlock_disable up by in it), for disabled
-        self._disable_names: tuple[Any, tuple[str, ...]] = (None, ())
         #: task id -> lock held for it in this process (released on every exit).
         self.held: dict[str, Lock] = {}
-        #: task class -> what celery_redlock.task resolved for it from these settings
-        #: (dropped with the settings by reset()).
-        self.plans: dict[Any, Any] = {}
+        #: task class -> its lock options resolved against these settings (dropped with
+        #: the settings by reset()).
+        self.task_options: dict[type, TaskOptions] = {}
+        process.on_fork(self._forked)
 
     @property
     def settings(self) -> Settings:
@@ -61,39 +56,38 @@ class AppState:
         with self._lock:
             self._settings = None
             self._clients = None
-            self.plans = {}
+            self._store = None
+            self.task_options = {}
+
+    def _forked(self) -> None:
+        """In a forked child: its own clients (sockets are per process) and guard."""
+        self._lock = threading.Lock()
+        self._clients = None
+        self._store = None
 
     @property
     def disabled(self) -> bool:
-        """True when locking is switched off for this app (flag or setting)."""
-        if self.overrides.get("redlock_disable"):
-            return True
-        # Read on every task (tests flip it at run time), so not through conf.get, which
-        # raises and catches a KeyError per configuration layer when the setting is absent:
-        # the same names (as Celery spells them for this app) in the same layers, in order.
-        conf = self.app.conf
-        if self._disable_names[0] is not conf:
-            to_keys = getattr(conf, "_to_keys", None)
-            if not callable(to_keys) or vars(conf).get("key_t") is not None:
-                return bool(conf.get("redlock_disable"))
-            self._disable_names = (conf, tuple(dict.fromkeys(to_keys("redlock_disable"))))
-        names = self._disable_names[1]
-        for layer in conf.maps:
-            for name in names:
-                value = layer.get(name, _ABSENT)
-                if value is not _ABSENT:
-                    return bool(value)
-        return False
+        """True when locking is switched off for this app (flag or setting).
+
+        Read from ``app.conf`` on every run: a test may switch it on at any time.
+        """
+        return bool(self.overrides.get("redlock_disable") or self.app.conf.get("redlock_disable"))
+
+    def options_for(self, task: Any) -> TaskOptions:
+        """The lock options of *task*'s class, resolved on first use (see options.resolve)."""
+        cls = type(task)
+        found = self.task_options.get(cls)
+        if found is None:
+            found = self.task_options[cls] = resolve(cls, cls.redlock_spec, self.settings.values)
+        return found
 
     def clients(self) -> Any:
         """The client (one URL) or list of clients (Redlock) for this app, per process."""
-        pid = os.getpid()
-        if self._clients is None or self._clients_pid != pid:
+        if self._clients is None:
             with self._lock:
-                if self._clients is None or self._clients_pid != pid:
+                if self._clients is None:
                     options: Mapping[str, Any] = self.settings["redlock_client_options"]
                     self._clients = connect(self.settings.url, **options)
-                    self._clients_pid = pid
         return self._clients
 
     def store(self) -> Store:

@@ -1,20 +1,25 @@
-"""The fast argument binder behind ``lock_key`` templates agrees with ``inspect.Signature.bind``.
+"""A ``lock_key`` template names the arguments of a call the way ``Signature.bind`` does.
 
-For every call shape, the fast binder must either give exactly the template fields
-that ``bind`` + ``apply_defaults`` give, or decline (None) so the slow path runs;
-it must decline every call ``bind`` refuses, so a bad call still fails with
-``bind``'s own message before any lock is taken.
+For every call shape (positional, keyword, defaulted, ``*args``, ``**kwargs``,
+positional-only), the rendered lock name is the template filled from
+``bind`` + ``apply_defaults``; a call that ``bind`` refuses fails with ``bind``'s own
+message, naming the task, before any lock is taken. No Redis is needed: rendering a
+name reads the app's settings, it does not connect.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
+from celery import Celery
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from celery_redlock.task import _make_binder
+from celery_redlock import ConfigError, KeyTemplate, LockedTask
+from celery_redlock.task import lock_name_for
 
 
 def f_plain(user_id, region="eu", *, dry=False, limit=10):  # type: ignore[no-untyped-def]
@@ -30,35 +35,64 @@ def f_none():  # type: ignore[no-untyped-def]
 
 
 def f_varargs(a, *rest):  # type: ignore[no-untyped-def]
-    """*args: no fast binder."""
+    """*args."""
 
 
 def f_varkw(a, **extra):  # type: ignore[no-untyped-def]
-    """**kwargs: no fast binder."""
+    """**kwargs: a template may name any keyword."""
 
 
 def f_posonly(a, /, b):  # type: ignore[no-untyped-def]
-    """Positional-only: no fast binder."""
+    """Positional-only."""
 
 
-CASES = [
+CASES: list[tuple[Callable[..., Any], tuple[str, ...]]] = [
     (f_plain, ("user_id", "region", "dry")),
     (f_plain, ("limit",)),
     (f_required_kwonly, ("a", "c", "d")),
     (f_required_kwonly, ("b",)),
     (f_none, ()),
+    (f_varargs, ("a",)),
+    (f_varkw, ("a", "zzz")),
+    (f_posonly, ("a", "b")),
 ]
 NAMES = ["user_id", "region", "dry", "limit", "a", "b", "c", "d", "zzz"]
 
 
-def slow_fields(sig: inspect.Signature, fields: tuple[str, ...], args: Any, kwargs: Any) -> Any:
-    """What bind + apply_defaults give for *fields*, or the TypeError it raised."""
+@pytest.fixture(scope="module")
+def tasks() -> Iterator[dict[tuple[Callable[..., Any], tuple[str, ...]], Any]]:
+    """One LockedTask per case, on an app whose lock Redis is never contacted."""
+    app = Celery("binder", broker="memory://", set_as_current=False)
+    app.conf.redlock_url = "redis://127.0.0.1:9/1"
+    app.finalize()  # the decorator then returns the task itself, not a lazy proxy
+    made = {}
+    for number, (fun, fields) in enumerate(CASES):
+        template = "k" + "".join(f":<{f}>" for f in fields)
+        made[fun, fields] = app.task(
+            base=LockedTask, shared=False, name=f"binder.t{number}", lock_key=template
+        )(fun)
+    try:
+        yield made
+    finally:
+        app.close()
+
+
+def expected_name(
+    fun: Callable[..., Any], fields: tuple[str, ...], args: Any, kwargs: Any
+) -> str | Exception:
+    """The template filled from bind + apply_defaults, or the error bind or render raised."""
+    sig = inspect.signature(fun)
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as exc:
         return exc
     bound.apply_defaults()
-    return {f: bound.arguments[f] for f in fields}
+    arguments = dict(bound.arguments)
+    arguments.update(arguments.pop("extra", {}))  # f_varkw's **extra entries by name
+    try:
+        return KeyTemplate("k" + "".join(f":<{f}>" for f in fields)).render(arguments)
+    except ConfigError as exc:  # a field only **kwargs could give, left out of the call
+        return exc
 
 
 @settings(max_examples=400, deadline=None)
@@ -67,37 +101,35 @@ def slow_fields(sig: inspect.Signature, fields: tuple[str, ...], args: Any, kwar
     args=st.lists(st.integers(0, 9), max_size=5).map(tuple),
     kwargs=st.dictionaries(st.sampled_from(NAMES), st.integers(0, 9), max_size=4),
 )
-def test_fast_binder_matches_signature_bind_or_declines(
-    case: Any, args: tuple[int, ...], kwargs: dict[str, int]
+def test_lock_name_is_the_template_filled_as_signature_bind_names_the_arguments(
+    tasks: dict[Any, Any], case: Any, args: tuple[int, ...], kwargs: dict[str, int]
 ) -> None:
-    """Fast result == bind's fields whenever it answers; None whenever bind raises."""
+    """The lock name equals the template rendered from bind's arguments; a call bind refuses
+    raises bind's TypeError, prefixed with the task name."""
     fun, fields = case
-    sig = inspect.signature(fun)
-    binder = _make_binder(sig, fields)
-    assert binder is not None
-    fast = binder(args, dict(kwargs))
-    slow = slow_fields(sig, fields, args, kwargs)
-    if isinstance(slow, TypeError):
-        assert fast is None, (
-            f"{fun.__name__}{args}{kwargs}: bind refused ({slow}), fast gave {fast}"
-        )
+    task = tasks[case]
+    want = expected_name(fun, fields, args, kwargs)
+    if isinstance(want, TypeError):
+        with pytest.raises(TypeError) as info:
+            lock_name_for(task, args, dict(kwargs))
+        assert str(info.value) == f"{task.name}(): {want}"
+    elif isinstance(want, ConfigError):
+        with pytest.raises(ConfigError) as refused:
+            lock_name_for(task, args, dict(kwargs))
+        assert str(refused.value) == str(want)
     else:
-        assert fast is not None, f"{fun.__name__}{args}{kwargs}: fast declined a valid call"
-        assert fast == slow
+        assert lock_name_for(task, args, dict(kwargs)) == want
 
 
-def test_common_calls_take_the_fast_path() -> None:
-    """Positional, keyword and defaulted spellings of one call all bind fast, to one value."""
-    binder = _make_binder(inspect.signature(f_plain), ("user_id", "region"))
-    assert binder is not None
-    want = {"user_id": 7, "region": "eu"}
-    assert binder((7,), {}) == want
-    assert binder((), {"user_id": 7}) == want
-    assert binder((7, "eu"), {}) == want
-    assert binder((7,), {"region": "eu", "dry": True}) == want
-
-
-def test_signatures_with_star_args_or_positional_only_get_no_fast_binder() -> None:
-    """*args, **kwargs and positional-only parameters are left to Signature.bind."""
-    for fun in (f_varargs, f_varkw, f_posonly):
-        assert _make_binder(inspect.signature(fun), ("a",)) is None
+def test_positional_keyword_and_defaulted_spellings_of_one_call_lock_one_name(
+    tasks: dict[Any, Any],
+) -> None:
+    """f(7), f(user_id=7), f(7, "eu") and f(7, region="eu", dry=...) name one lock."""
+    task = tasks[f_plain, ("user_id", "region", "dry")]
+    names = {
+        lock_name_for(task, (7,), {}),
+        lock_name_for(task, (), {"user_id": 7}),
+        lock_name_for(task, (7, "eu"), {}),
+        lock_name_for(task, (7,), {"region": "eu", "dry": False, "limit": 3}),
+    }
+    assert names == {"k:7:eu:false"}

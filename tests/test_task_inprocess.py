@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-import importlib
 import itertools
 import json
 import logging
@@ -28,7 +27,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery, Task, signals
+from celery import Celery, signals
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
 from servers import RedisServer
@@ -41,6 +40,7 @@ from celery_redlock import (
     LockLost,
     QuorumUnavailable,
     is_skipped,
+    runtime,
 )
 from celery_redlock.core.keys import LockKeys
 from celery_redlock.core.lock import Lock as CoreLock
@@ -51,9 +51,6 @@ from celery_redlock.state import state_for
 from celery_redlock.task import needs_postrun_net
 
 LOGGER = "celery_redlock"
-# the module, not the install() function that celery_redlock re-exports under that name
-install_module = importlib.import_module("celery_redlock.install")
-task_module = importlib.import_module("celery_redlock.task")
 _app_numbers = itertools.count(1)
 
 
@@ -188,7 +185,7 @@ def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
 @contextlib.contextmanager
 def postrun_net_off() -> Iterator[None]:
     """Disconnect the task_postrun safety net for a while (if some class connected it)."""
-    receiver = install_module._on_postrun
+    receiver = runtime.on_postrun
     connected = signals.task_postrun.disconnect(receiver)
     try:
         yield
@@ -680,7 +677,7 @@ def test_needs_postrun_net_only_for_classes_with_their_own_hooks(env: Env) -> No
     for task in (with_call, with_after_return, with_before_start):
         assert needs_postrun_net(cls(task)), task.name
     receivers = [r for _, r in signals.task_postrun.receivers]
-    assert install_module._on_postrun in receivers
+    assert runtime.on_postrun in receivers
 
 
 @pytest.mark.parametrize("how", ["error", "ignore", "reject"])
@@ -729,7 +726,7 @@ def test_after_return_alone_frees_a_lock_whose_body_never_started(env: Env) -> N
     # postrun_net_off() must find connected to take it away.
     guarded._get_current_object()
     with postrun_net_off(), worker(app):
-        assert install_module._on_postrun not in [r for _, r in signals.task_postrun.receivers]
+        assert runtime.on_postrun not in [r for _, r in signals.task_postrun.receivers]
         result = guarded.apply_async(("error",))
         assert isinstance(result.get(timeout=10, propagate=False), ValueError)
         assert wait_for(lambda: env.held_keys() == [], timeout=5)
@@ -790,57 +787,42 @@ def test_direct_call_and_apply_lock_and_release(env: Env) -> None:
     assert env.held_keys() == []
 
 
-def test_the_body_gets_its_request_from_before_start_and_nothing_is_left_behind(
-    env: Env, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """before_start hands the run's request to the body (one Celery request lookup fewer)
-    only for classes without their own before_start or __call__; the body clears it, so a
-    task nested in a body, eager or called directly, gets its own request and lock."""
+def test_a_task_nested_in_a_body_gets_its_own_request_and_lock(env: Env) -> None:
+    """A task run eagerly or called directly inside another's body gets its own request
+    and lock; the outer run keeps its own, and every lock is released at the end (also for
+    a class with its own before_start)."""
     app = env.app()
-    lookups = [0]
-    celery_request = Task.request
-
-    def counted(task: Any) -> Any:
-        lookups[0] += 1
-        return celery_request.fget(task)
 
     @app.task(base=LockedTask, bind=True, shared=False, lock_key="inner:<n>")
     def inner(self: Any, n: int) -> list[Any]:
-        return [self.request.id, task_module._handoff.request, env.held_keys()]
+        return [self.request.id, env.held_keys()]
 
     @app.task(base=LockedTask, bind=True, shared=False, lock_key="outer:<n>")
     def outer(self: Any, n: int) -> list[Any]:
-        assert task_module._handoff.request is None  # taken by the body wrapper already
         nested_eager = inner.apply((n,), task_id=f"eager-{n}").get()
         nested_direct = inner(n + 100)
-        return [self.request.id, nested_eager, nested_direct, env.held_keys()]
+        return [self.request.id, nested_eager, nested_direct, env.held_keys(), self.lock.name]
 
     class OwnBeforeStart(LockedTask):
         def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
             super().before_start(task_id, args, kwargs)
-            env.push("handoff", [task_module._handoff.request is None])
+            env.push("own", [task_id, env.held_keys()])
 
     @app.task(base=OwnBeforeStart, bind=True, shared=False, lock_key="own:<n>")
-    def own(self: Any, n: int) -> str:
-        return str(self.request.id)
+    def own(self: Any, n: int) -> list[Any]:
+        return [self.request.id, self.lock.name]
 
     got = outer.apply((1,), task_id="outer-1").get()
     assert got[0] == "outer-1"
-    assert got[1] == ["eager-1", None, ["redlock:{inner:1}", "redlock:{outer:1}"]]
+    assert got[1] == ["eager-1", ["redlock:{inner:1}", "redlock:{outer:1}"]]
     assert got[2][0] != "outer-1"  # the direct call's own request, not the outer one's
-    assert got[2][2] == ["redlock:{inner:101}", "redlock:{outer:1}"]
+    assert got[2][1] == ["redlock:{inner:101}", "redlock:{outer:1}"]
     assert got[3] == ["redlock:{outer:1}"]
-    assert task_module._handoff.request is None
+    assert got[4] == "outer:1"
     assert env.held_keys() == []
 
-    monkeypatch.setattr(Task, "request", property(counted))
-    lookups[0] = 0
-    assert inner.apply((2,), task_id="plain-2").get()[0] == "plain-2"
-    plain_lookups = lookups[0]
-    lookups[0] = 0
-    assert own.apply((2,), task_id="own-2").get() == "own-2"
-    assert env.items("handoff") == [[True]]  # not handed over past a class's own before_start
-    assert lookups[0] == plain_lookups + 1  # ... so its body asked Celery
+    assert own.apply((2,), task_id="own-2").get() == ["own-2", "own:2"]
+    assert env.items("own") == [["own-2", ["redlock:{own:2}"]]]
     assert env.held_keys() == []
 
 
@@ -1218,12 +1200,12 @@ def test_task_options_are_resolved_once_per_settings_load(env: Env) -> None:
 
     state = state_for(app)
     assert ttl_of(1) == 5.0
-    [plan] = state.plans.values()
-    assert ttl_of(2) == 5.0 and list(state.plans.values()) == [plan]
+    [plan] = state.task_options.values()
+    assert ttl_of(2) == 5.0 and list(state.task_options.values()) == [plan]
     app.conf.redlock_ttl = 9
     state.reset()
     assert ttl_of(3) == 9.0
-    [new_plan] = state.plans.values()
+    [new_plan] = state.task_options.values()
     assert new_plan is not plan and new_plan.ttl == 9.0
     assert env.held_keys() == []  # every run released its lock
 

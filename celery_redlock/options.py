@@ -1,0 +1,221 @@
+"""The ``lock_*`` task options: what each accepts and which app setting gives its default.
+
+:data:`OPTIONS` is the one table of them. A task class's options are checked when the
+class is made (:func:`check_declared`: an unknown ``lock_*`` name or a bad value is a
+:class:`ConfigError` naming the task and the fix), and resolved against its app's
+``redlock_*`` settings once (:func:`resolve`, cached per app by
+``AppState.options_for`` until the settings are reloaded).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .core import ConfigError, KeyTemplate
+from .policies import LOST_POLICIES, STRATEGIES, Strategy
+
+__all__ = [
+    "OPTIONS",
+    "Option",
+    "TaskOptions",
+    "TaskSpec",
+    "boolean",
+    "check_declared",
+    "check_task_option",
+    "choice",
+    "compile_key",
+    "declared",
+    "key_option",
+    "resolve",
+    "seconds",
+    "whole_number",
+]
+
+
+# -- value checks (shared with the redlock_* settings): each returns the value to use or
+# -- raises TypeError/ValueError whose text completes "... must be <text>"
+def seconds(
+    minimum: float, *, allow_none: bool = False, strict: bool = False
+) -> Callable[[Any], Any]:
+    """A check for a number of seconds >= *minimum* (> with *strict*; None if allowed)."""
+
+    def check(value: Any) -> Any:
+        if value is None and allow_none:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError("a number of seconds")
+        if value < minimum or (strict and value == minimum):
+            raise ValueError(f"{'>' if strict else '>='} {minimum}")
+        return float(value)
+
+    return check
+
+
+def whole_number(value: Any) -> int:
+    """A whole number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TypeError("a whole number >= 0")
+    return value
+
+
+def boolean(value: Any) -> bool:
+    """True or False."""
+    if not isinstance(value, bool):
+        raise TypeError("True or False")
+    return value
+
+
+def choice(*choices: str) -> Callable[[Any], str]:
+    """A check for one of *choices*."""
+
+    def check(value: Any) -> str:
+        if value not in choices:
+            raise ValueError("one of " + ", ".join(repr(c) for c in choices))
+        return str(value)
+
+    return check
+
+
+def key_option(value: Any) -> Any:
+    """A lock key: a template, a callable, or None (the task name)."""
+    if value is None or callable(value) or (isinstance(value, str) and value):
+        return value
+    raise TypeError('a template such as "sync:<user_id>", or a callable (*args, **kwargs) -> str')
+
+
+@dataclass(frozen=True)
+class Option:
+    """One task option."""
+
+    check: Callable[[Any], Any]
+    #: The app setting that gives its default (None: no default).
+    setting: str | None
+
+
+#: task option -> what it accepts and the setting it defaults from.
+OPTIONS: dict[str, Option] = {
+    "lock_key": Option(key_option, "redlock_default_key"),
+    "lock_ttl": Option(seconds(0, strict=True), "redlock_ttl"),
+    "lock_on_contended": Option(choice(*STRATEGIES), "redlock_on_contended"),
+    "lock_on_lost": Option(choice(*LOST_POLICIES), "redlock_on_lost"),
+    "lock_max_retries": Option(whole_number, "redlock_max_retries"),
+    "lock_retry_backoff": Option(seconds(0), "redlock_retry_backoff"),
+    "lock_retry_backoff_max": Option(seconds(0), "redlock_retry_backoff_max"),
+    "lock_retry_jitter": Option(boolean, "redlock_retry_jitter"),
+    "lock_wait_timeout": Option(seconds(0), "redlock_wait_timeout"),
+    "lock_max_hold": Option(seconds(0, allow_none=True, strict=True), None),
+}
+
+
+def check_task_option(task_name: str, option: str, value: Any) -> Any:
+    """Validate one task option; ConfigError names the task, the option and the fix."""
+    spec = OPTIONS.get(option)
+    if spec is None:
+        guess = difflib.get_close_matches(option, OPTIONS, n=1)
+        hint = f"; did you mean {guess[0]!r}?" if guess else ""
+        raise ConfigError(
+            f"task {task_name!r}: unknown lock option {option!r}{hint} "
+            f"(known: {', '.join(sorted(OPTIONS))})"
+        )
+    try:
+        return spec.check(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"task {task_name!r}: {option}={value!r} is not valid; it must be {exc}"
+        ) from None
+
+
+def declared(cls: type, option: str) -> Any:
+    """The value of *option* that task class *cls* (or a base) sets; None if none does.
+
+    Read without binding: a callable ``lock_key`` stays the plain function.
+    """
+    value = inspect.getattr_static(cls, option, None)
+    return value.__func__ if isinstance(value, staticmethod) else value
+
+
+def check_declared(task_name: str, cls: type) -> None:
+    """Check every ``lock_*`` attribute that task class *cls* itself sets."""
+    for attr in list(vars(cls)):
+        if attr.startswith("lock_"):
+            check_task_option(task_name, attr, declared(cls, attr))
+
+
+def compile_key(task_name: str, key: Any, signature: inspect.Signature) -> Any:
+    """A ``lock_key`` ready to render: None, a callable, or a KeyTemplate whose every
+    placeholder is an argument of *signature* (ConfigError with a did-you-mean if not)."""
+    if key is None or callable(key):
+        return key
+    template = KeyTemplate(key)
+    params = signature.parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for field in template.fields:
+        if field not in params and not takes_any:
+            guess = difflib.get_close_matches(field, list(params), n=1)
+            hint = f"; did you mean <{guess[0]}>?" if guess else ""
+            raise ConfigError(
+                f"task {task_name!r}: lock_key {key!r} names <{field}>, but the task takes "
+                f"({', '.join(params) or 'no arguments'}){hint}"
+            )
+    return template
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What a task class fixes at decoration: its body's signature and its own key."""
+
+    #: The body's parameters (``self`` left out for a bound task).
+    signature: inspect.Signature
+    #: The class's ``lock_key``, compiled (None: it sets none).
+    key: Any
+
+
+@dataclass(frozen=True)
+class TaskOptions:
+    """A task class's lock options resolved against its app's settings."""
+
+    #: None (the task name), a fixed name, a KeyTemplate or a callable.
+    key: Any
+    signature: inspect.Signature
+    ttl: float
+    on_contended: str
+    strategy: Strategy
+    on_lost: str
+    max_retries: int
+    retry_backoff: float
+    retry_backoff_max: float
+    retry_jitter: bool
+    wait_timeout: float
+    max_hold: float | None
+
+
+def resolve(cls: type, spec: TaskSpec, settings: Mapping[str, Any]) -> TaskOptions:
+    """*cls*'s options: the value it sets, else its setting's (both checked already)."""
+    values: dict[str, Any] = {}
+    for name, option in OPTIONS.items():
+        value = declared(cls, name)
+        if value is None and option.setting is not None:
+            value = settings[option.setting]
+        values[name] = None if value is None else option.check(value)
+    key = spec.key
+    if key is None:
+        default = values["lock_key"]
+        key = KeyTemplate(default) if isinstance(default, str) else default
+    return TaskOptions(
+        key=key,
+        signature=spec.signature,
+        ttl=values["lock_ttl"],
+        on_contended=values["lock_on_contended"],
+        strategy=STRATEGIES[values["lock_on_contended"]],
+        on_lost=values["lock_on_lost"],
+        max_retries=values["lock_max_retries"],
+        retry_backoff=values["lock_retry_backoff"],
+        retry_backoff_max=values["lock_retry_backoff_max"],
+        retry_jitter=values["lock_retry_jitter"],
+        wait_timeout=values["lock_wait_timeout"],
+        max_hold=values["lock_max_hold"],
+    )

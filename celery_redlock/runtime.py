@@ -1,0 +1,377 @@
+"""The lock of one task run: acquire, the body under the lock, release on every exit.
+
+Used by :class:`~celery_redlock.task.LockedTask` (its hooks and body wrapper) and by
+the worker's receivers in :mod:`celery_redlock.install`, which release for a run from
+outside it: at warm shutdown, for a worker child that is gone, and in the
+``task_postrun`` safety net.
+
+Every lock a run takes is in ``AppState.held`` under the task id until it is released,
+so each of these paths can tell whether there is still something to release.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from celery import signals
+
+from .core import (
+    ConfigError,
+    KeyTemplate,
+    Lock,
+    LockLost,
+    QuorumUnavailable,
+    RedlockError,
+    render_value,
+)
+from .interrupt import LockLostInterrupt, on_lost, watch
+from .observability import send_task_event
+from .options import TaskOptions
+from .policies import STRATEGIES, Refusal, requeue
+from .state import AppState, state_for
+
+__all__ = [
+    "KEY_HEADER",
+    "acquire_for_request",
+    "lock_name_for",
+    "release_all_held",
+    "release_for_gone_child",
+    "release_for_request",
+    "run_locked",
+    "use_postrun_net",
+]
+
+log = logging.getLogger("celery_redlock.task")
+log_release = logging.getLogger("celery_redlock.release")
+
+#: Message header carrying a per-call key (``apply_async(lock_key=...)``).
+KEY_HEADER = "redlock_key"
+
+
+# -- the lock name of one call -----------------------------------------------------------
+def lock_name_for(
+    task: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    headers: Any = None,
+    options: TaskOptions | None = None,
+) -> str:
+    """The rendered lock name of one call: per-call key, task key, app default, task name."""
+    if options is None:
+        options = state_for(task.app).options_for(task)
+    key = headers.get(KEY_HEADER) if isinstance(headers, dict) else None
+    if key is None:
+        key = options.key
+    elif "<" in key:
+        key = KeyTemplate(key)
+    if key is None:
+        return str(task.name)
+    if isinstance(key, str):
+        return key
+    if isinstance(key, KeyTemplate):
+        return key.render(_arguments(task, options, args, kwargs))
+    name = key(*args, **kwargs)
+    name = name if isinstance(name, str) else render_value(name)
+    if not name:
+        raise ConfigError(f"task {task.name!r}: lock_key callable returned an empty name")
+    return str(name)
+
+
+def _arguments(
+    task: Any, options: TaskOptions, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The call's arguments by name, defaults applied (``**kwargs`` entries merged in)."""
+    signature = options.signature
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"{task.name}(): {exc}") from None
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    for param in signature.parameters.values():
+        if param.kind is param.VAR_KEYWORD:
+            arguments.update(arguments.pop(param.name, {}))
+    return arguments
+
+
+def _new_lock(
+    task: Any, state: AppState, options: TaskOptions, name: str, task_id: str | None, *, host: Any
+) -> Lock:
+    """The lock of one run, built through the app's state (the one place that builds locks)."""
+    owner = {"task_name": task.name, "task_id": task_id}
+    if host:
+        owner["worker"] = host
+    return state.make_lock(
+        name, options.ttl, owner_info=owner, max_hold=options.max_hold, on_lost=on_lost
+    )
+
+
+# -- acquire -------------------------------------------------------------------------------
+def acquire_for_request(
+    task: Any,
+    task_id: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    request: Any = None,
+) -> None:
+    """``before_start``: take the run's lock, or apply the contended strategy."""
+    if request is None:
+        request = task.request
+    request._redlock_checked = True
+    state = state_for(task.app)
+    if state.disabled:
+        return
+    options = state.options_for(task)
+    eager = bool(getattr(request, "is_eager", False))
+    policy = options.on_contended
+    strategy = options.strategy
+    if eager and strategy.eager is not None:
+        policy = strategy.eager
+        strategy = STRATEGIES[policy]
+    name = lock_name_for(task, args, kwargs, getattr(request, "headers", None), options)
+    lock = _new_lock(task, state, options, name, task_id, host=getattr(request, "hostname", None))
+    waits = strategy.waits
+    try:
+        acquired = lock.acquire(blocking=waits, timeout=options.wait_timeout if waits else None)
+        if not acquired and not waits and lock.holder.get("task_id") == task_id:
+            # The holder is an earlier attempt of this very task id: self.retry() publishes
+            # the new message before the old body's finally releases, and a fast worker can
+            # start it first. Skipping or failing against ourselves is wrong (the
+            # celery-singleton bug): wait for that release, or for a dead attempt's lease to
+            # run out, at most one TTL; then the strategy applies as usual.
+            acquired = lock.acquire(blocking=True, timeout=lock.ttl)
+    except QuorumUnavailable as exc:
+        if state.settings["redlock_fail_open"]:
+            log.warning(
+                "Task %s[%s] runs UNLOCKED (redlock_fail_open=True): %s", task.name, task_id, exc
+            )
+            return
+        if eager:
+            raise
+        log.warning(
+            "Task %s[%s] not started, lock %r unavailable: %s", task.name, task_id, name, exc
+        )
+        requeue(task, request, name, exc, options)
+    if acquired:
+        request._redlock_lock = lock
+        state.held[task_id] = lock
+        if state.send_events:
+            send_task_event(task, "acquired", lock=name, fence=lock.fence)
+        return
+    send_task_event(task, "contended", lock=name, policy=policy, holder=lock.holder)
+    # A strategy that does not raise gives the result the run returns instead of its body.
+    request._redlock_skip = strategy.refuse(Refusal(task, request, lock, options, eager, waits))
+
+
+def _acquire_direct(task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A direct call (``task(...)``): take the lock the way ``acquire_for_request`` does,
+    without a message to re-queue or mark."""
+    state = state_for(task.app)
+    if state.disabled:
+        return
+    options = state.options_for(task)
+    strategy = options.strategy
+    name = lock_name_for(task, args, kwargs, None, options)
+    lock = _new_lock(task, state, options, name, None, host=getattr(request, "hostname", None))
+    waits = strategy.waits
+    if lock.acquire(blocking=waits, timeout=options.wait_timeout if waits else None):
+        request._redlock_lock = lock
+        return
+    request._redlock_skip = strategy.refuse(Refusal(task, None, lock, options, False, waits))
+
+
+# -- the body ------------------------------------------------------------------------------
+def run_locked(
+    task: Any, fun: Callable[..., Any], bound: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Run the task body under its lock and release on every exit."""
+    request = task.request
+    if not getattr(request, "_redlock_checked", False):
+        # Called directly (``task(...)``), not through a worker or apply(): lock here.
+        request._redlock_checked = True
+        _acquire_direct(task, request, args, kwargs)
+    skip = getattr(request, "_redlock_skip", None)
+    if skip is not None:
+        return skip
+    lock: Lock | None = getattr(request, "_redlock_lock", None)
+    if lock is None:
+        return fun(task, *args, **kwargs) if bound else fun(*args, **kwargs)
+    running = watch(lock, task.name, state_for(task.app).options_for(task).on_lost)
+    try:
+        try:
+            return fun(task, *args, **kwargs) if bound else fun(*args, **kwargs)
+        finally:
+            running.stop(lock)  # after this no interrupt can reach this thread
+    except LockLostInterrupt:  # raised in the body, or on the way out before stop() ran
+        raise LockLost(lock.name, lock.lost_reason or "lost while the task ran") from None
+    finally:
+        release_for_request(task, lock, getattr(request, "id", None), request)
+
+
+# -- release -------------------------------------------------------------------------------
+def release_for_request(task: Any, lock: Lock, task_id: str | None, request: Any = None) -> None:
+    """Release a run's lock; problems are logged, never raised over the task's outcome."""
+    state = state_for(task.app)
+    if task_id is not None:
+        state.held.pop(task_id, None)
+    if request is None:
+        request = task.request
+    if getattr(request, "_redlock_lock", None) is lock:
+        request._redlock_lock = None
+    if not lock.valid_until:
+        return  # already released
+    events = state.send_events  # the Celery events below are the only use of these two
+    held, fence = (lock.held_for, lock.fence) if events else (0.0, None)
+    try:
+        lock.release()
+        if events:
+            send_task_event(task, "released", lock=lock.name, fence=fence, held=held)
+    except LockLost as exc:
+        if events:
+            send_task_event(task, "lost", lock=lock.name, reason=str(exc), held=held)
+        policy = state.options_for(task).on_lost
+        log.warning("Task %s[%s]: %s (lock_on_lost=%s)", task.name, task_id, exc, policy)
+    except QuorumUnavailable as exc:
+        log.warning(
+            "Task %s[%s]: could not release lock %r (%s); it expires within %ss",
+            task.name,
+            task_id,
+            lock.name,
+            exc,
+            lock.ttl,
+        )
+    except Exception:
+        log.exception("Task %s[%s]: releasing lock %r failed", task.name, task_id, lock.name)
+
+
+def release_all_held(state: AppState) -> None:
+    """Release every lock this process holds for *state*'s app (warm shutdown)."""
+    for task_id, lock in list(state.held.items()):
+        state.held.pop(task_id, None)
+        try:
+            lock.release()
+            log_release.info("released %r held by task %s at shutdown", lock.name, task_id)
+        except RedlockError as exc:
+            log_release.warning("could not release %r at shutdown: %s", lock.name, exc)
+
+
+def release_for_gone_child(
+    task: Any, task_id: str, args: Any, kwargs: Any, headers: Any, *, why: str
+) -> None:
+    """In the worker's main process: release the acquisition of *task_id*, whose child
+    process is gone or going (in a short thread).
+
+    Timeline that makes the wait necessary: billiard calls the hard-time-limit
+    callback (which fires task_failure) *before* it kills the child, and
+    revoke(terminate=True) only sends the signal. Releasing at once would let
+    the next run start while the old one may still be writing. So: read the
+    holder record, wait (bounded by the TTL) until its pid has exited, then
+    release exactly the acquisition whose record names this task id.
+    """
+    try:
+        state = state_for(task.app)
+        options = state.options_for(task)
+        name = lock_name_for(task, tuple(args or ()), dict(kwargs or {}), headers, options)
+        ttl = options.ttl
+        lock = state.make_lock(name, ttl, auto_renew=False)
+    except Exception as exc:
+        log_release.warning(
+            "task %s[%s] %s: cannot find its lock (%s)", task.name, task_id, why, exc
+        )
+        return
+
+    def release() -> None:
+        try:
+            holder = lock.read_holder()
+            if not holder or holder.get("task_id") != task_id:
+                return
+            pid = holder.get("pid")
+            deadline = time.monotonic() + ttl
+            while isinstance(pid, int) and _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if isinstance(pid, int) and _alive(pid):
+                log_release.warning(
+                    "task %s[%s] %s but pid %s still runs: its lock %r expires within %ss",
+                    task.name,
+                    task_id,
+                    why,
+                    pid,
+                    name,
+                    ttl,
+                )
+                return
+            match = {"task_id": task_id} if pid is None else {"task_id": task_id, "pid": pid}
+            if lock.release_matching(**match):
+                log_release.warning(
+                    "task %s[%s] %s: released its lock %r at once (holder pid %s is gone)",
+                    task.name,
+                    task_id,
+                    why,
+                    name,
+                    pid,
+                )
+        except Exception as exc:
+            log_release.warning(
+                "task %s[%s] %s: could not release %r (%s); it expires within %ss",
+                task.name,
+                task_id,
+                why,
+                name,
+                exc,
+                ttl,
+            )
+
+    threading.Thread(target=release, name="celery-redlock-release", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    """True while *pid* runs (a zombie waiting to be reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# -- the task_postrun safety net -------------------------------------------------------------
+_postrun_connected = False
+_postrun_lock = threading.Lock()
+
+
+def use_postrun_net() -> None:
+    """Connect the ``task_postrun`` safety net (once per process): some LockedTask class has
+    its own ``before_start``, ``__call__`` or ``after_return`` (see celery_redlock.task).
+
+    It is not connected otherwise: any receiver makes Celery send the signal, with its
+    lock and keyword dict, for every task.
+    """
+    global _postrun_connected
+    with _postrun_lock:
+        if not _postrun_connected:
+            signals.task_postrun.connect(on_postrun, weak=False)
+            _postrun_connected = True
+
+
+def on_postrun(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+    """Safety net: a lock still registered for a finished run is released."""
+    app = getattr(sender, "app", None)
+    if app is None or task_id is None or getattr(sender, "redlock_spec", None) is None:
+        return
+    state = state_for(app)
+    lock = state.held.get(task_id) if state.installed else None
+    if lock is not None:
+        release_for_request(sender, lock, task_id)
