@@ -221,9 +221,11 @@ def test_redlock_minority_of_masters_killed_paused_or_blackholed(tmp_path: Path)
 
 def test_sentinel_failover_during_the_run(tmp_path: Path) -> None:
     """The Sentinel-monitored lock master is SIGKILLed mid-run and its replica promoted:
-    tasks retry through the failover, then lock on the new master; every invariant holds.
-    Under make chaos the killed master comes back (empty, made a replica by the
-    sentinels) and the failovers go on, back and forth."""
+    tasks retry through the failover, then lock on the new master; every invariant holds,
+    except what docs/redlock.md warns of: replication is asynchronous, so the lease or
+    fence increment of a run holding the lock when its master died may be lost (such
+    violations are counted as ``excused``; any other fails). Under make chaos the killed
+    master comes back (empty, made a replica by the sentinels) and the failovers go on."""
     setup = SentinelSetup.start()
     url = ";".join(setup.sentinel_urls) + "?master=mymaster"
     by_port = {setup.master.port: setup.master, setup.replica.port: setup.replica}
@@ -233,6 +235,15 @@ def test_sentinel_failover_during_the_run(tmp_path: Path) -> None:
         sc.start_workers(2)
         current = setup.original_master
         took: list[float] = []
+        kills: list[float] = []
+
+        def near_a_master_death(runs: tuple[Run, ...]) -> bool:
+            # A run that acquired (its start record follows the acquire by a moment) within
+            # LAG seconds before its master died: what it wrote may not have reached the
+            # replica (asynchronous replication lags further behind on a loaded machine).
+            return any(k - LAG <= r.start <= k + 0.5 for r in runs for k in kills)
+
+        sc.excuse = near_a_master_death
 
         def inject(sc: Scenario) -> None:
             nonlocal current
@@ -243,20 +254,34 @@ def test_sentinel_failover_during_the_run(tmp_path: Path) -> None:
             victim = by_port[current[1]]
             setup.original_master = current  # what wait_for_failover must see replaced
             began = time.monotonic()
+            kills.append(began)
             victim.kill()
             current = setup.wait_for_failover(timeout=60)
             took.append(time.monotonic() - began)
             sc.fault("sentinel-failover", began, detail=f"new master port {current[1]}")
             if LONG:
-                victim.restart()  # empty; the sentinels turn it into a replica of `current`
+                # Back as a replica of the new master from its first instant, as an operator
+                # would restart it: an empty node that starts as a master can win the next
+                # election before the sentinels demote it (a failback that loses every lock).
+                args = list(victim.extra_args)
+                if "--replicaof" in args:
+                    at = args.index("--replicaof")
+                    del args[at : at + 3]
+                victim.extra_args = [*args, "--replicaof", current[0], str(current[1])]
+                victim.restart()
                 wait_until(lambda: _linked_replica(victim), 60, "the old master to resync")
 
         sc.run_chaos(chaos_seconds(5), inject)
         sc.drain()
+        print(f"sentinel kills at {[round(k, 3) for k in kills]}")
         sc.verify()
         sc.check_no_lock_alive()
         sc.figures.extra["longest_failover_s"] = round(max(took), 2)
         sc.finish()
+
+
+#: How far (seconds) a promoted replica may lag behind the master that died.
+LAG = 2.0
 
 
 def _linked_replica(server: RedisServer) -> bool:

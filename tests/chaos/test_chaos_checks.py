@@ -104,3 +104,17 @@ def test_write_refused_while_valid_is_reported() -> None:
     found = analyse(events, _store(("r", 1, True), ("r", 2, True), ("w", 1, False)), {})
     assert any("while its lock was valid" in v for v in found.violations), found.violations
     assert found.refused_writes == 1
+
+
+def test_a_scenario_can_excuse_only_violations_its_documented_limit_explains() -> None:
+    """A fence handed out twice is excused when the first holder held it as its master
+    died (the Sentinel caveat), and reported when the death came at another time."""
+    events = _run("a", 5, 0.0, 1.0, 2.0) + _run("b", 5, 3.0, 3.5, 5.0)
+
+    def died_at(t: float) -> Any:
+        return lambda runs: any(r.start - 0.5 <= t <= (r.end or t) for r in runs)
+
+    during = analyse(events, {}, {})
+    assert during.excuse(died_at(0.5)) and not during.violations
+    later = analyse(events, {}, {})
+    assert not later.excuse(died_at(2.0)) and later.violations
