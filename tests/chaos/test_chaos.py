@@ -438,7 +438,7 @@ def test_redelivered_message_never_runs_while_its_first_delivery_runs(
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "celery_redlock/task.py acquire_for_request: a delivery that finds its own task id "
+        "celery_redlock/runtime.py (acquire for a request): a delivery that finds its own task id "
         "holding the lock waits up to one TTL for that holder (meant for self.retry()), so a "
         "redelivered copy of a still-running message runs the body again once the first "
         "delivery ends, even with lock_on_contended='skip'"
