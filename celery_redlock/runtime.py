@@ -39,6 +39,7 @@ __all__ = [
     "KEY_HEADER",
     "acquire_for_request",
     "lock_name_for",
+    "lock_of",
     "release_all_held",
     "release_for_gone_child",
     "release_for_request",
@@ -51,6 +52,11 @@ log_release = logging.getLogger("celery_redlock.release")
 
 #: Message header carrying a per-call key (``apply_async(lock_key=...)``).
 KEY_HEADER = "redlock_key"
+
+
+def lock_of(request: Any) -> Lock | None:
+    """The lock held for the run of *request* (None outside a locked run)."""
+    return getattr(request, "_redlock_lock", None)
 
 
 # -- the lock name of one call -----------------------------------------------------------
@@ -198,7 +204,7 @@ def run_locked(
     skip = getattr(request, "_redlock_skip", None)
     if skip is not None:
         return skip
-    lock: Lock | None = getattr(request, "_redlock_lock", None)
+    lock = lock_of(request)
     if lock is None:
         return fun(task, *args, **kwargs) if bound else fun(*args, **kwargs)
     running = watch(lock, task.name, state_for(task.app).options_for(task).on_lost)
@@ -221,7 +227,7 @@ def release_for_request(task: Any, lock: Lock, task_id: str | None, request: Any
         state.held.pop(task_id, None)
     if request is None:
         request = task.request
-    if getattr(request, "_redlock_lock", None) is lock:
+    if lock_of(request) is lock:
         request._redlock_lock = None
     if not lock.valid_until:
         return  # already released

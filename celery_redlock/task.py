@@ -39,6 +39,7 @@ from .runtime import (
     KEY_HEADER,
     acquire_for_request,
     lock_name_for,
+    lock_of,
     release_for_request,
     run_locked,
     use_postrun_net,
@@ -77,7 +78,7 @@ class LockedTask(Task):  # type: ignore[misc]
     @property
     def lock(self) -> Lock | None:
         """The lock held for the running request (None outside a locked run)."""
-        return getattr(self.request, "_redlock_lock", None)
+        return lock_of(self.request)
 
     def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Take the lock before the body runs (Retry/Ignore/errors count here)."""
@@ -97,7 +98,7 @@ class LockedTask(Task):  # type: ignore[misc]
         # A run's lock is in state.held until released: most runs need no request lookup.
         if task_id in state_for(self.app).held:
             request = self.request
-            lock = getattr(request, "_redlock_lock", None)
+            lock = lock_of(request)
             if lock is not None:
                 release_for_request(self, lock, task_id, request)
         super().after_return(status, retval, task_id, args, kwargs, einfo)

@@ -18,6 +18,7 @@ import gc
 import itertools
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -1185,6 +1186,39 @@ def test_two_apps_keep_their_own_settings_and_clients(
     assert state_for(apps[0]).clients() is not state_for(apps[1]).clients()
     assert state_for(apps[0]).settings["redlock_ttl"] == 5.0
     assert state_for(apps[1]).settings["redlock_ttl"] == 7.0
+
+
+def test_a_forked_child_makes_its_own_lock_clients_and_takes_locks(env: Env) -> None:
+    """After os.fork() the child does not use its parent's Redis clients (their sockets are
+    the parent's): it builds its own from the same settings and locks with them."""
+    app = env.app()
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_key="fork:<n>")
+    def forked(self: Any, n: int) -> list[str]:
+        return env.held_keys()
+
+    assert forked(0) == ["redlock:{fork:0}"]  # the parent's clients exist now
+    parent_clients = state_for(app).clients()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running pytest's exit code
+        code = 1
+        try:
+            own = state_for(app).clients() is not parent_clients
+            os.write(write_end, json.dumps([own, forked(1)]).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    try:
+        with os.fdopen(read_end, "rb") as report:
+            got = json.loads(report.read() or b"null")
+    finally:
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert got == [True, ["redlock:{fork:1}"]]
+    assert state_for(app).clients() is parent_clients  # the parent's are untouched
+    assert env.held_keys() == []
 
 
 def test_task_options_are_resolved_once_per_settings_load(env: Env) -> None:
