@@ -13,6 +13,7 @@ from typing import Any
 
 from .core.connect import mask_url
 from .core.errors import ConfigError
+from .core.lock import DEFAULT_FENCE_TTL
 from .options import OPTIONS, boolean, check_task_option, seconds
 
 __all__ = ["SETTINGS", "Settings", "load_settings"]
@@ -65,8 +66,8 @@ SETTINGS: dict[str, tuple[Callable[[Any], Any], Any, str]] = {
     "redlock_key_prefix": (_string, "redlock:", "prefix of every lock key"),
     "redlock_fence_ttl": (
         seconds(0, allow_none=True, strict=True),
-        None,
-        "let a lock's fence counter expire after this long unused (None: never)",
+        DEFAULT_FENCE_TTL,
+        "a lock's fence counter expires after this long unused (None: never)",
     ),
     "redlock_tasks": (_mapping, {}, "task-name patterns -> lock options, for tasks without base"),
     "redlock_disable": (boolean, False, "run every task unlocked (tests)"),

@@ -134,7 +134,7 @@ def test_a_hash_without_a_token_is_no_lock_and_is_taken_with_an_expiry(
     """A hash with no ``token`` field holds no lock: acquire takes it, gives it our TTL and
     fence, and release removes it."""
     raw = text_client(shared_redis)
-    lock = Lock(redis_client, "sync:3", ttl=5, auto_renew=False)
+    lock = Lock(redis_client, "sync:3", ttl=5, auto_renew=False, fence_ttl=None)
     raw.hset(lock.keys.lock, mapping=fields)
     assert lock.acquire(blocking=False)
     assert lock.fence == 1

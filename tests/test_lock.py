@@ -40,6 +40,7 @@ from celery_redlock import (
 )
 from celery_redlock.core import process
 from celery_redlock.core.errors import describe_holder
+from celery_redlock.core.lock import DEFAULT_FENCE_TTL
 from celery_redlock.core.renewal import get_manager
 from celery_redlock.core.scripts import ACQUIRE, EXTEND, RELEASE, Script
 from celery_redlock.core.stores.redis import RedisStore
@@ -346,7 +347,7 @@ def test_acquire_script_resent_with_the_same_token_reports_success(
     redis_client: redis.Redis,
 ) -> None:
     """Running ACQUIRE twice with one token: acquired both times, same fence, one INCR."""
-    lock = Lock(redis_client, "resend:script", ttl=5, auto_renew=False)
+    lock = Lock(redis_client, "resend:script", ttl=5, auto_renew=False, fence_ttl=None)
     keys = [lock.keys.lock, lock.keys.fence]
     first = run_script(redis_client, ACQUIRE, keys, ["tok-1", 5000, '{"pid":1}'])
     time.sleep(0.05)
@@ -370,7 +371,7 @@ def test_acquire_resent_after_a_late_reply_ends_holding_the_lock(
         direct.script_load(script.source)
     client = proxy.client(socket_timeout=0.2, retry=Retry(NoBackoff(), 5))
     assert client.ping()
-    lock = Lock(client, "resend:held", ttl=10, auto_renew=False)
+    lock = Lock(client, "resend:held", ttl=10, auto_renew=False, fence_ttl=None)
     redis_server.reset_stats()
     proxy.delay_replies(1.0)  # every reply from now on arrives after the client gave up
     healer = threading.Timer(0.3, proxy.heal)  # ...until a later re-send gets through
@@ -400,7 +401,7 @@ def test_acquire_whose_every_reply_is_late_leaves_no_orphaned_key(
         socket_timeout=0.2, retry=Retry(NoBackoff(), 3), protocol=2, driver_info=None
     )
     assert client.ping()
-    lock = Lock(client, "resend:gone", ttl=10, auto_renew=False)
+    lock = Lock(client, "resend:gone", ttl=10, auto_renew=False, fence_ttl=None)
     redis_server.reset_stats()
     proxy.delay_replies(0.5)
     with pytest.raises(QuorumUnavailable):
@@ -425,7 +426,7 @@ def test_acquire_timing_out_until_the_network_heals_holds_or_leaves_nothing(
         direct.script_load(script.source)
     client = proxy.client(socket_timeout=0.2, retry=Retry(NoBackoff(), 3))
     assert client.ping()
-    lock = Lock(client, "resend:heal", ttl=10, auto_renew=False)
+    lock = Lock(client, "resend:heal", ttl=10, auto_renew=False, fence_ttl=None)
     proxy.delay_replies(0.5)
     healer = threading.Timer(1.0, proxy.heal)  # after the acquire gave up, before cleanup did
     healer.start()
@@ -738,11 +739,11 @@ def test_holder_record_keeps_any_json_owner_info_as_given(
 # --------------------------------------------------------------------------- fence counter
 
 
-def test_by_default_the_fence_counter_counts_from_one_and_never_expires(
+def test_without_fence_ttl_the_fence_counter_counts_from_one_and_never_expires(
     redis_client: redis.Redis,
 ) -> None:
     """fence_ttl=None: fences 1, 2, 3 and a counter key without a TTL."""
-    lock = Lock(redis_client, "fence:default", ttl=5, auto_renew=False)
+    lock = Lock(redis_client, "fence:default", ttl=5, auto_renew=False, fence_ttl=None)
     fences = []
     for _ in range(3):
         with lock:
@@ -779,13 +780,42 @@ def test_switching_fence_ttl_on_keeps_the_existing_counter_and_gives_it_a_ttl(
     redis_client: redis.Redis,
 ) -> None:
     """A counter made without fence_ttl keeps counting and gets a TTL on the next acquire."""
-    plain = Lock(redis_client, "fence:switch", ttl=5, auto_renew=False)
+    plain = Lock(redis_client, "fence:switch", ttl=5, auto_renew=False, fence_ttl=None)
     with plain:
         assert plain.fence == 1
     timed = Lock(redis_client, "fence:switch", ttl=5, auto_renew=False, fence_ttl=60)
     with timed:
         assert timed.fence == 2
     assert 0 < redis_client.pttl(timed.keys.fence) <= 60_000
+
+
+def test_by_default_every_key_of_a_lock_expires(redis_client: redis.Redis) -> None:
+    """Default options: after a hold and a release, each key left (the fence counter, a
+    wake-up notice) has a TTL; the counter's is DEFAULT_FENCE_TTL."""
+    lock = Lock(redis_client, "fence:expires", ttl=5, auto_renew=False)
+    waiter = Lock(redis_client, "fence:expires", ttl=5, auto_renew=False)
+    with lock:
+        assert not waiter.acquire(timeout=0.01)  # leaves a waiter mark
+    left = [k for k in redis_client.scan_iter("redlock:{fence:expires}*")]
+    assert lock.keys.fence.encode() in left
+    assert all(redis_client.pttl(k) > 0 for k in left), left
+    assert 0 < redis_client.pttl(lock.keys.fence) <= DEFAULT_FENCE_TTL * 1000
+
+
+def test_ten_thousand_names_held_once_leave_no_key_behind(redis_client: redis.Redis) -> None:
+    """Bounded memory: 10,000 distinct lock names, each held and released once with a short
+    fence_ttl, leave nothing under the prefix once that lifetime has passed."""
+    for i in range(10_000):
+        lock = Lock(redis_client, f"user:{i}", ttl=5, auto_renew=False, fence_ttl=2.0)
+        assert lock.acquire(blocking=False)
+        lock.release()
+    left = list(redis_client.scan_iter("redlock:*", count=1000))
+    assert left  # the counters of the names used last are still there ...
+    pipe = redis_client.pipeline(transaction=False)
+    for key in left:
+        pipe.pttl(key)
+    assert all(0 < ms <= 2000 for ms in pipe.execute())  # ... each with its lifetime
+    assert wait_for(lambda: not list(redis_client.scan_iter("redlock:*", count=1000)), 10)
 
 
 # --------------------------------------------------------------------------- bad input

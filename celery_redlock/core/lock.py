@@ -43,8 +43,10 @@ log_release = logging.getLogger("celery_redlock.release")
 log_renew = logging.getLogger("celery_redlock.renew")
 
 TOKEN_BYTES = 20  # 160 random bits per acquisition
-#: How long an unused fence counter lives (seconds; None: for ever); see docs/redlock.md.
-DEFAULT_FENCE_TTL: float | None = None
+#: How long an unused fence counter lives, in seconds (see docs/redlock.md, "Fences"):
+#: long enough to ride out any backward step of the server's clock seen in practice,
+#: short enough that a name used once does not cost memory for more than an hour.
+DEFAULT_FENCE_TTL: float | None = 3600.0
 _HOSTNAME = socket.gethostname()
 
 _L = TypeVar("_L", bound="Lock")
