@@ -2,9 +2,11 @@
 
 ``redis://``, ``rediss://`` (TLS), ``unix://`` and ``sentinel://`` URLs, or a
 list of them (independent masters, for Redlock). Timeouts and the retry policy
-are set on purpose: lock scripts are idempotent, so one quick re-send after a
-lost reply is safe, and a dead Redis is reported within about two socket
-timeouts instead of redis-py's default of ten backed-off retries.
+are set on purpose (:func:`lock_retry`): a broken connection (a restarted server,
+a reset) is retried once at once on a new one, which is safe because every lock
+script is idempotent; a timeout is not retried, so a Redis that stopped answering
+is reported after one socket timeout, not after the several that redis-py's
+default retries (reconnect, handshake, re-send) add up to.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 from .errors import ConfigError
 
-__all__ = ["LOCK_CLIENT_DEFAULTS", "address_of", "connect", "mask_url"]
+__all__ = ["LOCK_CLIENT_DEFAULTS", "address_of", "connect", "lock_retry", "mask_url"]
 
 #: Defaults for clients that carry lock traffic; every one can be overridden.
 LOCK_CLIENT_DEFAULTS: dict[str, Any] = {
@@ -104,7 +107,7 @@ def _connect_one(url: str, options: dict[str, Any]) -> redis.Redis | RedisCluste
         if scheme == "unix" and key == "socket_keepalive":
             continue  # a TCP option: UnixDomainSocketConnection refuses it
         options.setdefault(key, value)
-    options.setdefault("retry", Retry(NoBackoff(), 1))
+    options.setdefault("retry", lock_retry())
     if scheme == "sentinel":
         return _sentinel(url, options)
     if scheme in ("redis", "rediss"):
@@ -116,6 +119,12 @@ def _connect_one(url: str, options: dict[str, Any]) -> redis.Redis | RedisCluste
         return redis.Redis.from_url(url, **options)
     except ValueError as exc:
         raise ConfigError(f"bad Redis URL {mask_url(url)!r}: {exc}") from exc
+
+
+def lock_retry() -> Retry:
+    """The retry policy of lock clients: one immediate re-send after a broken connection
+    (``ConnectionError``), none after a timeout."""
+    return Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
 
 
 def _check_db(url: str) -> None:

@@ -42,9 +42,9 @@ __all__ = ["FIRST_CONTACT", "GRACE", "SLICE", "FanOut", "NoAnswer", "answered"]
 SLICE = 0.001
 #: After the outcome is decided, how long replies already on their way are still read.
 GRACE = 0.002
-#: The longest wait for a node this process never heard from: a first contact connects,
-#: shakes hands (TLS, AUTH) and loads scripts, which can take longer than a lock call.
-FIRST_CONTACT = 1.0
+#: How many timeouts a node this process never heard from is waited for: a first
+#: contact connects, shakes hands (TLS, AUTH) and loads scripts before it answers.
+FIRST_CONTACT = 3
 
 
 class NoAnswer(Exception):
@@ -70,6 +70,7 @@ class FanOut:
         self.results: list[Any] = [PENDING] * len(members)
         self._sent: dict[int, Sent] = {}
         self._jobs: dict[cf.Future[Any], int] = {}
+        self._refused: set[int] = set()  # not sent: the node is still busy
         for i, member in enumerate(members):
             sent = None
             if member.lane.idle():
@@ -81,10 +82,11 @@ class FanOut:
                 self._sent[i] = sent
                 continue
             if member.first_contact:
-                self.timeout = max(self.timeout, FIRST_CONTACT)
-            job = member.lane.submit(member.call, command, refuse_after=timeout)
+                self.timeout = FIRST_CONTACT * timeout
+            job = member.lane.offer(member.call, command, refuse_after=timeout)
             if job is None:
                 self.results[i] = NoAnswer("not answering: still busy with earlier calls")
+                self._refused.add(i)
             else:
                 self._jobs[job] = i
 
@@ -140,8 +142,8 @@ class FanOut:
 
     def finish(self, then: Command | None = None) -> None:
         """Read what is still due in the background; with *then*, also run it after the
-        command on every node that did not answer (best effort: where it does not get
-        through, the lease it was meant to end expires by itself)."""
+        command on every node that may have run it without answering (best effort: where
+        it does not get through, the lease it was meant to end expires by itself)."""
         for i, sent in self._sent.items():
             if then is not None:
                 try:
@@ -151,9 +153,8 @@ class FanOut:
             self.members[i].lane.submit(sent.drain)
         if then is not None:
             for i, value in enumerate(self.results):
-                if i not in self._sent and not answered(value):
-                    member = self.members[i]
-                    member.lane.submit(_quietly, member, then, refuse_after=self.timeout)
+                if i not in self._sent and i not in self._refused and not answered(value):
+                    self.members[i].lane.submit(_quietly, self.members[i], then)
         self._sent = {}
         self._jobs = {}
 

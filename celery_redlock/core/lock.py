@@ -281,10 +281,10 @@ class Lock:
         """Give the lock back (owner-checked) and wake one waiter.
 
         Raises :class:`NotOwned` if this object does not hold it, and
-        :class:`LockLost` if it was held but another owner has it now or its lease
-        ran out first. A key that is simply gone while the lease was still valid
-        (removed by ``celery locks release --force``, or a re-sent release whose
-        first copy already deleted it) counts as released.
+        :class:`LockLost` if its lease ran out first (or the key holds foreign data).
+        While the lease is still valid, a key that is gone or held by another owner was
+        removed first (by a re-sent copy of this release after a lost reply, or by
+        ``celery locks release --force``): that counts as released.
         """
         with self._state:
             if not self._held_here():
@@ -306,9 +306,16 @@ class Lock:
             self._valid_until = 0.0
         get_manager().unregister(self)
         status = self.store.release(self.keys, token, self.ttl_ms)
-        if status is Status.OK or (status is Status.GONE and was_valid):
-            if status is Status.GONE:
-                log_release.info("lock %r was already gone at release (removed)", self.name)
+        # While the lease is valid nobody else can take the key unless it was removed
+        # first: by this very release (a copy re-sent after a lost reply finds the key
+        # gone, or already taken by the waiter it woke), or by an operator's forced release.
+        if status is Status.OK or (status in (Status.GONE, Status.TAKEN) and was_valid):
+            if status is not Status.OK:
+                log_release.info(
+                    "lock %r was already released or removed at release (%s)",
+                    self.name,
+                    status.describe(),
+                )
             else:
                 log_release.debug("released %r fence=%s after %.3f s", self.name, fence, held)
             self._event("released", held=held, fence=fence)

@@ -9,6 +9,8 @@ from enum import IntEnum
 from importlib import resources
 from typing import Any
 
+from .send import Packed
+
 __all__ = [
     "ACQUIRE",
     "CLAIM_FIELD",
@@ -81,12 +83,13 @@ class Script:
         return f"Script({self.filename!r})"
 
 
-class ScriptCall:
+class ScriptCall(Packed):
     """One run of a script: what a channel sends, and what it sends after ``NOSCRIPT``."""
 
     __slots__ = ("args_", "keys", "script")
 
     def __init__(self, script: Script, keys: tuple[str, ...], args: tuple[Any, ...]) -> None:
+        super().__init__()
         self.script = script
         self.keys = keys
         self.args_ = args

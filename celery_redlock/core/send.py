@@ -43,7 +43,17 @@ from redis.exceptions import NoScriptError, RedisError
 
 from . import process
 
-__all__ = ["MAX_QUEUED", "Channel", "Command", "Lane", "Plain", "Sent", "checkout", "executor"]
+__all__ = [
+    "MAX_QUEUED",
+    "Channel",
+    "Command",
+    "Lane",
+    "Packed",
+    "Plain",
+    "Sent",
+    "checkout",
+    "executor",
+]
 
 
 class Command(Protocol):
@@ -57,13 +67,41 @@ class Command(Protocol):
         """What to send instead after ``NOSCRIPT`` (``EVAL source n ...``), or None."""
         ...
 
+    def packed(self, conn: Any) -> Any:
+        """The command packed for *conn* (see :class:`Packed`)."""
+        ...
 
-class Plain:
+
+class Packed:
+    """Packs a command once per client encoding: a fan-out sends the same bytes to
+    every master, and a queued follow-up is packed once for all of them."""
+
+    __slots__ = ("_packed",)
+
+    def __init__(self) -> None:
+        self._packed: tuple[tuple[str, str], Any] | None = None
+
+    def args(self) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def packed(self, conn: Any) -> Any:
+        encoder = conn.encoder
+        key = (encoder.encoding, encoder.encoding_errors)
+        cached = self._packed
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        data = conn.pack_command(*self.args())
+        self._packed = (key, data)
+        return data
+
+
+class Plain(Packed):
     """A plain command (``HGET key token``): sent as it is."""
 
     __slots__ = ("_args",)
 
     def __init__(self, *args: Any) -> None:
+        super().__init__()
         self._args = args
 
     def args(self) -> tuple[Any, ...]:
@@ -157,7 +195,7 @@ class Sent:
             self._channel.drop(self._conn)
             raise self._error
         try:
-            self._conn.send_packed_command(self._conn.pack_command(*command.args()))
+            self._conn.send_packed_command(command.packed(self._conn))
         except BaseException:
             self._channel.drop(self._conn)
             raise
@@ -234,7 +272,7 @@ class Channel:
             conn.connect()
             self._stale = False
         try:
-            conn.send_packed_command(conn.pack_command(*command.args()))
+            conn.send_packed_command(command.packed(conn))
             return _read_reply(conn, command)
         except redis.exceptions.ResponseError:
             raise  # an error reply: the connection is in step
@@ -251,7 +289,7 @@ class Channel:
             return None
         conn = self._conn
         try:
-            conn.send_packed_command(conn.pack_command(*command.args()))
+            conn.send_packed_command(command.packed(conn))
         except BaseException:
             self.drop(conn)
             raise
@@ -326,17 +364,22 @@ class Lane:
         """True when the running call started more than *longer_than* seconds ago."""
         return self._active and time.monotonic() - self._since > longer_than
 
-    def submit(
-        self, fn: Callable[..., Any], *args: Any, refuse_after: float | None = None
+    def offer(
+        self, fn: Callable[..., Any], *args: Any, refuse_after: float
     ) -> cf.Future[Any] | None:
-        """Queue ``fn(*args)``. With *refuse_after*, queue nothing (return None) when the
-        running call has been stuck for longer than that, or :data:`MAX_QUEUED` calls wait."""
+        """Queue new work ``fn(*args)``, unless the node looks gone: None (nothing queued)
+        when the running call has been stuck for longer than *refuse_after* seconds, or
+        :data:`MAX_QUEUED` calls wait already."""
+        with self._mutex:
+            if len(self._queue) >= MAX_QUEUED or self.stuck(refuse_after):
+                return None
+        return self.submit(fn, *args)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
+        """Queue ``fn(*args)`` whatever the node's state (reading a reply that is due, a
+        follow-up that must run after work already queued)."""
         future: cf.Future[Any] = cf.Future()
         with self._mutex:
-            if refuse_after is not None and (
-                self.stuck(refuse_after) or len(self._queue) >= MAX_QUEUED
-            ):
-                return None
             self._queue.append((fn, args, future))
             start = not self._active
             self._active = True

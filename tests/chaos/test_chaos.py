@@ -131,18 +131,7 @@ def test_sigstop_of_a_running_child_past_its_ttl(tmp_path: Path) -> None:
     "fence_ttl",
     [
         60.0,
-        pytest.param(
-            None,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=(
-                    "redlock_fence_ttl defaults to None: a lock Redis restarted without its "
-                    "data counts fences from 1 again, below the fences the store already "
-                    "took, so every later write is refused (issue 15: a default fence TTL "
-                    "restarts the counter from the server clock)"
-                ),
-            ),
-        ),
+        None,
     ],
     ids=["fence-ttl-60s", "default-settings"],
 )
@@ -353,15 +342,6 @@ def test_replies_delayed_past_the_socket_timeout(delayed_replies: Outcome) -> No
         raise delayed_replies.error
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "core Lock.release(): when a release's reply is lost and redis-py re-sends it, a "
-        "waiter woken by the first copy may hold the key by then; the re-sent copy finds "
-        "another token, and release() logs 'lost before release ... may have overlapped', "
-        "emits a 'lost' event and raises LockLost, although the lease was valid and released"
-    ),
-)
 def test_delayed_release_reply_is_not_reported_as_a_loss(
     delayed_replies: Outcome,
 ) -> None:
@@ -458,16 +438,6 @@ def test_redelivered_copy_of_a_running_message_is_refused_not_run_later(
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "connect()'s one retry multiplies: after the command times out, redis-py reconnects "
-        "(the HELLO handshake times out too, and is itself retried), then the single-node "
-        "store takes the failed attempt back (abandon) on the same silent server with the "
-        "same retries: about 7 socket timeouts (14 s with the default 2 s) before "
-        "QuorumUnavailable"
-    ),
-)
 def test_delayed_acquire_reports_unavailable_within_about_two_socket_timeouts(
     redis_server: RedisServer, fault_proxy: Callable[[RedisServer], FaultProxy]
 ) -> None:

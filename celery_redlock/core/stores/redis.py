@@ -147,8 +147,9 @@ class RedisStore:
             raise refused(self, keys, exc) from exc
         except REDIS_ERRORS as exc:
             # The script may have run before the reply was lost: take back what this
-            # token may hold, so an unclear attempt leaves nothing behind.
-            self.abandon(keys, token, ttl_ms)
+            # token may hold, in this node's lane (after any call still due there), so
+            # an unclear attempt leaves nothing behind and the caller hears at once.
+            self.lane.submit(self.abandon, keys, token, ttl_ms)
             raise self.unavailable(keys.name, exc) from exc
         return grant_of(reply)
 
