@@ -809,14 +809,14 @@ def test_ten_thousand_names_held_once_leave_no_key_behind(redis_client: redis.Re
         lock = Lock(redis_client, f"user:{i}", ttl=5, auto_renew=False, fence_ttl=2.0)
         assert lock.acquire(blocking=False)
         lock.release()
-    left = list(redis_client.scan_iter("redlock:*", count=1000))
+    left = list(redis_client.scan_iter("redlock:{user:*", count=1000))
     assert left  # the counters of the names used last are still there ...
     pipe = redis_client.pipeline(transaction=False)
     for key in left:
         pipe.pttl(key)
     # ... each with its lifetime (-2: it expired between the scan and this look)
     assert all(ms == -2 or 0 < ms <= 2000 for ms in pipe.execute())
-    assert wait_for(lambda: not list(redis_client.scan_iter("redlock:*", count=1000)), 10)
+    assert wait_for(lambda: not list(redis_client.scan_iter("redlock:{user:*", count=1000)), 10)
 
 
 # --------------------------------------------------------------------------- bad input

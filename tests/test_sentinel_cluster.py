@@ -24,6 +24,7 @@ from servers import (
     ServerStartError,
     find_server_binary,
     free_port,
+    wait_for,
 )
 
 from celery_redlock import Lock, QuorumUnavailable, Redlock, connect
@@ -35,6 +36,33 @@ Servers = Callable[[int], list[RedisServer]]
 
 
 # --------------------------------------------------------------------------- sentinel
+
+
+def test_cluster_renewal_sends_one_script_per_node_whatever_the_slots(
+    redis_cluster: ClusterSetup,
+) -> None:
+    """300 locks over hundreds of slots: each renewal round costs one script per master
+    (not one per slot), so renewal commands stay flat as the number of locks grows."""
+    host, port = redis_cluster.startup_nodes[0]
+    client = connect(f"redis://{host}:{port}/0", cluster=True)
+    names = [f"flat:{i}" for i in range(300)]
+    assert len({client.keyslot(lock_keys(n).lock) for n in names}) > 200
+    locks = [Lock(client, name, ttl=0.9) for name in names]
+    for lock in locks:
+        assert lock.acquire(blocking=False)
+    manager = get_manager()
+    assert wait_for(lambda: manager.rounds >= 1, 3)
+    for node in redis_cluster.nodes:
+        node.reset_stats()
+    before = manager.rounds
+    assert wait_for(lambda: manager.rounds >= before + 3, 5)
+    rounds = manager.rounds - before
+    for node in redis_cluster.nodes:
+        scripts = node.command_count("evalsha") + node.command_count("eval")
+        assert scripts <= rounds + 1, (node, scripts, rounds)  # one per round (+ one in flight)
+    assert all(lock.owned() for lock in locks)
+    for lock in locks:
+        lock.release()
 
 
 @pytest.mark.slow

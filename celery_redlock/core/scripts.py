@@ -16,6 +16,7 @@ __all__ = [
     "CLAIM_FIELD",
     "EXTEND",
     "EXTEND_MANY",
+    "EXTEND_NODE",
     "FORCE_RELEASE",
     "RAISE_FENCE",
     "RELEASE",
@@ -108,6 +109,7 @@ ACQUIRE = Script("acquire.lua")
 RELEASE = Script("release.lua")
 EXTEND = Script("extend.lua")
 EXTEND_MANY = Script("extend_many.lua")
+EXTEND_NODE = Script("extend_node.lua")  # renewal on a Redis Cluster node, across slots
 RAISE_FENCE = Script("raise_fence.lua")
 FORCE_RELEASE = Script("force_release.lua")  # `celery locks release`
 CLAIM_FIELD = Script("claim_field.lua")  # beat's once-per-tick claims (core/records.py)

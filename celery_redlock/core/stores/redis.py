@@ -36,7 +36,7 @@ from .. import process
 from ..connect import address_of
 from ..errors import ConfigError, QuorumUnavailable, RedlockError
 from ..keys import LockKeys
-from ..scripts import ACQUIRE, EXTEND, EXTEND_MANY, RELEASE, Status
+from ..scripts import ACQUIRE, EXTEND, EXTEND_MANY, EXTEND_NODE, RELEASE, Status
 from ..send import Channel, Command, Lane, Plain, Sent, checkout
 from ..store import Grant, Holder, node_timeout, parse_holder, text
 
@@ -225,16 +225,20 @@ class RedisStore:
 
     # -- renewal ------------------------------------------------------------------------
     def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[Status]:
-        """Renew (key, token, lease ms) items in one script per hash slot; a status each."""
+        """Renew (key, token, lease ms) items: one script for all of them, or on a Redis
+        Cluster one per node (:func:`_extend_node`), a status each."""
         if not self._cluster:
             return _extend_many(self, items)
-        by_slot: dict[int, list[int]] = defaultdict(list)
+        by_node: dict[str, list[int]] = defaultdict(list)
+        nodes: dict[str, Any] = {}
         for i, (key, _, _) in enumerate(items):
-            by_slot[self.client.keyslot(key)].append(i)
+            node = self.client.get_node_from_key(key)
+            by_node[node.name].append(i)
+            nodes[node.name] = node
         statuses = [Status.GONE] * len(items)
-        for indexes in by_slot.values():
+        for name, indexes in by_node.items():
             part = [items[i] for i in indexes]
-            for i, status in zip(indexes, _extend_many(self, part), strict=True):
+            for i, status in zip(indexes, _extend_node(self, nodes[name], part), strict=True):
                 statuses[i] = status
         return statuses
 
@@ -248,6 +252,31 @@ def _extend_many(store: RedisStore, items: Sequence[tuple[str, str, int]]) -> li
         args += [token, ms]
     reply = store.call(EXTEND_MANY([key for key, _, _ in items], args))
     return [Status.of(code) for code in reply]
+
+
+def _extend_node(
+    cluster: RedisStore, node: Any, items: Sequence[tuple[str, str, int]]
+) -> list[Status]:
+    """Renew *items* held on one cluster *node* with one script across their slots; where
+    the node refuses that (slots moving, a server without script flags), one script per
+    slot through the cluster client, which follows ``MOVED``."""
+    args: list[Any] = []
+    for key, token, ms in items:
+        args += [key, token, ms]
+    try:
+        reply = RedisStore.of(cluster.client.get_redis_connection(node)).call(EXTEND_NODE([], args))
+        return [Status.of(code) for code in reply]
+    except ResponseError:
+        pass  # each slot on its own below
+    by_slot: dict[int, list[int]] = defaultdict(list)
+    for i, (key, _, _) in enumerate(items):
+        by_slot[cluster.client.keyslot(key)].append(i)
+    statuses = [Status.GONE] * len(items)
+    for indexes in by_slot.values():
+        part = [items[i] for i in indexes]
+        for i, status in zip(indexes, _extend_many(cluster, part), strict=True):
+            statuses[i] = status
+    return statuses
 
 
 # -- commands and replies, shared with the quorum store ------------------------------------
