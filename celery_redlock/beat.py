@@ -65,7 +65,7 @@ from celery.beat import Scheduler
 from celery.utils.time import maybe_make_aware
 
 from .core.connect import mask_url
-from .core.errors import ConfigError, RedlockError
+from .core.errors import ConfigError, RedlockError, one_line
 from .core.inspect import REDIS_ERRORS
 from .core.lock import Lock
 from .core.records import LockRecords
@@ -168,7 +168,7 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
             won = lock.acquire(blocking=True, timeout=self.retry_interval)
         except ConfigError as exc:
             # Foreign data at the leader lock's keys: no beat leads until someone removes it.
-            self._stand_by(f"beat: cannot take the leader lock: {_one_line(exc)}", logging.ERROR)
+            self._stand_by(f"beat: cannot take the leader lock: {one_line(exc)}", logging.ERROR)
             return False
         except _STORE_ERRORS as exc:
             if not self._unreachable:
@@ -177,7 +177,7 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
                     "beat: cannot reach the lock store at %s (%s); standing by, "
                     "trying again every %.1f s",
                     self._where,
-                    _one_line(exc),
+                    one_line(exc),
                     self.retry_interval,
                 )
             time.sleep(self.retry_interval)  # a refused connection fails at once: pace retries
@@ -200,12 +200,12 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
         except Exception as exc:  # whatever failed, never keep the lock without leading
             self._give_up_lock()
             if isinstance(exc, ConfigError):
-                problem = f"beat: the schedule state in Redis is unreadable: {_one_line(exc)}"
+                problem = f"beat: the schedule state in Redis is unreadable: {one_line(exc)}"
                 self._stand_by(problem, logging.ERROR)
             elif isinstance(exc, _STORE_ERRORS):
                 problem = (
                     "beat: took the leader lock but could not read the schedule state "
-                    f"({_one_line(exc)})"
+                    f"({one_line(exc)})"
                 )
                 self._stand_by(problem, logging.WARNING)
             else:
@@ -357,7 +357,3 @@ def _describe_leader(holder: Mapping[str, Any]) -> str:
     if not holder.get("pid"):
         return "another beat"
     return f"the beat with pid {holder['pid']} on {holder.get('hostname') or '?'}"
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(f"{type(exc).__name__}: {exc}".split())

@@ -35,7 +35,7 @@ from celery.exceptions import CeleryCommandException
 from redis.exceptions import AuthenticationError, ResponseError
 
 from .core.connect import address_of, connect, mask_url
-from .core.errors import ConfigError, describe_holder
+from .core.errors import ConfigError, describe_holder, one_line
 from .core.inspect import REDIS_ERRORS, LockInfo, force_release, read_lock, scan_locks
 from .core.keys import lock_keys
 from .core.stores.redis import server_refused
@@ -105,9 +105,9 @@ class _Unreachable(Exception):
         self.refused = _refused(exc)
         self.exit_code = EXIT_USAGE if self.refused else EXIT_UNREACHABLE
         if self.refused:
-            super().__init__(f"Redis at {url} refused the request: {_one_line(exc)}")
+            super().__init__(f"Redis at {url} refused the request: {one_line(exc)}")
         else:
-            super().__init__(f"cannot reach Redis at {url}: {_one_line(exc)}")
+            super().__init__(f"cannot reach Redis at {url}: {one_line(exc)}")
 
 
 def _refused(exc: BaseException) -> bool:
@@ -405,7 +405,3 @@ def _ttl(ms: int) -> str:
     if ms < 0:
         return "gone"
     return _duration(ms / 1000)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(f"{type(exc).__name__}: {exc}".split())

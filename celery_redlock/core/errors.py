@@ -16,6 +16,8 @@ __all__ = [
     "NotOwned",
     "QuorumUnavailable",
     "RedlockError",
+    "describe_holder",
+    "one_line",
 ]
 
 
@@ -137,6 +139,11 @@ class LockLost(NotOwned):
 
     A subclass of :class:`NotOwned`: either way, this owner no longer holds it.
     """
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: message`` of an exception on one line (for log lines and CLI output)."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
 
 
 def describe_holder(holder: Mapping[str, Any]) -> str:

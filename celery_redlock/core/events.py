@@ -15,14 +15,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["EventKind", "LockEvent", "add_hook", "emit", "has_hooks", "remove_hook", "wanted"]
+__all__ = ["EventKind", "LockEvent", "add_hook", "emit", "remove_hook", "wanted"]
 
 log = logging.getLogger("celery_redlock.events")
 
 EventKind = Literal["acquired", "contended", "released", "renew_failed", "lost", "unavailable"]
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class LockEvent:
     """What happened to which lock.
 
@@ -41,34 +41,6 @@ class LockEvent:
     held: float | None = None
     error: str | None = None
     at: float = field(default_factory=time.time)
-
-    def __init__(  # noqa: PLR0917 - the signature the generated __init__ had
-        self,
-        kind: EventKind,
-        name: str,
-        key: str,
-        fence: int | None = None,
-        holder: Mapping[str, Any] | None = None,
-        ttl: float | None = None,
-        waited: float | None = None,
-        held: float | None = None,
-        error: str | None = None,
-        at: float | None = None,
-    ) -> None:
-        # Two events per locked task: filling __dict__ at once costs a third of the
-        # generated frozen __init__, which sets each field through object.__setattr__.
-        self.__dict__.update(
-            kind=kind,
-            name=name,
-            key=key,
-            fence=fence,
-            holder={} if holder is None else holder,
-            ttl=ttl,
-            waited=waited,
-            held=held,
-            error=error,
-            at=time.time() if at is None else at,
-        )
 
 
 Hook = Callable[[LockEvent], object]
@@ -122,11 +94,6 @@ def remove_hook(hook: Hook) -> None:
         if hook in _hooks:
             index = _hooks.index(hook)
             _set_hooks(_hooks[:index] + _hooks[index + 1 :])
-
-
-def has_hooks() -> bool:
-    """True when at least one hook listens (lets hot paths skip building events)."""
-    return bool(_hooks)
 
 
 def emit(event: LockEvent) -> None:

@@ -36,7 +36,7 @@ _PLACEHOLDER = re.compile(r"<([^<>]*)>")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True, slots=True)
 class LockKeys:
     """The Redis keys of one lock; all of them share one cluster hash slot."""
 
@@ -45,11 +45,6 @@ class LockKeys:
     fence: str
     notify: str
     waiting: str
-
-    def __init__(self, name: str, lock: str, fence: str, notify: str, waiting: str) -> None:
-        # Built for every lock object (one per locked task): one __dict__ update instead
-        # of the generated frozen __init__'s object.__setattr__ per field.
-        self.__dict__.update(name=name, lock=lock, fence=fence, notify=notify, waiting=waiting)
 
 
 def normalize_name(name: str) -> str:
