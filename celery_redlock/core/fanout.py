@@ -101,44 +101,45 @@ class FanOut:
         timeout = self.timeout
         deadline = time.monotonic() + timeout
         results = self.results
+        # Replies are taken in the order the commands went out, each waited for at most a
+        # SLICE while others are pending: the usual reply is in well within a slice, and a
+        # node that is late goes to the back of the queue instead of holding up the rest.
         while (self._sent or self._jobs) and not decided(results):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            if self._read_ready():
-                continue
-            # Nothing is in yet: block on one source, briefly when others could answer first.
-            several = len(self._sent) + len(self._jobs) > 1
-            slice_ = min(left, SLICE) if several else left
-            if self._jobs:
-                cf.wait(self._jobs, timeout=slice_, return_when=cf.FIRST_COMPLETED)
-            else:
-                next(iter(self._sent.values())).ready(slice_)
+            self._collect_jobs()
+            if self._sent:
+                i, sent = next(iter(self._sent.items()))
+                several = len(self._sent) + len(self._jobs) > 1
+                if sent.ready(min(left, SLICE) if several else left):
+                    self._read(i, sent)
+                else:
+                    del self._sent[i]
+                    self._sent[i] = sent  # to the back
+            elif not decided(results):
+                cf.wait(self._jobs, timeout=left, return_when=cf.FIRST_COMPLETED)
+        self._collect_jobs()
         grace = time.monotonic() + GRACE
-        while self._sent and time.monotonic() < grace:
-            if not self._read_ready():
-                next(iter(self._sent.values())).ready(grace - time.monotonic())
+        for i, sent in list(self._sent.items()):
+            if sent.ready(max(grace - time.monotonic(), 0.0)):
+                self._read(i, sent)
         ms = max(timeout, 0) * 1000
         for i, value in enumerate(results):
             if value is PENDING:
                 results[i] = NoAnswer(f"no answer within {ms:.0f} ms")
         return results
 
-    def _read_ready(self) -> bool:
-        """Take every reply that is in now; True if there was one."""
-        got = False
-        for i, sent in list(self._sent.items()):
-            if sent.ready(0):
-                del self._sent[i]
-                try:
-                    self.results[i] = sent.read()
-                except REDIS_ERRORS as exc:
-                    self.results[i] = exc
-                got = True
+    def _read(self, i: int, sent: Sent) -> None:
+        del self._sent[i]
+        try:
+            self.results[i] = sent.read()
+        except REDIS_ERRORS as exc:
+            self.results[i] = exc
+
+    def _collect_jobs(self) -> None:
         for job in [j for j in self._jobs if j.done()]:
             self.results[self._jobs.pop(job)] = _outcome(job)
-            got = True
-        return got
 
     def finish(self, then: Command | None = None) -> None:
         """Read what is still due in the background; with *then*, also run it after the
