@@ -31,12 +31,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import _servers
 import pottery  # the bench extra: pip install -e .[bench]
 import redis
+from _docs import DOCS, write_block
 
 from celery_redlock import Lock, Redlock, connect
 from celery_redlock.core.renewal import shutdown as stop_renewal
@@ -93,29 +93,7 @@ def pct(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 SECTION = "## Redlock"
-BEGIN = "<!-- bench_redlock.py results: begin -->"
-END = "<!-- bench_redlock.py results: end -->"
-
-
-def write_docs(body: str) -> None:
-    """Put *body* between this script's markers in the "Redlock" section of docs/benchmarks.md.
-
-    The file is read right before writing and only the marked block changes, so
-    other sections (and notes around the block) survive a re-run.
-    """
-    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    block = f"{BEGIN}\n{body.strip()}\n{END}"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    elif SECTION + "\n" in text:
-        head, rest = text.split(SECTION + "\n", 1)
-        text = f"{head}{SECTION}\n\n{block}\n{rest}"
-    else:
-        text = f"{text.rstrip()}\n\n{SECTION}\n\n{block}\n"
-    DOCS.write_text(text)
 
 
 def main() -> None:
@@ -204,7 +182,7 @@ def main() -> None:
     body = "\n".join(lines)
     print("\n" + body)
     if opts.write_docs:
-        write_docs(body)
+        write_block(SECTION, "bench_redlock.py", body)
         print(f"\nwrote {DOCS}")
 
 

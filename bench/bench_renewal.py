@@ -31,6 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from _docs import write_block  # noqa: E402
 from servers import ClusterSetup, RedisServer, start_servers  # noqa: E402
 
 from celery_redlock import Lock, Redlock, connect  # noqa: E402
@@ -142,18 +143,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ttl", type=float, default=3.0, help="lock TTL (rounds every TTL/3)")
     parser.add_argument("--rounds", type=int, default=5, help="renewal rounds measured")
+    parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
     args = parser.parse_args()
+    lines: list[str] = [f"Measured {time.strftime('%Y-%m-%d')} with `bench/bench_renewal.py`.", ""]
 
-    print(f"1,000 locks in one process, TTL {args.ttl} s, {args.rounds} rounds\n")
-    print("| store | scripts per node per round | every lock owned |")
-    print("|---|---:|---|")
+    def say(line: str = "") -> None:
+        print(line)
+        lines.append(line)
+
+    say(f"1,000 locks in one process, TTL {args.ttl} s, {args.rounds} rounds\n")
+    say("| store | scripts per node per round | every lock owned |")
+    say("|---|---:|---|")
     single = RedisServer.start()
     try:
         client = single.client()
         per_node, owned = hold_and_count(
             lambda n: Lock(client, n, ttl=args.ttl), [single], 1000, args.ttl, args.rounds
         )
-        print(f"| one Redis | {per_node:.2f} | {owned} |")
+        say(f"| one Redis | {per_node:.2f} | {owned} |")
     finally:
         single.stop()
     masters = start_servers(3)
@@ -162,20 +169,23 @@ def main() -> None:
         per_node, owned = hold_and_count(
             lambda n: Redlock(clients, n, ttl=args.ttl), masters, 1000, args.ttl, args.rounds
         )
-        print(f"| Redlock, 3 masters | {per_node:.2f} | {owned} |")
+        say(f"| Redlock, 3 masters | {per_node:.2f} | {owned} |")
     finally:
         for master in masters:
             master.stop()
 
-    print(f"\nRedis Cluster, 3 masters, 4 processes, TTL {args.ttl} s\n")
-    print("| locks | scripts per node per round | commands per process per round | all owned |")
-    print("|---:|---:|---:|---|")
+    say()
+    say(f"Redis Cluster, 3 masters, 4 processes, TTL {args.ttl} s\n")
+    say("| locks | scripts per node per round | commands per process per round | all owned |")
+    say("|---:|---:|---:|---|")
     for total in (1000, 5000, 10000):
         row = cluster_scale(total, args.ttl, args.rounds)
-        print(
+        say(
             f"| {row['locks']:,} | {row['scripts per node per round']:.2f} | "
             f"{row['renewal commands per process per round']:.2f} | {row['all owned']} |"
         )
+    if args.write_docs:
+        write_block("## Renewal", "bench_renewal.py", "\n".join(lines))
 
 
 if __name__ == "__main__":
