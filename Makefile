@@ -31,7 +31,13 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(PY) -m pytest tests -p no:randomly $(PYTEST_ARGS)
 
-test: lint typecheck pytest
+test: lint typecheck docs pytest
+
+# The documentation site (mkdocs; the API reference from the docstrings) into build/site.
+# --strict makes a warning (a broken link, a missing page, a docstring that does not
+# resolve) fail the build, and so `make test`; --quiet would hide them from --strict.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # Fault injection for longer than `make test` does: CHAOS_MINUTES (default 10) of rounds of
 # tests/chaos with longer fault phases; CHAOS_SEED replays a run (the seed is printed first).
