@@ -21,6 +21,7 @@ from .events import LockEvent, add_hook, remove_hook
 from .keys import KeyTemplate, lock_keys, render_value
 from .lock import Lock, Redlock, open_store
 from .renewal import get_manager
+from .semaphore import Semaphore
 from .store import Store
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "QuorumUnavailable",
     "Redlock",
     "RedlockError",
+    "Semaphore",
     "Store",
     "add_hook",
     "connect",

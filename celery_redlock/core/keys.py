@@ -26,6 +26,7 @@ __all__ = [
     "LockKeys",
     "lock_keys",
     "normalize_name",
+    "permit_keys",
     "render_value",
 ]
 
@@ -77,6 +78,19 @@ def lock_keys(name: str, prefix: str = "redlock:") -> LockKeys:
         fence=f"{base}:fence",
         notify=f"{base}:notify",
         waiting=f"{base}:waiting",
+    )
+
+
+def permit_keys(name: str, prefix: str = "redlock:") -> LockKeys:
+    """The keys of semaphore *name*: its permits at ``<prefix>{<name>}:permits``, and the
+    fence counter, notify list and waiter mark it shares with a lock of that name."""
+    keys = lock_keys(name, prefix)
+    return LockKeys(
+        name=keys.name,
+        lock=f"{keys.lock}:permits",
+        fence=keys.fence,
+        notify=keys.notify,
+        waiting=keys.waiting,
     )
 
 

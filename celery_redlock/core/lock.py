@@ -25,18 +25,27 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from . import events, process
 from .errors import ConfigError, LockContended, LockLost, NotOwned, QuorumUnavailable, RedlockError
 from .keys import LockKeys, lock_keys
 from .renewal import get_manager
 from .scripts import Status
-from .store import Grant, Store
+from .store import Grant, Holder, Store
 from .stores.quorum import QuorumStore
 from .stores.redis import RedisStore
 
-__all__ = ["DEFAULT_FENCE_TTL", "Lock", "Redlock", "drift", "open_store", "ttl_to_ms"]
+__all__ = [
+    "DEFAULT_FENCE_TTL",
+    "Layout",
+    "Lock",
+    "Mutex",
+    "Redlock",
+    "drift",
+    "open_store",
+    "ttl_to_ms",
+]
 
 log_acquire = logging.getLogger("celery_redlock.acquire")
 log_release = logging.getLogger("celery_redlock.release")
@@ -75,6 +84,66 @@ def open_store(target: Any, *, per_node_timeout: float | None = None) -> Store:
     if isinstance(target, (list, tuple)):
         return QuorumStore(target, per_node_timeout=per_node_timeout)
     return RedisStore.of(target)
+
+
+class Layout(Protocol):
+    """How the acquisitions of one name are stored: the store calls a :class:`Lock` makes.
+
+    :class:`Mutex` (one holder: a hash per name) for a ``Lock``; a semaphore's permits
+    (:class:`~celery_redlock.core.semaphore.Permits`) for a ``Semaphore``. The state
+    machine in :class:`Lock` is the same for both.
+    """
+
+    def acquire(
+        self, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
+    ) -> Grant: ...
+
+    def release(self, token: str, notice_ms: int) -> Status: ...
+
+    def abandon(self, token: str, notice_ms: int) -> None: ...
+
+    def extend(self, token: str, ms: int, *, replace: bool) -> int | Status: ...
+
+    def holders(self) -> list[Holder]:
+        """Every current holder (a mutex has at most one)."""
+        ...
+
+    def locked(self) -> bool:
+        """True when no acquisition is free now."""
+        ...
+
+
+class Mutex:
+    """One holder per name: the lock hash (token, fence, holder record) of ``acquire.lua``."""
+
+    __slots__ = ("keys", "store")
+
+    def __init__(self, store: Store, keys: LockKeys) -> None:
+        self.store = store
+        self.keys = keys
+
+    def acquire(
+        self, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
+    ) -> Grant:
+        return self.store.acquire(
+            self.keys, token, ttl_ms, record, wait=wait, fence_ttl_ms=fence_ttl_ms
+        )
+
+    def release(self, token: str, notice_ms: int) -> Status:
+        return self.store.release(self.keys, token, notice_ms)
+
+    def abandon(self, token: str, notice_ms: int) -> None:
+        self.store.abandon(self.keys, token, notice_ms)
+
+    def extend(self, token: str, ms: int, *, replace: bool) -> int | Status:
+        return self.store.extend(self.keys, token, ms, replace=replace)
+
+    def holders(self) -> list[Holder]:
+        holder = self.store.holder(self.keys)
+        return [] if holder is None else [holder]
+
+    def locked(self) -> bool:
+        return self.store.locked(self.keys)
 
 
 class Lock:
@@ -123,6 +192,8 @@ class Lock:
         self.store: Store = open_store(target)
         self.name = name
         self.keys: LockKeys = lock_keys(name, key_prefix)
+        #: The store calls of this kind of lock (a Semaphore's permits differ).
+        self.layout: Layout = Mutex(self.store, self.keys)
         self.key_prefix = key_prefix
         self.auto_renew = bool(auto_renew)
         self.reentrant = bool(reentrant)
@@ -219,13 +290,8 @@ class Lock:
             token = os.urandom(TOKEN_BYTES).hex()  # 160 fresh CSPRNG bits per attempt
             will_wait = blocking and (deadline is None or time.monotonic() < deadline)
             started = time.monotonic()
-            grant = self.store.acquire(
-                self.keys,
-                token,
-                self.ttl_ms,
-                record,
-                wait=will_wait,
-                fence_ttl_ms=self.fence_ttl_ms,
+            grant = self.layout.acquire(
+                token, self.ttl_ms, record, wait=will_wait, fence_ttl_ms=self.fence_ttl_ms
             )  # raises QuorumUnavailable
             self.masters = dict(grant.masters)
             if grant.acquired:
@@ -240,7 +306,7 @@ class Lock:
                     return True
                 # The answer came back after the lease was already spent (a long
                 # pause): it cannot be trusted to exclude anyone. Give it back.
-                self.store.abandon(self.keys, token, self.ttl_ms)
+                self.layout.abandon(token, self.ttl_ms)
                 log_acquire.warning("acquire of %r answered too late to be valid", self.name)
             else:
                 self.holder = dict(grant.holder)
@@ -305,7 +371,7 @@ class Lock:
             self._count = 0
             self._valid_until = 0.0
         get_manager().unregister(self)
-        status = self.store.release(self.keys, token, self.ttl_ms)
+        status = self.layout.release(token, self.ttl_ms)
         # While the lease is valid nobody else can take the key unless it was removed
         # first: by this very release (a copy re-sent after a lost reply finds the key
         # gone, or already taken by the waiter it woke), or by an operator's forced release.
@@ -347,7 +413,7 @@ class Lock:
         self.expire_if_past(started)
         if self._lost:
             raise LockLost(self.name, self._lost_reason)
-        outcome = self.store.extend(self.keys, token, ms, replace=replace)
+        outcome = self.layout.extend(token, ms, replace=replace)
         if isinstance(outcome, Status):
             self._mark_lost(outcome.describe())
             raise LockLost(self.name, outcome.describe())
@@ -371,12 +437,12 @@ class Lock:
             self.expire_if_past(now)
             return False
         try:
-            holder = self.store.holder(self.keys)
+            holders = self.layout.holders()
         except QuorumUnavailable:
             return time.monotonic() < self._valid_until
         except ConfigError:  # the key holds foreign data: this owner's lock is gone
-            holder = None
-        mine = holder is not None and holder.token == token
+            holders = []
+        mine = any(holder.token == token for holder in holders)
         if not mine:
             self._mark_lost("another owner holds it now, or it is gone")
         return mine
@@ -392,20 +458,27 @@ class Lock:
         """
         if not match:
             raise ConfigError("release_matching() needs at least one field to match")
-        holder = self.store.holder(self.keys)
-        if holder is None or any(holder.record.get(k) != v for k, v in match.items()):
-            return False
-        return self.store.release(self.keys, holder.token, self.ttl_ms) is Status.OK
+        for holder in self.layout.holders():
+            if all(holder.record.get(k) == v for k, v in match.items()):
+                return self.layout.release(holder.token, self.ttl_ms) is Status.OK
+        return False
 
     def read_holder(self) -> dict[str, Any] | None:
         """The current holder's record (``task_name``, ``task_id``, ``hostname``, ``pid``,
-        ``acquired_at``), or None when the lock is free."""
-        holder = self.store.holder(self.keys)
-        return None if holder is None else dict(holder.record)
+        ``acquired_at``), or None when the lock is free (a semaphore: the permit that
+        expires first)."""
+        holders = self.layout.holders()
+        return dict(holders[0].record) if holders else None
+
+    def read_holders(self) -> list[dict[str, Any]]:
+        """Every current holder's record (a lock has at most one; a semaphore one per
+        permit held)."""
+        return [dict(holder.record) for holder in self.layout.holders()]
 
     def locked(self) -> bool:
-        """True when anyone holds the lock."""
-        return self.store.locked(self.keys)
+        """True when the lock cannot be taken now (a mutex: anyone holds it; a semaphore:
+        every permit is held)."""
+        return self.layout.locked()
 
     # -- renewal (the renewal thread calls these) -----------------------------------------
     def renewal(self) -> tuple[str, int] | None:

@@ -18,6 +18,10 @@ __all__ = [
     "EXTEND_MANY",
     "EXTEND_NODE",
     "FORCE_RELEASE",
+    "PERMITS",
+    "PERMIT_ACQUIRE",
+    "PERMIT_EXTEND",
+    "PERMIT_RELEASE",
     "RAISE_FENCE",
     "RELEASE",
     "Script",
@@ -113,3 +117,7 @@ EXTEND_NODE = Script("extend_node.lua")  # renewal on a Redis Cluster node, acro
 RAISE_FENCE = Script("raise_fence.lua")
 FORCE_RELEASE = Script("force_release.lua")  # `celery locks release`
 CLAIM_FIELD = Script("claim_field.lua")  # beat's once-per-tick claims (core/records.py)
+PERMIT_ACQUIRE = Script("permit_acquire.lua")  # a semaphore's permits (core/semaphore.py)
+PERMIT_RELEASE = Script("permit_release.lua")
+PERMIT_EXTEND = Script("permit_extend.lua")
+PERMITS = Script("permits.lua")

@@ -29,7 +29,16 @@ if TYPE_CHECKING:
     from .errors import QuorumUnavailable
     from .stores.redis import RedisStore
 
-__all__ = ["MIN_NODE_TIMEOUT", "Grant", "Holder", "Store", "node_timeout", "parse_holder", "text"]
+__all__ = [
+    "MIN_NODE_TIMEOUT",
+    "Grant",
+    "Holder",
+    "Permit",
+    "Store",
+    "node_timeout",
+    "parse_holder",
+    "text",
+]
 
 #: The shortest per-node timeout, whatever the TTL: below this, a first connection's
 #: handshake or a busy host's scheduling alone makes healthy masters look unreachable.
@@ -66,6 +75,15 @@ class Holder:
 
     token: str
     record: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Permit(Holder):
+    """One live permit of a semaphore: its token and record, fence and lease left."""
+
+    fence: int | None = None
+    #: Lease left in ms (server time) when it was read.
+    ttl_ms: int = 0
 
 
 class Store(Protocol):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -36,9 +36,20 @@ from .. import process
 from ..connect import address_of
 from ..errors import ConfigError, QuorumUnavailable, RedlockError
 from ..keys import LockKeys
-from ..scripts import ACQUIRE, EXTEND, EXTEND_MANY, EXTEND_NODE, RELEASE, Status
+from ..scripts import (
+    ACQUIRE,
+    EXTEND,
+    EXTEND_MANY,
+    EXTEND_NODE,
+    PERMIT_ACQUIRE,
+    PERMIT_EXTEND,
+    PERMIT_RELEASE,
+    PERMITS,
+    RELEASE,
+    Status,
+)
 from ..send import Channel, Command, Lane, Plain, Sent, checkout
-from ..store import Grant, Holder, node_timeout, parse_holder, text
+from ..store import Grant, Holder, Permit, node_timeout, parse_holder, text
 
 __all__ = [
     "REDIS_ERRORS",
@@ -46,6 +57,8 @@ __all__ = [
     "check_client",
     "foreign_data_message",
     "is_foreign",
+    "permit_release_command",
+    "permits_of",
     "refused",
     "server_refused",
 ]
@@ -137,21 +150,31 @@ class RedisStore:
         self, keys: LockKeys, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
     ) -> Grant:
         command = acquire_command(keys, token, ttl_ms, record, wait=wait, fence_ttl_ms=fence_ttl_ms)
+        return grant_of(self._attempt(command, keys, self.abandon, token, ttl_ms))
+
+    def _attempt(
+        self,
+        command: Command,
+        keys: LockKeys,
+        abandon: Callable[..., None],
+        *abandon_args: Any,
+    ) -> Any:
+        """Run an acquire script; after an unclear or refused run, *abandon* takes back
+        whatever the token may hold."""
         try:
-            reply = self.call(command)
+            return self.call(command)
         except ResponseError as exc:
             if not server_refused(exc):
                 # Foreign data at one of the lock's keys. A script stops at its first error
                 # but keeps what it wrote before it: take back whatever this token may hold.
-                self.abandon(keys, token, ttl_ms)
+                abandon(keys, *abandon_args)
             raise refused(self, keys, exc) from exc
         except REDIS_ERRORS as exc:
             # The script may have run before the reply was lost: take back what this
             # token may hold, in this node's lane (after any call still due there), so
             # an unclear attempt leaves nothing behind and the caller hears at once.
-            self.lane.submit(self.abandon, keys, token, ttl_ms)
+            self.lane.submit(abandon, keys, *abandon_args)
             raise self.unavailable(keys.name, exc) from exc
-        return grant_of(reply)
 
     def release(self, keys: LockKeys, token: str, notice_ms: int) -> Status:
         try:
@@ -223,6 +246,61 @@ class RedisStore:
             return self.unavailable(name, outcome)
         return outcome
 
+    # -- a semaphore's permits (core/semaphore.py; one Redis only) ------------------------
+    def acquire_permit(
+        self,
+        keys: LockKeys,
+        token: str,
+        ttl_ms: int,
+        record: str,
+        limit: int,
+        *,
+        wait: bool,
+        fence_ttl_ms: int,
+    ) -> Grant:
+        """One attempt to take one of *limit* permits of *keys* for *token*."""
+        command = PERMIT_ACQUIRE(
+            [keys.lock, keys.fence, keys.waiting],
+            [token, ttl_ms, record, "1" if wait else "0", fence_ttl_ms, limit],
+        )
+        reply = self._attempt(command, keys, self.abandon_permit, token, ttl_ms, limit)
+        if int(reply[0]) == 1:
+            return Grant(True, fence=int(reply[1]))
+        left = int(reply[2])
+        return Grant(False, holder=parse_holder(reply[1]), holder_ttl_ms=left, wait_ms=left)
+
+    def release_permit(self, keys: LockKeys, token: str, notice_ms: int, limit: int) -> Status:
+        """Give back *token*'s permit and wake a waiter."""
+        try:
+            return Status.of(self.call(permit_release_command(keys, token, notice_ms, limit)))
+        except REDIS_ERRORS as exc:
+            raise self.unavailable(keys.name, exc) from exc
+
+    def abandon_permit(self, keys: LockKeys, token: str, notice_ms: int, limit: int) -> None:
+        """Best-effort :meth:`release_permit` (never raises for Redis errors)."""
+        try:
+            self.call(permit_release_command(keys, token, notice_ms, limit))
+        except REDIS_ERRORS:
+            return  # the permit expires by itself within one TTL
+
+    def extend_permit(self, keys: LockKeys, token: str, ms: int, *, replace: bool) -> int | Status:
+        """Lengthen *token*'s permit: the new lease in ms, or GONE / FOREIGN."""
+        try:
+            code = int(self.call(PERMIT_EXTEND([keys.lock], [token, ms, "1" if replace else "0"])))
+        except REDIS_ERRORS as exc:
+            raise self.unavailable(keys.name, exc) from exc
+        return code if code > 0 else Status.of(code)
+
+    def permits(self, keys: LockKeys) -> list[Permit]:
+        """The live permits of *keys*, first to expire first."""
+        try:
+            reply = self.call(PERMITS([keys.lock], []))
+        except ResponseError as exc:
+            raise refused(self, keys, exc) from exc
+        except REDIS_ERRORS as exc:
+            raise self.unavailable(keys.name, exc) from exc
+        return permits_of(reply)
+
     # -- renewal ------------------------------------------------------------------------
     def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[Status]:
         """Renew (key, token, lease ms) items: one script for all of them, or on a Redis
@@ -293,6 +371,25 @@ def acquire_command(
 def release_command(keys: LockKeys, token: str, notice_ms: int) -> Command:
     """The release script for *token*: owner-checked, wakes one waiter."""
     return RELEASE([keys.lock, keys.notify, keys.waiting], [token, notice_ms])
+
+
+def permit_release_command(keys: LockKeys, token: str, notice_ms: int, limit: int) -> Command:
+    """The permit release script for *token*: owner-checked, wakes a waiter."""
+    return PERMIT_RELEASE([keys.lock, keys.notify, keys.waiting], [token, notice_ms, limit])
+
+
+def permits_of(reply: Any) -> list[Permit]:
+    """A permits script's reply (four entries per live permit), first to expire first."""
+    found = [
+        Permit(
+            text(reply[i]),
+            parse_holder(reply[i + 3]),
+            fence=int(reply[i + 2]) if text(reply[i + 2]).isdigit() else None,
+            ttl_ms=int(reply[i + 1]),
+        )
+        for i in range(0, len(reply) - 3, 4)
+    ]
+    return sorted(found, key=lambda p: p.ttl_ms)
 
 
 def grant_of(reply: Any) -> Grant:
