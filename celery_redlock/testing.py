@@ -10,6 +10,9 @@ Fixtures:
 
 To run tasks *without* locks in a test, set ``app.conf.redlock_disable = True``
 (or start the worker with ``--redlock-disable``).
+
+:func:`find_server_binary` and :func:`start_redis` work without pytest (``make demo``
+uses them); only the fixtures need it.
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
-import pytest
+try:
+    import pytest
+except ImportError:  # the server launcher works without pytest; the fixtures need it
+    pytest = None  # type: ignore[assignment]
 
 __all__ = ["find_server_binary", "redlock_app_conf", "redlock_redis_url", "start_redis"]
 
@@ -45,6 +51,16 @@ def find_server_binary() -> str | None:
     except (ImportError, PackageNotFoundError):
         return None
     return None
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _fixture(**options: Any) -> Callable[[_F], _F]:
+    """``pytest.fixture(**options)``; without pytest, the function as it is."""
+    if pytest is None:
+        return lambda fn: fn
+    return pytest.fixture(**options)  # type: ignore[no-any-return]
 
 
 def _free_port() -> int:
@@ -90,7 +106,7 @@ def start_redis(binary: str, workdir: str) -> tuple[subprocess.Popen[bytes], str
     raise RuntimeError(f"could not start {binary} on a free port")
 
 
-@pytest.fixture(scope="session")
+@_fixture(scope="session")
 def redlock_redis_url() -> Iterator[str]:
     """URL of a throwaway Redis server for this test session (stopped at the end)."""
     binary = find_server_binary()
@@ -113,7 +129,7 @@ def redlock_redis_url() -> Iterator[str]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-@pytest.fixture
+@_fixture()
 def redlock_app_conf(redlock_redis_url: str) -> Callable[..., None]:
     """Call with a Celery app to point its locks at the test server (and a short TTL)."""
 
