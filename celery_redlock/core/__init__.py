@@ -15,14 +15,16 @@ from .errors import (
     LockLost,
     NotOwned,
     QuorumUnavailable,
+    RateLimited,
     RedlockError,
 )
 from .events import LockEvent, add_hook, remove_hook
 from .keys import KeyTemplate, lock_keys, render_value
 from .lock import Lock, Redlock, open_store
+from .ratelimit import RateLimiter
 from .renewal import get_manager
 from .semaphore import Semaphore
-from .store import Store
+from .store import RateGrant, Store
 
 __all__ = [
     "ConfigError",
@@ -33,6 +35,9 @@ __all__ = [
     "LockLost",
     "NotOwned",
     "QuorumUnavailable",
+    "RateGrant",
+    "RateLimited",
+    "RateLimiter",
     "Redlock",
     "RedlockError",
     "Semaphore",

@@ -146,6 +146,29 @@ def one_line(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())
 
 
+class RateLimited(RedlockError):
+    """A rate limit refused a start: ``retry_after`` seconds until the next free slot.
+
+    ``rate`` is the limit as written (``"20/s"``), when known.
+    """
+
+    def __init__(self, name: str, retry_after: float, rate: str | None = None) -> None:
+        self.name = name
+        self.retry_after = retry_after
+        self.rate = rate
+        super().__init__(name, retry_after, rate)
+
+    def __str__(self) -> str:
+        what = f" ({self.rate})" if self.rate else ""
+        return (
+            f"rate limit of {self.name!r}{what} reached: the next slot is free in "
+            f"{self.retry_after:.3f} s"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.name, self.retry_after, self.rate))
+
+
 def describe_holder(holder: Mapping[str, Any]) -> str:
     """Render a holder record for log lines: ``task X[id] on host pid N``."""
     if not holder:

@@ -19,7 +19,9 @@ __all__ = ["EventKind", "LockEvent", "add_hook", "emit", "remove_hook", "wanted"
 
 log = logging.getLogger("celery_redlock.events")
 
-EventKind = Literal["acquired", "contended", "released", "renew_failed", "lost", "unavailable"]
+EventKind = Literal[
+    "acquired", "contended", "released", "renew_failed", "lost", "unavailable", "rate_limited"
+]
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,8 @@ class LockEvent:
 
     ``waited`` is seconds spent acquiring (``acquired``/``contended``), ``held``
     seconds held (``released``/``lost``); ``holder`` is the other owner's record
-    for ``contended``, ours otherwise.
+    for ``contended``, ours otherwise. ``rate_limited``: a rate limiter refused a
+    start, and ``retry_after`` says in how many seconds its next slot is free.
     """
 
     kind: EventKind
@@ -41,6 +44,7 @@ class LockEvent:
     held: float | None = None
     error: str | None = None
     at: float = field(default_factory=time.time)
+    retry_after: float | None = None
 
 
 Hook = Callable[[LockEvent], object]

@@ -27,6 +27,7 @@ __all__ = [
     "lock_keys",
     "normalize_name",
     "permit_keys",
+    "rate_key",
     "render_value",
 ]
 
@@ -92,6 +93,12 @@ def permit_keys(name: str, prefix: str = "redlock:") -> LockKeys:
         notify=keys.notify,
         waiting=keys.waiting,
     )
+
+
+def rate_key(name: str, prefix: str = "redlock:") -> str:
+    """The key of rate limiter *name*: ``<prefix>{<name>}:rate`` (the hash tag of the lock
+    of that name)."""
+    return f"{lock_keys(name, prefix).lock}:rate"
 
 
 def render_value(value: Any) -> str:

@@ -23,6 +23,7 @@ __all__ = [
     "PERMIT_EXTEND",
     "PERMIT_RELEASE",
     "RAISE_FENCE",
+    "RATE",
     "RELEASE",
     "Script",
     "ScriptCall",
@@ -121,3 +122,4 @@ PERMIT_ACQUIRE = Script("permit_acquire.lua")  # a semaphore's permits (core/sem
 PERMIT_RELEASE = Script("permit_release.lua")
 PERMIT_EXTEND = Script("permit_extend.lua")
 PERMITS = Script("permits.lua")
+RATE = Script("rate.lua")  # a rate limiter's one call (core/ratelimit.py)

@@ -34,6 +34,7 @@ __all__ = [
     "Grant",
     "Holder",
     "Permit",
+    "RateGrant",
     "Store",
     "node_timeout",
     "parse_holder",
@@ -84,6 +85,24 @@ class Permit(Holder):
     fence: int | None = None
     #: Lease left in ms (server time) when it was read.
     ttl_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RateGrant:
+    """What a rate limiter answered: granted or not, and when the next grant can be.
+
+    True in a boolean context when granted (``if limiter.acquire(): ...``).
+    """
+
+    granted: bool
+    #: Seconds until a grant is possible: refused, until the next free slot (for a caller
+    #: that joined the line, until its own slot); granted, until the next one after this.
+    retry_after: float
+    #: Grants still possible right now (0 when refused).
+    remaining: int = 0
+
+    def __bool__(self) -> bool:
+        return self.granted
 
 
 class Store(Protocol):

@@ -45,11 +45,12 @@ from ..scripts import (
     PERMIT_EXTEND,
     PERMIT_RELEASE,
     PERMITS,
+    RATE,
     RELEASE,
     Status,
 )
 from ..send import Channel, Command, Lane, Plain, Sent, checkout
-from ..store import Grant, Holder, Permit, node_timeout, parse_holder, text
+from ..store import Grant, Holder, Permit, RateGrant, node_timeout, parse_holder, text
 
 __all__ = [
     "REDIS_ERRORS",
@@ -300,6 +301,25 @@ class RedisStore:
         except REDIS_ERRORS as exc:
             raise self.unavailable(keys.name, exc) from exc
         return permits_of(reply)
+
+    # -- a rate limiter (core/ratelimit.py; one Redis only) --------------------------------
+    def rate(
+        self, name: str, key: str, interval_us: int, burst: int, *, mode: str, most_us: int = 0
+    ) -> RateGrant:
+        """One decision of the rate limiter *name* at *key* (see rate.lua for *mode*)."""
+        try:
+            granted, wait_us, free = self.call(RATE([key], [interval_us, burst, mode, most_us]))
+        except ResponseError as exc:
+            if server_refused(exc):
+                raise self.unavailable(name, exc) from exc
+            raise ConfigError(
+                f"rate limiter {name!r}: Redis refused the rate script on {key!r} ({exc}): "
+                "something other than celery-redlock writes under the key prefix; delete "
+                "that key if it is stale, or give celery-redlock a prefix of its own"
+            ) from exc
+        except REDIS_ERRORS as exc:
+            raise self.unavailable(name, exc) from exc
+        return RateGrant(int(granted) == 1, max(0, int(wait_us)) / 1e6, int(free))
 
     # -- renewal ------------------------------------------------------------------------
     def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[Status]:
