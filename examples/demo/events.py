@@ -92,7 +92,7 @@ class Story:
         kind, t = event.get("kind"), float(event.get("t") or 0.0)
         key = event.get("key") or ""
         self._key(key)
-        if kind == "dedup":
+        if kind in ("dedup", "duplicate"):  # a publish answered with the run already queued
             self.dedups[key].append((t, event.get("task_id") or ""))
             return
         if kind == "kill":
@@ -117,6 +117,10 @@ class Story:
                 run.first_refused = t
             if policies.get(run.task) == "skip":
                 run.skipped = True
+        elif kind == "superseded":  # a queued call replaced by a newer one: skipped
+            run.refusals += 1
+            run.skipped = True
+            run.first_refused = run.first_refused or t
         elif kind == "acquired":
             waited = float(event.get("waited") or 0.0)
             run.waited = max(run.waited, waited)

@@ -66,8 +66,10 @@ def describe(event: Event, policies: Mapping[str, str]) -> tuple[str, str] | Non
         return RED, f"{key:<20} LOST by {who}: {event.get('error') or ''}"
     if kind == "kill":
         return RED, f"{key:<20} SIGKILL pool child pid {event['victim']} running {who}"
-    if kind == "dedup":
+    if kind in ("dedup", "duplicate"):
         return MAGENTA, f"{key:<20} publish de-duplicated: the queued run {who} is returned"
+    if kind == "superseded":
+        return GREY, f"{key:<20} {who} was replaced by a newer call: skipped"
     if kind == "log":
         return RED if "ERROR" in event["text"] else YELLOW, f"log {event['text']}"
     if kind == "note":
