@@ -38,6 +38,7 @@ from .stores.redis import RedisStore
 
 __all__ = [
     "DEFAULT_FENCE_TTL",
+    "MAX_TTL_MS",
     "Layout",
     "Lock",
     "Mutex",
@@ -61,6 +62,11 @@ _HOSTNAME = socket.gethostname()
 _L = TypeVar("_L", bound="Lock")
 
 
+#: The longest lease in milliseconds (about 142,000 years): the scripts add leases as Lua
+#: numbers (doubles, exact to 2**53), and Redis refuses an expiry past 2**63 ms.
+MAX_TTL_MS = 2**52
+
+
 def ttl_to_ms(ttl: float, what: str = "ttl") -> int:
     """Seconds (float) to whole milliseconds, refusing what Redis cannot store."""
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl):
@@ -68,6 +74,8 @@ def ttl_to_ms(ttl: float, what: str = "ttl") -> int:
     ms = round(ttl * 1000)
     if not ms >= 1:
         raise ConfigError(f"{what} must be at least 0.001 seconds, got {ttl!r}")
+    if ms > MAX_TTL_MS:
+        raise ConfigError(f"{what} must be at most {MAX_TTL_MS // 1000} seconds, got {ttl!r}")
     return int(ms)
 
 
@@ -189,6 +197,13 @@ class Lock:
             raise ConfigError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
         if owner_info is not None and not isinstance(owner_info, Mapping):
             raise ConfigError(f"owner_info must be a mapping, got {type(owner_info).__name__}")
+        if owner_info:
+            try:  # once here, not on each acquire: values show as their str(), keys cannot
+                json.dumps(dict(owner_info), default=str)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(
+                    f"owner_info must be a dict with str keys that JSON can write: {exc}"
+                ) from None
         self.store: Store = open_store(target)
         self.name = name
         self.keys: LockKeys = lock_keys(name, key_prefix)
