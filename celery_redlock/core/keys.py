@@ -53,10 +53,24 @@ def normalize_name(name: str) -> str:
     """Return the name as stored: unchanged, or head + sha256 when over the limit."""
     if not isinstance(name, str) or not name:
         raise ConfigError(f"lock name must be a non-empty string, got {name!r}")
+    if not name.isascii() and not _encodes(name):
+        # A lone surrogate ("\ud800", which JSON can carry to a worker) cannot be sent to
+        # Redis: the name becomes its escaped head plus a hash, like an over-long one.
+        digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+        head = name.encode("utf-8", "backslashreplace").decode("utf-8")[:_HEAD]
+        return f"{head}...#{digest}"
     if len(name) <= MAX_NAME_LENGTH:
         return name
     digest = hashlib.sha256(name.encode("utf-8")).hexdigest()[:32]
     return f"{name[:_HEAD]}...#{digest}"
+
+
+def _encodes(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def lock_keys(name: str, prefix: str = "redlock:") -> LockKeys:
