@@ -58,10 +58,13 @@ def _mask_one(url: str) -> str:
             return url
         user, colon, _ = url[:at].partition(":")
         return f"{user}:***{url[at:]}" if colon else f"***{url[at:]}"
+    # The host follows the *last* @: a raw "@", "/", "?" or "#" may be in the password
+    # (a URL that needs percent-encoding, and the very one an error will print). An "@" in
+    # the query would hide the host too: masking too much is the safe side.
+    at = rest.rfind("@")
+    if at >= 0 and ":" in rest[:at]:
+        rest = rest[:at].split(":", 1)[0] + ":***" + rest[at:]
     head, qmark, query = rest.partition("?")
-    at = head.rfind("@")  # the host follows the *last* @ (a raw @ may be in the password)
-    if at >= 0 and ":" in head[:at]:
-        head = head[:at].split(":", 1)[0] + ":***" + head[at:]
     if qmark:
         query = _SECRET_PARAM.sub(lambda m: m.group("key") + "***", query)
     return f"{scheme}{sep}{head}{qmark}{query}"
@@ -130,7 +133,13 @@ def lock_retry() -> Retry:
 def _check_db(url: str) -> None:
     """redis-py reads ``redis://host/x`` as db 0; a lock in the wrong database is a silent
     split brain (two apps that think they share locks do not), so refuse it."""
-    path = urlsplit(url).path.strip("/")
+    try:
+        path = urlsplit(url).path.strip("/")
+    except ValueError as exc:  # e.g. a raw "[" in the password: "Invalid IPv6 URL"
+        raise ConfigError(
+            f"bad Redis URL {mask_url(url)!r}: {exc} (percent-encode special characters "
+            "in the user name and password)"
+        ) from None
     if path and not path.isdigit():
         raise ConfigError(
             f"bad database number {path!r} in Redis URL {mask_url(url)!r}: use "
@@ -150,8 +159,11 @@ def _sentinel(url: str, options: dict[str, Any]) -> redis.Redis:
             continue
         if not part.lower().startswith("sentinel://"):
             raise ConfigError(f"mixed schemes in a Sentinel URL: {mask_url(url)!r}")
-        split = urlsplit(part)
-        hosts.append((split.hostname or "127.0.0.1", split.port or 26379))
+        try:
+            split = urlsplit(part)
+            hosts.append((split.hostname or "127.0.0.1", split.port or 26379))
+        except ValueError as exc:  # a port that is not a number, a raw "[" ...
+            raise ConfigError(f"bad Sentinel URL {mask_url(part)!r}: {exc}") from None
         password = unquote(split.password) if split.password else password
         username = unquote(split.username) if split.username else username
         if split.path.strip("/"):
