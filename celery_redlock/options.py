@@ -150,7 +150,10 @@ def compile_key(task_name: str, key: Any, signature: inspect.Signature) -> Any:
     placeholder is an argument of *signature* (ConfigError with a did-you-mean if not)."""
     if key is None or callable(key):
         return key
-    template = KeyTemplate(key)
+    try:
+        template = KeyTemplate(key)
+    except ConfigError as exc:
+        raise ConfigError(f"task {task_name!r}: {exc}") from None
     params = signature.parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     for field in template.fields:

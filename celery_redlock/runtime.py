@@ -80,12 +80,35 @@ def lock_name_for(
     if isinstance(key, str):
         return key
     if isinstance(key, KeyTemplate):
-        return key.render(_arguments(task, options, args, kwargs))
+        arguments = _arguments(task, options, args, kwargs)
+        try:
+            return key.render(arguments)
+        except _RENDER_ERRORS as exc:
+            raise _unrenderable(task, key.template, exc) from None
     name = key(*args, **kwargs)
-    name = name if isinstance(name, str) else render_value(name)
+    if not isinstance(name, str):
+        try:
+            name = render_value(name)
+        except TypeError as exc:
+            raise _unrenderable(task, key, exc) from None
     if not name:
         raise ConfigError(f"task {task.name!r}: lock_key callable returned an empty name")
     return str(name)
+
+
+#: What rendering a key from one call's arguments raises when they do not fit it: a value
+#: with no canonical text (TypeError), a missing argument (ConfigError) or a missing field
+#: of one (KeyError, AttributeError for ``<a.b>``).
+_RENDER_ERRORS = (ConfigError, TypeError, KeyError, AttributeError)
+
+
+def _unrenderable(task: Any, key: Any, exc: BaseException) -> ConfigError:
+    """The error for a call whose arguments the lock key cannot be rendered from."""
+    return ConfigError(
+        f"task {task.name!r}: lock_key {key!r} cannot be rendered for this call "
+        f"({type(exc).__name__}: {exc}); pass arguments with a canonical text (str, int, "
+        "UUID, date, list, dict ...) or give lock_key a callable"
+    )
 
 
 def _arguments(
