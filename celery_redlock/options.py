@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .core import ConfigError, KeyTemplate
+from .core.lock import MAX_TTL_MS, ttl_to_ms
 from .policies import LOST_POLICIES, STRATEGIES, Strategy
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "compile_key",
     "declared",
     "key_option",
+    "lease",
     "resolve",
     "seconds",
     "whole_number",
@@ -48,9 +51,30 @@ def seconds(
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError("a number of seconds")
+        if not math.isfinite(value):  # NaN passes every comparison below
+            raise ValueError("a finite number of seconds")
         if value < minimum or (strict and value == minimum):
             raise ValueError(f"{'>' if strict else '>='} {minimum}")
         return float(value)
+
+    return check
+
+
+def lease(*, allow_none: bool = False) -> Callable[[Any], Any]:
+    """A check for a lease Redis keeps: seconds in whole milliseconds, from 1 ms up to
+    ``core.lock.MAX_TTL_MS`` (None if allowed)."""
+    number = seconds(0, allow_none=allow_none, strict=True)
+
+    def check(value: Any) -> Any:
+        checked = number(value)
+        if checked is not None:
+            try:
+                ttl_to_ms(checked)
+            except ConfigError:
+                raise ValueError(
+                    f"from 0.001 to {MAX_TTL_MS // 1000} seconds (Redis keeps milliseconds)"
+                ) from None
+        return checked
 
     return check
 
@@ -99,7 +123,7 @@ class Option:
 #: task option -> what it accepts and the setting it defaults from.
 OPTIONS: dict[str, Option] = {
     "lock_key": Option(key_option, "redlock_default_key"),
-    "lock_ttl": Option(seconds(0, strict=True), "redlock_ttl"),
+    "lock_ttl": Option(lease(), "redlock_ttl"),
     "lock_on_contended": Option(choice(*STRATEGIES), "redlock_on_contended"),
     "lock_on_lost": Option(choice(*LOST_POLICIES), "redlock_on_lost"),
     "lock_max_retries": Option(whole_number, "redlock_max_retries"),
@@ -107,7 +131,7 @@ OPTIONS: dict[str, Option] = {
     "lock_retry_backoff_max": Option(seconds(0), "redlock_retry_backoff_max"),
     "lock_retry_jitter": Option(boolean, "redlock_retry_jitter"),
     "lock_wait_timeout": Option(seconds(0), "redlock_wait_timeout"),
-    "lock_max_hold": Option(seconds(0, allow_none=True, strict=True), None),
+    "lock_max_hold": Option(lease(allow_none=True), None),
 }
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from .core.connect import mask_url
 from .core.errors import ConfigError
 from .core.lock import DEFAULT_FENCE_TTL
-from .options import OPTIONS, boolean, check_task_option, seconds
+from .options import OPTIONS, boolean, check_task_option, lease
 
 __all__ = ["SETTINGS", "Settings", "load_settings"]
 
@@ -65,13 +65,13 @@ SETTINGS: dict[str, tuple[Callable[[Any], Any], Any, str]] = {
     "redlock_fail_open": (boolean, False, "run unlocked when Redis is down (not advised)"),
     "redlock_key_prefix": (_string, "redlock:", "prefix of every lock key"),
     "redlock_fence_ttl": (
-        seconds(0, allow_none=True, strict=True),
+        lease(allow_none=True),
         DEFAULT_FENCE_TTL,
         "a lock's fence counter expires after this long unused (None: never)",
     ),
     "redlock_tasks": (_mapping, {}, "task-name patterns -> lock options, for tasks without base"),
     "redlock_disable": (boolean, False, "run every task unlocked (tests)"),
-    "redlock_beat_ttl": (seconds(0, allow_none=True, strict=True), None, "beat leader lease"),
+    "redlock_beat_ttl": (lease(allow_none=True), None, "beat leader lease"),
     "redlock_beat_lock_name": (_string, None, "name of the beat leader lock"),
     "redlock_client_options": (_mapping, {}, "extra redis-py client options"),
 }
