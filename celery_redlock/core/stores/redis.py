@@ -516,7 +516,10 @@ def check_client(client: Any) -> None:
 #: Each client's store, by id(client): weak, so a store (and the client it keeps)
 #: goes when no lock uses it.
 _stores: dict[int, weakref.ref[RedisStore]] = {}
-_stores_lock = threading.Lock()
+#: Reentrant: a store dropped in a reference cycle is finalized (_forget_store) by the
+#: cyclic garbage collector, which may run at any allocation, also inside ``of()`` while
+#: this thread holds the lock; a plain Lock deadlocked the thread there.
+_stores_lock = threading.RLock()
 
 
 def _forget_store(key: int, ref: weakref.ref[RedisStore]) -> None:
@@ -527,7 +530,7 @@ def _forget_store(key: int, ref: weakref.ref[RedisStore]) -> None:
 
 def _after_fork() -> None:
     global _stores_lock
-    _stores_lock = threading.Lock()
+    _stores_lock = threading.RLock()
     for ref in list(_stores.values()):
         store = ref()
         if store is None:
