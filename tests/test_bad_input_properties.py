@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import decimal
+import gc
 import itertools
 import json
 import math
@@ -28,6 +29,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -514,3 +516,31 @@ def _no_leftover_keys(shared_redis: RedisServer) -> Any:
         client = redis.Redis(host=shared_redis.host, port=shared_redis.port, db=db)
         client.flushdb()
         client.close()
+
+
+def test_short_lived_failing_clients_never_deadlock_the_store_cache() -> None:
+    """Hundreds of fresh clients whose acquire fails, each error kept for a while (its
+    traceback holds the lock and its store: a reference cycle the garbage collector frees
+    at any allocation, also while a new store is being registered): no thread hangs."""
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    errors: list[BaseException] = []
+
+    def churn() -> None:
+        for limit in (50, 7, 100, 13, 1):  # collections at many different allocations
+            gc.set_threshold(limit)
+            for _ in range(200):
+                try:
+                    client = connect(url, socket_connect_timeout=0.01)
+                    Lock(client, "churn", ttl=5).acquire(blocking=False)
+                except QuorumUnavailable as exc:
+                    errors[:] = [exc]
+
+    threshold = gc.get_threshold()
+    try:
+        thread = threading.Thread(target=churn, daemon=True)
+        thread.start()
+        thread.join(60)
+    finally:
+        gc.set_threshold(*threshold)
+    assert not thread.is_alive(), "a thread deadlocked creating a lock"
+    assert isinstance(errors[0], QuorumUnavailable)
