@@ -39,6 +39,7 @@ from .stores.redis import RedisStore
 __all__ = [
     "DEFAULT_FENCE_TTL",
     "MAX_TTL_MS",
+    "MIN_TTL",
     "Layout",
     "Lock",
     "Mutex",
@@ -62,6 +63,9 @@ _HOSTNAME = socket.gethostname()
 _L = TypeVar("_L", bound="Lock")
 
 
+#: The shortest lease (seconds): one that ends within its drift allowance (1% + 2 ms) plus
+#: a round trip could never be confirmed valid: every acquire would answer "too late".
+MIN_TTL = 0.01
 #: The longest lease in milliseconds (about 142,000 years): the scripts add leases as Lua
 #: numbers (doubles, exact to 2**53), and Redis refuses an expiry past 2**63 ms.
 MAX_TTL_MS = 2**52
@@ -188,6 +192,11 @@ class Lock:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"lock name must be a non-empty string, got {name!r}")
         self.ttl_ms = ttl_to_ms(ttl)
+        if self.ttl_ms < MIN_TTL * 1000:
+            raise ConfigError(
+                f"ttl must be at least {MIN_TTL} seconds (a shorter lease ends within its "
+                f"clock-drift allowance, 1% + 2 ms, and a round trip), got {ttl!r}"
+            )
         self.ttl = self.ttl_ms / 1000.0
         #: Idle time after which the fence counter may expire (0: never); see acquire.lua.
         self.fence_ttl_ms = 0 if fence_ttl is None else ttl_to_ms(fence_ttl, "fence_ttl")
