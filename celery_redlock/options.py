@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .core import ConfigError, KeyTemplate
-from .core.lock import MAX_TTL_MS, ttl_to_ms
+from .core.lock import MAX_TTL_MS, MIN_TTL, ttl_to_ms
 from .policies import LOST_POLICIES, STRATEGIES, Strategy
 
 __all__ = [
@@ -60,20 +60,23 @@ def seconds(
     return check
 
 
-def lease(*, allow_none: bool = False) -> Callable[[Any], Any]:
-    """A check for a lease Redis keeps: seconds in whole milliseconds, from 1 ms up to
-    ``core.lock.MAX_TTL_MS`` (None if allowed)."""
+def lease(*, allow_none: bool = False, minimum: float = MIN_TTL) -> Callable[[Any], Any]:
+    """A check for a lease Redis keeps: seconds in whole milliseconds, from *minimum* (a
+    lock's TTL: ``core.lock.MIN_TTL``) up to ``core.lock.MAX_TTL_MS`` (None if allowed)."""
     number = seconds(0, allow_none=allow_none, strict=True)
 
     def check(value: Any) -> Any:
         checked = number(value)
         if checked is not None:
             try:
-                ttl_to_ms(checked)
+                ms = ttl_to_ms(checked)
             except ConfigError:
+                ms = 0
+            if not minimum * 1000 <= ms <= MAX_TTL_MS:
                 raise ValueError(
-                    f"from 0.001 to {MAX_TTL_MS // 1000} seconds (Redis keeps milliseconds)"
-                ) from None
+                    f"from {minimum:g} to {MAX_TTL_MS // 1000} seconds (Redis keeps "
+                    "milliseconds, and a lock's lease must outlast its drift allowance)"
+                )
         return checked
 
     return check
@@ -131,7 +134,7 @@ OPTIONS: dict[str, Option] = {
     "lock_retry_backoff_max": Option(seconds(0), "redlock_retry_backoff_max"),
     "lock_retry_jitter": Option(boolean, "redlock_retry_jitter"),
     "lock_wait_timeout": Option(seconds(0), "redlock_wait_timeout"),
-    "lock_max_hold": Option(lease(allow_none=True), None),
+    "lock_max_hold": Option(lease(allow_none=True, minimum=0.001), None),
 }
 
 

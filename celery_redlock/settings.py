@@ -65,7 +65,7 @@ SETTINGS: dict[str, tuple[Callable[[Any], Any], Any, str]] = {
     "redlock_fail_open": (boolean, False, "run unlocked when Redis is down (not advised)"),
     "redlock_key_prefix": (_string, "redlock:", "prefix of every lock key"),
     "redlock_fence_ttl": (
-        lease(allow_none=True),
+        lease(allow_none=True, minimum=0.001),
         DEFAULT_FENCE_TTL,
         "a lock's fence counter expires after this long unused (None: never)",
     ),
