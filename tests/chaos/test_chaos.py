@@ -127,22 +127,13 @@ def test_sigstop_of_a_running_child_past_its_ttl(tmp_path: Path) -> None:
         assert overtaken, "no paused run was overtaken by a newer holder"
 
 
-@pytest.mark.parametrize(
-    "fence_ttl",
-    [
-        60.0,
-        None,
-    ],
-    ids=["fence-ttl-60s", "default-settings"],
-)
-def test_lock_redis_sigkilled_and_restarted_empty(tmp_path: Path, fence_ttl: float | None) -> None:
+def test_lock_redis_sigkilled_and_restarted_empty(tmp_path: Path) -> None:
     """The single lock Redis SIGKILLed mid-run and restarted without its data one TTL later
-    (the delayed restart docs/redlock.md asks for): leases stay exclusive, tasks retry while
-    it is down, and fences keep increasing across the restart."""
+    (the delayed restart docs/redlock.md asks for), default settings: leases stay
+    exclusive, tasks retry while it is down, and fences keep increasing across the restart
+    (the default fence TTL restarts a missing counter from the server clock)."""
     server = RedisServer.start()
-    conf = {} if fence_ttl is None else {"redlock_fence_ttl": fence_ttl}
-    with scenario(f"redis-restart-{fence_ttl or 'default'}", tmp_path, lock_url=server.url,
-                  conf=conf) as sc:  # fmt: skip
+    with scenario("redis-restart", tmp_path, lock_url=server.url) as sc:
         sc.add_server(server)
         sc.start_workers(2)
 
