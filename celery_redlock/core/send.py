@@ -295,10 +295,6 @@ class Channel:
             raise
         return Sent(self, conn, command)
 
-    def connected(self) -> bool:
-        """True when :meth:`send` can write without connecting first."""
-        return self._conn is not None and not self._stale
-
     # -- used by Sent -------------------------------------------------------------------
     def give_back(self, conn: Any) -> None:
         """A connection whose replies were all read is free again."""
