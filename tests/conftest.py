@@ -12,9 +12,13 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Any
 
+import kombu
 import pytest
 import redis
+from celery.contrib.testing.worker import test_worker_started, test_worker_stopped
+from kombu.asynchronous import set_event_loop
 from servers import (
     ClusterSetup,
     FaultProxy,
@@ -43,6 +47,27 @@ if (
     and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 ):
     signal.signal(signal.SIGTERM, _kill_servers_then_die)
+
+
+def _keep_the_hub_polling(worker: Any = None, **_: Any) -> None:
+    """kombu < 5.7: an ack from a pool thread (``start_worker`` with ``pool="threads"``) cannot
+    wake the worker's event loop, so with its prefetch full the loop sleeps until its next timer
+    (up to 10 s) before it fetches again. A 50 ms no-op timer entry bounds that sleep."""
+    timer = getattr(getattr(worker, "hub", None), "timer", None)
+    if timer is not None and hasattr(timer, "call_repeatedly"):
+        timer.call_repeatedly(0.05, lambda: None)
+
+
+def _forget_the_hub(**_: Any) -> None:
+    """kombu < 5.7: the next in-process worker would reuse this worker's closed event loop, whose
+    timer is not the one the new consumer schedules countdown/ETA tasks on, so they never ran.
+    With no current loop, the next worker makes its own."""
+    set_event_loop(None)
+
+
+if tuple(kombu.VERSION[:2]) < (5, 7):  # kombu 5.7 wakes the loop itself
+    test_worker_started.connect(_keep_the_hub_polling, weak=False)
+    test_worker_stopped.connect(_forget_the_hub, weak=False)
 
 
 @pytest.fixture(autouse=True)
