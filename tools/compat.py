@@ -44,9 +44,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / ".compat"
-DEFAULT_TIMEOUT = 45 * 60  # seconds one combination's pytest run may take before it is killed
+DEFAULT_TIMEOUT = 30 * 60  # seconds one combination's pytest run may take before it is killed
 KILL_GRACE = 10.0  # seconds between SIGTERM and SIGKILL of a timed-out pytest process group
 PYTEST_ARGS = ["tests", "-p", "no:randomly"]  # what `make pytest` passes
+#: Diagnostics only: a test still running after this many seconds gets every thread's stack
+#: dumped into pytest.log (a hang that pytest-timeout's signal cannot break shows where it is).
+HANG_DUMP = ["-o", "faulthandler_timeout=150"]
 #: Versions recorded per combination (the table shows the first five, the "installed" lines all).
 KEY_PACKAGES = (
     "redis", "hiredis", "celery", "kombu", "pytest", "billiard", "vine", "click",
@@ -282,6 +285,23 @@ def parse_junit(path: Path, result: Result) -> None:
     result.passed = total - result.failed - result.errors - result.skipped
 
 
+def count_progress(pytest_log: Path, result: Result) -> None:
+    """Counts from pytest's progress lines, for a run killed before it wrote its XML report."""
+    last_file = ""
+    for line in pytest_log.read_text(errors="replace").splitlines():
+        match = re.match(r"^(tests/\S+\.py) ([.FEsxX]*)", line) or re.match(r"^()([.FEsxX]+)", line)
+        if not match:
+            continue
+        last_file = match.group(1) or last_file
+        marks = match.group(2)
+        result.passed += marks.count(".") + marks.count("X")
+        result.failed += marks.count("F")
+        result.errors += marks.count("E")
+        result.skipped += marks.count("s") + marks.count("x")
+    if last_file:
+        result.failures.append(f"HUNG?   in {last_file}, after the tests counted (see pytest.log)")
+
+
 def run_combo(combo: Combo, pytest_args: list[str], timeout: float) -> Result:
     """Set up one combination and run the suite in it."""
     when = f"{dt.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, commit {git_describe()}"
@@ -315,7 +335,7 @@ def run_combo(combo: Combo, pytest_args: list[str], timeout: float) -> Result:
     base = PYTEST_ARGS
     if any((ROOT / a.split("::")[0]).exists() for a in pytest_args if not a.startswith("-")):
         base = [a for a in PYTEST_ARGS if a != "tests"]  # the caller named what to run
-    argv = [str(vpy), "-m", "pytest", *base, f"--junitxml={junit}", *pytest_args]
+    argv = [str(vpy), "-m", "pytest", *base, *HANG_DUMP, f"--junitxml={junit}", *pytest_args]
     log(combo.name, f"python {result.python}, server {result.server}: {shlex.join(argv[1:])}")
     log(combo.name, f"output: {pytest_log}")
     started = time.monotonic()
@@ -335,8 +355,10 @@ def run_combo(combo: Combo, pytest_args: list[str], timeout: float) -> Result:
             parse_junit(junit, result)
         except ET.ParseError as exc:
             result.problem = result.problem or f"unreadable junit XML: {exc}"
-    elif not result.problem:
-        result.problem = f"pytest exited {result.exit_code} without a report (see {pytest_log})"
+    else:
+        count_progress(pytest_log, result)
+        if not result.problem:
+            result.problem = f"pytest exited {result.exit_code} without a report"
     if result.exit_code == 5 and not result.problem:
         result.problem = "pytest collected no tests"
     (home / "result.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
