@@ -50,6 +50,7 @@ PYTEST_ARGS = ["tests", "-p", "no:randomly"]  # what `make pytest` passes
 #: Diagnostics only: a test still running after this many seconds gets every thread's stack
 #: dumped into pytest.log (a hang that pytest-timeout's signal cannot break shows where it is).
 HANG_DUMP = ["-o", "faulthandler_timeout=150"]
+PER_FILE_TIMEOUT = 300.0  # seconds one test file may take under --per-file
 #: Versions recorded per combination (the table shows the first five, the "installed" lines all).
 KEY_PACKAGES = (
     "redis", "hiredis", "celery", "kombu", "pytest", "billiard", "vine", "click",
@@ -267,12 +268,13 @@ def parse_junit(path: Path, result: Result) -> None:
     """Fill counts and failed test ids from pytest's junit XML."""
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    total = 0
     for suite in suites:
-        total += int(suite.get("tests", 0))
-        result.failed += int(suite.get("failures", 0))
-        result.errors += int(suite.get("errors", 0))
-        result.skipped += int(suite.get("skipped", 0))
+        failed, errors = int(suite.get("failures", 0)), int(suite.get("errors", 0))
+        skipped = int(suite.get("skipped", 0))
+        result.passed += int(suite.get("tests", 0)) - failed - errors - skipped
+        result.failed += failed
+        result.errors += errors
+        result.skipped += skipped
         for case in suite.iter("testcase"):
             for kind in ("failure", "error"):
                 node = case.find(kind)
@@ -282,13 +284,16 @@ def parse_junit(path: Path, result: Result) -> None:
                 message = (node.get("message") or "").strip().splitlines()
                 first = message[0][:160] if message else ""
                 result.failures.append(f"{kind.upper():7} {test_id}  {first}")
-    result.passed = total - result.failed - result.errors - result.skipped
 
 
-def count_progress(pytest_log: Path, result: Result) -> None:
-    """Counts from pytest's progress lines, for a run killed before it wrote its XML report."""
+def count_progress(pytest_log: Path, result: Result, offset: int = 0) -> None:
+    """Counts from pytest's progress lines (from byte ``offset`` of the log on), for a run
+    killed before it wrote its XML report."""
     last_file = ""
-    for line in pytest_log.read_text(errors="replace").splitlines():
+    with pytest_log.open("rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    for line in text.splitlines():
         match = re.match(r"^(tests/\S+\.py) ([.FEsxX]*)", line) or re.match(r"^()([.FEsxX]+)", line)
         if not match:
             continue
@@ -302,7 +307,7 @@ def count_progress(pytest_log: Path, result: Result) -> None:
         result.failures.append(f"HUNG?   in {last_file}, after the tests counted (see pytest.log)")
 
 
-def run_combo(combo: Combo, pytest_args: list[str], timeout: float) -> Result:
+def run_combo(combo: Combo, pytest_args: list[str], timeout: float, per_file: bool) -> Result:
     """Set up one combination and run the suite in it."""
     when = f"{dt.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, commit {git_describe()}"
     result = Result(combo.name, started=when)
@@ -329,42 +334,74 @@ def run_combo(combo: Combo, pytest_args: list[str], timeout: float) -> Result:
         env["REDIS_SERVER"] = explicit
         env["REDIS_CLI"] = str(Path(explicit).with_name("valkey-cli"))
     home = WORK / combo.name
-    junit = home / "junit.xml"
-    junit.unlink(missing_ok=True)
+    for old in home.glob("junit*.xml"):
+        old.unlink()
     pytest_log = home / "pytest.log"
+    pytest_log.write_text("")
     base = PYTEST_ARGS
     if any((ROOT / a.split("::")[0]).exists() for a in pytest_args if not a.startswith("-")):
         base = [a for a in PYTEST_ARGS if a != "tests"]  # the caller named what to run
-    argv = [str(vpy), "-m", "pytest", *base, *HANG_DUMP, f"--junitxml={junit}", *pytest_args]
-    log(combo.name, f"python {result.python}, server {result.server}: {shlex.join(argv[1:])}")
+    runs: list[tuple[str, list[str]]] = [("junit.xml", base)]
+    if per_file:  # one pytest per test file: a hang costs that file, not the rest of the run
+        flags = [a for a in PYTEST_ARGS if a != "tests"]
+        runs = [
+            (f"junit-{i:02d}.xml", [str(path.relative_to(ROOT)), *flags])
+            for i, path in enumerate(sorted((ROOT / "tests").rglob("test_*.py")))
+        ]
+    log(combo.name, f"python {result.python}, server {result.server}, {len(runs)} pytest run(s)")
     log(combo.name, f"output: {pytest_log}")
     started = time.monotonic()
-    with pytest_log.open("w") as out:
-        proc = subprocess.Popen(
-            argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            result.exit_code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            result.problem = f"timed out after {timeout:.0f} s"
-            stop_group(proc)
-            result.exit_code = proc.returncode
+    codes: list[int] = []
+    for junit_name, targets in runs:
+        junit = home / junit_name
+        argv = [str(vpy), "-m", "pytest", *targets, *HANG_DUMP, f"--junitxml={junit}"]
+        argv += pytest_args
+        offset = pytest_log.stat().st_size
+        limit = min(timeout, max(1.0, timeout - (time.monotonic() - started)))
+        if per_file:
+            limit = min(limit, PER_FILE_TIMEOUT)
+        code = run_pytest(argv, env, pytest_log, limit)
+        if code is None:
+            result.problem = "; ".join(
+                filter(
+                    None,
+                    [result.problem, f"{' '.join(targets[:1])} hung, killed after {limit:.0f} s"],
+                )
+            )
+            code = -1
+        codes.append(code)
+        if junit.exists():
+            try:
+                parse_junit(junit, result)
+            except ET.ParseError as exc:
+                result.problem = result.problem or f"unreadable junit XML: {exc}"
+        else:
+            count_progress(pytest_log, result, offset)
+            result.problem = result.problem or f"pytest exited {code} without a report"
     result.seconds = time.monotonic() - started
-    if junit.exists():
-        try:
-            parse_junit(junit, result)
-        except ET.ParseError as exc:
-            result.problem = result.problem or f"unreadable junit XML: {exc}"
-    else:
-        count_progress(pytest_log, result)
-        if not result.problem:
-            result.problem = f"pytest exited {result.exit_code} without a report"
-    if result.exit_code == 5 and not result.problem:
+    # Exit 5 (nothing collected) fails a whole run, but not one file that -k filtered out.
+    result.exit_code = next((c for c in codes if c not in (0, 5)), 0 if 0 in codes else 5)
+    if all(c == 5 for c in codes) and not result.problem:
         result.problem = "pytest collected no tests"
     (home / "result.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
     tail = pytest_log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
     log(combo.name, f"exit {result.exit_code} in {result.seconds:.0f} s: {tail[0]}")
     return result
+
+
+def run_pytest(argv: list[str], env: dict[str, str], log_path: Path, limit: float) -> int | None:
+    """Run one pytest, its output appended to ``log_path``; its exit code, or None if killed."""
+    with log_path.open("a") as out:
+        out.write(f"\n$ {shlex.join(argv[1:])}\n")
+        out.flush()
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            return proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            stop_group(proc)
+            return None
 
 
 def stop_group(proc: subprocess.Popen[bytes]) -> None:
@@ -488,6 +525,11 @@ def main(argv: list[str] | None = None) -> int:
         help="replace or add a requirement (e.g. 'celery[redis]==5.3.6'); runs in a separate venv",
     )
     parser.add_argument(
+        "--per-file",
+        action="store_true",
+        help=f"one pytest per test file, each killed after {PER_FILE_TIMEOUT:.0f} s if it hangs",
+    )
+    parser.add_argument(
         "--report",
         action="store_true",
         help="print the table of the last run of each combination (from .compat/*/result.json)",
@@ -515,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         stamp = "last run of each combination"
     else:
         stamp = f"{dt.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, commit {git_describe()}"
-        results = [run_combo(combo, extra, args.timeout) for combo in combos]
+        results = [run_combo(c, extra, args.timeout, args.per_file) for c in combos]
 
     text = summary_text(stamp, results)
     print("\n" + text, flush=True)
