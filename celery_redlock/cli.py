@@ -36,7 +36,18 @@ from redis.exceptions import AuthenticationError, ResponseError
 
 from .core.connect import address_of, connect, mask_url
 from .core.errors import ConfigError, describe_holder, one_line
-from .core.inspect import REDIS_ERRORS, LockInfo, force_release, read_lock, scan_locks
+from .core.inspect import (
+    REDIS_ERRORS,
+    LockInfo,
+    RateInfo,
+    force_release,
+    read_limiter,
+    read_lock,
+    read_permits,
+    scan_limiters,
+    scan_locks,
+    scan_permits,
+)
 from .core.keys import lock_keys
 from .core.stores.redis import server_refused
 from .settings import Settings, load_settings
@@ -59,11 +70,15 @@ class LockRow:
     ttl_ms: int
     record: dict[str, Any] = field(default_factory=dict)
     master: str | None = None
+    #: ``"lock"``, or ``"permit"`` (one permit of a semaphore: one row per permit).
+    kind: str = "lock"
 
     @classmethod
     def of(cls, info: LockInfo, master: str | None) -> LockRow:
         """The row for what one master (*master*: its address, Redlock only) stores."""
-        return cls(info.name, info.key, info.fence, info.ttl_ms, dict(info.record), master)
+        return cls(
+            info.name, info.key, info.fence, info.ttl_ms, dict(info.record), master, info.kind
+        )
 
     @property
     def acquired_at(self) -> float | None:
@@ -83,6 +98,7 @@ class LockRow:
     def as_json(self, with_master: bool) -> dict[str, Any]:
         """The documented ``--json`` object."""
         out: dict[str, Any] = {
+            "kind": self.kind,
             "name": self.name,
             "key": self.key,
             "holder": self.holder,
@@ -161,6 +177,19 @@ class _Session:
             self.fail_unreachable()
         return sorted(rows, key=lambda r: (r.name, r.master or ""))
 
+    def limiters(self, read: Callable[[Any], Sequence[RateInfo]]) -> list[RateInfo]:
+        """*read* (rate limiters' state) on every master that answered so far."""
+        found: list[RateInfo] = []
+        failed = {problem.url for problem in self.unreachable}
+        for url, client in self.clients:
+            if url in failed:
+                continue
+            try:
+                found += read(client)
+            except REDIS_ERRORS as exc:
+                self.unreachable.append(_Unreachable(url, exc))
+        return sorted(found, key=lambda info: info.name)
+
     def warn_unreachable(self) -> None:
         for problem in self.unreachable:
             self.ctx.obj.error(f"celery locks: {problem}")
@@ -204,13 +233,24 @@ _json_option = click.option(
 @_json_option
 @click.pass_context
 def list_(ctx: click.Context, pattern: str, as_json: bool) -> None:
-    """List held locks whose name matches PATTERN (a glob, default "*")."""
+    """List held locks, semaphore permits and rate limiters whose name matches PATTERN
+    (a glob, default "*")."""
     session = _Session(ctx)
-    rows = session.collect(lambda client: scan_locks(client, session.prefix, pattern))
+    prefix = session.prefix
+    rows = session.collect(lambda client: scan_locks(client, prefix, pattern))
+    permits = session.collect(lambda client: scan_permits(client, prefix, pattern))
+    rates = session.limiters(lambda client: scan_limiters(client, prefix, pattern))
     if as_json:
-        click.echo(json.dumps([r.as_json(session.is_redlock) for r in rows], indent=2))
-    elif rows:
-        click.echo(_table(rows, session.is_redlock))
+        out = [r.as_json(session.is_redlock) for r in (*rows, *permits)]
+        out += [_rate_json(info) for info in rates]
+        click.echo(json.dumps(out, indent=2))
+    elif rows or permits or rates:
+        parts = [_table(rows, session.is_redlock)] if rows else []
+        if permits:
+            parts.append("PERMITS\n" + _table(permits, session.is_redlock))
+        if rates:
+            parts.append("RATE LIMITERS\n" + _rate_table(rates))
+        click.echo("\n\n".join(parts))
     else:
         click.echo("no locks held")
     session.finish()
@@ -221,14 +261,35 @@ def list_(ctx: click.Context, pattern: str, as_json: bool) -> None:
 @_json_option
 @click.pass_context
 def show(ctx: click.Context, name: str, as_json: bool) -> None:
-    """Show who holds lock NAME (the rendered name, e.g. sync:42); exit 1 if not held."""
+    """Show who holds lock NAME (the rendered name, e.g. sync:42): the lock, each permit of
+    a semaphore, and the state of its rate limiter; exit 1 if none of them is held."""
     session = _Session(ctx)
-    rows = _held(session, name)
+    prefix = session.prefix
+    try:
+        lock_keys(name, prefix)  # a name no lock can have is a usage error
+    except ConfigError as exc:
+        raise CeleryCommandException(str(exc), EXIT_USAGE) from None
+
+    def read(client: Any) -> list[LockInfo]:
+        info = read_lock(client, prefix, name)
+        return ([] if info is None else [info]) + read_permits(client, prefix, name)
+
+    rows = session.collect(read)
+    rates = session.limiters(lambda client: _listed(read_limiter(client, prefix, name)))
+    if not rows and not rates:
+        if session.unreachable:
+            session.fail_unreachable()
+        raise CeleryCommandException(f"lock {name!r} is not held", EXIT_NOT_HELD)
     if as_json:
-        click.echo(json.dumps([r.as_json(session.is_redlock) for r in rows], indent=2))
+        out = [r.as_json(session.is_redlock) for r in rows] + [_rate_json(i) for i in rates]
+        click.echo(json.dumps(out, indent=2))
     else:
-        click.echo("\n\n".join(_details(r) for r in rows))
+        click.echo("\n\n".join([*(_details(r) for r in rows), *(_rate_details(i) for i in rates)]))
     session.finish()
+
+
+def _listed(info: RateInfo | None) -> list[RateInfo]:
+    return [] if info is None else [info]
 
 
 @locks.command(cls=CeleryCommand)
@@ -311,6 +372,57 @@ def _held(session: _Session, name: str) -> list[LockRow]:
 
 
 # -- rendering -------------------------------------------------------------------------
+def _rate_json(info: RateInfo) -> dict[str, Any]:
+    """A rate limiter's ``--json`` object (``kind: "rate"``)."""
+    return {
+        "kind": "rate",
+        "name": info.name,
+        "key": info.key,
+        "rate": info.rate,
+        "burst": info.burst,
+        "free": info.free,
+        "next_ms": info.next_ms,
+        "queued": info.queued,
+        "ttl_ms": info.ttl_ms,
+    }
+
+
+def _rate_table(rates: Sequence[RateInfo]) -> str:
+    lines = [["NAME", "RATE", "BURST", "FREE NOW", "NEXT IN", "QUEUED"]]
+    for info in rates:
+        lines.append(
+            [
+                _cell(info.name),
+                info.rate,
+                str(info.burst),
+                str(info.free),
+                _duration(info.next_ms / 1000) if info.next_ms else "now",
+                str(info.queued),
+            ]
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    )
+
+
+def _rate_details(info: RateInfo) -> str:
+    pairs = [
+        ("name", info.name),
+        ("key", info.key),
+        ("kind", "rate limiter"),
+        ("rate", f"{info.rate}, burst {info.burst}"),
+        ("free now", str(info.free)),
+        ("next in", _duration(info.next_ms / 1000) if info.next_ms else "now"),
+        ("queued", f"{info.queued} runs promised a slot"),
+        ("idle in", _ttl(info.ttl_ms)),
+    ]
+    pairs = [(_cell(k), _cell(v)) for k, v in pairs]
+    width = max(len(k) for k, _ in pairs) + 1
+    return "\n".join(f"{(k + ':').ljust(width)} {v}" for k, v in pairs)
+
+
 def _table(rows: Sequence[LockRow], with_master: bool) -> str:
     now = time.time()
     header = ["NAME", "HOLDER", "HOST", "PID", "HELD FOR", "TTL", "FENCE"]
@@ -340,6 +452,8 @@ def _table(rows: Sequence[LockRow], with_master: bool) -> str:
 def _details(r: LockRow) -> str:
     now = time.time()
     pairs: list[tuple[str, str]] = [("name", r.name), ("key", r.key)]
+    if r.kind != "lock":
+        pairs.append(("kind", r.kind))
     if r.master:
         pairs.append(("master", r.master))
     pairs.append(("holder", _who(r.record)))

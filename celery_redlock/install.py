@@ -31,7 +31,7 @@ from .core.connect import mask_url
 from .core.errors import ConfigError
 from .core.events import add_hook
 from .observability import drop_unscrapable_metrics, enable_prometheus_by_default, logging_hook
-from .options import check_task_option
+from .options import check_store, check_task_option
 from .runtime import KEY_HEADER, release_all_held, release_for_gone_child
 from .state import AppState, state_for
 from .task import LockedTask
@@ -155,6 +155,7 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
             if not state.disabled:
                 state.settings  # noqa: B018 - check now: a bad setting stops the worker here
                 state.clients()  # and a URL no client can be made of (nothing connects yet)
+                check_locked_tasks(app, state)  # and a task's options against them
         except ConfigError as exc:
             raise StartupConfigError(str(exc)) from None
 
@@ -179,6 +180,17 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def shutdown(self, parent: Any) -> None:
         renewal.shutdown(timeout=2.0)
+
+
+def check_locked_tasks(app: Any, state: AppState) -> None:
+    """Resolve every locked task's options against the settings now, so a bad combination
+    (``lock_limit=None`` without a rate, a limit or a rate on Redlock masters) stops the
+    worker at start-up with a ConfigError naming the task, never deep in a run."""
+    url = state.settings.url
+    masters = len(url) if isinstance(url, list) else 1
+    for task in list(app.tasks.values()):
+        if isinstance(task, LockedTask) and type(task).redlock_spec is not None:
+            check_store(task.name, state.options_for(task), masters)
 
 
 def check_lock_redis(where: str, client: Any) -> None:

@@ -6,9 +6,10 @@
   failures as WARNING on ``celery_redlock.renew``, once). ``install(app)``
   registers it.
 * Celery events ``task-lock-acquired``, ``task-lock-contended``,
-  ``task-lock-released``, ``task-lock-lost`` are sent from the task when the
-  worker sends task events (``-E`` or ``worker_send_task_events``), for Flower
-  and other event consumers.
+  ``task-lock-released``, ``task-lock-lost`` and ``task-lock-rate-limited`` (with
+  ``retry_after``) are sent from the task when the worker sends task events (``-E``
+  or ``worker_send_task_events``), for Flower and other event consumers. A
+  semaphore's permits are locks here: the same events, one per permit.
 * With ``prometheus_client`` installed, :func:`prometheus_hook` counts events by
   kind and task, and records wait and hold times in histograms, in every
   registry passed to :func:`enable_prometheus` (``install(app)`` enables the
@@ -43,6 +44,7 @@ _LEVELS = {
     "contended": logging.INFO,
     "renew_failed": logging.INFO,
     "lost": logging.INFO,
+    "rate_limited": logging.INFO,
     "unavailable": logging.INFO,
 }
 
@@ -64,6 +66,8 @@ def logging_hook(event: LockEvent) -> None:
         parts.append(f"held={event.held:.3f}s")
     if event.error:
         parts.append(f"error={event.error!r}")
+    if event.retry_after is not None:
+        parts.append(f"retry_after={event.retry_after:.3f}s")
     log.log(level, " ".join(parts))
 
 
@@ -102,7 +106,8 @@ def enable_prometheus(registry: Any = None) -> bool:
             {
                 "events": prom.Counter(
                     "celery_redlock_events_total",
-                    "Lock events by kind (acquired, contended, released, renew_failed, lost)",
+                    "Lock events by kind (acquired, contended, released, renew_failed, lost, "
+                    "rate_limited)",
                     ["kind", "task"],
                     registry=target,
                 ),

@@ -18,6 +18,8 @@ from typing import Any
 
 from .core import ConfigError, KeyTemplate
 from .core.lock import MAX_TTL_MS, MIN_TTL, ttl_to_ms
+from .core.ratelimit import parse_rate
+from .core.semaphore import REDLOCK_REFUSAL
 from .policies import LOST_POLICIES, STRATEGIES, Strategy
 
 __all__ = [
@@ -27,12 +29,17 @@ __all__ = [
     "TaskSpec",
     "boolean",
     "check_declared",
+    "check_store",
     "check_task_option",
     "choice",
     "compile_key",
     "declared",
+    "is_set",
     "key_option",
     "lease",
+    "limit_option",
+    "positive_number",
+    "rate_option",
     "resolve",
     "seconds",
     "whole_number",
@@ -107,6 +114,42 @@ def choice(*choices: str) -> Callable[[Any], str]:
     return check
 
 
+def positive_number(value: Any) -> int | None:
+    """A whole number >= 1 (or None: not set)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TypeError("a whole number >= 1")
+    return value
+
+
+def limit_option(value: Any) -> int | None:
+    """``lock_limit``: a whole number >= 1 (1 a mutex, N a semaphore), or None (no cap)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TypeError(
+            "a whole number >= 1 (1: one run at a time, N: N at once), or None for no "
+            "concurrency cap (a rate limit alone)"
+        )
+    return value
+
+
+def rate_option(value: Any) -> str | None:
+    """``lock_rate``: ``"N/s"``, ``"N/m"``, ``"N/h"`` or ``"N/d"`` (or None)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError('a string such as "10/m" (runs per second, minute, hour or day)')
+    try:
+        parse_rate(value)
+    except ConfigError:
+        raise ValueError(
+            'like "10/s", "10/m", "10/h" or "10/d" (run starts per second, minute, hour or day)'
+        ) from None
+    return value.strip().replace(" ", "")
+
+
 def key_option(value: Any) -> Any:
     """A lock key: a template, a callable, or None (the task name)."""
     if value is None or callable(value) or (isinstance(value, str) and value):
@@ -135,7 +178,16 @@ OPTIONS: dict[str, Option] = {
     "lock_retry_jitter": Option(boolean, "redlock_retry_jitter"),
     "lock_wait_timeout": Option(seconds(0), "redlock_wait_timeout"),
     "lock_max_hold": Option(lease(allow_none=True, minimum=0.001), None),
+    "lock_limit": Option(limit_option, "redlock_limit"),
+    "lock_rate": Option(rate_option, "redlock_rate"),
+    "lock_rate_burst": Option(positive_number, None),
 }
+
+#: Options for which None, set by the task, means something (no cap), not "not set".
+NONE_MEANS_SOMETHING = frozenset({"lock_limit"})
+#: The class attribute that marks the class holding the options' unset defaults (None):
+#: ``LockedTask`` sets every option to None and this to True in its own namespace.
+DEFAULTS_MARK = "redlock_option_defaults"
 
 
 def check_task_option(task_name: str, option: str, value: Any) -> Any:
@@ -163,6 +215,15 @@ def declared(cls: type, option: str) -> Any:
     """
     value = inspect.getattr_static(cls, option, None)
     return value.__func__ if isinstance(value, staticmethod) else value
+
+
+def is_set(cls: type, option: str) -> bool:
+    """True if *cls* or a base below the one holding the defaults sets *option*, even to
+    None (``lock_limit=None``: no cap)."""
+    for klass in cls.__mro__:
+        if option in vars(klass):
+            return DEFAULTS_MARK not in vars(klass)
+    return False
 
 
 def check_declared(task_name: str, cls: type) -> None:
@@ -221,6 +282,11 @@ class TaskOptions:
     retry_jitter: bool
     wait_timeout: float
     max_hold: float | None
+    #: Runs of one key at once: 1 a mutex, N a semaphore, None no cap.
+    limit: int | None = 1
+    #: Run starts of one key per period (``"10/m"``), or None.
+    rate: str | None = None
+    rate_burst: int = 1
 
 
 def resolve(cls: type, spec: TaskSpec, settings: Mapping[str, Any]) -> TaskOptions:
@@ -228,9 +294,21 @@ def resolve(cls: type, spec: TaskSpec, settings: Mapping[str, Any]) -> TaskOptio
     values: dict[str, Any] = {}
     for name, option in OPTIONS.items():
         value = declared(cls, name)
-        if value is None and option.setting is not None:
+        unset = value is None and not (name in NONE_MEANS_SOMETHING and is_set(cls, name))
+        if unset and option.setting is not None:
             value = settings[option.setting]
         values[name] = None if value is None else option.check(value)
+    task_name = getattr(cls, "name", None) or cls.__name__
+    if values["lock_limit"] is None and values["lock_rate"] is None:
+        raise ConfigError(
+            f"task {task_name!r}: lock_limit=None (no concurrency cap) and no lock_rate: "
+            "nothing is limited; set lock_rate (e.g. '10/m'), or a lock_limit"
+        )
+    if values["lock_rate_burst"] is not None and values["lock_rate"] is None:
+        raise ConfigError(
+            f"task {task_name!r}: lock_rate_burst={values['lock_rate_burst']!r} without a "
+            "lock_rate; set lock_rate (e.g. '10/m') or drop lock_rate_burst"
+        )
     key = spec.key
     if key is None:
         default = values["lock_key"]
@@ -248,4 +326,27 @@ def resolve(cls: type, spec: TaskSpec, settings: Mapping[str, Any]) -> TaskOptio
         retry_jitter=values["lock_retry_jitter"],
         wait_timeout=values["lock_wait_timeout"],
         max_hold=values["lock_max_hold"],
+        limit=values["lock_limit"],
+        rate=values["lock_rate"],
+        rate_burst=values["lock_rate_burst"] or 1,
     )
+
+
+def check_store(task_name: str, options: TaskOptions, masters: int) -> None:
+    """Refuse a limit above one or a rate on a list of Redlock masters (*masters* > 1):
+    a ConfigError naming the task, the option and why (see docs/limits.md)."""
+    if masters <= 1:
+        return
+    if options.limit is not None and options.limit > 1:
+        raise ConfigError(
+            f"task {task_name!r}: lock_limit={options.limit} with redlock_url a list of "
+            f"{masters} Redlock masters: {REDLOCK_REFUSAL}"
+        )
+    if options.rate is not None:
+        raise ConfigError(
+            f"task {task_name!r}: lock_rate={options.rate!r} with redlock_url a list of "
+            f"{masters} Redlock masters: majorities count different grants (3 masters: "
+            "grants counted on masters 1 and 2, 2 and 3, 1 and 3 are three grants while "
+            "each master counted two), so a rate cannot be kept there; point redlock_url "
+            "at one Redis (a plain server, a Sentinel-managed master or a Cluster)"
+        )

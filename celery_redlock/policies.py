@@ -20,13 +20,15 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from .core.errors import LockContended, describe_holder
+from .core.errors import LockContended, RateLimited, describe_holder
+from .core.store import RateGrant
 
 if TYPE_CHECKING:
     from .options import TaskOptions
 
 __all__ = [
     "LOST_POLICIES",
+    "RATE_SLOT_HEADER",
     "RETRIES_HEADER",
     "SKIPPED",
     "STRATEGIES",
@@ -34,6 +36,7 @@ __all__ = [
     "Strategy",
     "backoff_delay",
     "is_skipped",
+    "rate_delay",
     "requeue",
 ]
 
@@ -43,6 +46,9 @@ log = logging.getLogger("celery_redlock.task")
 SKIPPED = "celery_redlock.skipped"
 #: Message header carrying the number of contention retries so far.
 RETRIES_HEADER = "redlock_retries"
+#: Message header of a run re-queued for its rate limit: it was promised a slot (joined
+#: the limiter's line) and asks for it when it comes back, instead of joining again.
+RATE_SLOT_HEADER = "redlock_rate_slot"
 #: ``lock_on_lost``: "raise" interrupts the body with LockLost, "warn" only logs.
 LOST_POLICIES = ("raise", "warn")
 
@@ -66,6 +72,9 @@ class Refusal:
     eager: bool
     #: The run waited for the holder's release (up to ``lock_wait_timeout``) first.
     waited: bool
+    #: Refused by the key's rate limit (``lock_rate``), not a held lock: the limiter's
+    #: answer (``retry_after``); ``lock`` is then the limiter (``.name``, ``.rate``).
+    rate: RateGrant | None = None
 
 
 @dataclass(frozen=True)
@@ -81,8 +90,20 @@ class Strategy:
 
 
 def fail(refusal: Refusal) -> NoReturn:
-    """The run fails with LockContended."""
+    """The run fails with LockContended (RateLimited when its rate limit refused it)."""
     lock, request = refusal.lock, refusal.request
+    if refusal.rate is not None:
+        if request is not None:
+            log.info(
+                "Task %s[%s] failed%s: rate limit %s of %r reached, next slot in %.3fs",
+                refusal.task.name,
+                request.id,
+                " after waiting" if refusal.waited else "",
+                lock.rate,
+                lock.name,
+                refusal.rate.retry_after,
+            )
+        raise RateLimited(lock.name, refusal.rate.retry_after, lock.rate)
     if request is not None:
         log.info(
             "Task %s[%s] failed%s: lock %r is held by %s",
@@ -98,21 +119,41 @@ def fail(refusal: Refusal) -> NoReturn:
 def skip(refusal: Refusal) -> Any:
     """The run does not run: its result is a marker naming the holder, logged."""
     task, request, lock = refusal.task, refusal.request, refusal.lock
-    holder = lock.holder
-    who = describe_holder(holder)
-    marker = {
-        SKIPPED: True,
-        "reason": "lock held by another run",
-        "lock": lock.name,
-        "holder": holder,
-    }
+    if refusal.rate is not None:
+        holder: Any = {}
+        who = f"its rate limit ({lock.rate}; next slot in {refusal.rate.retry_after:.3f}s)"
+        marker = {
+            SKIPPED: True,
+            "reason": "rate limited",
+            "lock": lock.name,
+            "rate": lock.rate,
+            "retry_after": refusal.rate.retry_after,
+        }
+    else:
+        holder = lock.holder
+        who = describe_holder(holder)
+        marker = {
+            SKIPPED: True,
+            "reason": "lock held by another run",
+            "lock": lock.name,
+            "holder": holder,
+        }
     if request is None:
         log.info("%s() skipped: lock %r is held by %s", task.name, lock.name, who)
         return marker
-    log.info("Task %s[%s] skipped: lock %r is held by %s", task.name, request.id, lock.name, who)
+    if refusal.rate is not None:
+        log.info(
+            "Task %s[%s] skipped: %r is held back by %s", task.name, request.id, lock.name, who
+        )
+    else:
+        log.info(
+            "Task %s[%s] skipped: lock %r is held by %s", task.name, request.id, lock.name, who
+        )
     if refusal.eager:
         return marker
     task.backend.mark_as_done(request.id, marker, request=request)
+    if refusal.rate is not None:
+        raise Ignore(f"skipped: {lock.name!r} is held back by {who}")
     raise Ignore(f"skipped: lock {lock.name!r} is held by {who}")
 
 
@@ -122,6 +163,16 @@ def retry(refusal: Refusal) -> NoReturn:
     if refusal.request is None:
         fail(refusal)
     lock = refusal.lock
+    if refusal.rate is not None:
+        requeue(
+            refusal.task,
+            refusal.request,
+            lock.name,
+            RateLimited(lock.name, refusal.rate.retry_after, lock.rate),
+            refusal.options,
+            delay=rate_delay(refusal.options, refusal.rate, lock.interval),
+            rate_slot=True,
+        )
     requeue(
         refusal.task,
         refusal.request,
@@ -148,8 +199,34 @@ def backoff_delay(options: TaskOptions, attempt: int) -> float:
     return delay
 
 
-def requeue(task: Any, request: Any, name: str, exc: Exception, options: TaskOptions) -> NoReturn:
+def rate_delay(options: TaskOptions, grant: RateGrant, interval: float) -> float:
+    """The countdown of a run refused by its rate limit: the time until its slot, less a
+    small lead (a quarter of the interval, at most 50 ms), jittered within the first half of
+    that lead (``lock_retry_jitter``). The run is back in a worker just before its slot
+    and waits the last milliseconds there, so it starts at its slot: with the limiter's
+    strict spacing, a run that came back after its slot would push every later slot back.
+    """
+    lead = min(interval / 4, 0.05)
+    delay = grant.retry_after - lead
+    if options.retry_jitter:
+        delay += random.uniform(0, lead / 2)
+    return max(0.0, delay)
+
+
+def requeue(
+    task: Any,
+    request: Any,
+    name: str,
+    exc: Exception,
+    options: TaskOptions,
+    *,
+    delay: float | None = None,
+    rate_slot: bool = False,
+) -> NoReturn:
     """Re-queue the run with its own contention budget; the task's max_retries is untouched.
+
+    *delay*: the countdown (default: the backoff for this retry); *rate_slot*: the run was
+    promised a slot by its rate limiter and asks for it when it comes back.
 
     Raises ``Retry`` (re-queued), *exc* (the budget is spent) or ``Reject`` (the new
     message could not be published).
@@ -167,8 +244,10 @@ def requeue(task: Any, request: Any, name: str, exc: Exception, options: TaskOpt
             exc,
         )
         raise exc
-    delay = backoff_delay(options, done)
+    if delay is None:
+        delay = backoff_delay(options, done)
     headers[RETRIES_HEADER] = done + 1
+    headers[RATE_SLOT_HEADER] = 1 if rate_slot else 0
     sig = task.signature_from_request(
         request, countdown=delay, retries=request.retries, headers=headers
     )
@@ -185,4 +264,9 @@ def requeue(task: Any, request: Any, name: str, exc: Exception, options: TaskOpt
         sig.apply_async()
     except Exception as publish_error:
         raise Reject(publish_error, requeue=False) from publish_error
-    raise Retry(f"lock {name!r} busy", exc=exc, when=delay, sig=sig)
+    raise Retry(
+        f"{name!r} rate limited" if rate_slot else f"lock {name!r} busy",
+        exc=exc,
+        when=delay,
+        sig=sig,
+    )

@@ -26,13 +26,16 @@ from .core import (
     Lock,
     LockLost,
     QuorumUnavailable,
+    RateGrant,
+    RateLimiter,
     RedlockError,
+    Semaphore,
     render_value,
 )
 from .interrupt import LockLostInterrupt, on_lost, watch
 from .observability import send_task_event
 from .options import TaskOptions
-from .policies import STRATEGIES, Refusal, requeue
+from .policies import RATE_SLOT_HEADER, STRATEGIES, Refusal, requeue
 from .state import AppState, state_for
 
 __all__ = [
@@ -52,6 +55,10 @@ log_release = logging.getLogger("celery_redlock.release")
 
 #: Message header carrying a per-call key (``apply_async(lock_key=...)``).
 KEY_HEADER = "redlock_key"
+#: How long a run that comes back for the slot its rate limiter promised it may wait in
+#: the worker for the run before it (which took its grant a little late) before it goes to
+#: the end of the line instead.
+RATE_SHORT_WAIT = 0.25
 
 
 def lock_of(request: Any) -> Lock | None:
@@ -136,8 +143,45 @@ def _new_lock(
     if host:
         owner["worker"] = host
     return state.make_lock(
-        name, options.ttl, owner_info=owner, max_hold=options.max_hold, on_lost=on_lost
+        name,
+        options.ttl,
+        limit=options.limit or 1,
+        owner_info=owner,
+        max_hold=options.max_hold,
+        on_lost=on_lost,
     )
+
+
+def _held_by_this_task(lock: Lock, task_id: str) -> bool:
+    """True if an earlier attempt of task *task_id* holds the lock (for a semaphore: one
+    of its permits; read only after a refusal)."""
+    if lock.holder.get("task_id") == task_id:
+        return True
+    return isinstance(lock, Semaphore) and any(
+        record.get("task_id") == task_id for record in lock.read_holders()
+    )
+
+
+def _rate_grant(
+    limiter: RateLimiter, request: Any, options: TaskOptions, *, waits: bool, requeues: bool
+) -> RateGrant:
+    """Ask the run's rate limiter for a start.
+
+    A run that will be re-queued on refusal (``retry``) joins the limiter's line: it is
+    promised the next free slot and comes back exactly then (``RATE_SLOT_HEADER``), asking
+    for that slot, waiting in the worker at most ``RATE_SHORT_WAIT`` for the run ahead of
+    it; if that is not enough it goes to the end of the line. ``wait`` sleeps until its
+    slot, up to ``lock_wait_timeout``.
+    """
+    if waits:
+        return limiter.acquire(blocking=True, timeout=options.wait_timeout)
+    headers = getattr(request, "headers", None) or {}
+    promised = headers.get(RATE_SLOT_HEADER) or getattr(request, RATE_SLOT_HEADER, 0)
+    if promised:
+        grant = limiter.acquire(blocking=True, timeout=RATE_SHORT_WAIT, queue=False)
+        if grant or not requeues:
+            return grant
+    return limiter.acquire(queue=requeues)
 
 
 # -- acquire -------------------------------------------------------------------------------
@@ -163,18 +207,48 @@ def acquire_for_request(
         policy = strategy.eager
         strategy = STRATEGIES[policy]
     name = lock_name_for(task, args, kwargs, getattr(request, "headers", None), options)
-    lock = _new_lock(task, state, options, name, task_id, host=getattr(request, "hostname", None))
+    host = getattr(request, "hostname", None)
     waits = strategy.waits
+    lock: Lock | None = None
     try:
-        acquired = lock.acquire(blocking=waits, timeout=options.wait_timeout if waits else None)
-        if not acquired and not waits and lock.holder.get("task_id") == task_id:
-            # The holder is an earlier attempt of this very task id: self.retry() publishes
-            # the new message before the old body's finally releases, and a fast worker can
-            # start it first. Skipping or failing against ourselves is wrong (the
-            # celery-singleton bug): wait for that release, or for a dead attempt's lease to
-            # run out, at most one TTL; then the strategy applies as usual.
-            acquired = lock.acquire(blocking=True, timeout=lock.ttl)
+        if options.limit is not None:
+            lock = _new_lock(task, state, options, name, task_id, host=host)
+            acquired = lock.acquire(blocking=waits, timeout=options.wait_timeout if waits else None)
+            if not acquired and not waits and _held_by_this_task(lock, task_id):
+                # The holder is an earlier attempt of this very task id: self.retry()
+                # publishes the new message before the old body's finally releases, and a
+                # fast worker can start it first. Skipping or failing against ourselves is
+                # wrong (the celery-singleton bug): wait for that release, or for a dead
+                # attempt's lease to run out, at most one TTL; then the strategy applies.
+                acquired = lock.acquire(blocking=True, timeout=lock.ttl)
+            if not acquired:
+                send_task_event(task, "contended", lock=name, policy=policy, holder=lock.holder)
+                # A strategy that does not raise gives the result the run returns instead.
+                request._redlock_skip = strategy.refuse(
+                    Refusal(task, request, lock, options, eager, waits)
+                )
+                return
+            request._redlock_lock = lock
+            state.held[task_id] = lock
+            if state.send_events:
+                send_task_event(task, "acquired", lock=name, fence=lock.fence)
+        if options.rate is not None:
+            owner = {"task_name": task.name, "task_id": task_id}
+            limiter = state.make_limiter(name, options.rate, options.rate_burst, owner)
+            requeues = policy == "retry" and not eager
+            grant = _rate_grant(limiter, request, options, waits=waits, requeues=requeues)
+            if not grant:
+                if lock is not None:  # the permit goes back at once: a refusal takes nothing
+                    release_for_request(task, lock, task_id, request)
+                send_task_event(
+                    task, "rate-limited", lock=name, policy=policy, retry_after=grant.retry_after
+                )
+                request._redlock_skip = strategy.refuse(
+                    Refusal(task, request, limiter, options, eager, waits, rate=grant)
+                )
     except QuorumUnavailable as exc:
+        if lock is not None and state.held.get(task_id) is lock:
+            release_for_request(task, lock, task_id, request)
         if state.settings["redlock_fail_open"]:
             log.warning(
                 "Task %s[%s] runs UNLOCKED (redlock_fail_open=True): %s", task.name, task_id, exc
@@ -186,32 +260,39 @@ def acquire_for_request(
             "Task %s[%s] not started, lock %r unavailable: %s", task.name, task_id, name, exc
         )
         requeue(task, request, name, exc, options)
-    if acquired:
-        request._redlock_lock = lock
-        state.held[task_id] = lock
-        if state.send_events:
-            send_task_event(task, "acquired", lock=name, fence=lock.fence)
-        return
-    send_task_event(task, "contended", lock=name, policy=policy, holder=lock.holder)
-    # A strategy that does not raise gives the result the run returns instead of its body.
-    request._redlock_skip = strategy.refuse(Refusal(task, request, lock, options, eager, waits))
 
 
 def _acquire_direct(task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """A direct call (``task(...)``): take the lock the way ``acquire_for_request`` does,
-    without a message to re-queue or mark."""
+    """A direct call (``task(...)``): take the lock (and ask the rate limit) the way
+    ``acquire_for_request`` does, without a message to re-queue or mark."""
     state = state_for(task.app)
     if state.disabled:
         return
     options = state.options_for(task)
     strategy = options.strategy
     name = lock_name_for(task, args, kwargs, None, options)
-    lock = _new_lock(task, state, options, name, None, host=getattr(request, "hostname", None))
     waits = strategy.waits
-    if lock.acquire(blocking=waits, timeout=options.wait_timeout if waits else None):
+    lock: Lock | None = None
+    if options.limit is not None:
+        lock = _new_lock(task, state, options, name, None, host=getattr(request, "hostname", None))
+        if not lock.acquire(blocking=waits, timeout=options.wait_timeout if waits else None):
+            request._redlock_skip = strategy.refuse(
+                Refusal(task, None, lock, options, False, waits)
+            )
+            return
         request._redlock_lock = lock
-        return
-    request._redlock_skip = strategy.refuse(Refusal(task, None, lock, options, False, waits))
+    if options.rate is not None:
+        limiter = state.make_limiter(
+            name, options.rate, options.rate_burst, {"task_name": task.name}
+        )
+        grant = limiter.acquire(blocking=waits, timeout=options.wait_timeout)
+        if not grant:
+            if lock is not None:
+                request._redlock_lock = None
+                lock.release()
+            request._redlock_skip = strategy.refuse(
+                Refusal(task, None, limiter, options, False, waits, rate=grant)
+            )
 
 
 # -- the body ------------------------------------------------------------------------------
@@ -305,9 +386,11 @@ def release_for_gone_child(
     try:
         state = state_for(task.app)
         options = state.options_for(task)
+        if options.limit is None:
+            return  # a rate limit alone: nothing is held while the task runs
         name = lock_name_for(task, tuple(args or ()), dict(kwargs or {}), headers, options)
         ttl = options.ttl
-        lock = state.make_lock(name, ttl, auto_renew=False)
+        lock = state.make_lock(name, ttl, limit=options.limit, auto_renew=False)
     except Exception as exc:
         log_release.warning(
             "task %s[%s] %s: cannot find its lock (%s)", task.name, task_id, why, exc
@@ -316,9 +399,11 @@ def release_for_gone_child(
 
     def release() -> None:
         try:
-            holder = lock.read_holder()
-            if not holder or holder.get("task_id") != task_id:
+            # A semaphore has one holder per permit: find this task's.
+            mine = [h for h in lock.read_holders() if h.get("task_id") == task_id]
+            if not mine:
                 return
+            holder = mine[0]
             pid = holder.get("pid")
             deadline = time.monotonic() + ttl
             while isinstance(pid, int) and _alive(pid) and time.monotonic() < deadline:

@@ -62,6 +62,8 @@ SETTINGS: dict[str, tuple[Callable[[Any], Any], Any, str]] = {
     ),
     "redlock_retry_jitter": (_like("lock_retry_jitter"), True, "randomise contention retry delays"),
     "redlock_wait_timeout": (_like("lock_wait_timeout"), 30.0, "how long 'wait' blocks"),
+    "redlock_limit": (_like("lock_limit"), 1, "runs of one key at once (1: a mutex)"),
+    "redlock_rate": (_like("lock_rate"), None, "run starts of one key per period ('10/m')"),
     "redlock_fail_open": (boolean, False, "run unlocked when Redis is down (not advised)"),
     "redlock_key_prefix": (_string, "redlock:", "prefix of every lock key"),
     "redlock_fence_ttl": (

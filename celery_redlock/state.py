@@ -11,7 +11,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from .core import Lock, Store, connect, open_store, process
+from .core import Lock, RateLimiter, Semaphore, Store, connect, open_store, process
 from .options import TaskOptions, resolve
 from .settings import Settings, load_settings
 
@@ -99,11 +99,27 @@ class AppState:
             cached = self._store = (clients, open_store(clients))
         return cached[1]
 
-    def make_lock(self, name: str, ttl: float, **options: Any) -> Lock:
-        """A core lock on this app's Redis (held by a majority when several URLs are set)."""
+    def make_lock(self, name: str, ttl: float, *, limit: int = 1, **options: Any) -> Lock:
+        """A core lock on this app's Redis (held by a majority when several URLs are set),
+        or with *limit* > 1 a :class:`Semaphore` of that many permits (one Redis only)."""
         prefix = self.settings["redlock_key_prefix"]
         options.setdefault("fence_ttl", self.settings["redlock_fence_ttl"])
+        if limit > 1:
+            return Semaphore(self.store(), name, limit, ttl, key_prefix=prefix, **options)
         return Lock(self.store(), name, ttl, key_prefix=prefix, **options)
+
+    def make_limiter(
+        self, name: str, rate: str, burst: int, owner_info: Mapping[str, Any] | None = None
+    ) -> RateLimiter:
+        """A core rate limiter on this app's Redis (one Redis only)."""
+        return RateLimiter(
+            self.store(),
+            name,
+            rate,
+            burst=burst,
+            key_prefix=self.settings["redlock_key_prefix"],
+            owner_info=owner_info,
+        )
 
 
 def state_for(app: Any) -> AppState:

@@ -70,6 +70,9 @@ class LockedTask(Task):  # type: ignore[misc]
     #: What the class fixes at decoration (its body's signature, its own key); None on
     #: an abstract base.
     redlock_spec: ClassVar[TaskSpec | None] = None
+    #: Marks the class whose ``lock_*`` attributes are the unset defaults (None), so that a
+    #: task's own ``lock_limit=None`` (no cap) reads as set (see options.is_set).
+    redlock_option_defaults: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

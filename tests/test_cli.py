@@ -29,7 +29,7 @@ from tests.apps import locksapp
 ROOT = Path(__file__).resolve().parent.parent
 CELERY = str(Path(sys.executable).parent / "celery")
 APP = "tests.apps.locksapp"
-JSON_FIELDS = {"name", "key", "holder", "acquired_at", "ttl_ms", "fence"}
+JSON_FIELDS = {"kind", "name", "key", "holder", "acquired_at", "ttl_ms", "fence"}
 HOLDER_FIELDS = {"task_name", "task_id", "hostname", "pid"}
 
 
@@ -375,3 +375,51 @@ def test_lock_url_defaults_to_a_redis_broker(
         conf.broker_url = saved
     assert result.exit_code == 0, result.output
     assert [r["name"] for r in json.loads(result.stdout)] == ["sync:broker"]
+
+
+# --------------------------------------------------------------------------- limits
+
+
+def test_list_and_show_give_each_permit_its_holder_and_a_limiters_state(
+    locks_on: redis.Redis,
+) -> None:
+    """A semaphore's permits are listed one row each with holder and fence, and a rate
+    limiter's state (rate, burst, free now, next slot, runs queued) in a table of its own;
+    show NAME gives both for one name."""
+    from celery_redlock import RateLimiter, Semaphore  # noqa: PLC0415 - these tests only
+
+    sems = [
+        Semaphore(locks_on, "import:7", 3, owner_info={"task_name": "proj.imp", "task_id": f"t{i}"})
+        for i in range(2)
+    ]
+    limiter = RateLimiter(locks_on, "import:7", "6/m", burst=2)
+    try:
+        for sem in sems:
+            assert sem.acquire(blocking=False)
+        assert limiter.acquire() and limiter.acquire()
+        assert not limiter.acquire(queue=True)  # one run promised the next slot
+        rows = json.loads(run("list", "--json").stdout)
+        permits = [r for r in rows if r["kind"] == "permit"]
+        assert sorted(r["holder"]["task_id"] for r in permits) == ["t0", "t1"]
+        assert sorted(r["fence"] for r in permits) == sorted(s.fence for s in sems)
+        assert all(
+            set(r) == JSON_FIELDS and r["key"] == "redlock:{import:7}:permits" for r in permits
+        )
+        (rate,) = [r for r in rows if r["kind"] == "rate"]
+        assert (rate["name"], rate["rate"], rate["burst"], rate["free"]) == (
+            "import:7",
+            "6/m",
+            2,
+            0,
+        )
+        assert rate["queued"] == 1 and 9_000 < rate["next_ms"] <= 10_000
+        table = run("list").stdout
+        assert "PERMITS" in table and "proj.imp[t0]" in table and "proj.imp[t1]" in table
+        assert "RATE LIMITERS" in table and "6/m" in table
+        shown = run("show", "import:7")
+        assert shown.exit_code == 0
+        assert shown.stdout.count("kind:") == 3 and "rate limiter" in shown.stdout
+        assert len(json.loads(run("show", "import:7", "--json").stdout)) == 3
+    finally:
+        for sem in sems:
+            sem.release()

@@ -6,7 +6,9 @@ the node that owns their slot). For Redlock, call it once per master.
 
 Locks are found with ``SCAN ... MATCH <prefix>{<pattern>} TYPE hash``, never
 ``KEYS``; the ``:fence``, ``:notify`` and ``:waiting`` keys next to each lock, and
-hashes that are not locks (no ``token`` field), are skipped.
+hashes that are not locks (no ``token`` field), are skipped. A semaphore's permits
+(``<prefix>{<name>}:permits``, one :class:`LockInfo` per live permit) and a rate
+limiter's state (``<prefix>{<name>}:rate``, a :class:`RateInfo`) are found the same way.
 
 Errors are not translated: a node that cannot be reached raises one of
 :data:`REDIS_ERRORS`, so a caller that asks several masters can report each one
@@ -15,6 +17,7 @@ and go on with the others.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -24,18 +27,23 @@ from redis.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from .errors import ConfigError
-from .keys import lock_keys
-from .scripts import FORCE_RELEASE
+from .keys import lock_keys, permit_keys, rate_key
+from .scripts import FORCE_RELEASE, PERMITS
 from .store import parse_holder, text
-from .stores.redis import REDIS_ERRORS, RedisStore
+from .stores.redis import REDIS_ERRORS, RedisStore, permits_of
 
 __all__ = [
     "REDIS_ERRORS",
     "ForceRelease",
     "LockInfo",
+    "RateInfo",
     "force_release",
+    "read_limiter",
     "read_lock",
+    "read_permits",
+    "scan_limiters",
     "scan_locks",
+    "scan_permits",
 ]
 
 #: Keys asked for per SCAN round trip, and lock hashes read per pipeline.
@@ -60,12 +68,44 @@ class LockInfo:
     #: The holder's record: ``hostname``, ``pid``, ``acquired_at`` and its ``owner_info``
     #: (``task_name``, ``task_id``, ``role``, ...).
     record: dict[str, Any] = field(default_factory=dict)
+    #: ``"lock"``, or ``"permit"``: one permit of a semaphore (``key`` is its permits hash).
+    kind: str = "lock"
 
     @property
     def acquired_at(self) -> float | None:
         """Wall-clock time of the acquisition, as the holder recorded it."""
         value = self.record.get("acquired_at")
         return float(value) if isinstance(value, (int, float)) else None
+
+
+@dataclass(frozen=True)
+class RateInfo:
+    """A rate limiter's state as one node stores it (``rate.lua``)."""
+
+    name: str
+    key: str
+    #: Microseconds between grants at the steady rate, and the burst (as last used).
+    interval_us: int
+    burst: int
+    #: Grants possible right now.
+    free: int
+    #: Milliseconds until the next grant is possible (0 when one is possible now).
+    next_ms: int
+    #: Runs promised a slot that is still due (re-queued, coming back).
+    queued: int
+    #: Lifetime left of the state (``PTTL``): when the limiter is idle again.
+    ttl_ms: int
+
+    @property
+    def rate(self) -> str:
+        """The steady rate in words, per second or per minute, hour or day."""
+        if self.interval_us <= 0:
+            return "-"
+        for suffix, seconds in (("s", 1), ("m", 60), ("h", 3600), ("d", 86400)):
+            grants = seconds * 1e6 / self.interval_us
+            if grants >= 1 or suffix == "d":
+                return f"{grants:.4g}/{suffix}"
+        return "-"  # pragma: no cover - the loop returns at "d"
 
 
 @dataclass(frozen=True)
@@ -111,6 +151,93 @@ def scan_locks(client: Any, prefix: str, pattern: str = "*") -> list[LockInfo]:
         )
         found += _read(node, keys, prefix)
     return sorted(found, key=lambda info: info.name)
+
+
+def scan_permits(client: Any, prefix: str, pattern: str = "*") -> list[LockInfo]:
+    """Every live permit of the semaphores on *client* whose name matches *pattern*
+    (one :class:`LockInfo` each, ``kind="permit"``), sorted by name, first to expire first."""
+    match = _GLOB_SPECIAL.sub(r"\\\1", prefix) + "{" + pattern + "}:permits"
+    found: list[LockInfo] = []
+    for node in primaries(client):
+        for key in sorted({text(k) for k in _scan(node, match)}):
+            if key.startswith(prefix + "{") and key.endswith("}:permits"):
+                found += _permits(node, key, key[len(prefix) + 1 : -len("}:permits")])
+    return sorted(found, key=lambda info: info.name)
+
+
+def read_permits(client: Any, prefix: str, name: str) -> list[LockInfo]:
+    """The live permits of semaphore *name* on *client*, first to expire first."""
+    key = permit_keys(name, prefix).lock
+    return _permits(_node_of(client, key), key, name)
+
+
+def scan_limiters(client: Any, prefix: str, pattern: str = "*") -> list[RateInfo]:
+    """The state of every rate limiter on *client* whose name matches *pattern*."""
+    match = _GLOB_SPECIAL.sub(r"\\\1", prefix) + "{" + pattern + "}:rate"
+    found: list[RateInfo] = []
+    for node in primaries(client):
+        for key in sorted({text(k) for k in _scan(node, match)}):
+            if key.startswith(prefix + "{") and key.endswith("}:rate"):
+                info = _limiter(node, key, key[len(prefix) + 1 : -len("}:rate")])
+                if info is not None:
+                    found.append(info)
+    return sorted(found, key=lambda info: info.name)
+
+
+def read_limiter(client: Any, prefix: str, name: str) -> RateInfo | None:
+    """The state of rate limiter *name* on *client*, or None when it is idle (no state)."""
+    key = rate_key(name, prefix)
+    return _limiter(_node_of(client, key), key, name)
+
+
+def _node_of(client: Any, key: str) -> Any:
+    if isinstance(client, RedisCluster):
+        return client.get_redis_connection(
+            client.get_node_from_key(key)  # type: ignore[no-untyped-call]
+        )
+    return client
+
+
+def _permits(node: Any, key: str, name: str) -> list[LockInfo]:
+    try:
+        reply = RedisStore.of(node).call(PERMITS([key], []))
+    except RedisError as exc:
+        if "WRONGTYPE" in str(exc):
+            return []  # not a permits hash: foreign data, left alone
+        raise
+    return [
+        LockInfo(name, key, p.fence, p.ttl_ms, dict(p.record), kind="permit")
+        for p in permits_of(reply)
+    ]
+
+
+def _limiter(node: Any, key: str, name: str) -> RateInfo | None:
+    pipe = node.pipeline(transaction=False)
+    pipe.hmget(key, "tat", "line", "interval", "burst")
+    pipe.pttl(key)
+    pipe.time()
+    fields, pttl, (seconds, micros) = pipe.execute(raise_on_error=False)
+    if isinstance(fields, Exception) or not isinstance(fields, list):
+        return None  # not a limiter's hash: foreign data, left alone
+    tat, line, interval, burst = (_int(v) for v in fields)
+    if not interval or not burst:
+        return None
+    now = int(seconds) * 1_000_000 + int(micros)
+    next_at = max(tat or 0, now) - (burst - 1) * interval
+    free = (now - next_at) // interval + 1 if next_at <= now else 0
+    # Promised slots still due lie between the next possible grant and the line.
+    start = max(now, next_at)
+    queued = math.ceil(((line or 0) - start) / interval) if (line or 0) > start else 0
+    return RateInfo(
+        name=name,
+        key=key,
+        interval_us=interval,
+        burst=burst,
+        free=int(free),
+        next_ms=max(0, next_at - now) // 1000,
+        queued=queued,
+        ttl_ms=int(pttl) if isinstance(pttl, int) else -2,
+    )
 
 
 def read_lock(client: Any, prefix: str, name: str) -> LockInfo | None:

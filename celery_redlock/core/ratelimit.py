@@ -35,6 +35,7 @@ import math
 import random
 import re
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from . import events
@@ -98,6 +99,7 @@ class RateLimiter:
     *target* is one Redis (a client, a Sentinel ``master_for()`` client, a
     ``RedisCluster``); a list of Redlock masters is refused (:data:`REDLOCK_REFUSAL`).
     The key ``<prefix>{<name>}:rate`` shares the hash tag of the lock of that name.
+    *owner_info* (``task_name``, ...) is the ``holder`` of its ``rate_limited`` events.
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class RateLimiter:
         *,
         burst: int = 1,
         key_prefix: str = "redlock:",
+        owner_info: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"rate limiter name must be a non-empty string, got {name!r}")
@@ -121,6 +124,8 @@ class RateLimiter:
         self.store: RedisStore = store.members[0]
         self.name = name
         self.key = rate_key(name, key_prefix)
+        #: Who asks (``task_name``, ``task_id``, ...): the ``holder`` of its events.
+        self.owner_info: dict[str, Any] = dict(owner_info or {})
         #: Microseconds between grants at the steady rate (``T``).
         self.interval_us = max(1, round(self.period * 1e6 / self.grants))
 
@@ -189,6 +194,7 @@ class RateLimiter:
                     kind="rate_limited",
                     name=self.name,
                     key=self.key,
+                    holder=self.owner_info,
                     retry_after=grant.retry_after,
                 )
             )
