@@ -227,10 +227,24 @@ def is_set(cls: type, option: str) -> bool:
 
 
 def check_declared(task_name: str, cls: type) -> None:
-    """Check every ``lock_*`` attribute that task class *cls* itself sets."""
+    """Check every ``lock_*`` attribute that task class *cls* itself sets, and the options
+    that only make sense together (a rate limit alone, a burst)."""
     for attr in list(vars(cls)):
         if attr.startswith("lock_"):
             check_task_option(task_name, attr, declared(cls, attr))
+    rate = declared(cls, "lock_rate")
+    if rate is None and is_set(cls, "lock_limit") and declared(cls, "lock_limit") is None:
+        raise ConfigError(
+            f"task {task_name!r}: lock_limit=None is not valid without a lock_rate on the "
+            "task; it must be a whole number >= 1 (runs at once), or None together with "
+            "lock_rate (e.g. lock_rate='10/m'): otherwise nothing is limited"
+        )
+    burst = declared(cls, "lock_rate_burst")
+    if rate is None and burst is not None:
+        raise ConfigError(
+            f"task {task_name!r}: lock_rate_burst={burst!r} is not valid without a lock_rate "
+            "on the task; it must be set together with lock_rate (e.g. lock_rate='10/m')"
+        )
 
 
 def compile_key(task_name: str, key: Any, signature: inspect.Signature) -> Any:

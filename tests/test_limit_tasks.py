@@ -83,32 +83,30 @@ def test_bad_limit_and_rate_options_fail_at_decoration_naming_task_and_option(
     assert says in str(bad.value)
 
 
-def test_no_cap_without_a_rate_and_a_burst_without_a_rate_are_refused_at_worker_start(
+def test_no_cap_without_a_rate_and_a_burst_without_a_rate_are_refused_at_decoration(
     env: Env,
 ) -> None:
-    """lock_limit=None with no lock_rate limits nothing, and lock_rate_burst needs a rate:
-    the worker's start-up check names the task and the fix."""
-    app = env.app()
+    """lock_limit=None with no lock_rate on the task limits nothing, and lock_rate_burst
+    needs a lock_rate: both are ConfigErrors when the task is defined; the redlock_rate
+    setting gives a rate to the tasks that set none."""
+    app = env.app(redlock_rate="5/m")
+    app.finalize()
+    with pytest.raises(ConfigError, match=r"'proj\.nothing': lock_limit=None is not valid"):
 
-    @app.task(base=LockedTask, name="proj.nothing", lock_limit=None, shared=False)
-    def nothing() -> None: ...
+        @app.task(base=LockedTask, name="proj.nothing", lock_limit=None, shared=False)
+        def nothing() -> None: ...
 
-    with pytest.raises(ConfigError, match=r"'proj\.nothing': lock_limit=None .* no lock_rate"):
-        check_locked_tasks(app, state_for(app))
-    app2 = env.app()
+    with pytest.raises(ConfigError, match=r"'proj\.burst': lock_rate_burst=3 is not valid"):
 
-    @app2.task(base=LockedTask, name="proj.burst", lock_rate_burst=3, shared=False)
-    def burst() -> None: ...
+        @app.task(base=LockedTask, name="proj.burst", lock_rate_burst=3, shared=False)
+        def burst() -> None: ...
 
-    with pytest.raises(ConfigError, match=r"'proj\.burst': lock_rate_burst=3 without a lock_rate"):
-        check_locked_tasks(app2, state_for(app2))
-    app3 = env.app(redlock_rate="5/m")  # the setting gives the rate: fine
-
-    @app3.task(base=LockedTask, name="proj.ok", lock_limit=None, shared=False)
+    @app.task(base=LockedTask, name="proj.ok", shared=False)
     def ok() -> None: ...
 
-    check_locked_tasks(app3, state_for(app3))
-    assert state_for(app3).options_for(app3.tasks["proj.ok"]).rate == "5/m"
+    check_locked_tasks(app, state_for(app))
+    options = state_for(app).options_for(app.tasks["proj.ok"])
+    assert (options.limit, options.rate) == (1, "5/m")
 
 
 def test_limits_and_rates_on_redlock_masters_are_refused_naming_task_and_option(

@@ -5,7 +5,8 @@
 --          so no notice is pushed. Without KEYS[3], a notice always is.
 -- ARGV[1]  token of the permit being released
 -- ARGV[2]  how long an unconsumed wake-up notice lives, in milliseconds
--- ARGV[3]  the limit: the most notices kept in the list (one per free permit)
+-- ARGV[3]  the limit: the most notices kept in the list (one per free permit; at most
+--          a million)
 -- Returns  1   released (and a notice pushed if someone may be waiting)
 --          0   no such permit: it expired (a lingering expired one is removed) or was
 --              removed
@@ -35,6 +36,6 @@ end
 -- One notice per permit given back, up to the limit: several permits freed at once wake
 -- as many waiters (a mutex keeps one notice; here each can win).
 redis.call('RPUSH', KEYS[2], '1')
-redis.call('LTRIM', KEYS[2], -tonumber(ARGV[3]), -1)
+redis.call('LTRIM', KEYS[2], -math.min(tonumber(ARGV[3]), 1000000), -1)
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
 return code
