@@ -163,18 +163,18 @@ def _held_by_this_task(lock: Lock, task_id: str) -> bool:
 
 
 def _rate_grant(
-    limiter: RateLimiter, request: Any, options: TaskOptions, *, waits: bool, requeues: bool
+    limiter: RateLimiter, request: Any, *, waits: float | None, requeues: bool
 ) -> RateGrant:
     """Ask the run's rate limiter for a start.
 
     A run that will be re-queued on refusal (``retry``) joins the limiter's line: it is
     promised the next free slot and comes back exactly then (``RATE_SLOT_HEADER``), asking
     for that slot, waiting in the worker at most ``RATE_SHORT_WAIT`` for the run ahead of
-    it; if that is not enough it goes to the end of the line. ``wait`` sleeps until its
-    slot, up to ``lock_wait_timeout``.
+    it; if that is not enough it goes to the end of the line. ``wait`` (*waits*: the
+    seconds left of ``lock_wait_timeout``) sleeps until its slot, up to that.
     """
-    if waits:
-        return limiter.acquire(blocking=True, timeout=options.wait_timeout)
+    if waits is not None:
+        return limiter.acquire(blocking=True, timeout=waits)
     headers = getattr(request, "headers", None) or {}
     promised = headers.get(RATE_SLOT_HEADER) or getattr(request, RATE_SLOT_HEADER, 0)
     if promised:
@@ -210,6 +210,7 @@ def acquire_for_request(
     host = getattr(request, "hostname", None)
     waits = strategy.waits
     lock: Lock | None = None
+    began = time.monotonic()
     try:
         if options.limit is not None:
             lock = _new_lock(task, state, options, name, task_id, host=host)
@@ -236,7 +237,9 @@ def acquire_for_request(
             owner = {"task_name": task.name, "task_id": task_id}
             limiter = state.make_limiter(name, options.rate, options.rate_burst, owner)
             requeues = policy == "retry" and not eager
-            grant = _rate_grant(limiter, request, options, waits=waits, requeues=requeues)
+            # "wait": the permit and the rate share one lock_wait_timeout.
+            left = max(0.0, options.wait_timeout - (time.monotonic() - began)) if waits else None
+            grant = _rate_grant(limiter, request, waits=left, requeues=requeues)
             if not grant:
                 if lock is not None:  # the permit goes back at once: a refusal takes nothing
                     release_for_request(task, lock, task_id, request)

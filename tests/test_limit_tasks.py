@@ -9,6 +9,7 @@ are in test_limit_workers.py.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 from collections.abc import Iterator
@@ -40,6 +41,7 @@ def env(shared_redis: RedisServer, redis_client: redis.Redis) -> Iterator[Env]:
     try:
         yield e
     finally:
+        gc.collect()  # results die now, while their server still runs (see _forget_results)
         for app in e.apps:
             _forget_results(app)
             app.close()
