@@ -92,6 +92,7 @@ def record_lock_event(event: LockEvent) -> None:
         held=event.held,
         holder=holder,
         error=event.error,
+        retry_after=getattr(event, "retry_after", None),
     )
 
 
@@ -137,6 +138,33 @@ def nightly_report(self: LockedTask, seconds: float = 1.5) -> int | None:
 def export(self: LockedTask, job: str, seconds: float) -> int | None:
     """A long export; a second one for the same job waits for the release notice."""
     return _body(self, f"export:{job}", seconds)
+
+
+@app.task(
+    base=LockedTask,
+    bind=True,
+    lock_key="render",
+    lock_limit=2,
+    lock_on_contended="wait",
+    lock_wait_timeout=30,
+)
+def render(self: LockedTask, page: int, seconds: float = 0.8) -> int | None:
+    """A semaphore: at most two renders at once; the others wait for a permit."""
+    return _body(self, "render", seconds)
+
+
+@app.task(
+    base=LockedTask,
+    bind=True,
+    lock_key="partner-api",
+    lock_limit=None,
+    lock_rate="4/s",
+    lock_on_contended="retry",
+)
+def call_partner(self: LockedTask, n: int, seconds: float = 0.1) -> int | None:
+    """A rate limit alone: at most 4 calls a second start, across every worker; a call
+    over it is re-queued for exactly its slot."""
+    return _body(self, "partner-api", seconds)
 
 
 def hostname() -> str:

@@ -111,7 +111,7 @@ class Story:
         run = self._run(event)
         if kind == "publish":
             run.published = t
-        elif kind == "contended":
+        elif kind in ("contended", "rate_limited"):
             run.refusals += 1
             if run.first_refused is None:
                 run.first_refused = t

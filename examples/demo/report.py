@@ -203,7 +203,7 @@ def draw_timeline(
     ax.set_yticks(ticks)
     ax.set_yticklabels(labels, fontsize=8)
     ax.set_ylim(y, -0.3)
-    ax.set_xlim(0, end_time + 0.5)
+    ax.set_xlim(0, end_time * 1.12 + 0.5)  # room for the notes written right of a kill
     ax.set_xlabel("seconds since the first scene")
     ax.set_title(title, fontsize=11)
     ax.grid(axis="x", color="#dddddd", linewidth=0.6, zorder=1)
@@ -248,7 +248,7 @@ def _draw_run(ax: Any, run: Run, base: float, x: Callable[[float], float]) -> No
     b = x(stop) if stop is not None else a + 0.15
     colour = COLOURS["crashed"] if crashed else COLOURS["running"]
     ax.broken_barh([(a, b - a)], (base, 0.8), color=colour, zorder=3)
-    label = fence_text(run.fence) + (" ✕ SIGKILL" if crashed else "")
+    label = ("" if run.fence is None else fence_text(run.fence)) + (" ✕ SIGKILL" if crashed else "")
     ax.text(
         (a + b) / 2,
         base + 0.4,

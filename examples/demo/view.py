@@ -59,6 +59,13 @@ def describe(event: Event, policies: Mapping[str, str]) -> tuple[str, str] | Non
             f"{key:<20} {who} finds it held by {short(holder.get('task_id'))}: "
             f"{verb.get(policy, policy)}"
         )
+    if kind == "rate_limited":
+        policy = policies.get(task, "?")
+        after = float(event.get("retry_after") or 0.0)
+        verb = {"retry": "re-queued for its slot", "skip": "skipped", "wait": "waits"}
+        return YELLOW, (
+            f"{key:<20} {who} is over the rate: {verb.get(policy, policy)} in {after:.2f}s"
+        )
     if kind == "released" and event.get("task_id"):
         held = event.get("held")
         return DIM, f"{key:<20} released by {who}" + (f" after {held:.2f}s" if held else "")
