@@ -187,7 +187,7 @@ def test_raise_over_the_rate_fails_with_rate_limited_carrying_retry_after(env: E
 
 
 def test_skip_over_the_rate_returns_a_marker_saying_when(env: Env) -> None:
-    """"skip" over the rate: the run does not run, its result says rate limited and when."""
+    """ "skip" over the rate: the run does not run, its result says rate limited and when."""
     app = env.app()
 
     @app.task(
@@ -207,7 +207,7 @@ def test_skip_over_the_rate_returns_a_marker_saying_when(env: Env) -> None:
 
 
 def test_retry_over_the_rate_comes_back_at_its_slot_within_the_lock_budget(env: Env) -> None:
-    """"retry" at 2/s: three runs sent at once start about 0.5 s apart, each re-queued run
+    """ "retry" at 2/s: three runs sent at once start about 0.5 s apart, each re-queued run
     once, counted in redlock_retries and never in the task's own retries."""
     app = env.app()
 
@@ -216,9 +216,18 @@ def test_retry_over_the_rate_comes_back_at_its_slot_within_the_lock_budget(env: 
         max_retries=0, shared=False,
     )  # fmt: skip
     def spaced(self: Any, n: int) -> None:
-        env.push("runs", {"t": time.time(), "retries": self.request.retries,
-                          "lock_retries": int((self.request.headers or {}).get("redlock_retries")
-                                              or getattr(self.request, "redlock_retries", 0) or 0)})
+        env.push(
+            "runs",
+            {
+                "t": time.time(),
+                "retries": self.request.retries,
+                "lock_retries": int(
+                    (self.request.headers or {}).get("redlock_retries")
+                    or getattr(self.request, "redlock_retries", 0)
+                    or 0
+                ),
+            },
+        )
 
     with worker(app, concurrency=3):
         results = [spaced.delay(n) for n in range(3)]
@@ -232,7 +241,7 @@ def test_retry_over_the_rate_comes_back_at_its_slot_within_the_lock_budget(env: 
 
 
 def test_wait_over_the_rate_sleeps_until_its_slot(env: Env) -> None:
-    """"wait" at 5/s with burst 2: two start at once, the next ones 0.2 s apart."""
+    """ "wait" at 5/s with burst 2: two start at once, the next ones 0.2 s apart."""
     app = env.app()
 
     @app.task(
@@ -291,4 +300,3 @@ def test_rate_refusals_are_counted_per_task_in_prometheus(shared_redis: RedisSer
         disable_prometheus(registry)
         client.delete(limiter.key)
         client.close()
-

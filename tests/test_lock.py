@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from servers import FaultProxy, RedisServer, wait_child, wait_for
+from servers import BARE_CONNECT, FaultProxy, RedisServer, wait_child, wait_for
 
 from celery_redlock import (
     ConfigError,
@@ -397,9 +397,7 @@ def test_acquire_whose_every_reply_is_late_leaves_no_orphaned_key(
         direct.script_load(script.source)
     # RESP2 and no CLIENT SETINFO: a reconnect needs no handshake reply, so each of
     # redis-py's re-sends reaches the server even while every reply is held back.
-    client = proxy.client(
-        socket_timeout=0.2, retry=Retry(NoBackoff(), 3), protocol=2, driver_info=None
-    )
+    client = proxy.client(socket_timeout=0.2, retry=Retry(NoBackoff(), 3), **BARE_CONNECT)
     assert client.ping()
     lock = Lock(client, "resend:gone", ttl=10, auto_renew=False, fence_ttl=None)
     redis_server.reset_stats()

@@ -39,9 +39,7 @@ def test_burst_at_once_then_one_per_interval_and_refusals_consume_nothing(
     assert not limiter.acquire()
 
 
-def test_one_round_trip_per_decision(
-    redis_client: redis.Redis, shared_redis: RedisServer
-) -> None:
+def test_one_round_trip_per_decision(redis_client: redis.Redis, shared_redis: RedisServer) -> None:
     """Each non-blocking acquire (granted or refused) and each peek is one script call."""
     limiter = RateLimiter(redis_client, "rate:trips", "5/s")
     limiter.acquire()  # loads the script

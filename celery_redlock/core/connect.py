@@ -32,7 +32,6 @@ LOCK_CLIENT_DEFAULTS: dict[str, Any] = {
     "socket_timeout": 2.0,
     "socket_connect_timeout": 1.0,
     "socket_keepalive": True,
-    "health_check_interval": 30,
 }
 _SCHEMES = ("redis", "rediss", "unix", "sentinel")
 #: Where one URL of a ``;``-joined list (Sentinel) ends: before the next ``scheme://``.
