@@ -17,12 +17,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import kombu
 import pytest
 import redis
 from chaos_harness import LONG, Run, Scenario, alive, chaos_seconds, scenario, wait_until
 from servers import FaultProxy, RedisServer, SentinelSetup, start_servers
 
 from celery_redlock import Lock, QuorumUnavailable, connect
+
+#: kombu's Redis transport gives an unacknowledged message back to the queue on a timer of
+#: its own (``unacked_restore_interval``) only from 5.7; older releases restore it every 10 s
+#: at the earliest, on their own schedule: a message held by a SIGKILLed worker, or one meant
+#: to be redelivered within a scenario, comes back too late for these bounded runs.
+needs_kombu_restore_timer = pytest.mark.skipif(
+    tuple(int(part) for part in kombu.__version__.split(".")[:2]) < (5, 7),
+    reason="kombu < 5.7 restores unacknowledged messages only every 10 s or more",
+)
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +41,7 @@ def _single_lock_server(sc: Scenario) -> RedisServer:
     return sc.add_server(RedisServer.start())
 
 
+@needs_kombu_restore_timer
 def test_sigkill_of_pool_children_and_whole_workers(tmp_path: Path) -> None:
     """Random SIGKILLs of busy pool children and of whole workers (replaced at once): the
     invariants hold and the killed runs' locks are freed or expire."""
@@ -398,6 +409,7 @@ def redelivery(tmp_path_factory: pytest.TempPathFactory) -> Redelivery:
         return Redelivery(error, sorted(deliveries), dict(runs_of))
 
 
+@needs_kombu_restore_timer
 def test_redelivered_message_never_runs_while_its_first_delivery_runs(
     redelivery: Redelivery,
 ) -> None:
@@ -409,6 +421,7 @@ def test_redelivered_message_never_runs_while_its_first_delivery_runs(
         raise redelivery.error
 
 
+@needs_kombu_restore_timer
 @pytest.mark.xfail(
     strict=True,
     reason=(
