@@ -177,8 +177,20 @@ def draw_timeline(
                 ax.text(x(first) + 0.1, base + 0.4, "beat leader", va="center", fontsize=7)
                 continue
             _draw_run(ax, run, base, x)
-        for t, _ in story.dedups.get(key, []):
+        dedups = story.dedups.get(key, [])
+        for t, _ in dedups:
             ax.plot(x(t), y + 0.5, marker="D", color=COLOURS["dedup"], markersize=5, zorder=4)
+        if dedups:
+            first = min(t for t, _ in dedups)
+            ax.text(
+                x(first) - 0.15,
+                y + 0.5,
+                f"{len(dedups)} calls de-duplicated",
+                ha="right",
+                va="center",
+                fontsize=7,
+                color=COLOURS["dedup"],
+            )
         for kill in (k for k in story.kills if k.get("key") == key):
             note = f"SIGKILL pid {kill.get('victim')}"
             recovered = _recovery(story, kill)

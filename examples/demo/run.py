@@ -415,8 +415,9 @@ def main(argv: list[str] | None = None) -> int:
         import demoapp  # noqa: PLC0415 - configured from DEMO_REDIS, set just above
 
         app = demoapp.app
+        default_policy = app.conf.get("redlock_on_contended") or "retry"
         policies = {
-            name: str(getattr(task, "lock_on_contended", "") or "")
+            name: str(getattr(task, "lock_on_contended", None) or default_policy)
             for name, task in app.tasks.items()
         }
         processes = Processes(workdir, env)
