@@ -28,8 +28,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
+# Two test processes (pytest-xdist), a test file each at a time: most tests wait on
+# servers and workers, so two share the CI machine's two cores; a file's module fixtures
+# (one chaos scenario run checked by several tests) stay in one process.
 pytest: $(STAMP)
-	$(PY) -m pytest tests -p no:randomly $(PYTEST_ARGS)
+	$(PY) -m pytest tests -p no:randomly -n 2 --dist loadfile $(PYTEST_ARGS)
 
 test: lint typecheck docs pytest
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import random
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -68,6 +69,35 @@ def _forget_the_hub(**_: Any) -> None:
 if tuple(kombu.VERSION[:2]) < (5, 7):  # kombu 5.7 wakes the loop itself
     test_worker_started.connect(_keep_the_hub_polling, weak=False)
     test_worker_stopped.connect(_forget_the_hub, weak=False)
+
+
+# -- chaos scenarios: one seed for the session, every scenario's figures in the summary -----
+_CHAOS_LINES: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Choose the session's chaos seed here, in the main process, so that pytest-xdist's
+    workers (started later, with this environment) all use the one printed."""
+    os.environ.setdefault("CHAOS_SEED", str(random.SystemRandom().randrange(2**32)))
+
+
+def pytest_report_header() -> str:
+    """First thing printed: the seed that replays this session's chaos fault schedule."""
+    mode = "long (make chaos)" if os.environ.get("CHAOS_LONG", "") not in ("", "0") else "short"
+    return f"chaos: CHAOS_SEED={os.environ['CHAOS_SEED']} ({mode})"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Collect chaos figures from every test report, wherever the test ran."""
+    _CHAOS_LINES.extend(value for name, value in report.user_properties if name == "chaos figures")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line of figures per chaos scenario that ran, whatever the capture mode."""
+    if _CHAOS_LINES:
+        terminalreporter.section(f"chaos figures (CHAOS_SEED={os.environ['CHAOS_SEED']})")
+        for line in _CHAOS_LINES:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(autouse=True)

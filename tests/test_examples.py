@@ -240,7 +240,8 @@ def test_redlock_masters_check_survives_one_master_and_reports_no_quorum(
     env = {"REDLOCK_URLS": ",".join(f"redis://127.0.0.1:{s.port}/1" for s in servers)}
     code, out = _run("redlock_masters", "check.py", env)
     assert code == 0, out
-    assert out.count("holds it") == 3 and "a second owner gets it too? False" in out
+    # A majority granted before acquire() returned; the third grant may still be on its way.
+    assert out.count("holds it") >= 2 and "a second owner gets it too? False" in out
     servers[0].kill()
     code, out = _run("redlock_masters", "check.py", env)
     assert code == 0, out
