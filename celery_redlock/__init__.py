@@ -5,6 +5,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from .core import (
+    AlreadyQueued,
     ConfigError,
     KeyTemplate,
     Lock,
@@ -12,6 +13,7 @@ from .core import (
     LockEvent,
     LockLost,
     NotOwned,
+    QueuedHold,
     QuorumUnavailable,
     RateLimited,
     RateLimiter,
@@ -32,6 +34,7 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 
 __all__ = [
     "SKIPPED",
+    "AlreadyQueued",
     "ConfigError",
     "KeyTemplate",
     "Lock",
@@ -40,6 +43,7 @@ __all__ = [
     "LockLost",
     "LockedTask",
     "NotOwned",
+    "QueuedHold",
     "QuorumUnavailable",
     "RateLimited",
     "RateLimiter",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .connect import connect, mask_url
 from .errors import (
+    AlreadyQueued,
     ConfigError,
     LockContended,
     LockLost,
@@ -21,19 +22,24 @@ from .errors import (
 from .events import LockEvent, add_hook, remove_hook
 from .keys import KeyTemplate, lock_keys, render_value
 from .lock import Lock, Redlock, open_store
+from .queued import QueuedHold
 from .ratelimit import RateLimiter
 from .renewal import get_manager
 from .semaphore import Semaphore
-from .store import RateGrant, Store
+from .store import Handover, Queued, RateGrant, Store
 
 __all__ = [
+    "AlreadyQueued",
     "ConfigError",
+    "Handover",
     "KeyTemplate",
     "Lock",
     "LockContended",
     "LockEvent",
     "LockLost",
     "NotOwned",
+    "Queued",
+    "QueuedHold",
     "QuorumUnavailable",
     "RateGrant",
     "RateLimited",

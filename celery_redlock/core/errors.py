@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
+    "AlreadyQueued",
     "ConfigError",
     "LockContended",
     "LockLost",
@@ -167,6 +168,37 @@ class RateLimited(RedlockError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.name, self.retry_after, self.rate))
+
+
+class AlreadyQueued(RedlockError):
+    """A call was not sent: a message of the same lock is already queued, or its run holds
+    the lock (``lock_on_duplicate="raise"``).
+
+    ``task_id`` is that message's task id, ``ttl`` the seconds left on its hold (None
+    when unknown), ``state`` ``"queued"`` or ``"running"``, ``holder`` its record.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        task_id: str,
+        ttl: float | None = None,
+        state: str = "queued",
+        holder: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.name = name
+        self.task_id = task_id
+        self.ttl = ttl
+        self.state = state
+        self.holder: dict[str, Any] = dict(holder or {})
+        super().__init__(name, task_id, ttl, state, self.holder)
+
+    def __str__(self) -> str:
+        left = f", {self.ttl:.1f} s left on its hold" if self.ttl is not None else ""
+        return f"lock {self.name!r}: task {self.task_id} is already {self.state}{left}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.name, self.task_id, self.ttl, self.state, self.holder))
 
 
 def describe_holder(holder: Mapping[str, Any]) -> str:

@@ -20,7 +20,15 @@ __all__ = ["EventKind", "LockEvent", "add_hook", "emit", "remove_hook", "wanted"
 log = logging.getLogger("celery_redlock.events")
 
 EventKind = Literal[
-    "acquired", "contended", "released", "renew_failed", "lost", "unavailable", "rate_limited"
+    "acquired",
+    "contended",
+    "released",
+    "renew_failed",
+    "lost",
+    "unavailable",
+    "rate_limited",
+    "duplicate",
+    "superseded",
 ]
 
 
@@ -30,8 +38,11 @@ class LockEvent:
 
     ``waited`` is seconds spent acquiring (``acquired``/``contended``), ``held``
     seconds held (``released``/``lost``); ``holder`` is the other owner's record
-    for ``contended``, ours otherwise. ``rate_limited``: a rate limiter refused a
-    start, and ``retry_after`` says in how many seconds its next slot is free.
+    for ``contended``, ``duplicate`` (a call not queued because the holder's message
+    is queued or running) and ``superseded`` (a queued message that a newer call
+    replaced; ``holder`` is the newer one's), ours otherwise. ``rate_limited``: a
+    rate limiter refused a start, and ``retry_after`` says in how many seconds its
+    next slot is free.
     """
 
     kind: EventKind

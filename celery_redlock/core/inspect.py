@@ -4,9 +4,11 @@ Each function works on one client: a plain Redis, a Sentinel master client, or a
 ``RedisCluster`` (then every primary is scanned, and one lock's keys are read on
 the node that owns their slot). For Redlock, call it once per master.
 
-Locks are found with ``SCAN ... MATCH <prefix>{<pattern>} TYPE hash``, never
-``KEYS``; the ``:fence``, ``:notify`` and ``:waiting`` keys next to each lock, and
-hashes that are not locks (no ``token`` field), are skipped. A semaphore's permits
+Locks are found with ``SCAN ... MATCH <prefix>{<pattern>}* TYPE hash``, never
+``KEYS``: each lock hash (state ``running`` for a task's run, else ``held``) and each
+enqueue-time hold ``<lock key>:queued`` (state ``queued``); the ``:fence``,
+``:notify`` and ``:waiting`` keys next to each lock, and hashes that are none of these
+(no ``token`` or ``owner`` field), are skipped. A semaphore's permits
 (``<prefix>{<name>}:permits``, one :class:`LockInfo` per live permit) and a rate
 limiter's state (``<prefix>{<name>}:rate``, a :class:`RateInfo`) are found the same way.
 
@@ -28,7 +30,7 @@ from redis.exceptions import RedisError
 
 from .errors import ConfigError
 from .keys import lock_keys, permit_keys, rate_key
-from .scripts import FORCE_RELEASE, PERMITS
+from .scripts import DEQUEUE, FORCE_RELEASE, PERMITS, Status
 from .store import parse_holder, text
 from .stores.redis import REDIS_ERRORS, RedisStore, permits_of
 
@@ -37,10 +39,12 @@ __all__ = [
     "ForceRelease",
     "LockInfo",
     "RateInfo",
+    "force_dequeue",
     "force_release",
     "read_limiter",
     "read_lock",
     "read_permits",
+    "read_queued",
     "scan_limiters",
     "scan_locks",
     "scan_permits",
@@ -70,6 +74,10 @@ class LockInfo:
     record: dict[str, Any] = field(default_factory=dict)
     #: ``"lock"``, or ``"permit"``: one permit of a semaphore (``key`` is its permits hash).
     kind: str = "lock"
+    #: ``"running"`` (a task's run holds the lock), ``"held"`` (another holder: a
+    #: ``Lock`` of user code, beat's leader), or ``"queued"`` (the enqueue-time hold of
+    #: a message not started yet, ``key`` is then ``<lock key>:queued``).
+    state: Literal["running", "held", "queued"] = "held"
 
     @property
     def acquired_at(self) -> float | None:
@@ -137,20 +145,14 @@ def scan_locks(client: Any, prefix: str, pattern: str = "*") -> list[LockInfo]:
     *prefix* is the key prefix (``redlock_key_prefix``); *pattern* matches the
     rendered name (``sync:*``), with ``*``, ``?`` and ``[abc]``.
     """
-    match = _GLOB_SPECIAL.sub(r"\\\1", prefix) + "{" + pattern + "}"
+    match = _GLOB_SPECIAL.sub(r"\\\1", prefix) + "{" + pattern + "}*"
     found: list[LockInfo] = []
     for node in primaries(client):
-        keys = sorted(
-            {
-                key
-                for key in (text(k) for k in _scan(node, match))
-                if key.startswith(prefix + "{")
-                and key.endswith("}")
-                and not key.endswith((":fence", ":notify", ":waiting"))
-            }
-        )
-        found += _read(node, keys, prefix)
-    return sorted(found, key=lambda info: info.name)
+        keys = {text(k) for k in _scan(node, match)}
+        keys = {k for k in keys if k.startswith(prefix + "{")}
+        found += _read(node, sorted(k for k in keys if k.endswith("}")), prefix)
+        found += _read_queued(node, sorted(k for k in keys if k.endswith(QUEUED_SUFFIX)), prefix)
+    return sorted(found, key=lambda info: (info.name, info.state == "queued"))
 
 
 def scan_permits(client: Any, prefix: str, pattern: str = "*") -> list[LockInfo]:
@@ -206,7 +208,15 @@ def _permits(node: Any, key: str, name: str) -> list[LockInfo]:
             return []  # not a permits hash: foreign data, left alone
         raise
     return [
-        LockInfo(name, key, p.fence, p.ttl_ms, dict(p.record), kind="permit")
+        LockInfo(
+            name,
+            key,
+            p.fence,
+            p.ttl_ms,
+            dict(p.record),
+            kind="permit",
+            state="running" if p.record.get("task_name") else "held",
+        )
         for p in permits_of(reply)
     ]
 
@@ -265,6 +275,35 @@ def read_lock(client: Any, prefix: str, name: str) -> LockInfo | None:
     return None
 
 
+def read_queued(client: Any, prefix: str, name: str) -> LockInfo | None:
+    """The enqueue-time hold of lock *name* on *client* (state ``queued``), or None."""
+    key = lock_keys(name, prefix).queued
+    if isinstance(client, RedisCluster):
+        client = client.get_redis_connection(
+            client.get_node_from_key(key)  # type: ignore[no-untyped-call]
+        )
+    found = _read_queued(client, [key], prefix)
+    return found[0] if found else None
+
+
+def force_dequeue(client: Any, prefix: str, name: str, task_id: str | None = None) -> ForceRelease:
+    """Remove the enqueue-time hold of lock *name* on *client*: the one of *task_id* only
+    (``"refused"`` when another task id holds it now), or whoever's with None.
+
+    The message itself stays queued; when it starts, it takes the lock as usual.
+    """
+    found = read_queued(client, prefix, name)
+    if found is None:
+        return ForceRelease("gone")
+    owner = str(found.record.get("task_id") or "")
+    if task_id is not None and owner != task_id:
+        return ForceRelease("refused", found.record)
+    code = Status.of(RedisStore.of(client).call(DEQUEUE([found.key], [owner])))
+    if code is Status.OK:
+        return ForceRelease("released", found.record)
+    return ForceRelease("gone" if code is Status.GONE else "refused", found.record)
+
+
 def force_release(
     client: Any,
     prefix: str,
@@ -316,13 +355,48 @@ def _read(node: Any, keys: Sequence[str], prefix: str) -> list[LockInfo]:
             fields, pttl = replies[2 * i], replies[2 * i + 1]
             if isinstance(fields, Exception) or not isinstance(fields, list) or not fields[0]:
                 continue  # not a lock hash, or it went away between SCAN and read
+            record = parse_holder(fields[2])
             found.append(
                 LockInfo(
                     name=key[len(prefix) + 1 : -1],
                     key=key,
                     fence=_int(fields[1]),
                     ttl_ms=int(pttl) if isinstance(pttl, int) else -2,
-                    record=parse_holder(fields[2]),
+                    record=record,
+                    state="running" if record.get("task_name") else "held",
+                )
+            )
+    return found
+
+
+#: The end of an enqueue-time hold's key: ``<prefix>{<name>}:queued``.
+QUEUED_SUFFIX = "}:queued"
+
+
+def _read_queued(node: Any, keys: Sequence[str], prefix: str) -> list[LockInfo]:
+    """Read the enqueue-time holds *keys* on one plain node (skip what is none)."""
+    found: list[LockInfo] = []
+    for start in range(0, len(keys), READ_BATCH):
+        chunk = keys[start : start + READ_BATCH]
+        pipe = node.pipeline(transaction=False)
+        for key in chunk:
+            pipe.hmget(key, "owner", "info")
+            pipe.pttl(key)
+        replies = pipe.execute(raise_on_error=False)
+        for i, key in enumerate(chunk):
+            fields, pttl = replies[2 * i], replies[2 * i + 1]
+            if isinstance(fields, Exception) or not isinstance(fields, list) or not fields[0]:
+                continue
+            record = parse_holder(fields[1])
+            record.setdefault("task_id", text(fields[0]))
+            found.append(
+                LockInfo(
+                    name=key[len(prefix) + 1 : -len(QUEUED_SUFFIX)],
+                    key=key,
+                    fence=None,
+                    ttl_ms=int(pttl) if isinstance(pttl, int) else -2,
+                    record=record,
+                    state="queued",
                 )
             )
     return found

@@ -47,6 +47,9 @@ class LockKeys:
     fence: str
     notify: str
     waiting: str
+    #: The enqueue-time hold (``lock_on="enqueue"``): the task id of the one queued message
+    #: ("" for keys that have none, such as a semaphore's).
+    queued: str = ""
 
 
 def normalize_name(name: str) -> str:
@@ -93,6 +96,7 @@ def lock_keys(name: str, prefix: str = "redlock:") -> LockKeys:
         fence=f"{base}:fence",
         notify=f"{base}:notify",
         waiting=f"{base}:waiting",
+        queued=f"{base}:queued",
     )
 
 

@@ -32,7 +32,7 @@ from .errors import ConfigError, LockContended, LockLost, NotOwned, QuorumUnavai
 from .keys import LockKeys, lock_keys
 from .renewal import get_manager
 from .scripts import Status
-from .store import Grant, Holder, Store
+from .store import Grant, Handover, Holder, Store
 from .stores.quorum import QuorumStore
 from .stores.redis import RedisStore
 
@@ -188,6 +188,7 @@ class Lock:
         timeout: float | None = None,
         on_lost: Callable[[Lock], object] | None = None,
         fence_ttl: float | None = DEFAULT_FENCE_TTL,
+        handover: Handover | None = None,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"lock name must be a non-empty string, got {name!r}")
@@ -226,6 +227,13 @@ class Lock:
         self.blocking = blocking
         self.timeout = timeout
         self.on_lost = on_lost
+        #: The enqueue-time hold an acquisition takes over in the same step (None: none).
+        self.handover = handover
+        #: The last attempt was a hand-over refused because the queued hold belongs to
+        #: another task id (``queued_owner``); ``holder`` is then that hold's record.
+        self.superseded = False
+        #: Owner of the queued hold as the last refused hand-over saw it ("" none).
+        self.queued_owner: str | None = None
         #: The other owner's record, from the last contended attempt.
         self.holder: dict[str, Any] = {}
         #: The other owner's remaining lease (ms) at the last contended attempt.
@@ -310,13 +318,27 @@ class Lock:
         begin = time.monotonic()
         deadline = None if timeout is None else begin + timeout
         record = self._holder_record()
+        self.superseded = False
+        self.queued_owner = None
         while True:
             token = os.urandom(TOKEN_BYTES).hex()  # 160 fresh CSPRNG bits per attempt
             will_wait = blocking and (deadline is None or time.monotonic() < deadline)
             started = time.monotonic()
-            grant = self.layout.acquire(
-                token, self.ttl_ms, record, wait=will_wait, fence_ttl_ms=self.fence_ttl_ms
-            )  # raises QuorumUnavailable
+            if self.handover is None:
+                grant = self.layout.acquire(
+                    token, self.ttl_ms, record, wait=will_wait, fence_ttl_ms=self.fence_ttl_ms
+                )  # raises QuorumUnavailable
+            else:
+                grant = self.store.handover(
+                    self.keys,
+                    token,
+                    self.ttl_ms,
+                    record,
+                    owner=self.handover.owner,
+                    strict=self.handover.strict,
+                    wait=will_wait,
+                    fence_ttl_ms=self.fence_ttl_ms,
+                )
             self.masters = dict(grant.masters)
             if grant.acquired:
                 valid_until = started + self.ttl - drift(self.ttl)
@@ -335,6 +357,11 @@ class Lock:
             else:
                 self.holder = dict(grant.holder)
                 self.holder_ttl_ms = grant.holder_ttl_ms
+                self.superseded = grant.superseded
+                self.queued_owner = grant.queued_owner
+                if grant.superseded:  # nothing to wait for: another message has its place
+                    self._event("superseded", holder=self.holder, waited=time.monotonic() - begin)
+                    return False
                 if grant.holder_ttl_ms == -1:  # our locks always expire: not written by us
                     log_acquire.warning(
                         "lock %r is held with NO expiry (%r has no TTL): it is never freed by "

@@ -14,6 +14,8 @@ from .send import Packed
 __all__ = [
     "ACQUIRE",
     "CLAIM_FIELD",
+    "DEQUEUE",
+    "ENQUEUE",
     "EXTEND",
     "EXTEND_MANY",
     "EXTEND_NODE",
@@ -123,3 +125,5 @@ PERMIT_RELEASE = Script("permit_release.lua")
 PERMIT_EXTEND = Script("permit_extend.lua")
 PERMITS = Script("permits.lua")
 RATE = Script("rate.lua")  # a rate limiter's one call (core/ratelimit.py)
+ENQUEUE = Script("enqueue.lua")  # the enqueue-time hold (core/queued.py)
+DEQUEUE = Script("dequeue.lua")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from .keys import LockKeys
 from .scripts import Status
@@ -32,8 +32,10 @@ if TYPE_CHECKING:
 __all__ = [
     "MIN_NODE_TIMEOUT",
     "Grant",
+    "Handover",
     "Holder",
     "Permit",
+    "Queued",
     "RateGrant",
     "Store",
     "node_timeout",
@@ -68,6 +70,41 @@ class Grant:
     wait_on: int = 0
     #: What each master answered, by address (quorum stores; shown in errors).
     masters: Mapping[str, str] = field(default_factory=dict)
+    #: A hand-over refused because the enqueue-time hold belongs to another task id
+    #: (``queued_owner``); ``holder`` and ``holder_ttl_ms`` are then that hold's.
+    superseded: bool = False
+    #: A hand-over's view of the enqueue-time hold: its owner's task id ("" when there is
+    #: none; None when the attempt was no hand-over, or it was acquired).
+    queued_owner: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Handover:
+    """What a :class:`~celery_redlock.core.lock.Lock` takes over when it is acquired: the
+    enqueue-time hold of task *owner* (see :meth:`Store.handover`)."""
+
+    #: The task id whose queued hold becomes this lock.
+    owner: str
+    #: Refuse (superseded) when the queued hold belongs to another task id.
+    strict: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """What an attempt to take the enqueue-time hold found."""
+
+    #: ``"queued"``: held for the caller now (new, or its own hold renewed);
+    #: ``"replaced"``: held for the caller, in place of ``owner``'s hold;
+    #: ``"duplicate"``: ``owner``'s message is queued, or its run holds the lock (``state``).
+    outcome: Literal["queued", "replaced", "duplicate"]
+    #: The other task id: the one replaced, or the one this call duplicates.
+    owner: str = ""
+    #: That task's holder record.
+    holder: Mapping[str, Any] = field(default_factory=dict)
+    #: Its hold's lease left in ms (duplicate; None when unknown).
+    ttl_ms: int | None = None
+    #: ``"queued"`` or ``"running"`` (duplicate).
+    state: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +170,40 @@ class Store(Protocol):
 
     def release(self, keys: LockKeys, token: str, notice_ms: int) -> Status:
         """Give back *token*'s acquisition and wake one waiter."""
+        ...
+
+    def handover(
+        self,
+        keys: LockKeys,
+        token: str,
+        ttl_ms: int,
+        record: str,
+        *,
+        owner: str,
+        strict: bool,
+        wait: bool,
+        fence_ttl_ms: int,
+    ) -> Grant:
+        """:meth:`acquire`, taking over the enqueue-time hold of task *owner* in the same
+        step. *strict*: refused (``Grant.superseded``) when that hold belongs to another
+        task id. :class:`ConfigError` where the store cannot do it atomically."""
+        ...
+
+    def enqueue(
+        self,
+        keys: LockKeys,
+        owner: str,
+        ttl_ms: int,
+        record: str,
+        *,
+        replace: bool,
+        running_blocks: bool,
+    ) -> Queued:
+        """Take the enqueue-time hold of *keys* for task *owner* (see enqueue.lua)."""
+        ...
+
+    def dequeue(self, keys: LockKeys, owner: str) -> Status:
+        """Give up task *owner*'s enqueue-time hold (owner-checked)."""
         ...
 
     def abandon(self, keys: LockKeys, token: str, notice_ms: int) -> None:

@@ -12,15 +12,27 @@
 --          expires). A counter that is gone (expired, or never made) restarts from
 --          the server's clock in microseconds, above any value it could have reached
 --          by counting, so fences still increase after it expired.
+-- KEYS[4]  queued hold of this lock (optional: a hand-over, see enqueue.lua): the
+--          acquisition takes over the enqueue-time hold of task ARGV[6], in this one step
+-- ARGV[6]  with KEYS[4]: the task id taking over; kept in the lock's 'owner' field
+-- ARGV[7]  with KEYS[4]: '1' refuses when the queued hold belongs to another task id
+--          (this message was superseded or is a duplicate); '0' takes the lock anyway
+--          (a retry of a task that already ran keeps its place)
 -- Returns  {1, fence}          acquired; also when the key already holds ARGV[1]
 --                              (a re-sent acquire finds its own token: same fence,
---                              lease reset)
---          {0, holder, pttl}   held by another token: its record and ms left
+--                              lease reset). With KEYS[4]: the queued hold is deleted
+--                              if ARGV[6] owned it
+--          {0, holder, pttl}   held by another token: its record and ms left; with
+--                              KEYS[4] a 4th item, the queued hold's owner ('' if none)
+--          {-1, info, pttl, owner}  with KEYS[4] and ARGV[7] = '1': the lock is free
+--                              but the queued hold belongs to another task id (its
+--                              record, ms left, that id); nothing is changed
 local cur = redis.call('HMGET', KEYS[1], 'token', 'fence', 'info')
 if cur[1] == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return {1, tonumber(cur[2])}
 end
+local queued = KEYS[4] and redis.call('HMGET', KEYS[4], 'owner', 'info')
 if cur[1] then
   local left = redis.call('PTTL', KEYS[1])
   if ARGV[4] == '1' and KEYS[3] then
@@ -32,7 +44,13 @@ if cur[1] then
       redis.call('SET', KEYS[3], '1', 'PX', want)
     end
   end
+  if queued then
+    return {0, cur[3] or '', left, queued[1] or ''}
+  end
   return {0, cur[3] or '', left}
+end
+if queued and queued[1] and queued[1] ~= ARGV[6] and ARGV[7] == '1' then
+  return {-1, queued[2] or '', redis.call('PTTL', KEYS[4]), queued[1]}
 end
 local fence_ttl = tonumber(ARGV[5] or '0')
 if fence_ttl > 0 and redis.call('EXISTS', KEYS[2]) == 0 then
@@ -45,4 +63,10 @@ if fence_ttl > 0 then
 end
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fence, 'info', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if queued then
+  redis.call('HSET', KEYS[1], 'owner', ARGV[6])
+  if queued[1] == ARGV[6] then
+    redis.call('DEL', KEYS[4])
+  end
+end
 return {1, fence}

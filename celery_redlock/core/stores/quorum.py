@@ -46,10 +46,10 @@ from ..fanout import FanOut, answered
 from ..keys import LockKeys
 from ..scripts import EXTEND, RAISE_FENCE, Status
 from ..send import Plain
-from ..store import Grant, Holder, node_timeout, parse_holder, text
+from ..store import Grant, Holder, Queued, node_timeout, parse_holder, text
 from .redis import RedisStore, acquire_command, is_foreign, release_command
 
-__all__ = ["QuorumStore"]
+__all__ = ["QuorumStore", "no_queued_holds"]
 
 #: Per-node timeout of reads that carry no lease (holder, locked) when none is set.
 READ_TIMEOUT = 0.25
@@ -237,6 +237,36 @@ class QuorumStore:
             raise self.unavailable(keys.name, self._outcomes(results, _describe_code))
         return Status.GONE
 
+    # -- the enqueue-time hold: not over a quorum ---------------------------------------
+    def handover(
+        self,
+        keys: LockKeys,
+        token: str,
+        ttl_ms: int,
+        record: str,
+        *,
+        owner: str,
+        strict: bool,
+        wait: bool,
+        fence_ttl_ms: int,
+    ) -> Grant:
+        raise ConfigError(no_queued_holds(keys.name, len(self._members)))
+
+    def enqueue(
+        self,
+        keys: LockKeys,
+        owner: str,
+        ttl_ms: int,
+        record: str,
+        *,
+        replace: bool,
+        running_blocks: bool,
+    ) -> Queued:
+        raise ConfigError(no_queued_holds(keys.name, len(self._members)))
+
+    def dequeue(self, keys: LockKeys, owner: str) -> Status:
+        raise ConfigError(no_queued_holds(keys.name, len(self._members)))
+
     def abandon(self, keys: LockKeys, token: str, notice_ms: int) -> None:
         fan = FanOut(
             self._members, release_command(keys, token, notice_ms), self.timeout(notice_ms)
@@ -343,6 +373,17 @@ def _identity(client: Any) -> tuple[Any, ...]:
         kwargs.get("path") or kwargs.get("host"),
         kwargs.get("port"),
         kwargs.get("db", 0),
+    )
+
+
+def no_queued_holds(name: str, masters: int) -> str:
+    """Why a quorum of masters refuses enqueue-time holds."""
+    return (
+        f"lock {name!r}: enqueue-time holds (lock_on='enqueue' or 'enqueue+run') need one "
+        f"Redis (a plain server, a Sentinel master or a Cluster), not a Redlock quorum of "
+        f"{masters} masters: the hand-over from the queued hold to the lock could not be one "
+        "atomic step on a majority. Use lock_on='run' with these masters, or point "
+        "redlock_url at one Redis"
     )
 
 

@@ -38,6 +38,8 @@ from ..errors import ConfigError, QuorumUnavailable, RedlockError
 from ..keys import LockKeys
 from ..scripts import (
     ACQUIRE,
+    DEQUEUE,
+    ENQUEUE,
     EXTEND,
     EXTEND_MANY,
     EXTEND_NODE,
@@ -50,7 +52,7 @@ from ..scripts import (
     Status,
 )
 from ..send import Channel, Command, Lane, Plain, Sent, checkout
-from ..store import Grant, Holder, Permit, RateGrant, node_timeout, parse_holder, text
+from ..store import Grant, Holder, Permit, Queued, RateGrant, node_timeout, parse_holder, text
 
 __all__ = [
     "REDIS_ERRORS",
@@ -153,6 +155,30 @@ class RedisStore:
         command = acquire_command(keys, token, ttl_ms, record, wait=wait, fence_ttl_ms=fence_ttl_ms)
         return grant_of(self._attempt(command, keys, self.abandon, token, ttl_ms))
 
+    def handover(
+        self,
+        keys: LockKeys,
+        token: str,
+        ttl_ms: int,
+        record: str,
+        *,
+        owner: str,
+        strict: bool,
+        wait: bool,
+        fence_ttl_ms: int,
+    ) -> Grant:
+        command = acquire_command(
+            keys,
+            token,
+            ttl_ms,
+            record,
+            wait=wait,
+            fence_ttl_ms=fence_ttl_ms,
+            owner=owner,
+            strict=strict,
+        )
+        return grant_of(self._attempt(command, keys, self.abandon, token, ttl_ms))
+
     def _attempt(
         self,
         command: Command,
@@ -188,6 +214,31 @@ class RedisStore:
             self.call(release_command(keys, token, notice_ms))
         except REDIS_ERRORS:
             return  # the lease expires by itself within one TTL
+
+    def enqueue(
+        self,
+        keys: LockKeys,
+        owner: str,
+        ttl_ms: int,
+        record: str,
+        *,
+        replace: bool,
+        running_blocks: bool,
+    ) -> Queued:
+        args = (owner, ttl_ms, record, "1" if replace else "0", "1" if running_blocks else "0")
+        try:
+            reply = self.call(ENQUEUE([keys.queued, keys.lock], args))
+        except ResponseError as exc:
+            raise refused(self, keys, exc) from exc
+        except REDIS_ERRORS as exc:
+            raise self.unavailable(keys.name, exc) from exc
+        return queued_of(reply)
+
+    def dequeue(self, keys: LockKeys, owner: str) -> Status:
+        try:
+            return Status.of(self.call(DEQUEUE([keys.queued], [owner])))
+        except REDIS_ERRORS as exc:
+            raise self.unavailable(keys.name, exc) from exc
 
     def extend(self, keys: LockKeys, token: str, ms: int, *, replace: bool) -> int | Status:
         try:
@@ -379,12 +430,26 @@ def _extend_node(
 
 # -- commands and replies, shared with the quorum store ------------------------------------
 def acquire_command(
-    keys: LockKeys, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
+    keys: LockKeys,
+    token: str,
+    ttl_ms: int,
+    record: str,
+    *,
+    wait: bool,
+    fence_ttl_ms: int,
+    owner: str | None = None,
+    strict: bool = True,
 ) -> Command:
-    """The acquire script for *token* (see acquire.lua for what each argument does)."""
+    """The acquire script for *token* (see acquire.lua for what each argument does); with
+    *owner*, the hand-over of that task id's enqueue-time hold."""
+    if owner is None:
+        return ACQUIRE(
+            [keys.lock, keys.fence, keys.waiting],
+            [token, ttl_ms, record, "1" if wait else "0", fence_ttl_ms],
+        )
     return ACQUIRE(
-        [keys.lock, keys.fence, keys.waiting],
-        [token, ttl_ms, record, "1" if wait else "0", fence_ttl_ms],
+        [keys.lock, keys.fence, keys.waiting, keys.queued],
+        [token, ttl_ms, record, "1" if wait else "0", fence_ttl_ms, owner, "1" if strict else "0"],
     )
 
 
@@ -414,10 +479,40 @@ def permits_of(reply: Any) -> list[Permit]:
 
 def grant_of(reply: Any) -> Grant:
     """An acquire script's reply as a :class:`Grant`."""
-    if int(reply[0]) == 1:
+    code = int(reply[0])
+    if code == 1:
         return Grant(True, fence=int(reply[1]))
     left = int(reply[2])
-    return Grant(False, holder=parse_holder(reply[1]), holder_ttl_ms=left, wait_ms=left)
+    queued_owner = text(reply[3]) if len(reply) > 3 else None
+    if code == -1:  # a hand-over whose queued hold belongs to another task id
+        return Grant(
+            False,
+            holder=parse_holder(reply[1]),
+            holder_ttl_ms=left,
+            superseded=True,
+            queued_owner=queued_owner,
+        )
+    return Grant(
+        False,
+        holder=parse_holder(reply[1]),
+        holder_ttl_ms=left,
+        wait_ms=left,
+        queued_owner=queued_owner,
+    )
+
+
+def queued_of(reply: Any) -> Queued:
+    """An enqueue script's reply as a :class:`Queued`."""
+    code = int(reply[0])
+    if code == 1:
+        return Queued("queued")
+    if code == 2:
+        return Queued("replaced", owner=text(reply[1]), holder=parse_holder(reply[2]))
+    holder = parse_holder(reply[2])
+    owner = text(reply[1]) or str(holder.get("task_id") or "")
+    return Queued(
+        "duplicate", owner=owner, holder=holder, ttl_ms=int(reply[3]), state=text(reply[4])
+    )
 
 
 def refused(store: RedisStore, keys: LockKeys, exc: ResponseError) -> RedlockError:
@@ -474,8 +569,11 @@ def foreign_data_message(client: Any, keys: LockKeys, exc: BaseException) -> str
     prefix = keys.lock[: keys.lock.index("{")]
     try:
         kind = text(client.type(keys.lock))
+        queued = text(client.type(keys.queued))
         if kind not in ("hash", "none"):
             detail = f"{keys.lock!r} holds a {kind}, not a lock hash"
+        elif queued not in ("hash", "none"):
+            detail = f"its queued hold {keys.queued!r} holds a {queued}, not a hash"
         else:
             kind = text(client.type(keys.fence))
             value = text(client.get(keys.fence)) if kind == "string" else None

@@ -1,0 +1,119 @@
+"""The enqueue-time hold: at most one queued message per lock name.
+
+A publisher takes the hold for the task id of the message it is about to send
+(:meth:`QueuedHold.claim`); a second call finds it and is a duplicate, unless it
+replaces the hold (the newest call wins). The worker that starts the message turns
+the hold into the lock itself in one atomic, owner-checked step: a
+:class:`~celery_redlock.core.lock.Lock` made with ``handover=Handover(task_id)``
+(``acquire.lua`` with the hold's key). The hold lives at ``<lock key>:queued`` (same
+hash tag), a hash of ``owner`` (the task id) and ``info`` (its record), with a lease
+of its own: a message that never runs (lost, purged) frees its name when it ends.
+
+Why the hand-over is one step (a timeline, ``lock_on="enqueue+run"``)::
+
+    t=0  publisher A: hold 'sync:42' for task a; sends a
+    t=1  worker: a starts. Were it to release the hold, then acquire the lock:
+    t=1+ publisher B finds neither hold nor lock, holds for b and sends it: two runs
+         of sync:42 at once (a's and, soon, b's). In one script the hold becomes
+         the lock, and B finds the lock held by a: a duplicate of a running task.
+
+A hold belongs to a task id, not to a process, so any process can give it back
+for that id (:meth:`QueuedHold.release`: a message revoked, expired or rejected
+before it ran) and nobody can give back another id's hold.
+
+Needs one Redis (a plain server, a Sentinel master or a Cluster): a quorum store
+refuses with :class:`~celery_redlock.core.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from . import events, process
+from .errors import ConfigError
+from .keys import LockKeys, lock_keys
+from .lock import open_store, ttl_to_ms
+from .scripts import Status
+from .store import Queued, Store
+
+__all__ = ["QueuedHold"]
+
+_HOSTNAME = socket.gethostname()
+
+
+class QueuedHold:
+    """The enqueue-time hold of lock *name* on *target* (a client or a store).
+
+    >>> hold = QueuedHold(client, "sync:42")
+    >>> hold.claim("task-id-1", ttl=3600).outcome
+    'queued'
+    >>> hold.claim("task-id-2", ttl=3600).owner        # a duplicate of task-id-1
+    'task-id-1'
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        name: str,
+        *,
+        key_prefix: str = "redlock:",
+        owner_info: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"lock name must be a non-empty string, got {name!r}")
+        self.store: Store = open_store(target)
+        self.keys: LockKeys = lock_keys(name, key_prefix)
+        self.name = self.keys.name
+        self.owner_info: dict[str, Any] = dict(owner_info or {})
+
+    def claim(
+        self,
+        owner: str,
+        ttl: float,
+        *,
+        replace: bool = False,
+        running_blocks: bool = False,
+    ) -> Queued:
+        """Hold the name for task *owner* for *ttl* seconds, or say whose it is.
+
+        *replace*: a hold of another task id is taken over (that message is then
+        superseded: its worker skips it). *running_blocks*: while the lock itself is
+        held by another task id's run, the call is a duplicate of that run. A task id
+        that holds the name already renews its hold (a retry keeps its place).
+        Raises :class:`QuorumUnavailable` when Redis cannot answer.
+        """
+        if not isinstance(owner, str) or not owner:
+            raise ConfigError(f"a queued hold's owner must be a task id, got {owner!r}")
+        record = {"hostname": _HOSTNAME, "pid": process.pid(), "queued_at": round(time.time(), 3)}
+        record.update(self.owner_info)
+        record["task_id"] = owner
+        found = self.store.enqueue(
+            self.keys,
+            owner,
+            ttl_to_ms(ttl, "the queued hold's ttl"),
+            json.dumps(record, separators=(",", ":"), default=str),
+            replace=replace,
+            running_blocks=running_blocks,
+        )
+        if found.outcome == "duplicate" and events.wanted("duplicate"):
+            events.emit(
+                events.LockEvent(
+                    "duplicate",
+                    self.name,
+                    self.keys.queued if found.state == "queued" else self.keys.lock,
+                    holder=found.holder,
+                    ttl=None if found.ttl_ms is None else found.ttl_ms / 1000,
+                )
+            )
+        return found
+
+    def release(self, owner: str) -> bool:
+        """Give up task *owner*'s hold; True if it was there (never another id's)."""
+        return self.store.dequeue(self.keys, owner) is Status.OK
+
+    def __repr__(self) -> str:
+        return f"<QueuedHold {self.name!r}>"
