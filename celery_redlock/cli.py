@@ -40,10 +40,12 @@ from .core.inspect import (
     REDIS_ERRORS,
     LockInfo,
     RateInfo,
+    force_dequeue,
     force_release,
     read_limiter,
     read_lock,
     read_permits,
+    read_queued,
     scan_limiters,
     scan_locks,
     scan_permits,
@@ -72,19 +74,29 @@ class LockRow:
     master: str | None = None
     #: ``"lock"``, or ``"permit"`` (one permit of a semaphore: one row per permit).
     kind: str = "lock"
+    #: "running", "held", or "queued" (an enqueue-time hold: the message is not started).
+    state: str = "held"
 
     @classmethod
     def of(cls, info: LockInfo, master: str | None) -> LockRow:
         """The row for what one master (*master*: its address, Redlock only) stores."""
         return cls(
-            info.name, info.key, info.fence, info.ttl_ms, dict(info.record), master, info.kind
+            info.name,
+            info.key,
+            info.fence,
+            info.ttl_ms,
+            dict(info.record),
+            master,
+            info.kind,
+            info.state,
         )
 
     @property
     def acquired_at(self) -> float | None:
-        """Wall-clock time of the acquisition, as the holder recorded it (None when the
-        record holds no plausible time: foreign data may hold anything)."""
-        value = self.record.get("acquired_at")
+        """Wall-clock time of the acquisition (or of the publish, for a queued hold), as
+        the holder recorded it (None when the record holds no plausible time: foreign
+        data may hold anything)."""
+        value = self.record.get("queued_at" if self.state == "queued" else "acquired_at")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return None
         stamp = float(value)
@@ -101,6 +113,7 @@ class LockRow:
             "kind": self.kind,
             "name": self.name,
             "key": self.key,
+            "state": self.state,
             "holder": self.holder,
             "acquired_at": self.acquired_at,
             "ttl_ms": self.ttl_ms,
@@ -234,7 +247,11 @@ _json_option = click.option(
 @click.pass_context
 def list_(ctx: click.Context, pattern: str, as_json: bool) -> None:
     """List held locks, semaphore permits and rate limiters whose name matches PATTERN
-    (a glob, default "*")."""
+    (a glob, default "*").
+
+    STATE says whether a task's run holds the lock (running), a message not started
+    yet holds it from its publish (queued: lock_on="enqueue"), or another holder (held).
+    """
     session = _Session(ctx)
     prefix = session.prefix
     rows = session.collect(lambda client: scan_locks(client, prefix, pattern))
@@ -314,7 +331,8 @@ def release(ctx: click.Context, name: str, force: bool) -> None:
     rows = _held(session, name)
     session.warn_unreachable()  # the release below tries every master again
     session.unreachable.clear()
-    expected = {r.master: r.fence for r in rows}
+    expected = {r.master: r.fence for r in rows if r.state != "queued"}
+    queued_ids = {r.master: r.record.get("task_id") for r in rows if r.state == "queued"}
     if not force:
         click.echo("\n\n".join(_details(r) for r in rows))
         click.confirm(
@@ -326,10 +344,18 @@ def release(ctx: click.Context, name: str, force: bool) -> None:
     released = 0
     for url, client in session.clients:
         master = session.master_of(client)
-        if master not in expected:
+        if master not in expected and master not in queued_ids:
             continue
-        fence = None if force else expected[master]
         try:
+            if queued_ids.get(master, _NONE) is not _NONE:
+                owner = None if force else queued_ids[master]
+                gone = force_dequeue(client, session.prefix, name, owner)
+                if gone.outcome == "released":
+                    released += 1
+                    click.echo(f"released the queued hold of {name!r} (task {_task_of(gone)})")
+            if master not in expected:
+                continue
+            fence = None if force else expected[master]
             done = force_release(client, session.prefix, name, fence, notice_ttl=notice_ttl)
         except REDIS_ERRORS as exc:
             session.unreachable.append(_Unreachable(url, exc))
@@ -360,8 +386,8 @@ def _held(session: _Session, name: str) -> list[LockRow]:
         raise CeleryCommandException(str(exc), EXIT_USAGE) from None
 
     def read(client: Any) -> list[LockInfo]:
-        info = read_lock(client, session.prefix, name)
-        return [] if info is None else [info]
+        found = [read_lock(client, session.prefix, name), read_queued(client, session.prefix, name)]
+        return [info for info in found if info is not None]
 
     rows = session.collect(read)
     if not rows:
@@ -425,13 +451,14 @@ def _rate_details(info: RateInfo) -> str:
 
 def _table(rows: Sequence[LockRow], with_master: bool) -> str:
     now = time.time()
-    header = ["NAME", "HOLDER", "HOST", "PID", "HELD FOR", "TTL", "FENCE"]
+    header = ["NAME", "STATE", "HOLDER", "HOST", "PID", "HELD FOR", "TTL", "FENCE"]
     if with_master:
         header.append("MASTER")
     lines = [header]
     for r in rows:
         line = [
             r.name,
+            r.state,
             _who(r.record),
             str(r.record.get("hostname") or "-"),
             str(r.record.get("pid") or "-"),
@@ -456,14 +483,16 @@ def _details(r: LockRow) -> str:
         pairs.append(("kind", r.kind))
     if r.master:
         pairs.append(("master", r.master))
+    pairs.append(("state", r.state))
     pairs.append(("holder", _who(r.record)))
     for field_name in ("task_name", "task_id", "hostname", "pid"):
         pairs.append((field_name, str(r.record.get(field_name) or "-")))
     if r.acquired_at:
         stamp = datetime.fromtimestamp(r.acquired_at).isoformat(sep=" ", timespec="seconds")
-        pairs.append(("acquired_at", f"{stamp} ({_duration(now - r.acquired_at)} ago)"))
+        label = "queued_at" if r.state == "queued" else "acquired_at"
+        pairs.append((label, f"{stamp} ({_duration(now - r.acquired_at)} ago)"))
     pairs += [("ttl left", _ttl(r.ttl_ms)), ("fence", "-" if r.fence is None else str(r.fence))]
-    shown = {"task_name", "task_id", "hostname", "pid", "acquired_at"}
+    shown = {"task_name", "task_id", "hostname", "pid", "acquired_at", "queued_at"}
     pairs += [(str(k), str(v)) for k, v in sorted(r.record.items()) if k not in shown]
     pairs = [(_cell(k), _cell(v)) for k, v in pairs]
     width = max(len(k) for k, _ in pairs) + 1
@@ -519,3 +548,10 @@ def _ttl(ms: int) -> str:
     if ms < 0:
         return "gone"
     return _duration(ms / 1000)
+
+
+_NONE = object()
+
+
+def _task_of(done: Any) -> str:
+    return str(done.record.get("task_id") or "?")

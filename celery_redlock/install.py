@@ -14,6 +14,7 @@ The flags only act through the bootstep, which exists on installed apps.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
 import threading
 import weakref
@@ -30,13 +31,16 @@ from .core import renewal
 from .core.connect import mask_url
 from .core.errors import ConfigError
 from .core.events import add_hook
+from .core.stores.quorum import no_queued_holds
+from .dedup import HOLD_HEADER, release_hold_later
 from .observability import drop_unscrapable_metrics, enable_prometheus_by_default, logging_hook
 from .options import check_store, check_task_option
-from .runtime import KEY_HEADER, release_all_held, release_for_gone_child
+from .policies import LOCK_ON
+from .runtime import KEY_HEADER, publish, release_all_held, release_for_gone_child
 from .state import AppState, state_for
 from .task import LockedTask
 
-__all__ = ["RedlockStep", "apply_redlock_tasks", "install"]
+__all__ = ["RedlockStep", "apply_redlock_tasks", "install", "wrap_send_task"]
 
 log = logging.getLogger("celery_redlock")
 
@@ -54,6 +58,7 @@ def install(app: Any) -> None:
         state.installed = True
         _states.add(state)
         app.steps["worker"].add(RedlockStep)
+        wrap_send_task(app)
         _connect_receivers()
         add_hook(logging_hook)
         enable_prometheus_by_default()
@@ -76,6 +81,15 @@ _FLAGS = [
         default=None,
         help="Default lock lease in seconds (kept alive while tasks run); overrides "
         "app.conf.redlock_ttl for this worker.",
+    ),
+    click.Option(
+        ["--redlock-lock-on"],
+        type=click.Choice(LOCK_ON),
+        default=None,
+        help="When locks are held, for tasks that do not set lock_on: run (default), "
+        "enqueue or enqueue+run; overrides app.conf.redlock_lock_on for this worker "
+        "(and what it publishes). Publishers must use the same setting to de-duplicate "
+        "at publish; the worker checks messages that were sent without it.",
     ),
     click.Option(
         ["--redlock-disable"],
@@ -134,6 +148,7 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
         redlock_url: tuple[str, ...] | list[str] | str | None = None,
         redlock_ttl: float | None = None,
         redlock_disable: bool = False,
+        redlock_lock_on: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(parent, **kwargs)
@@ -147,6 +162,8 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
             overrides["redlock_ttl"] = redlock_ttl
         if redlock_disable:
             overrides["redlock_disable"] = True
+        if redlock_lock_on is not None:
+            overrides["redlock_lock_on"] = redlock_lock_on
         state.overrides.update(overrides)
         state.send_events = bool(getattr(parent, "task_events", False))
         state.reset()
@@ -184,13 +201,17 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
 def check_locked_tasks(app: Any, state: AppState) -> None:
     """Resolve every locked task's options against the settings now, so a bad combination
-    (``lock_limit=None`` without a rate, a limit or a rate on Redlock masters) stops the
-    worker at start-up with a ConfigError naming the task, never deep in a run."""
+    (``lock_limit=None`` without a rate, a limit or a rate on Redlock masters, enqueue-time
+    holds on Redlock masters) stops the worker at start-up with a ConfigError naming the
+    task, never deep in a run."""
     url = state.settings.url
     masters = len(url) if isinstance(url, list) else 1
     for task in list(app.tasks.values()):
         if isinstance(task, LockedTask) and type(task).redlock_spec is not None:
-            check_store(task.name, state.options_for(task), masters)
+            options = state.options_for(task)
+            check_store(task.name, options, masters)
+            if masters > 1 and options.lock_on != "run":
+                raise ConfigError(f"task {task.name!r}: " + no_queued_holds(task.name, masters))
 
 
 def check_lock_redis(where: str, client: Any) -> None:
@@ -246,6 +267,42 @@ def check_lock_redis(where: str, client: Any) -> None:
         )
 
 
+# -- app.send_task by name --------------------------------------------------------------------
+def wrap_send_task(app: Any) -> None:
+    """Make ``app.send_task(name, ...)`` de-duplicate like ``apply_async`` when *name* is a
+    LockedTask this process knows (beat publishes by name when its process lacks the
+    task's class; then the worker checks instead, see celery_redlock.dedup).
+
+    ``Task.apply_async`` calls ``send_task`` with ``task_type``: those calls passed
+    ``LockedTask.apply_async`` already and go straight through.
+    """
+    current = app.send_task
+    if getattr(current, "redlock_wrapped", False):
+        return
+
+    @functools.wraps(current)
+    def send_task(
+        name: Any, args: Any = None, kwargs: Any = None, *rest: Any, **options: Any
+    ) -> Any:
+        if rest or options.get("task_type") is not None:
+            return current(name, args, kwargs, *rest, **options)
+        task = _locked_task(app, name)
+        if task is None:
+            return current(name, args, kwargs, **options)
+        return publish(task, args, kwargs, options, functools.partial(current, name))
+
+    send_task.redlock_wrapped = True  # type: ignore[attr-defined]
+    app.send_task = send_task
+
+
+def _locked_task(app: Any, name: Any) -> Any:
+    """The LockedTask registered as *name* in this process, or None."""
+    if not isinstance(name, str) or not (app.finalized or app.autofinalize):
+        return None
+    task = app.tasks.get(name)
+    return task if isinstance(task, LockedTask) else None
+
+
 # -- redlock_tasks: lock tasks that do not use the base class ---------------------------------
 def apply_redlock_tasks(app: Any = None, sender: Any = None, **_: Any) -> None:
     """Give tasks matched by ``app.conf.redlock_tasks`` the LockedTask behaviour."""
@@ -286,6 +343,8 @@ def _connect_receivers() -> None:
         return
     signals.task_failure.connect(_on_failure, weak=False)
     signals.task_revoked.connect(_on_revoked, weak=False)
+    signals.task_rejected.connect(_on_rejected, weak=False)
+    signals.task_unknown.connect(_on_rejected, weak=False)
     signals.worker_process_shutdown.connect(_on_process_shutdown, weak=False)
     signals.worker_process_init.connect(_on_process_init, weak=False)
     _receivers_connected = True
@@ -318,10 +377,22 @@ def _on_failure(
 
 
 def _on_revoked(
-    sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
+    sender: Any = None,
+    request: Any = None,
+    terminated: bool = False,
+    expired: bool = False,
+    **_: Any,
 ) -> None:
-    """In the worker's main process: ``revoke(terminate=True)`` frees the lock now."""
-    if not terminated or request is None:
+    """In the worker's main process: ``revoke(terminate=True)`` frees the lock now; a
+    message discarded before it ran (revoked, or past its ``expires``) frees its hold."""
+    if request is None:
+        return
+    if not terminated:
+        hold = _hold_of(request)
+        task_id = getattr(request, "id", None)
+        app = getattr(sender, "app", None)
+        if hold and task_id and app is not None:
+            release_hold_later(app, hold, task_id, "expired" if expired else "revoked")
         return
     state = _installed(sender)
     task_id = getattr(request, "id", None)
@@ -334,6 +405,26 @@ def _on_revoked(
     release_for_gone_child(
         sender, task_id, request.args, request.kwargs, headers, why="revoked (terminated)"
     )
+
+
+def _hold_of(request: Any) -> str | None:
+    """The lock name whose enqueue-time hold a request's message took (its header)."""
+    headers = getattr(request, "headers", None)
+    value = headers.get(HOLD_HEADER) if isinstance(headers, dict) else None
+    if value is None:
+        value = getattr(request, HOLD_HEADER, None)
+    return value if isinstance(value, str) and value else None
+
+
+def _on_rejected(sender: Any = None, message: Any = None, **_: Any) -> None:
+    """In the worker's main process: a message rejected unread (unknown task, bad message)
+    frees its hold, read from its headers: this worker may not know the task."""
+    headers = getattr(message, "headers", None)
+    if not isinstance(headers, dict):
+        return
+    hold, task_id, app = headers.get(HOLD_HEADER), headers.get("id"), getattr(sender, "app", None)
+    if isinstance(hold, str) and hold and isinstance(task_id, str) and app is not None:
+        release_hold_later(app, hold, task_id, "rejected")
 
 
 def _on_process_init(**_: Any) -> None:

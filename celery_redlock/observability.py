@@ -6,10 +6,13 @@
   failures as WARNING on ``celery_redlock.renew``, once). ``install(app)``
   registers it.
 * Celery events ``task-lock-acquired``, ``task-lock-contended``,
-  ``task-lock-released``, ``task-lock-lost`` and ``task-lock-rate-limited`` (with
-  ``retry_after``) are sent from the task when the worker sends task events (``-E``
+  ``task-lock-released``, ``task-lock-lost``, ``task-lock-rate-limited`` (with
+  ``retry_after``), and ``task-lock-duplicate`` and ``task-lock-superseded`` for
+  de-duplication, are sent from the task when the worker sends task events (``-E``
   or ``worker_send_task_events``), for Flower and other event consumers. A
-  semaphore's permits are locks here: the same events, one per permit.
+  semaphore's permits are locks here: the same events, one per permit. A publisher
+  whose app sets ``task_send_sent_event`` sends ``task-lock-duplicate`` for each
+  call it does not send.
 * With ``prometheus_client`` installed, :func:`prometheus_hook` counts events by
   kind and task, and records wait and hold times in histograms, in every
   registry passed to :func:`enable_prometheus` (``install(app)`` enables the
@@ -33,6 +36,7 @@ __all__ = [
     "enable_prometheus",
     "logging_hook",
     "prometheus_hook",
+    "send_publisher_event",
     "send_task_event",
 ]
 
@@ -46,6 +50,9 @@ _LEVELS = {
     "lost": logging.INFO,
     "rate_limited": logging.INFO,
     "unavailable": logging.INFO,
+    # celery_redlock.dedup logs each of these once, in words, at INFO
+    "duplicate": logging.DEBUG,
+    "superseded": logging.DEBUG,
 }
 
 
@@ -107,7 +114,7 @@ def enable_prometheus(registry: Any = None) -> bool:
                 "events": prom.Counter(
                     "celery_redlock_events_total",
                     "Lock events by kind (acquired, contended, released, renew_failed, lost, "
-                    "rate_limited)",
+                    "rate_limited, duplicate, superseded)",
                     ["kind", "task"],
                     registry=target,
                 ),
@@ -250,4 +257,16 @@ def send_task_event(task: Any, kind: str, **fields: Any) -> None:
     try:
         task.send_event(f"task-lock-{kind}", retry=False, **fields)
     except Exception as exc:  # monitoring must never break a task
+        log.debug("could not send task-lock-%s: %s", kind, exc)
+
+
+def send_publisher_event(app: Any, kind: str, **fields: Any) -> None:
+    """Send ``task-lock-<kind>`` from a publishing process, when its app sends task events
+    (``task_send_sent_event``); never raises."""
+    if not app.conf.get("task_send_sent_event"):
+        return
+    try:
+        with app.events.default_dispatcher() as dispatcher:
+            dispatcher.send(f"task-lock-{kind}", **fields)
+    except Exception as exc:  # monitoring must never break a publish
         log.debug("could not send task-lock-%s: %s", kind, exc)

@@ -20,7 +20,14 @@ from .core import ConfigError, KeyTemplate
 from .core.lock import MAX_TTL_MS, MIN_TTL, ttl_to_ms
 from .core.ratelimit import parse_rate
 from .core.semaphore import REDLOCK_REFUSAL
-from .policies import LOST_POLICIES, STRATEGIES, Strategy
+from .policies import (
+    DUPLICATE_POLICIES,
+    LOCK_ON,
+    LOST_POLICIES,
+    STRATEGIES,
+    Duplicate,
+    Strategy,
+)
 
 __all__ = [
     "OPTIONS",
@@ -28,6 +35,7 @@ __all__ = [
     "TaskOptions",
     "TaskSpec",
     "boolean",
+    "check_combination",
     "check_declared",
     "check_store",
     "check_task_option",
@@ -181,6 +189,10 @@ OPTIONS: dict[str, Option] = {
     "lock_limit": Option(limit_option, "redlock_limit"),
     "lock_rate": Option(rate_option, "redlock_rate"),
     "lock_rate_burst": Option(positive_number, None),
+    "lock_on": Option(choice(*LOCK_ON), "redlock_lock_on"),
+    "lock_on_duplicate": Option(choice(*DUPLICATE_POLICIES), "redlock_lock_on_duplicate"),
+    "lock_debounce": Option(seconds(0, allow_none=True, strict=True), None),
+    "lock_enqueue_ttl": Option(lease(minimum=0.001), "redlock_lock_enqueue_ttl"),
 }
 
 #: Options for which None, set by the task, means something (no cap), not "not set".
@@ -188,6 +200,8 @@ NONE_MEANS_SOMETHING = frozenset({"lock_limit"})
 #: The class attribute that marks the class holding the options' unset defaults (None):
 #: ``LockedTask`` sets every option to None and this to True in its own namespace.
 DEFAULTS_MARK = "redlock_option_defaults"
+#: Options that only mean something with lock_on "enqueue" or "enqueue+run".
+ENQUEUE_OPTIONS = ("lock_on_duplicate", "lock_debounce", "lock_enqueue_ttl")
 
 
 def check_task_option(task_name: str, option: str, value: Any) -> Any:
@@ -228,7 +242,7 @@ def is_set(cls: type, option: str) -> bool:
 
 def check_declared(task_name: str, cls: type) -> None:
     """Check every ``lock_*`` attribute that task class *cls* itself sets, and the options
-    that only make sense together (a rate limit alone, a burst)."""
+    that only make sense together (a rate limit alone, a burst, a debounce)."""
     for attr in list(vars(cls)):
         if attr.startswith("lock_"):
             check_task_option(task_name, attr, declared(cls, attr))
@@ -244,6 +258,36 @@ def check_declared(task_name: str, cls: type) -> None:
         raise ConfigError(
             f"task {task_name!r}: lock_rate_burst={burst!r} is not valid without a lock_rate "
             "on the task; it must be set together with lock_rate (e.g. lock_rate='10/m')"
+        )
+    check_combination(
+        task_name,
+        declared(cls, "lock_on"),
+        declared(cls, "lock_on_duplicate"),
+        declared(cls, "lock_debounce"),
+        given=[o for o in ENQUEUE_OPTIONS if declared(cls, o) is not None],
+    )
+
+
+def check_combination(
+    task_name: str, lock_on: Any, on_duplicate: Any, debounce: Any, given: list[str]
+) -> None:
+    """ConfigError for de-duplication options of one task class that cannot work together.
+
+    ``lock_debounce`` only means something with ``lock_on_duplicate="replace"`` set on
+    the same task (a setting could change under it); the other enqueue options may be
+    set while ``lock_on`` is left to ``redlock_lock_on``.
+    """
+    if lock_on == "run" and given:
+        raise ConfigError(
+            f"task {task_name!r}: {', '.join(given)} must be used with lock_on='enqueue' or "
+            "'enqueue+run' (the lock is taken at publish); this task sets lock_on='run'"
+        )
+    if debounce is not None and on_duplicate != "replace":
+        raise ConfigError(
+            f"task {task_name!r}: lock_debounce={debounce!r} must be used with "
+            f"lock_on_duplicate='replace' on the same task (the newest call's arguments run "
+            "once the calls stop); "
+            + ("it sets none" if on_duplicate is None else f"it sets {on_duplicate!r}")
         )
 
 
@@ -301,6 +345,14 @@ class TaskOptions:
     #: Run starts of one key per period (``"10/m"``), or None.
     rate: str | None = None
     rate_burst: int = 1
+    #: "run", "enqueue" or "enqueue+run".
+    lock_on: str = "run"
+    on_duplicate: str = "return"
+    duplicate: Duplicate = DUPLICATE_POLICIES["return"]
+    #: With "replace": seconds without a new call before the newest one runs.
+    debounce: float | None = None
+    #: How long the hold of a message that never runs may live (+ its ETA/countdown).
+    enqueue_ttl: float = 3600.0
 
 
 def resolve(cls: type, spec: TaskSpec, settings: Mapping[str, Any]) -> TaskOptions:
@@ -343,6 +395,11 @@ def resolve(cls: type, spec: TaskSpec, settings: Mapping[str, Any]) -> TaskOptio
         limit=values["lock_limit"],
         rate=values["lock_rate"],
         rate_burst=values["lock_rate_burst"] or 1,
+        lock_on=values["lock_on"],
+        on_duplicate=values["lock_on_duplicate"],
+        duplicate=DUPLICATE_POLICIES[values["lock_on_duplicate"]],
+        debounce=values["lock_debounce"],
+        enqueue_ttl=values["lock_enqueue_ttl"],
     )
 
 

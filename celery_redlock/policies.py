@@ -27,11 +27,14 @@ if TYPE_CHECKING:
     from .options import TaskOptions
 
 __all__ = [
+    "DUPLICATE_POLICIES",
+    "LOCK_ON",
     "LOST_POLICIES",
     "RATE_SLOT_HEADER",
     "RETRIES_HEADER",
     "SKIPPED",
     "STRATEGIES",
+    "Duplicate",
     "Refusal",
     "Strategy",
     "backoff_delay",
@@ -51,6 +54,32 @@ RETRIES_HEADER = "redlock_retries"
 RATE_SLOT_HEADER = "redlock_rate_slot"
 #: ``lock_on_lost``: "raise" interrupts the body with LockLost, "warn" only logs.
 LOST_POLICIES = ("raise", "warn")
+#: ``lock_on``: when the lock is held. "run": while the body runs; "enqueue": from publish
+#: until the body starts (the run itself is locked as with "run"); "enqueue+run": from
+#: publish until the run ends (one queued-or-running per key). See celery_redlock.dedup.
+LOCK_ON = ("run", "enqueue", "enqueue+run")
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    """One ``lock_on_duplicate`` value: what a publish does that finds the key held."""
+
+    #: The newest call takes the queued message's place (that message is skipped).
+    replace: bool
+    #: Under "enqueue+run", a call while the key's run holds the lock is a duplicate of
+    #: that run (else it is queued behind it).
+    running_is_duplicate: bool
+    #: A duplicate raises AlreadyQueued (else the call returns the existing AsyncResult).
+    raises: bool
+
+
+#: ``lock_on_duplicate`` name -> what it does (the order is the one error messages list).
+DUPLICATE_POLICIES: dict[str, Duplicate] = {
+    "return": Duplicate(replace=False, running_is_duplicate=True, raises=False),
+    "raise": Duplicate(replace=False, running_is_duplicate=True, raises=True),
+    "replace": Duplicate(replace=True, running_is_duplicate=False, raises=False),
+    "queue_one": Duplicate(replace=False, running_is_duplicate=False, raises=False),
+}
 
 
 def is_skipped(result: Any) -> bool:

@@ -16,12 +16,15 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from celery import signals
+from celery.exceptions import Ignore, Retry
 
 from .core import (
     ConfigError,
+    Handover,
     KeyTemplate,
     Lock,
     LockLost,
@@ -32,10 +35,21 @@ from .core import (
     Semaphore,
     render_value,
 )
+from .core.errors import describe_holder
+from .core.lock import drift
+from .dedup import (
+    HOLD_HEADER,
+    NO_DEDUP_HEADER,
+    attempt_of,
+    claim_at_worker,
+    give_up_hold,
+    publish_held,
+    skip_superseded,
+)
 from .interrupt import LockLostInterrupt, on_lost, watch
 from .observability import send_task_event
 from .options import TaskOptions
-from .policies import RATE_SLOT_HEADER, STRATEGIES, Refusal, requeue
+from .policies import RATE_SLOT_HEADER, STRATEGIES, Refusal, Strategy, requeue
 from .state import AppState, state_for
 
 __all__ = [
@@ -43,6 +57,7 @@ __all__ = [
     "acquire_for_request",
     "lock_name_for",
     "lock_of",
+    "publish",
     "release_all_held",
     "release_for_gone_child",
     "release_for_request",
@@ -136,12 +151,36 @@ def _arguments(
 
 
 def _new_lock(
-    task: Any, state: AppState, options: TaskOptions, name: str, task_id: str | None, *, host: Any
+    task: Any,
+    state: AppState,
+    options: TaskOptions,
+    name: str,
+    task_id: str | None,
+    *,
+    host: Any,
+    attempt: tuple[int, int] = (0, 0),
+    handover: Handover | None = None,
+    done_as: str | None = None,
 ) -> Lock:
-    """The lock of one run, built through the app's state (the one place that builds locks)."""
-    owner = {"task_name": task.name, "task_id": task_id}
+    """The lock of one run, built through the app's state (the one place that builds locks).
+
+    Its holder record names the task id and, from the second attempt on, which attempt
+    (``retries``, ``lock_retries``): a delivery that finds its own task id holding the
+    lock tells an earlier attempt (a ``self.retry()`` whose body has not released yet)
+    from another copy of its own message (a redelivery).
+    """
+    owner: dict[str, Any] = {"task_name": task.name, "task_id": task_id}
     if host:
         owner["worker"] = host
+    if attempt[0]:
+        owner["retries"] = attempt[0]
+    if attempt[1]:
+        owner["lock_retries"] = attempt[1]
+    extra: dict[str, Any] = {}
+    if handover is not None:
+        extra["handover"] = handover
+    if done_as is not None:
+        extra.update(done_as=done_as, done_ttl=options.enqueue_ttl)
     return state.make_lock(
         name,
         options.ttl,
@@ -149,6 +188,7 @@ def _new_lock(
         owner_info=owner,
         max_hold=options.max_hold,
         on_lost=on_lost,
+        **extra,
     )
 
 
@@ -184,6 +224,24 @@ def _rate_grant(
     return limiter.acquire(queue=requeues)
 
 
+# -- publish -------------------------------------------------------------------------------
+def publish(
+    task: Any, args: Any, kwargs: Any, call: dict[str, Any], send: Callable[..., Any]
+) -> Any:
+    """Publish one call of a locked task through *send* (``send(args, kwargs, **call)``);
+    with ``lock_on="enqueue"`` or ``"enqueue+run"`` after the duplicate check of
+    :mod:`celery_redlock.dedup`."""
+    app = task.app
+    state = state_for(app)
+    if state.disabled or app.conf.task_always_eager:
+        return send(args, kwargs, **call)
+    options = state.options_for(task)
+    if options.lock_on == "run":
+        return send(args, kwargs, **call)
+    name = lock_name_for(task, tuple(args or ()), dict(kwargs or {}), call.get("headers"), options)
+    return publish_held(task, name, options, args, kwargs, call=call, send=send)
+
+
 # -- acquire -------------------------------------------------------------------------------
 def acquire_for_request(
     task: Any,
@@ -192,7 +250,12 @@ def acquire_for_request(
     kwargs: dict[str, Any],
     request: Any = None,
 ) -> None:
-    """``before_start``: take the run's lock, or apply the contended strategy."""
+    """``before_start``: take the run's lock, or apply the contended strategy.
+
+    With ``lock_on="enqueue"``/``"enqueue+run"`` the lock is taken by a hand-over of the
+    message's enqueue-time hold (see celery_redlock.dedup); a message that does not run
+    (skipped, superseded, failed) gives its own hold back, a retried one keeps it.
+    """
     if request is None:
         request = task.request
     request._redlock_checked = True
@@ -206,23 +269,99 @@ def acquire_for_request(
     if eager and strategy.eager is not None:
         policy = strategy.eager
         strategy = STRATEGIES[policy]
-    name = lock_name_for(task, args, kwargs, getattr(request, "headers", None), options)
+    headers = getattr(request, "headers", None)
+    name = lock_name_for(task, args, kwargs, headers, options)
+    attempt = attempt_of(request)
+    handover = None
+    if options.lock_on != "run" and not eager:
+        marks = headers if isinstance(headers, dict) else {}
+        # A retry keeps its place; a chain step was sent on purpose: neither is a duplicate.
+        keeps_place = attempt != (0, 0) or bool(marks.get(NO_DEDUP_HEADER))
+        if not keeps_place and HOLD_HEADER not in marks:
+            claim_at_worker(task, request, name, options)
+        handover = Handover(task_id, strict=not keeps_place)
+    run = _Run(task, request, task_id, name, options, strategy, policy, eager, attempt)
+    try:
+        _acquire(run, state, handover)
+    except Retry:
+        raise  # re-queued under the same task id: it keeps its hold
+    except BaseException:
+        if handover is not None:
+            give_up_hold(task, name, task_id)
+        raise
+    if handover is not None and lock_of(request) is None:
+        give_up_hold(task, name, task_id)  # a run that does not start (fail-open, a skip)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One run being started: what ``_acquire`` needs to know about it."""
+
+    task: Any
+    request: Any
+    task_id: str
+    name: str
+    options: TaskOptions
+    strategy: Strategy
+    policy: str
+    eager: bool
+    attempt: tuple[int, int]
+
+
+def _acquire(run: _Run, state: AppState, handover: Handover | None) -> None:
+    """Take the run's lock (or permit) and its rate slot, or apply the contended strategy."""
+    task, request, task_id, name = run.task, run.request, run.task_id, run.name
+    options, strategy, policy, eager = run.options, run.strategy, run.policy, run.eager
     host = getattr(request, "hostname", None)
     waits = strategy.waits
     lock: Lock | None = None
     began = time.monotonic()
+    # A redelivered message, or a contention retry (its first delivery may have been
+    # redelivered, and that copy may have run): check the done mark once it has the lock.
+    redelivered = (getattr(request, "delivery_info", None) or {}).get("redelivered")
+    copy = bool(redelivered) or run.attempt[1] > 0
+    mutex = options.limit == 1
+    # acks_late: the broker may hand this message out again while or after it runs; the
+    # release then marks this task id's attempt done, so such a copy (or a contention
+    # retry of a delivery whose copy ran) knows it ran (a mutex's release only).
+    done_as = f"{task_id}:{run.attempt[0]}" if task.acks_late and not eager and mutex else None
     try:
         if options.limit is not None:
-            lock = _new_lock(task, state, options, name, task_id, host=host)
-            acquired = lock.acquire(blocking=waits, timeout=options.wait_timeout if waits else None)
-            if not acquired and not waits and _held_by_this_task(lock, task_id):
-                # The holder is an earlier attempt of this very task id: self.retry()
-                # publishes the new message before the old body's finally releases, and a
-                # fast worker can start it first. Skipping or failing against ourselves is
-                # wrong (the celery-singleton bug): wait for that release, or for a dead
-                # attempt's lease to run out, at most one TTL; then the strategy applies.
-                acquired = lock.acquire(blocking=True, timeout=lock.ttl)
+            lock = _new_lock(
+                task,
+                state,
+                options,
+                name,
+                task_id,
+                host=host,
+                attempt=run.attempt,
+                handover=handover,
+                done_as=done_as,
+            )
+            acquired = lock.acquire(blocking=False)
+            if not acquired and not lock.superseded:
+                if not eager and mutex and lock.holder.get("task_id") == task_id:
+                    copy = True
+                    acquired = _own_task_holds(task, request, lock, run.attempt)
+                elif waits:
+                    acquired = lock.acquire(blocking=True, timeout=options.wait_timeout)
+                elif _held_by_this_task(lock, task_id):
+                    # A semaphore's permit held by an earlier attempt of this task id (a
+                    # self.retry() not released yet): wait for it, at most one TTL.
+                    acquired = lock.acquire(blocking=True, timeout=lock.ttl)
+            if acquired and copy and _ran_already(lock):
+                release_for_request(task, lock, None, request)
+                log.info(
+                    "Task %s[%s] dropped: a redelivered copy of a message that already ran "
+                    "(lock %r)",
+                    task.name,
+                    task_id,
+                    name,
+                )
+                raise Ignore(f"already ran (lock {name!r})")
             if not acquired:
+                if lock.superseded:
+                    skip_superseded(task, request, lock)
                 send_task_event(task, "contended", lock=name, policy=policy, holder=lock.holder)
                 # A strategy that does not raise gives the result the run returns instead.
                 request._redlock_skip = strategy.refuse(
@@ -263,6 +402,67 @@ def acquire_for_request(
             "Task %s[%s] not started, lock %r unavailable: %s", task.name, task_id, name, exc
         )
         requeue(task, request, name, exc, options)
+
+
+def _own_task_holds(task: Any, request: Any, lock: Lock, attempt: tuple[int, int]) -> bool:
+    """The lock is held under this very task id. True once this delivery holds it.
+
+    An earlier attempt (``self.retry()`` publishes the next one before the old body's
+    ``finally`` releases, and a fast worker can start it first; the holder record's
+    ``retries`` is lower): wait for that release, or for a dead attempt's lease to run
+    out, at most one TTL; then the contended strategy applies as usual. Skipping or
+    failing against ourselves would be wrong (the celery-singleton bug).
+
+    The same ``retries``: this is another copy of a message whose delivery holds the
+    lock, or a contention retry whose refused delivery was redelivered and that copy
+    got the lock (contention retries do not count as attempts here: their deliveries
+    never ran the body). Either way the holder runs this task id's body (the broker
+    handed a message out twice: a Redis visibility timeout shorter than the task, a
+    connection lost before the ack). This delivery must not run while that one runs,
+    nor after it ended: it waits until the holder's lease would end. Renewed meanwhile:
+    that delivery runs, this copy is dropped (``Ignore``). Released: that delivery
+    ended (its release left the done mark this copy's caller checks; without one, a
+    release before the lease's end says so), this copy is dropped. Ran out without a
+    renewal: that delivery is gone, and this copy runs it.
+    """
+    holder = lock.holder
+    task_id = request.id
+    if _int(holder.get("retries")) < attempt[0]:
+        return lock.acquire(blocking=True, timeout=lock.ttl)
+    left = lock.holder_ttl_ms if lock.holder_ttl_ms and lock.holder_ttl_ms > 0 else lock.ttl_ms
+    lease_end = time.monotonic() + left / 1000
+    log.warning(
+        "Task %s[%s]: another delivery of this message holds lock %r (%s); this copy does "
+        "not start while it runs",
+        task.name,
+        task_id,
+        lock.name,
+        describe_holder(holder),
+    )
+    if lock.acquire(blocking=True, timeout=left / 1000 + drift(lock.ttl) + 0.05):
+        if lock.done_as is not None or time.monotonic() >= lease_end - drift(lock.ttl):
+            return True  # the caller drops it if the done mark says it ran
+        release_for_request(task, lock, None, request)
+        why = "the other delivery of this message ended"
+    else:
+        why = "the other delivery of this message still runs"
+    log.info("Task %s[%s] dropped: %s (lock %r)", task.name, task_id, why, lock.name)
+    raise Ignore(f"{why} (lock {lock.name!r})")
+
+
+def _ran_already(lock: Lock) -> bool:
+    """True when the lock's done mark says this very run (task id and attempt) finished."""
+    if lock.done_as is None:
+        return False
+    try:
+        return lock.last_done() == lock.done_as
+    except RedlockError as exc:  # cannot tell: run it, as any delivery would
+        log.warning("could not read the done mark of lock %r: %s", lock.name, exc)
+        return False
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _acquire_direct(task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

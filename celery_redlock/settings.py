@@ -64,6 +64,17 @@ SETTINGS: dict[str, tuple[Callable[[Any], Any], Any, str]] = {
     "redlock_wait_timeout": (_like("lock_wait_timeout"), 30.0, "how long 'wait' blocks"),
     "redlock_limit": (_like("lock_limit"), 1, "runs of one key at once (1: a mutex)"),
     "redlock_rate": (_like("lock_rate"), None, "run starts of one key per period ('10/m')"),
+    "redlock_lock_on": (_like("lock_on"), "run", "when the lock is held (run, enqueue, ...)"),
+    "redlock_lock_on_duplicate": (
+        _like("lock_on_duplicate"),
+        "return",
+        "what a publish that finds the key queued or running does",
+    ),
+    "redlock_lock_enqueue_ttl": (
+        _like("lock_enqueue_ttl"),
+        3600.0,
+        "longest life of the hold of a message that never runs (+ its ETA)",
+    ),
     "redlock_fail_open": (boolean, False, "run unlocked when Redis is down (not advised)"),
     "redlock_key_prefix": (_string, "redlock:", "prefix of every lock key"),
     "redlock_fence_ttl": (

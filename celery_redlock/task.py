@@ -40,6 +40,7 @@ from .runtime import (
     acquire_for_request,
     lock_name_for,
     lock_of,
+    publish,
     release_for_request,
     run_locked,
     use_postrun_net,
@@ -107,7 +108,12 @@ class LockedTask(Task):  # type: ignore[misc]
         super().after_return(status, retval, task_id, args, kwargs, einfo)
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        """Like Celery's, plus ``lock_key=`` to lock this call under another name."""
+        """Like Celery's, plus ``lock_key=`` to lock this call under another name.
+
+        With ``lock_on="enqueue"`` or ``"enqueue+run"``, a call whose lock is already
+        queued (or running) is a duplicate: ``lock_on_duplicate`` decides what it returns
+        (see :mod:`celery_redlock.dedup`).
+        """
         key = options.pop("lock_key", None)
         if key is not None:
             if not isinstance(key, str) or not key:
@@ -120,7 +126,7 @@ class LockedTask(Task):  # type: ignore[misc]
                 # A wrong placeholder is the caller's mistake: say so here, not in the worker.
                 compile_key(self.name, key, spec.signature)
             options["headers"] = {**(options.get("headers") or {}), KEY_HEADER: key}
-        return super().apply_async(args, kwargs, **options)
+        return publish(self, args, kwargs, options, super().apply_async)
 
 
 for _option in OPTIONS:

@@ -29,7 +29,7 @@ from tests.apps import locksapp
 ROOT = Path(__file__).resolve().parent.parent
 CELERY = str(Path(sys.executable).parent / "celery")
 APP = "tests.apps.locksapp"
-JSON_FIELDS = {"kind", "name", "key", "holder", "acquired_at", "ttl_ms", "fence"}
+JSON_FIELDS = {"kind", "name", "key", "state", "holder", "acquired_at", "ttl_ms", "fence"}
 HOLDER_FIELDS = {"task_name", "task_id", "hostname", "pid"}
 
 
@@ -122,7 +122,8 @@ def test_list_with_a_pattern_shows_only_matching_locks_in_a_table(
     table = run("list", "sync:*")
     assert table.exit_code == 0
     lines = table.stdout.splitlines()
-    assert lines[0].split() == ["NAME", "HOLDER", "HOST", "PID", "HELD", "FOR", "TTL", "FENCE"]
+    header = ["NAME", "STATE", "HOLDER", "HOST", "PID", "HELD", "FOR", "TTL", "FENCE"]
+    assert lines[0].split() == header
     assert [line.split()[0] for line in lines[1:]] == ["sync:1", "sync:2"]
     assert "report:1" not in table.stdout
 

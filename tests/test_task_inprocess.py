@@ -118,15 +118,15 @@ def env(shared_redis: RedisServer, redis_client: redis.Redis) -> Iterator[Env]:
     try:
         yield e
     finally:
-        gc.collect()  # see _forget_results: results die now, while their server still runs
+        gc.collect()  # see forget_results: results die now, while their server still runs
         for app in e.apps:
-            _forget_results(app)
+            forget_results(app)
             app.close()
         e.locks.close()
         e.rec.close()
 
 
-def _forget_results(app: Celery) -> None:
+def forget_results(app: Celery) -> None:
     """Stop *app*'s result subscriptions (in this thread) while the server still runs.
 
     An AsyncResult unsubscribes in ``__del__``. One that outlives the test (held by a

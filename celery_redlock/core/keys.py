@@ -50,6 +50,9 @@ class LockKeys:
     #: The enqueue-time hold (``lock_on="enqueue"``): the task id of the one queued message
     #: ("" for keys that have none, such as a semaphore's).
     queued: str = ""
+    #: Who last released the lock after finishing (a run's task id and attempt), for locks
+    #: that ask for it: a redelivered copy of that message then knows it already ran.
+    done: str = ""
 
 
 def normalize_name(name: str) -> str:
@@ -97,6 +100,7 @@ def lock_keys(name: str, prefix: str = "redlock:") -> LockKeys:
         notify=f"{base}:notify",
         waiting=f"{base}:waiting",
         queued=f"{base}:queued",
+        done=f"{base}:done",
     )
 
 

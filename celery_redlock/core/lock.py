@@ -189,6 +189,8 @@ class Lock:
         on_lost: Callable[[Lock], object] | None = None,
         fence_ttl: float | None = DEFAULT_FENCE_TTL,
         handover: Handover | None = None,
+        done_as: str | None = None,
+        done_ttl: float = 3600.0,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"lock name must be a non-empty string, got {name!r}")
@@ -229,6 +231,11 @@ class Lock:
         self.on_lost = on_lost
         #: The enqueue-time hold an acquisition takes over in the same step (None: none).
         self.handover = handover
+        #: What a release records as the lock's done mark for *done_ttl* seconds (None:
+        #: nothing): a task run's id and attempt, so a redelivered copy of that message
+        #: that gets the lock afterwards can tell it already ran (:meth:`last_done`).
+        self.done_as = done_as
+        self.done_ms = ttl_to_ms(done_ttl, "done_ttl")
         #: The last attempt was a hand-over refused because the queued hold belongs to
         #: another task id (``queued_owner``); ``holder`` is then that hold's record.
         self.superseded = False
@@ -422,7 +429,10 @@ class Lock:
             self._count = 0
             self._valid_until = 0.0
         get_manager().unregister(self)
-        status = self.layout.release(token, self.ttl_ms)
+        if self.done_as is None:
+            status = self.layout.release(token, self.ttl_ms)
+        else:
+            status = self.store.release(self.keys, token, self.ttl_ms, (self.done_as, self.done_ms))
         # While the lease is valid nobody else can take the key unless it was removed
         # first: by this very release (a copy re-sent after a lost reply finds the key
         # gone, or already taken by the waiter it woke), or by an operator's forced release.
@@ -530,6 +540,10 @@ class Lock:
         """True when the lock cannot be taken now (a mutex: anyone holds it; a semaphore:
         every permit is held)."""
         return self.layout.locked()
+
+    def last_done(self) -> str | None:
+        """The done mark of the last release that set one (see ``done_as``), or None."""
+        return self.store.last_done(self.keys)
 
     # -- renewal (the renewal thread calls these) -----------------------------------------
     def renewal(self) -> tuple[str, int] | None:

@@ -77,6 +77,7 @@ class QueuedHold:
         *,
         replace: bool = False,
         running_blocks: bool = False,
+        report: bool = True,
     ) -> Queued:
         """Hold the name for task *owner* for *ttl* seconds, or say whose it is.
 
@@ -84,6 +85,7 @@ class QueuedHold:
         superseded: its worker skips it). *running_blocks*: while the lock itself is
         held by another task id's run, the call is a duplicate of that run. A task id
         that holds the name already renews its hold (a retry keeps its place).
+        A duplicate emits a ``duplicate`` LockEvent unless *report* is False.
         Raises :class:`QuorumUnavailable` when Redis cannot answer.
         """
         if not isinstance(owner, str) or not owner:
@@ -99,7 +101,7 @@ class QueuedHold:
             replace=replace,
             running_blocks=running_blocks,
         )
-        if found.outcome == "duplicate" and events.wanted("duplicate"):
+        if report and found.outcome == "duplicate" and events.wanted("duplicate"):
             events.emit(
                 events.LockEvent(
                     "duplicate",

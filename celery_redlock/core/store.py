@@ -168,8 +168,15 @@ class Store(Protocol):
         cannot decide. *wait*: a refused caller will block for a release notice."""
         ...
 
-    def release(self, keys: LockKeys, token: str, notice_ms: int) -> Status:
-        """Give back *token*'s acquisition and wake one waiter."""
+    def release(
+        self, keys: LockKeys, token: str, notice_ms: int, done: tuple[str, int] | None = None
+    ) -> Status:
+        """Give back *token*'s acquisition and wake one waiter; with *done* (value, ms),
+        set the lock's done mark in the same step (see :meth:`last_done`)."""
+        ...
+
+    def last_done(self, keys: LockKeys) -> str | None:
+        """The done mark the last release that set one left (None: none, or expired)."""
         ...
 
     def handover(

@@ -422,15 +422,6 @@ def test_redelivered_message_never_runs_while_its_first_delivery_runs(
 
 
 @needs_kombu_restore_timer
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "celery_redlock/runtime.py (acquire for a request): a delivery that finds its own task id "
-        "holding the lock waits up to one TTL for that holder (meant for self.retry()), so a "
-        "redelivered copy of a still-running message runs the body again once the first "
-        "delivery ends, even with lock_on_contended='skip'"
-    ),
-)
 def test_redelivered_copy_of_a_running_message_is_refused_not_run_later(
     redelivery: Redelivery,
 ) -> None:

@@ -219,9 +219,11 @@ class QuorumStore:
         return None
 
     # -- release, extend ------------------------------------------------------------------
-    def release(self, keys: LockKeys, token: str, notice_ms: int) -> Status:
+    def release(
+        self, keys: LockKeys, token: str, notice_ms: int, done: tuple[str, int] | None = None
+    ) -> Status:
         fan = FanOut(
-            self._members, release_command(keys, token, notice_ms), self.timeout(notice_ms)
+            self._members, release_command(keys, token, notice_ms, done), self.timeout(notice_ms)
         )
         q = self.quorum
         results = fan.wait(lambda r: _count(r, Status.OK) >= q)
@@ -266,6 +268,19 @@ class QuorumStore:
 
     def dequeue(self, keys: LockKeys, owner: str) -> Status:
         raise ConfigError(no_queued_holds(keys.name, len(self._members)))
+
+    def last_done(self, keys: LockKeys) -> str | None:
+        """The done mark of any master that answers (a mark exists only where a run of
+        that task id finished, so one master's is enough to know it ran)."""
+        fan = FanOut(self._members, Plain("GET", keys.done), self.timeout(None))
+        results = fan.wait(lambda r: any(answered(v) and v is not None for v in r))
+        fan.finish()
+        found = [text(v) for v in results if answered(v) and v is not None]
+        if found:
+            return found[0]
+        if sum(1 for v in results if answered(v)) < self.quorum:
+            raise self.unavailable(keys.name, self._outcomes(results, lambda v: "answered"))
+        return None
 
     def abandon(self, keys: LockKeys, token: str, notice_ms: int) -> None:
         fan = FanOut(

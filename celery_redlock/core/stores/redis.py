@@ -203,11 +203,20 @@ class RedisStore:
             self.lane.submit(abandon, keys, *abandon_args)
             raise self.unavailable(keys.name, exc) from exc
 
-    def release(self, keys: LockKeys, token: str, notice_ms: int) -> Status:
+    def release(
+        self, keys: LockKeys, token: str, notice_ms: int, done: tuple[str, int] | None = None
+    ) -> Status:
         try:
-            return Status.of(self.call(release_command(keys, token, notice_ms)))
+            return Status.of(self.call(release_command(keys, token, notice_ms, done)))
         except REDIS_ERRORS as exc:
             raise self.unavailable(keys.name, exc) from exc
+
+    def last_done(self, keys: LockKeys) -> str | None:
+        try:
+            value = self.call(Plain("GET", keys.done))
+        except REDIS_ERRORS as exc:
+            raise self.unavailable(keys.name, exc) from exc
+        return None if value is None else text(value)
 
     def abandon(self, keys: LockKeys, token: str, notice_ms: int) -> None:
         try:
@@ -453,9 +462,16 @@ def acquire_command(
     )
 
 
-def release_command(keys: LockKeys, token: str, notice_ms: int) -> Command:
-    """The release script for *token*: owner-checked, wakes one waiter."""
-    return RELEASE([keys.lock, keys.notify, keys.waiting], [token, notice_ms])
+def release_command(
+    keys: LockKeys, token: str, notice_ms: int, done: tuple[str, int] | None = None
+) -> Command:
+    """The release script for *token*: owner-checked, wakes one waiter; with *done*
+    (value, ms), sets the lock's done mark in the same step."""
+    if done is None:
+        return RELEASE([keys.lock, keys.notify, keys.waiting], [token, notice_ms])
+    return RELEASE(
+        [keys.lock, keys.notify, keys.waiting, keys.done], [token, notice_ms, done[0], done[1]]
+    )
 
 
 def permit_release_command(keys: LockKeys, token: str, notice_ms: int, limit: int) -> Command:

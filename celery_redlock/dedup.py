@@ -1,0 +1,346 @@
+"""De-duplication from enqueue: ``lock_on="enqueue"`` and ``lock_on="enqueue+run"``.
+
+A publish of such a task first takes the enqueue-time hold of its lock name for the
+message's task id (:class:`~celery_redlock.core.queued.QueuedHold`); a call that finds
+the name held is a duplicate, and ``lock_on_duplicate`` decides what it gets:
+
+========== ===============================================================================
+return     the queued (or running) task's ``AsyncResult``; nothing is sent
+raise      :class:`~celery_redlock.core.errors.AlreadyQueued` (its task id, time left)
+replace    the newest call takes the queued message's place; that message, when it
+           arrives, is skipped visibly (``lock_debounce``: each call is sent with that
+           countdown, so a burst runs once, with the last arguments)
+queue_one  while one runs, at most one more is queued; later calls return that one
+========== ===============================================================================
+
+Where the publish happens:
+
+* ``LockedTask.apply_async`` (``delay``, signatures, canvas members, ``self.retry()``
+  and beat when the task is registered in its process) calls :func:`publish`;
+* ``app.send_task`` by name is wrapped by ``install(app)``: a name this process knows
+  as a LockedTask goes through :func:`publish` too;
+* a message published where the task class is unknown (a process that only knows the
+  name) carries no hold: its worker takes the hold before the body runs
+  (:func:`claim_at_worker`) and skips the message visibly if it is a duplicate.
+
+On the worker, the message's lock is acquired with a hand-over
+(``Lock(handover=Handover(task_id))``): the hold becomes the lock in one owner-checked
+script, and a message whose hold another call has taken (replaced, or its own hold
+expired and was taken) is skipped as superseded. Retries (``self.retry()``,
+contention retries) re-publish under the same task id and keep their place.
+
+Every duplicate is one log line on ``celery_redlock.dedup`` naming the holder's task
+id, a ``LockEvent`` (``duplicate``; ``superseded`` for a skipped message: counted by
+the Prometheus hook), and a Celery event (``task-lock-duplicate`` /
+``task-lock-superseded``) when events are on (``-E`` on a worker,
+``task_send_sent_event`` on a publisher).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+from celery.exceptions import Ignore
+
+from .core import AlreadyQueued, ConfigError, Queued, QueuedHold, QuorumUnavailable
+from .observability import send_publisher_event, send_task_event
+from .options import TaskOptions
+from .policies import SKIPPED
+from .state import AppState, state_for
+
+__all__ = [
+    "HOLD_HEADER",
+    "NO_DEDUP_HEADER",
+    "attempt_of",
+    "claim_at_worker",
+    "give_up_hold",
+    "publish_held",
+    "release_hold_later",
+    "skip_superseded",
+]
+
+log = logging.getLogger("celery_redlock.dedup")
+
+#: Message header naming the lock whose enqueue-time hold the message's task id holds
+#: (set by the publish side; a message without it took no hold).
+HOLD_HEADER = "redlock_hold"
+#: Message header of a call sent although its key was held, on purpose (a chain step): its
+#: worker neither checks it for duplicates nor refuses it as superseded.
+NO_DEDUP_HEADER = "redlock_no_dedup"
+#: How long the hold of a message with ``expires=`` outlives that moment: a worker that
+#: receives it later discards it (and frees the hold at once); none may ever receive it.
+EXPIRED_GRACE = 5.0
+#: Message header carrying the number of contention retries (see policies.RETRIES_HEADER).
+_LOCK_RETRIES = "redlock_retries"
+
+
+def attempt_of(request: Any) -> tuple[int, int]:
+    """Which attempt of its task id a request is: (``self.retry()`` count, contention
+    retry count). A redelivered copy of a message has the same attempt as the original."""
+    headers = getattr(request, "headers", None)
+    lock_retries = headers.get(_LOCK_RETRIES) if isinstance(headers, dict) else None
+    if lock_retries is None:
+        lock_retries = getattr(request, _LOCK_RETRIES, 0)
+    return int(getattr(request, "retries", 0) or 0), int(lock_retries or 0)
+
+
+def _hold(state: AppState, task: Any, name: str) -> QueuedHold:
+    return QueuedHold(
+        state.store(),
+        name,
+        key_prefix=state.settings["redlock_key_prefix"],
+        owner_info={"task_name": task.name},
+    )
+
+
+# -- the publish side ------------------------------------------------------------------------
+def publish_held(
+    task: Any,
+    name: str,
+    options: TaskOptions,
+    args: Any,
+    kwargs: Any,
+    *,
+    call: dict[str, Any],
+    send: Callable[..., Any],
+) -> Any:
+    """Publish one call of *task* whose lock is *name* through *send* (``send(args,
+    kwargs, **call)``), unless it is a duplicate; returns what ``apply_async`` returns."""
+    from celery.utils import uuid  # noqa: PLC0415 - kept out of the import-time path
+
+    state = state_for(task.app)
+    task_id = call.get("task_id") or uuid()
+    call["task_id"] = task_id
+    # A re-publish of the request this process runs (self.retry(), a contention retry)
+    # keeps its place under the same task id, whatever else is queued.
+    republish = task_id == getattr(task.request, "id", None)
+    if options.debounce and not republish and call.get("eta") is None:
+        call["countdown"] = max(float(call.get("countdown") or 0), options.debounce)
+    ttl = _hold_ttl(options.enqueue_ttl, call)
+    policy = options.duplicate
+    hold = _hold(state, task, name)
+    try:
+        if republish:
+            found = hold.claim(task_id, ttl, report=False)
+        else:
+            found = hold.claim(
+                task_id,
+                ttl,
+                replace=policy.replace,
+                running_blocks=policy.running_is_duplicate and options.lock_on == "enqueue+run",
+            )
+            if found.outcome == "duplicate" and not found.owner:
+                # The lock is held by something that is no task message (a direct call,
+                # user code): nothing to return; this call is queued behind it.
+                found = hold.claim(task_id, ttl, replace=policy.replace)
+    except QuorumUnavailable as exc:
+        log.warning(
+            "%s[%s]: could not check lock %r for a queued duplicate (%s); sent anyway, "
+            "its worker checks before it runs",
+            task.name,
+            task_id,
+            name,
+            exc,
+        )
+        return send(args, kwargs, **call)
+    if found.outcome == "duplicate" and not republish:
+        if call.get("chain") or call.get("link") or call.get("link_error"):
+            # A step of a chain, or a call with callbacks: the canvas waits on this very
+            # task id, so it is sent and runs (its run is still locked); it takes no hold.
+            log.info(
+                "%s[%s] sent although lock %r is %s by task %s: a chain step or a call "
+                "with callbacks is never dropped",
+                task.name,
+                task_id,
+                name,
+                found.state,
+                found.owner,
+            )
+            call["headers"] = {**(call.get("headers") or {}), NO_DEDUP_HEADER: True}
+            return send(args, kwargs, **call)
+        if call.get("chord") or call.get("group_id"):
+            # A group or chord member: its result is awaited under its own task id, so
+            # it is sent without a hold, and its worker skips it as a duplicate, visibly
+            # (the skipped result counts for the chord).
+            return send(args, kwargs, **call)
+        return _duplicate(task, name, options, found, task_id)
+    if found.outcome != "duplicate":
+        call["headers"] = {**(call.get("headers") or {}), HOLD_HEADER: name}
+    try:
+        result = send(args, kwargs, **call)
+    except BaseException:
+        if found.outcome != "duplicate":
+            _release_quietly(hold, task_id)
+        raise
+    if found.outcome == "replaced":
+        log.info(
+            "%s[%s] replaces task %s queued under lock %r (lock_on_duplicate='replace'): "
+            "that message will be skipped",
+            task.name,
+            task_id,
+            found.owner,
+            name,
+        )
+    return result
+
+
+def _duplicate(task: Any, name: str, options: TaskOptions, found: Queued, task_id: str) -> Any:
+    """A call not sent: log it, tell event consumers, and return (or raise) the holder."""
+    ttl = None if found.ttl_ms is None or found.ttl_ms < 0 else found.ttl_ms / 1000
+    log.info(
+        "%s[%s] not sent: lock %r is held by task %s, %s%s (lock_on_duplicate=%r)",
+        task.name,
+        task_id,
+        name,
+        found.owner,
+        found.state,
+        "" if ttl is None else f", {ttl:.1f} s left on its hold",
+        options.on_duplicate,
+    )
+    send_publisher_event(
+        task.app, "duplicate", lock=name, task_name=task.name, holder=found.owner, state=found.state
+    )
+    if options.duplicate.raises:
+        raise AlreadyQueued(name, found.owner, ttl, found.state, found.holder)
+    return task.AsyncResult(found.owner)
+
+
+def _hold_ttl(enqueue_ttl: float, call: dict[str, Any]) -> float:
+    """The hold's lifetime: ``lock_enqueue_ttl`` plus the message's delay (ETA or
+    countdown), never past its ``expires`` (an expired message never runs)."""
+    now = datetime.now(timezone.utc)
+    delay = _seconds_until(call.get("eta"), now)
+    if delay is None:
+        delay = float(call.get("countdown") or 0)
+    ttl = enqueue_ttl + max(delay, 0.0)
+    expires = _seconds_until(call.get("expires"), now)
+    if expires is not None:
+        ttl = min(ttl, max(expires, 0.0) + EXPIRED_GRACE)
+    return max(ttl, 0.001)
+
+
+def _seconds_until(when: Any, now: datetime) -> float | None:
+    """Seconds from *now* to *when*: a datetime, an ISO 8601 text, or a number of seconds."""
+    if when is None:
+        return None
+    if isinstance(when, (int, float)) and not isinstance(when, bool):
+        return float(when)
+    if isinstance(when, str):
+        try:
+            when = datetime.fromisoformat(when)
+        except ValueError:
+            return None
+    if not isinstance(when, datetime):
+        return None
+    moment: datetime = when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
+    return (moment - now).total_seconds()
+
+
+def _release_quietly(hold: QueuedHold, task_id: str) -> None:
+    try:
+        hold.release(task_id)
+    except Exception as exc:  # the hold then ends with its lease
+        log.warning("could not give back the hold of %r for task %s: %s", hold.name, task_id, exc)
+
+
+# -- the worker side --------------------------------------------------------------------------
+def claim_at_worker(task: Any, request: Any, name: str, options: TaskOptions) -> None:
+    """A message that took no hold when it was published (sent by name where the task
+    class is unknown): take it now; a duplicate does not run (skipped visibly, or
+    ``AlreadyQueued`` with ``lock_on_duplicate="raise"``)."""
+    state = state_for(task.app)
+    policy = options.duplicate
+    found = _hold(state, task, name).claim(
+        request.id,
+        options.enqueue_ttl,
+        replace=policy.replace,
+        running_blocks=policy.running_is_duplicate and options.lock_on == "enqueue+run",
+    )
+    if found.outcome != "duplicate" or not found.owner or found.owner == request.id:
+        return
+    ttl = None if found.ttl_ms is None or found.ttl_ms < 0 else found.ttl_ms / 1000
+    log.info(
+        "Task %s[%s] not started: a duplicate, lock %r is held by task %s, %s "
+        "(this message was sent without the task class, so its worker checked; "
+        "lock_on_duplicate=%r)",
+        task.name,
+        request.id,
+        name,
+        found.owner,
+        found.state,
+        options.on_duplicate,
+    )
+    send_task_event(task, "duplicate", lock=name, holder=found.owner, state=found.state)
+    if policy.raises:
+        raise AlreadyQueued(name, found.owner, ttl, found.state, found.holder)
+    _skip(
+        task,
+        request,
+        name,
+        f"duplicate of task {found.owner} ({found.state})",
+        owner=found.owner,
+        holder=found.holder,
+    )
+
+
+def skip_superseded(task: Any, request: Any, lock: Any) -> None:
+    """The message's hold was taken by another call (``replace``, or its own hold ran out
+    and another call took the name): it does not run; raises ``Ignore``."""
+    owner = lock.queued_owner or lock.holder.get("task_id") or "?"
+    log.info(
+        "Task %s[%s] skipped: superseded by task %s, the newer call queued under lock %r",
+        task.name,
+        request.id,
+        owner,
+        lock.name,
+    )
+    send_task_event(task, "superseded", lock=lock.name, holder=owner)
+    delivery = getattr(request, "delivery_info", None) or {}
+    if delivery.get("redelivered") and task.AsyncResult(request.id).ready():
+        # A late copy of a message that already ran: keep the result it stored.
+        raise Ignore(f"superseded by task {owner}; this task id already has its result")
+    _skip(task, request, lock.name, f"superseded by task {owner}", owner=owner, holder=lock.holder)
+
+
+def _skip(task: Any, request: Any, name: str, reason: str, *, owner: str, holder: Any) -> None:
+    marker = {SKIPPED: True, "reason": reason, "lock": name, "task_id": owner, "holder": holder}
+    task.backend.mark_as_done(request.id, marker, request=request)
+    raise Ignore(f"skipped: {reason}")
+
+
+def give_up_hold(task: Any, name: str, task_id: str) -> None:
+    """A message that will not run (skipped, failed, refused) gives up its own hold, so the
+    next call can be queued; another id's hold is never touched."""
+    state = state_for(task.app)
+    try:
+        _release_quietly(_hold(state, task, name), task_id)
+    except ConfigError as exc:
+        log.warning("could not give back the hold of %r for task %s: %s", name, task_id, exc)
+
+
+def release_hold_later(app: Any, name: str, task_id: str, why: str) -> None:
+    """In a worker's main process: the message of *task_id* will never run (revoked,
+    expired, rejected); give up its hold in a short thread (never blocks the consumer)."""
+    state = state_for(app)
+    if not state.installed or state.disabled:
+        return
+
+    def release() -> None:
+        try:
+            hold = QueuedHold(state.store(), name, key_prefix=state.settings["redlock_key_prefix"])
+            if hold.release(task_id):
+                log.info("task %s %s: released its queued hold of %r", task_id, why, name)
+        except Exception as exc:
+            log.warning(
+                "task %s %s: could not release its queued hold of %r (%s); it expires by itself",
+                task_id,
+                why,
+                name,
+                exc,
+            )
+
+    threading.Thread(target=release, name="celery-redlock-dequeue", daemon=True).start()

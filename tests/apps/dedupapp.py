@@ -1,0 +1,92 @@
+"""A Celery app for de-duplication tests on prefork workers and beat; configured from the
+environment:
+
+DEDUP_BROKER   broker URL (a throwaway Redis, or RabbitMQ)
+DEDUP_BACKEND  result backend URL
+DEDUP_LOCKS    redlock_url
+DEDUP_RECORD   a Redis URL where task bodies record what they did
+DEDUP_TTL      redlock_ttl (seconds)
+DEDUP_ROLE     "beat": the process does not define ``dd.blind_tick``, so beat publishes
+               it by name (``send_task``) while it publishes ``dd.tick`` through the
+               task's ``apply_async``
+DEDUP_CONF     optional JSON object of extra app.conf settings
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery, Task
+
+from celery_redlock import LockedTask
+
+app = Celery(
+    "dedupapp",
+    broker=os.environ.get("DEDUP_BROKER", "redis://127.0.0.1:1/0"),
+    backend=os.environ.get("DEDUP_BACKEND", "redis://127.0.0.1:1/2"),
+)
+app.conf.update(
+    redlock_url=os.environ.get("DEDUP_LOCKS", "redis://127.0.0.1:1/1"),
+    redlock_ttl=float(os.environ.get("DEDUP_TTL", "30")),
+    worker_prefetch_multiplier=1,
+    task_acks_late=False,
+    broker_connection_retry_on_startup=True,
+    beat_max_loop_interval=0.25,
+    beat_schedule={
+        "tick": {"task": "dd.tick", "schedule": 0.5},
+        "blind": {"task": "dd.blind_tick", "schedule": 0.5},
+    },
+)
+app.conf.update(json.loads(os.environ.get("DEDUP_CONF") or "{}"))
+
+_record: dict[int, redis.Redis] = {}
+
+
+def record(event: str, **fields: Any) -> None:
+    """Append one JSON event to the record list (read by the test)."""
+    pid = os.getpid()
+    if pid not in _record:
+        _record[pid] = redis.Redis.from_url(os.environ["DEDUP_RECORD"])
+    fields.update(event=event, pid=pid, t=time.time())
+    _record[pid].rpush("events", json.dumps(fields))
+
+
+_ENQUEUE_RUN: dict[str, Any] = {"base": LockedTask, "bind": True, "lock_on": "enqueue+run"}
+
+
+@app.task(name="dd.hold", lock_key="hold:<key>", **_ENQUEUE_RUN)
+def hold(self: Task, key: str, seconds: float) -> str:
+    """Record the start (with this pid), then hold the key for *seconds*."""
+    record("start", key=key, task_id=self.request.id)
+    time.sleep(seconds)
+    record("end", key=key, task_id=self.request.id)
+    return key
+
+
+@app.task(name="dd.limited", lock_key="limited:<key>", time_limit=1.5, **_ENQUEUE_RUN)
+def limited(self: Task, key: str) -> None:
+    """Runs past its hard time limit."""
+    record("start", key=key, task_id=self.request.id)
+    time.sleep(30)
+
+
+@app.task(name="dd.tick", lock_key="tick", lock_on_contended="skip", **_ENQUEUE_RUN)
+def tick(self: Task) -> None:
+    """A 2 s run on a 0.5 s schedule, published by beat through apply_async."""
+    record("run", name="tick", start=time.time())
+    time.sleep(2)
+    record("run-end", name="tick", end=time.time())
+
+
+if os.environ.get("DEDUP_ROLE") != "beat":
+
+    @app.task(name="dd.blind_tick", lock_key="blind", lock_on_contended="skip", **_ENQUEUE_RUN)
+    def blind_tick(self: Task) -> None:
+        """The same, published by beat by name: beat's process does not know this task."""
+        record("run", name="blind", start=time.time())
+        time.sleep(2)
+        record("run-end", name="blind", end=time.time())

@@ -1,0 +1,251 @@
+"""De-duplication from enqueue on real prefork workers and beat (`celery -A
+tests.apps.dedupapp worker|beat` subprocesses): the failures only a real pool shows
+(a SIGKILLed child or worker, a hard time limit, revoke(terminate=True), a broker
+redelivery) free the key, and beat publishing every 0.5 s a task that runs 2 s never
+overlaps it nor builds a backlog, through apply_async and through send_task by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from servers import RedisServer
+from workers import ROOT, Worker
+
+pytestmark = pytest.mark.slow
+
+APP = "tests.apps.dedupapp"
+
+
+def _env(server: RedisServer, ttl: float, **extra: str) -> dict[str, str]:
+    base = f"redis://127.0.0.1:{server.port}"
+    return {
+        "DEDUP_BROKER": f"{base}/0",
+        "DEDUP_BACKEND": f"{base}/2",
+        "DEDUP_LOCKS": f"{base}/1",
+        "DEDUP_RECORD": f"{base}/3",
+        "DEDUP_TTL": str(ttl),
+        **extra,
+    }
+
+
+def _client(env: dict[str, str]) -> Celery:
+    """A publisher that imports the task module (so it takes holds at publish)."""
+    from tests.apps import dedupapp  # noqa: PLC0415 - configured from the environment
+
+    app: Celery = dedupapp.app
+    app.conf.update(
+        broker_url=env["DEDUP_BROKER"],
+        result_backend=env["DEDUP_BACKEND"],
+        redlock_url=env["DEDUP_LOCKS"],
+    )
+    from celery_redlock.state import state_for  # noqa: PLC0415
+
+    state_for(app).reset()
+    return app
+
+
+def _events(server: RedisServer, kind: str | None = None) -> list[dict[str, Any]]:
+    events = [json.loads(r) for r in server.client(db=3).lrange("events", 0, -1)]
+    return [e for e in events if kind is None or e["event"] == kind]
+
+
+def _wait_for(predicate: Callable[[], Any], timeout: float, step: float = 0.02) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+def _held(server: RedisServer, name: str) -> bool:
+    locks = server.client(db=1)
+    return bool(locks.exists(f"redlock:{{{name}}}") or locks.exists(f"redlock:{{{name}}}:queued"))
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    """One throwaway Redis for broker, results, locks and the record of these tests."""
+    srv = RedisServer.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def worker(server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """A prefork worker, concurrency 2, 30 s lock TTL, shared by the kill tests."""
+    w = Worker(APP, _env(server, 30), tmp_path_factory.mktemp("w") / "worker.log", concurrency=2)
+    try:
+        w.wait_ready()
+        yield w
+    finally:
+        w.stop()
+
+
+@pytest.fixture
+def client(server: RedisServer, worker: Worker) -> Iterator[Celery]:
+    """The publisher for the shared worker; the record list is emptied first."""
+    server.client(db=3).delete("events")
+    yield _client(_env(server, 30))
+
+
+def _start(server: RedisServer, task_id: str) -> dict[str, Any]:
+    found = _wait_for(lambda: [e for e in _events(server, "start") if e["task_id"] == task_id], 20)
+    return found[0]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["sigkill-child", "hard-time-limit", "revoke-terminate"])
+def test_a_lost_run_frees_the_key_at_once(client: Celery, server: RedisServer, how: str) -> None:
+    """An "enqueue+run" key whose run is lost (child SIGKILLed, hard time limit, revoke
+    with terminate) is freed by the worker's main process at once, not after the 30 s
+    TTL: the next call is queued (a new task id) and runs."""
+    key = f"{how}-{uuid.uuid4().hex[:6]}"
+    if how == "hard-time-limit":
+        task, args, name = client.tasks["dd.limited"], (key,), f"limited:{key}"
+    else:
+        task, args, name = client.tasks["dd.hold"], (key, 25), f"hold:{key}"
+    first = task.delay(*args)
+    child = _start(server, first.id)["pid"]
+    assert _held(server, name)
+    assert task.delay(*args).id == first.id  # running: a duplicate
+    began = time.monotonic()
+    if how == "sigkill-child":
+        os.kill(child, signal.SIGKILL)
+    elif how == "revoke-terminate":
+        client.control.revoke(first.id, terminate=True, signal="SIGKILL")
+    _wait_for(lambda: not _held(server, name), 15)
+    assert time.monotonic() - began < 10, "freed by the main process, well before the TTL"
+    if how != "hard-time-limit":
+        again = client.tasks["dd.hold"].delay(key, 0)
+        assert again.id != first.id
+        assert again.get(timeout=20) == key
+
+
+def test_a_killed_worker_leaves_the_key_to_expire_within_its_ttl(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    """The whole worker SIGKILLed mid-run: the key expires within the 2 s TTL, and the next
+    call is queued and runs on another worker."""
+    env = _env(server, 2, DEDUP_CONF=json.dumps({"task_default_queue": "killed"}))
+    app = _client(env)
+    app.conf.task_default_queue = "killed"
+    server.client(db=3).delete("events")
+    w = Worker(APP, env, tmp_path / "killed.log", concurrency=1, extra=("-Q", "killed"))
+    try:
+        w.wait_ready()
+        first = app.tasks["dd.hold"].delay("killed", 25)
+        _start(server, first.id)
+        w.kill()
+        killed = time.monotonic()
+        _wait_for(lambda: not _held(server, "hold:killed"), 10)
+        assert time.monotonic() - killed < 2 + 1.0
+    finally:
+        w.stop()
+    w2 = Worker(APP, env, tmp_path / "next.log", concurrency=1, extra=("-Q", "killed"))
+    try:
+        w2.wait_ready()
+        again = app.tasks["dd.hold"].delay("killed", 0)
+        assert again.id != first.id
+        assert again.get(timeout=20) == "killed"
+    finally:
+        w2.stop()
+        app.conf.task_default_queue = "celery"
+
+
+def test_a_redelivered_message_does_not_start_while_its_first_delivery_runs(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    """Redis broker, acks_late, a 1 s visibility timeout and a 3.5 s task: the broker hands
+    the message out again while it runs; that copy does not start (the body runs once)."""
+    conf = {
+        "task_acks_late": True,
+        "task_default_queue": "redeliver",
+        "broker_transport_options": {
+            "visibility_timeout": 1,
+            "unacked_restore_interval": 0.5,
+            "unacked_restore_throttle": 1,
+            "unacked_mutex_expire": 5,
+        },
+    }
+    env = _env(server, 30, DEDUP_CONF=json.dumps(conf))
+    app = _client(env)
+    app.conf.update(conf)
+    server.client(db=3).delete("events")
+    w = Worker(APP, env, tmp_path / "redeliver.log", concurrency=2, extra=("-Q", "redeliver"))
+    try:
+        w.wait_ready()
+        result = app.tasks["dd.hold"].delay("redeliver", 3.5)
+        assert result.get(timeout=30) == "redeliver"
+        _wait_for(lambda: "this copy does not start" in w.text(), 10)
+        _wait_for(lambda: "dropped" in w.text(), 10)
+    finally:
+        w.kill()  # a warm shutdown waits on the transport's restore of unacked messages
+        w.stop()
+        app.conf.update(task_acks_late=False, task_default_queue="celery")
+    assert len([e for e in _events(server, "start") if e["task_id"] == result.id]) == 1
+
+
+def test_beat_every_half_second_never_overlaps_nor_backs_up_two_second_runs(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    """beat publishes two "enqueue+run" tasks every 0.5 s, each running 2 s: dd.tick through
+    its apply_async (beat knows it), dd.blind_tick by name (beat does not know it: its
+    worker checks). Runs of each never overlap, they follow each other (no gaps of more
+    than a tick or two), and once beat stops no backlog of duplicates keeps them going."""
+    env = _env(server, 30, DEDUP_CONF=json.dumps({"task_default_queue": "beat"}))
+    server.client(db=3).delete("events")
+    w = Worker(APP, env, tmp_path / "beat-worker.log", concurrency=2, extra=("-Q", "beat"))
+    beat: subprocess.Popen[bytes] | None = None
+    beat_log = open(tmp_path / "beat.log", "wb")
+    try:
+        w.wait_ready()
+        argv = [sys.executable, "-m", "celery", "-A", APP, "beat", "-l", "info", "--pidfile="]
+        argv += ["-s", str(tmp_path / "schedule")]
+        beat = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env={**os.environ, **env, "DEDUP_ROLE": "beat"},
+            stdout=beat_log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        _wait_for(lambda: len(_events(server, "run")) >= 2, 20)
+        time.sleep(6.5)  # the scenario itself: beat ticks 13 times while runs take 2 s
+        beat.send_signal(signal.SIGTERM)
+        beat.wait(15)
+        stopped = time.time()
+        _wait_for(lambda: len(_events(server, "run")) == len(_events(server, "run-end")), 15)
+        time.sleep(1.0)  # a backlog would start another run now
+    finally:
+        if beat is not None and beat.poll() is None:
+            os.killpg(beat.pid, signal.SIGKILL)
+            beat.wait(10)
+        beat_log.close()
+        w.stop()
+    log = (tmp_path / "beat-worker.log").read_text(errors="replace")
+    beat_said = (tmp_path / "beat.log").read_text(errors="replace")
+    assert "dd.tick" in beat_said and "not sent: lock 'tick' is held by task" in beat_said
+    for name in ("tick", "blind"):
+        starts = sorted(e["start"] for e in _events(server, "run") if e["name"] == name)
+        ends = sorted(e["end"] for e in _events(server, "run-end") if e["name"] == name)
+        assert len(starts) >= 3, (name, starts)
+        for before_end, next_start in zip(ends, starts[1:], strict=False):
+            assert next_start >= before_end, f"{name}: two runs at once"
+            assert next_start - before_end < 1.6, f"{name}: a gap, a tick was lost"
+        assert sum(1 for s in starts if s > stopped + 0.5) == 0, f"{name}: backlog after beat"
+    assert "not started: a duplicate" in log  # blind_tick's duplicates, skipped visibly
