@@ -20,7 +20,7 @@ from celery.bin.celery import celery as celery_main
 from click.testing import CliRunner, Result
 from servers import ClusterSetup, RedisServer, free_port
 
-from celery_redlock import Lock
+from celery_redlock import Lock, QueuedHold
 from celery_redlock.core.connect import address_of
 from celery_redlock.core.scripts import FORCE_RELEASE
 from celery_redlock.core.stores.redis import RedisStore
@@ -424,3 +424,29 @@ def test_list_and_show_give_each_permit_its_holder_and_a_limiters_state(
     finally:
         for sem in sems:
             sem.release()
+
+
+def test_list_show_and_release_a_queued_hold(
+    locks_on: redis.Redis, hold: Callable[..., Lock]
+) -> None:
+    """A key whose run holds the lock while the next message is queued: list shows it as
+    running (first task id) and queued (second task id), show names both, and release
+    --force removes both."""
+    hold(locks_on, "sync:7", task_name="proj.sync", task_id="run-1")
+    QueuedHold(locks_on, "sync:7", owner_info={"task_name": "proj.sync"}).claim("q-2", ttl=60)
+    listed = run("list", "--json")
+    assert listed.exit_code == 0, listed.output
+    rows = json.loads(listed.stdout)
+    assert [(r["name"], r["state"], r["holder"]["task_id"]) for r in rows] == [
+        ("sync:7", "running", "run-1"),
+        ("sync:7", "queued", "q-2"),
+    ]
+    assert 55_000 < rows[1]["ttl_ms"] <= 60_000
+    table = run("list").stdout.splitlines()
+    assert [line.split()[:2] for line in table[1:]] == [["sync:7", "running"], ["sync:7", "queued"]]
+    shown = run("show", "sync:7")
+    assert "state:" in shown.stdout and "q-2" in shown.stdout and "queued_at:" in shown.stdout
+    released = run("release", "sync:7", "--force")
+    assert released.exit_code == 0, released.output
+    assert "queued hold" in released.stdout
+    assert not locks_on.exists("redlock:{sync:7}", "redlock:{sync:7}:queued")
