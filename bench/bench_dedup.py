@@ -1,0 +1,169 @@
+"""Publish throughput of ``apply_async``: plain vs ``lock_on="enqueue"`` vs celery-once's and
+celery-singleton's enqueue-time locks, in one run.
+
+Run by hand (not part of the test suite)::
+
+    .venv/bin/python bench/bench_dedup.py [--calls 5000] [--reps 5]
+
+It starts its own throwaway redis-server on a free loopback port (no persistence) and
+stops it by pid at the end, also on error or Ctrl-C. The broker (db 0) and every lock
+(db 1 for celery-redlock, db 2 for celery-once, db 3 for celery-singleton) live on that
+one server; no worker runs: only the publishing side is timed. Each variant publishes
+``--calls`` calls of a one-argument task from this process, as fast as it can, with a
+new argument per call (every call is sent: the enqueue-time lock is taken, never
+refused), then its queue and its locks are deleted (outside the clock). The variants:
+
+* ``plain``        a plain ``@app.task``: Celery's own publish;
+* ``enqueue``      ``base=LockedTask, lock_on="enqueue"``: one enqueue script per call;
+* ``enqueue+run``  the same with ``lock_on="enqueue+run"`` (the script also looks at the
+                   lock itself, which is free);
+* ``celery-once``  ``base=QueueOnce`` (its Redis backend: a lock script per call);
+* ``singleton``    ``base=Singleton`` (celery-singleton: ``SET NX`` per call);
+* ``duplicate``    ``lock_on="enqueue+run"`` with one argument for every call: the first
+                   is sent, every other call is a duplicate (returns the queued task's
+                   ``AsyncResult``, nothing sent), as beat or a busy view would see it.
+
+Variants are interleaved ``--reps`` times, each rep starting one variant later than
+the one before, so no variant always runs first; the median rate of each is printed
+with its ratio to ``plain``. Targets: ``enqueue`` at least 0.8x ``plain`` and at least
+celery-once's and celery-singleton's rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import _servers  # noqa: E402
+
+VARIANTS = ("plain", "enqueue", "enqueue+run", "celery-once", "singleton", "duplicate")
+
+
+def build(port: int) -> dict[str, Callable[..., Any]]:
+    """One Celery app with one task per variant (each on its own queue)."""
+    from celery import Celery  # noqa: PLC0415 - after sys.path is set
+    from celery_once import QueueOnce  # noqa: PLC0415
+    from celery_singleton import Singleton  # noqa: PLC0415
+
+    from celery_redlock import LockedTask  # noqa: PLC0415
+
+    base = f"redis://127.0.0.1:{port}"
+    app = Celery("benchdedup", broker=f"{base}/0", set_as_current=False)
+    app.conf.update(
+        redlock_url=f"{base}/1",
+        ONCE={
+            "backend": "celery_once.backends.Redis",
+            "settings": {"url": f"{base}/2", "default_timeout": 3600},
+        },
+        singleton_backend_url=f"{base}/3",
+        task_ignore_result=True,
+        broker_connection_retry_on_startup=True,
+    )
+
+    def body(n: int) -> int:
+        return n
+
+    tasks: dict[str, Callable[..., Any]] = {
+        "plain": app.task(name="b.plain", shared=False, queue="q-plain")(body),
+        "enqueue": app.task(
+            name="b.enqueue",
+            base=LockedTask,
+            shared=False,
+            queue="q-enqueue",
+            lock_key="b:<n>",
+            lock_on="enqueue",
+        )(body),
+        "enqueue+run": app.task(
+            name="b.enqueue_run",
+            base=LockedTask,
+            shared=False,
+            queue="q-enqueue-run",
+            lock_key="br:<n>",
+            lock_on="enqueue+run",
+        )(body),
+        "celery-once": app.task(
+            name="b.once", base=QueueOnce, shared=False, queue="q-once", once={"graceful": True}
+        )(body),
+        "singleton": app.task(
+            name="b.singleton", base=Singleton, shared=False, queue="q-singleton"
+        )(body),
+        "duplicate": app.task(
+            name="b.duplicate",
+            base=LockedTask,
+            shared=False,
+            queue="q-duplicate",
+            lock_key="dup",
+            lock_on="enqueue+run",
+        )(body),
+    }
+    app.finalize()
+    return tasks
+
+
+def one_run(task: Any, variant: str, calls: int, offset: int) -> float:
+    """Publish *calls* calls of *task*; calls per second."""
+    args = [(0,)] * calls if variant == "duplicate" else [(offset + i,) for i in range(calls)]
+    started = time.perf_counter()
+    for call in args:
+        task.apply_async(call)
+    return calls / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=5000, help="calls per variant and rep")
+    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions")
+    parser.add_argument("--warmup", type=int, default=300, help="calls per variant, untimed")
+    options = parser.parse_args()
+    logging.disable(logging.INFO)  # the duplicate variant logs one line per refused call
+    warnings.simplefilter("ignore")
+    rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    with _servers.running() as server:
+        tasks = build(server.port)
+        client = server.client()
+
+        def reset() -> None:
+            for db in range(4):
+                server.client(db=db).flushdb()
+
+        offset = 0
+        for variant in VARIANTS:  # connections made, scripts loaded, classes resolved
+            one_run(tasks[variant], variant, options.warmup, offset)
+            offset += options.warmup
+        reset()
+        for rep in range(options.reps):
+            order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
+            for variant in order:
+                rates[variant].append(one_run(tasks[variant], variant, options.calls, offset))
+                offset += options.calls
+                sent = sum(client.llen(f"q-{q}") for q in ("plain", "enqueue", "enqueue-run"))
+                sent += sum(client.llen(f"q-{q}") for q in ("once", "singleton", "duplicate"))
+                expected = 1 if variant == "duplicate" else options.calls
+                if sent != expected:
+                    raise SystemExit(f"{variant}: {sent} messages queued, expected {expected}")
+                reset()
+            print(f"rep {rep + 1}/{options.reps} done", file=sys.stderr)
+        version = server.version()
+    plain = statistics.median(rates["plain"])
+    print(
+        f"apply_async publish rate, {options.calls} calls x {options.reps} reps, "
+        f"redis-server {version}, one process (median calls/s, ratio to plain):"
+    )
+    for variant in VARIANTS:
+        median = statistics.median(rates[variant])
+        spread = ", ".join(f"{r:,.0f}" for r in rates[variant])
+        print(f"  {variant:12s} {median:9,.0f}/s  {median / plain:5.2f}x   ({spread})")
+
+
+if __name__ == "__main__":
+    main()
