@@ -455,7 +455,7 @@ def _ran_already(lock: Lock) -> bool:
     if lock.done_as is None:
         return False
     try:
-        return lock.last_done() == lock.done_as
+        return lock.ran_before()
     except RedlockError as exc:  # cannot tell: run it, as any delivery would
         log.warning("could not read the done mark of lock %r: %s", lock.name, exc)
         return False

@@ -517,9 +517,11 @@ def test_locks_list_shows_queued_and_running_with_task_ids(env: Env) -> None:
         ({"lock_on": "enqueue", "lock_on_duplicate": "drop"}, "'return', 'raise'"),
         (
             {"lock_on": "enqueue", "lock_on_duplicate": "return", "lock_debounce": 1},
-            "needs lock_on_duplicate='replace'",
+            "must be used with lock_on_duplicate='replace' on the same task (the newest "
+            "call's arguments run once the calls stop); it sets 'return'",
         ),
-        ({"lock_on": "run", "lock_on_duplicate": "raise"}, "only work with lock_on='enqueue'"),
+        ({"lock_debounce": 1}, "it sets none"),
+        ({"lock_on": "run", "lock_on_duplicate": "raise"}, "must be used with lock_on='enqueue'"),
         ({"lock_on": "enqueue", "lock_enqueue_ttl": 0}, "lock_enqueue_ttl=0"),
     ],
 )
@@ -536,20 +538,6 @@ def test_bad_dedup_options_fail_at_decoration(
             return None
 
     assert expected in str(info.value)
-
-
-def test_debounce_without_replace_from_settings_fails_at_the_first_call(env: Env) -> None:
-    """lock_debounce with lock_on_duplicate left to a setting that is not "replace": the
-    ConfigError comes once the settings are known (first publish or worker start)."""
-    app = env.app(redlock_lock_on_duplicate="queue_one")
-
-    @app.task(base=LockedTask, shared=False, name="dd.deb", lock_on="enqueue", lock_debounce=1)
-    def deb() -> None:
-        return None
-
-    with pytest.raises(ConfigError, match=r"'dd.deb'.*lock_debounce=1.0 needs"):
-        deb.delay()
-    assert queued_messages(app) == 0
 
 
 def test_redlock_quorum_refuses_enqueue_holds_at_publish(env: Env, redis_servers: Any) -> None:

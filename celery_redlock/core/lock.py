@@ -233,7 +233,7 @@ class Lock:
         self.handover = handover
         #: What a release records as the lock's done mark for *done_ttl* seconds (None:
         #: nothing): a task run's id and attempt, so a redelivered copy of that message
-        #: that gets the lock afterwards can tell it already ran (:meth:`last_done`).
+        #: that gets the lock afterwards can tell it already ran (:meth:`ran_before`).
         self.done_as = done_as
         self.done_ms = ttl_to_ms(done_ttl, "done_ttl")
         #: The last attempt was a hand-over refused because the queued hold belongs to
@@ -541,9 +541,10 @@ class Lock:
         every permit is held)."""
         return self.layout.locked()
 
-    def last_done(self) -> str | None:
-        """The done mark of the last release that set one (see ``done_as``), or None."""
-        return self.store.last_done(self.keys)
+    def ran_before(self) -> bool:
+        """True when an earlier release of this name carried this lock's ``done_as`` mark
+        (among the 16 most recent, within ``done_ttl`` of the last one)."""
+        return self.done_as is not None and self.store.was_done(self.keys, self.done_as)
 
     # -- renewal (the renewal thread calls these) -----------------------------------------
     def renewal(self) -> tuple[str, int] | None:

@@ -172,11 +172,12 @@ class Store(Protocol):
         self, keys: LockKeys, token: str, notice_ms: int, done: tuple[str, int] | None = None
     ) -> Status:
         """Give back *token*'s acquisition and wake one waiter; with *done* (value, ms),
-        set the lock's done mark in the same step (see :meth:`last_done`)."""
+        add that done mark to the lock's in the same step (see :meth:`was_done`)."""
         ...
 
-    def last_done(self, keys: LockKeys) -> str | None:
-        """The done mark the last release that set one left (None: none, or expired)."""
+    def was_done(self, keys: LockKeys, mark: str) -> bool:
+        """True when a release added *mark* to the lock's done marks (the 16 most recent
+        are kept while releases keep adding them)."""
         ...
 
     def handover(

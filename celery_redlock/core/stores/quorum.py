@@ -269,18 +269,17 @@ class QuorumStore:
     def dequeue(self, keys: LockKeys, owner: str) -> Status:
         raise ConfigError(no_queued_holds(keys.name, len(self._members)))
 
-    def last_done(self, keys: LockKeys) -> str | None:
-        """The done mark of any master that answers (a mark exists only where a run of
-        that task id finished, so one master's is enough to know it ran)."""
-        fan = FanOut(self._members, Plain("GET", keys.done), self.timeout(None))
+    def was_done(self, keys: LockKeys, mark: str) -> bool:
+        """True when any master that answers has *mark* (a mark is written only where a
+        run holding the lock finished, so one master's is enough to know it ran)."""
+        fan = FanOut(self._members, Plain("ZSCORE", keys.done, mark), self.timeout(None))
         results = fan.wait(lambda r: any(answered(v) and v is not None for v in r))
         fan.finish()
-        found = [text(v) for v in results if answered(v) and v is not None]
-        if found:
-            return found[0]
+        if any(answered(v) and v is not None for v in results):
+            return True
         if sum(1 for v in results if answered(v)) < self.quorum:
             raise self.unavailable(keys.name, self._outcomes(results, lambda v: "answered"))
-        return None
+        return False
 
     def abandon(self, keys: LockKeys, token: str, notice_ms: int) -> None:
         fan = FanOut(

@@ -211,12 +211,11 @@ class RedisStore:
         except REDIS_ERRORS as exc:
             raise self.unavailable(keys.name, exc) from exc
 
-    def last_done(self, keys: LockKeys) -> str | None:
+    def was_done(self, keys: LockKeys, mark: str) -> bool:
         try:
-            value = self.call(Plain("GET", keys.done))
+            return self.call(Plain("ZSCORE", keys.done, mark)) is not None
         except REDIS_ERRORS as exc:
             raise self.unavailable(keys.name, exc) from exc
-        return None if value is None else text(value)
 
     def abandon(self, keys: LockKeys, token: str, notice_ms: int) -> None:
         try:
