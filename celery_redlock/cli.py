@@ -278,8 +278,9 @@ def list_(ctx: click.Context, pattern: str, as_json: bool) -> None:
 @_json_option
 @click.pass_context
 def show(ctx: click.Context, name: str, as_json: bool) -> None:
-    """Show who holds lock NAME (the rendered name, e.g. sync:42): the lock, each permit of
-    a semaphore, and the state of its rate limiter; exit 1 if none of them is held."""
+    """Show who holds lock NAME (the rendered name, e.g. sync:42): the lock, the queued
+    message's hold, each permit of a semaphore, and the state of its rate limiter; exit 1
+    if none of them is held."""
     session = _Session(ctx)
     prefix = session.prefix
     try:
@@ -288,8 +289,8 @@ def show(ctx: click.Context, name: str, as_json: bool) -> None:
         raise CeleryCommandException(str(exc), EXIT_USAGE) from None
 
     def read(client: Any) -> list[LockInfo]:
-        info = read_lock(client, prefix, name)
-        return ([] if info is None else [info]) + read_permits(client, prefix, name)
+        found = [read_lock(client, prefix, name), read_queued(client, prefix, name)]
+        return [i for i in found if i is not None] + read_permits(client, prefix, name)
 
     rows = session.collect(read)
     rates = session.limiters(lambda client: _listed(read_limiter(client, prefix, name)))

@@ -37,6 +37,7 @@ __all__ = [
     "boolean",
     "check_combination",
     "check_declared",
+    "check_enqueue_limit",
     "check_store",
     "check_task_option",
     "choice",
@@ -259,6 +260,8 @@ def check_declared(task_name: str, cls: type) -> None:
             f"task {task_name!r}: lock_rate_burst={burst!r} is not valid without a lock_rate "
             "on the task; it must be set together with lock_rate (e.g. lock_rate='10/m')"
         )
+    if is_set(cls, "lock_limit"):
+        check_enqueue_limit(task_name, declared(cls, "lock_on"), declared(cls, "lock_limit"))
     check_combination(
         task_name,
         declared(cls, "lock_on"),
@@ -266,6 +269,16 @@ def check_declared(task_name: str, cls: type) -> None:
         declared(cls, "lock_debounce"),
         given=[o for o in ENQUEUE_OPTIONS if declared(cls, o) is not None],
     )
+
+
+def check_enqueue_limit(task_name: str, lock_on: Any, limit: Any) -> None:
+    """ConfigError for an enqueue-time hold on a task whose runs are not one at a time:
+    the queued message is handed over to the run's lock (a mutex) in one step."""
+    if lock_on in ("enqueue", "enqueue+run") and limit != 1:
+        raise ConfigError(
+            f"task {task_name!r}: lock_on={lock_on!r} must be used with lock_limit=1 (the "
+            f"queued message becomes the run's lock in one step); it has lock_limit={limit!r}"
+        )
 
 
 def check_combination(
@@ -375,6 +388,7 @@ def resolve(cls: type, spec: TaskSpec, settings: Mapping[str, Any]) -> TaskOptio
             f"task {task_name!r}: lock_rate_burst={values['lock_rate_burst']!r} without a "
             "lock_rate; set lock_rate (e.g. '10/m') or drop lock_rate_burst"
         )
+    check_enqueue_limit(task_name, values["lock_on"], values["lock_limit"])
     key = spec.key
     if key is None:
         default = values["lock_key"]

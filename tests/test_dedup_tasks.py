@@ -521,6 +521,7 @@ def test_locks_list_shows_queued_and_running_with_task_ids(env: Env) -> None:
             "call's arguments run once the calls stop); it sets 'return'",
         ),
         ({"lock_debounce": 1}, "it sets none"),
+        ({"lock_on": "enqueue+run", "lock_limit": 3}, "must be used with lock_limit=1"),
         ({"lock_on": "run", "lock_on_duplicate": "raise"}, "must be used with lock_on='enqueue'"),
         ({"lock_on": "enqueue", "lock_enqueue_ttl": 0}, "lock_enqueue_ttl=0"),
     ],

@@ -19,7 +19,7 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 from servers import RedisServer
-from test_task_inprocess import Env, _forget_results, wait_for, worker
+from test_task_inprocess import Env, forget_results, wait_for, worker
 
 from celery_redlock import (
     ConfigError,
@@ -41,9 +41,9 @@ def env(shared_redis: RedisServer, redis_client: redis.Redis) -> Iterator[Env]:
     try:
         yield e
     finally:
-        gc.collect()  # results die now, while their server still runs (see _forget_results)
+        gc.collect()  # results die now, while their server still runs (see forget_results)
         for app in e.apps:
-            _forget_results(app)
+            forget_results(app)
             app.close()
         e.locks.close()
         e.rec.close()

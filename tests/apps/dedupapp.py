@@ -55,7 +55,13 @@ def record(event: str, **fields: Any) -> None:
     _record[pid].rpush("events", json.dumps(fields))
 
 
-_ENQUEUE_RUN: dict[str, Any] = {"base": LockedTask, "bind": True, "lock_on": "enqueue+run"}
+_ENQUEUE_RUN: dict[str, Any] = {
+    "base": LockedTask,
+    "bind": True,
+    "lock_on": "enqueue+run",
+    # the tests import this module to publish: its tasks must not join every app made later
+    "shared": False,
+}
 
 
 @app.task(name="dd.hold", lock_key="hold:<key>", **_ENQUEUE_RUN)
