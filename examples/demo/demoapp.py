@@ -167,6 +167,13 @@ def call_partner(self: LockedTask, n: int, seconds: float = 0.1) -> int | None:
     return _body(self, "partner-api", seconds)
 
 
+@app.task(base=LockedTask, bind=True, lock_key="reindex:<index>", lock_on="enqueue")
+def reindex(self: LockedTask, index: str, seconds: float = 1.0) -> int | None:
+    """De-duplicated at publish: one reindex of an index queued at a time; a call made
+    while one is queued gets that one's result (nothing is sent)."""
+    return _body(self, f"reindex:{index}", seconds)
+
+
 def hostname() -> str:
     """The host part of worker names (``demo1@<host>``)."""
     return socket.gethostname()

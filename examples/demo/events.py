@@ -112,10 +112,12 @@ class Story:
         if kind == "publish":
             run.published = t
         elif kind in ("contended", "rate_limited"):
-            run.refusals += 1
+            policy = policies.get(run.task)
+            if policy != "wait":  # a waiting run is counted by its wait, not as a retry
+                run.refusals += 1
             if run.first_refused is None:
                 run.first_refused = t
-            if policies.get(run.task) == "skip":
+            if policy == "skip":
                 run.skipped = True
         elif kind == "superseded":  # a queued call replaced by a newer one: skipped
             run.refusals += 1

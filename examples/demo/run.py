@@ -226,7 +226,13 @@ class Stage:
         """Send task *name* and record that it was published (for its waiting bar)."""
         result = self.app.tasks[f"demoapp.{name}"].apply_async(args, kwargs)
         self.collector.add(
-            {"kind": "publish", "t": time.time(), "task_id": result.id, "key": key, "task": name}
+            {
+                "kind": "publish",
+                "t": time.time(),
+                "task_id": result.id,
+                "key": key,
+                "task": f"demoapp.{name}",
+            }
         )
         return result
 
@@ -338,6 +344,24 @@ def rate_limit(stage: Stage) -> None:
     )
 
 
+def dedup(stage: Stage) -> None:
+    """Ten clicks on "reindex products" at once (``lock_on="enqueue"``): one message is
+    queued, the nine other calls get its result and send nothing. Five more clicks while
+    it runs queue exactly one more run."""
+    key = "reindex:products"
+    burst = [stage.publish("reindex", "products", key=key) for _ in range(10)]
+    first = stage.started(burst[0].id, timeout=20)
+    during = [stage.publish("reindex", "products", key=key) for _ in range(5)]
+    stage.finish(burst + during, timeout=60)
+    ids = {r.id for r in burst} | {r.id for r in during}
+    runs = [r for r in stage.story.on_key(key) if r.ran]
+    stage.check(
+        "15 reindex calls in two bursts ran twice: one queued per key, the rest de-duplicated",
+        len(ids) == 2 and len(runs) == 2 and first.ran,
+        f"{len(ids)} messages sent, {len(stage.story.dedups.get(key, ()))} calls de-duplicated",
+    )
+
+
 def crash(stage: Stage) -> None:
     """A long export holds ``export:invoices``; a second export waits for it; the first
     one's pool child is SIGKILLed: the worker's main process releases its lock at once
@@ -378,6 +402,7 @@ SCENES: list[Scene] = [
     Scene("several tasks per user id contend for sync:<user_id>", several_per_user),
     Scene("a semaphore: lock_limit=2 lets two renders run at once", semaphore),
     Scene("a rate limit: lock_rate='4/s' on partner-api, across both workers", rate_limit),
+    Scene("de-duplication: lock_on='enqueue' keeps one reindex queued", dedup),
     Scene("a worker child is SIGKILLed while it holds export:invoices", crash),
     Scene("beat singleton: nightly_report never overlaps itself", beat_singleton),
 ]
