@@ -15,7 +15,7 @@ from servers import FaultProxy, RedisServer, wait_child, wait_for
 
 from celery_redlock import Lock, Redlock, connect
 from celery_redlock.core.scripts import RELEASE
-from celery_redlock.core.send import Plain, checkout
+from celery_redlock.core.send import Plain, checkout, pack
 from celery_redlock.core.stores.redis import RedisStore
 
 ProxyFactory = Callable[[RedisServer], FaultProxy]
@@ -204,3 +204,33 @@ def test_release_script_status_reaches_the_caller_as_sent(redis_client: redis.Re
     missing key: 0), not a translated value."""
     reply = RedisStore.of(redis_client).call(RELEASE(["send:none", "send:none:n"], ["t", 1000]))
     assert reply == 0
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "latin-1"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("EVALSHA", "a" * 40, 2, "redlock:{sync:42}", "redlock:{sync:42}:fence", "tok", 30000),
+        ("HMGET", "redlock:{zé}", "token", "info"),
+        ("EVAL", "return 1", 0, b"\x00\xff raw", -7, 2.5, 10**20),
+        ("SET", "k", ""),
+    ],
+)
+def test_pack_gives_the_bytes_redis_py_would_send(
+    redis_server: RedisServer, args: tuple[Any, ...], encoding: str
+) -> None:
+    """Our packer writes exactly what redis-py's pack_command writes for the same client
+    encoding, for every argument type lock commands use."""
+    client = redis.Redis(host=redis_server.host, port=redis_server.port, encoding=encoding)
+    conn = client.connection_pool.get_connection()
+    try:
+        expected = b"".join(conn.pack_command(*args))
+        assert pack(args, encoding, "strict") == expected
+    finally:
+        client.connection_pool.release(conn)
+
+
+def test_pack_refuses_what_redis_cannot_store() -> None:
+    """A value of a type neither we nor redis-py would send is a TypeError naming it."""
+    with pytest.raises(TypeError, match="dict"):
+        pack(("SET", "k", {"a": 1}), "utf-8", "strict")

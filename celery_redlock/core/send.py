@@ -53,6 +53,7 @@ __all__ = [
     "Sent",
     "checkout",
     "executor",
+    "pack",
 ]
 
 
@@ -73,8 +74,8 @@ class Command(Protocol):
 
 
 class Packed:
-    """Packs a command once per client encoding: a fan-out sends the same bytes to
-    every master, and a queued follow-up is packed once for all of them."""
+    """Packs a command once per client encoding (:func:`pack`): a fan-out sends the
+    same bytes to every master, and a queued follow-up is packed once for all of them."""
 
     __slots__ = ("_packed",)
 
@@ -90,9 +91,32 @@ class Packed:
         cached = self._packed
         if cached is not None and cached[0] == key:
             return cached[1]
-        data = conn.pack_command(*self.args())
+        data = [pack(self.args(), *key)]
         self._packed = (key, data)
         return data
+
+
+def pack(args: tuple[Any, ...], encoding: str, errors: str) -> bytes:
+    """*args* as one RESP array of bulk strings, encoded as redis-py's encoder encodes
+    them (``str`` in the client's encoding, ``bytes`` as they are, ``int`` and ``float``
+    as their text). redis-py's ``pack_command`` does the same for any command, with
+    checks and buffering a lock script's handful of short arguments does not need: it
+    costs several times as much (docs/benchmarks.md); ``tests/test_send.py`` checks
+    that both give the same bytes."""
+    out = [b"*%d\r\n" % len(args)]
+    for value in args:
+        if isinstance(value, str):
+            data = value.encode(encoding, errors)
+        elif isinstance(value, bytes):
+            data = value
+        elif isinstance(value, int) and not isinstance(value, bool):
+            data = b"%d" % value
+        elif isinstance(value, float):
+            data = repr(value).encode()
+        else:
+            raise TypeError(f"cannot send {type(value).__name__} {value!r} to Redis")
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
 
 
 class Plain(Packed):
