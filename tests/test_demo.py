@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -67,4 +68,40 @@ def test_demo_plays_every_scene_checks_itself_and_leaves_nothing_behind(tmp_path
     deadline = time.monotonic() + 10
     while _processes_mentioning(port) and time.monotonic() < deadline:
         time.sleep(0.1)  # a process may still be exiting after its last line
+    assert _processes_mentioning(port) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "hangup"])
+def test_an_interrupted_demo_stops_everything_it_started(tmp_path: Path, sig: int) -> None:
+    """Ctrl-C (SIGINT) or a closed terminal (SIGHUP) once the workers and beat are up:
+    the demo exits 130 and no process it started is left (workers run in their own
+    sessions, so only the demo's cleanup can stop them)."""
+    env = {**os.environ, "CI": "true"}
+    log = tmp_path / "demo.log"
+    with open(log, "wb") as out:
+        demo = subprocess.Popen(
+            [sys.executable, str(DEMO), "--png", str(tmp_path / "t.png")],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    try:
+        deadline = time.monotonic() + 90
+        while "the scenes begin" not in log.read_text() and time.monotonic() < deadline:
+            assert demo.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)
+        assert "the scenes begin" in log.read_text()
+        demo.send_signal(sig)
+        assert demo.wait(60) == 130, log.read_text()[-3000:]
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait(10)
+    out_text = log.read_text()
+    assert "* every process the demo started is stopped" in out_text
+    port = int(re.search(r"throwaway Redis: redis://127\.0\.0\.1:(\d+)", out_text).group(1))  # type: ignore[union-attr]
+    deadline = time.monotonic() + 10
+    while _processes_mentioning(port) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _processes_mentioning(port) == []

@@ -41,6 +41,8 @@ from view import LiveView, PlainView, wants_live  # noqa: E402
 from celery_redlock.testing import find_server_binary, start_redis  # noqa: E402
 
 DEFAULT_PNG = ROOT / "docs" / "demo-timeline.png"
+#: Signals that stop the demo, and every process it started.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class DemoFailed(RuntimeError):
@@ -429,7 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     def on_term(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_term)
+    # Ctrl-C, kill, a closed terminal: each ends the demo through the cleanup below.
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, on_term)
     try:
         server, url = start_redis(binary, str(workdir))
         base = url.rsplit("/", 1)[0]
@@ -524,8 +528,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n* the demo failed: {exc}", flush=True)
         return 1
     finally:
-        if view is not None:
-            view.close()
+        for signum in STOP_SIGNALS:  # a second Ctrl-C must not cut the cleanup short
+            signal.signal(signum, signal.SIG_IGN)
+        # The processes first: after a closed terminal, writing to it may fail.
         if collector is not None:
             collector.stopping.set()
         if processes is not None:
@@ -537,11 +542,15 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 server.kill()
                 server.wait(5)
-        if os.environ.get("DEMO_KEEP_LOGS"):
-            print(f"* logs kept in {workdir}")
-        else:
+        keep = os.environ.get("DEMO_KEEP_LOGS")
+        if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
-        print("* every process the demo started is stopped", flush=True)
+        with contextlib.suppress(OSError):
+            if view is not None:
+                view.close()
+            if keep:
+                print(f"* logs kept in {workdir}")
+            print("* every process the demo started is stopped", flush=True)
 
 
 def _shown(path: Path) -> str:
