@@ -119,9 +119,16 @@ def _start(run: Run) -> float:
 
 
 def draw_timeline(
-    story: Story, t0: float, path: Path, title: str, limits: Mapping[str, int | None]
+    story: Story,
+    t0: float,
+    path: Path,
+    title: str,
+    limits: Mapping[str, int | None],
+    *,
+    rates: Mapping[str, str] | None = None,
 ) -> None:
-    """Write the timeline PNG: one lane per key, one bar per run, a legend."""
+    """Write the timeline PNG: one lane per key, one bar per run, a legend. A key's
+    label names its limit when it is not 1, and its rate when it has one."""
     import matplotlib  # noqa: PLC0415 - only the end of the demo needs it
 
     matplotlib.use("Agg")
@@ -207,7 +214,10 @@ def draw_timeline(
             )
         limit = limits.get(key, 1)
         ticks.append(y + height / 2)
-        suffix = "" if limit == 1 else f"\n(limit {limit})" if limit else "\n(no limit)"
+        if rates and key in rates:
+            suffix = f"\n(rate {rates[key]})"
+        else:
+            suffix = "" if limit == 1 else f"\n(limit {limit})" if limit else "\n(no limit)"
         labels.append(key + suffix)
         y += height + 0.25
     for kill in story.kills:

@@ -214,6 +214,7 @@ class Stage:
     ttl: float
     checks: list[Check] = field(default_factory=list)
     limits: dict[str, int | None] = field(default_factory=dict)
+    rates: dict[str, str] = field(default_factory=dict)
 
     @property
     def story(self) -> Story:
@@ -327,6 +328,7 @@ def rate_limit(stage: Stage) -> None:
     """Eight partner calls at once, ``lock_rate="4/s"``: one starts now, each of the
     others is re-queued for exactly its own slot, a quarter of a second apart."""
     stage.limits["partner-api"] = None
+    stage.rates["partner-api"] = "4/s"
     calls = [stage.publish("call_partner", n, key="partner-api") for n in range(8)]
     outcomes = stage.finish(calls, timeout=60)
     starts = sorted(r.start for c in calls if (r := stage.story.runs.get(c.id)) and r.start)
@@ -516,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
             args.png,
             "celery-redlock demo: one lane per key, a bar per run",
             stage.limits,
+            rates=stage.rates,
         )
         print(f"\n* timeline written to {_shown(args.png)}")
         failed = [c for c in results if not c.ok]
