@@ -273,8 +273,11 @@ def wrap_send_task(app: Any) -> None:
     LockedTask this process knows (beat publishes by name when its process lacks the
     task's class; then the worker checks instead, see celery_redlock.dedup).
 
-    ``Task.apply_async`` calls ``send_task`` with ``task_type``: those calls passed
-    ``LockedTask.apply_async`` already and go straight through.
+    ``Task.apply_async`` calls ``send_task`` with ``task_type``: a LockedTask's calls
+    passed ``LockedTask.apply_async`` already and go straight through. Another task's
+    call on an app not finalized yet finalizes it first when ``redlock_tasks`` is set:
+    that is when matching tasks become LockedTasks (in place), and a task that just
+    became one is published as one.
     """
     current = app.send_task
     if getattr(current, "redlock_wrapped", False):
@@ -284,15 +287,27 @@ def wrap_send_task(app: Any) -> None:
     def send_task(
         name: Any, args: Any = None, kwargs: Any = None, *rest: Any, **options: Any
     ) -> Any:
-        if rest or options.get("task_type") is not None:
+        if rest:
             return current(name, args, kwargs, *rest, **options)
-        task = _locked_task(app, name)
+        task = options.get("task_type")
         if task is None:
+            task = _locked_task(app, name)
+        elif isinstance(task, LockedTask) or not _finalizes_redlock_tasks(app):
+            task = None
+        if not isinstance(task, LockedTask):
             return current(name, args, kwargs, **options)
         return publish(task, args, kwargs, options, functools.partial(current, name))
 
     send_task.redlock_wrapped = True  # type: ignore[attr-defined]
     app.send_task = send_task
+
+
+def _finalizes_redlock_tasks(app: Any) -> bool:
+    """Finalize *app* now if that applies ``redlock_tasks``; True if it did."""
+    if app.finalized or not app.autofinalize or not app.conf.get("redlock_tasks"):
+        return False
+    app.finalize(auto=True)
+    return True
 
 
 def _locked_task(app: Any, name: Any) -> Any:

@@ -26,7 +26,14 @@ from servers import RedisServer
 from test_observability import EventCapture
 from test_task_inprocess import Env, forget_results, wait_for, worker
 
-from celery_redlock import AlreadyQueued, ConfigError, LockedTask, LockEvent, is_skipped
+from celery_redlock import (
+    AlreadyQueued,
+    ConfigError,
+    LockedTask,
+    LockEvent,
+    install,
+    is_skipped,
+)
 from celery_redlock.core import add_hook, remove_hook
 from celery_redlock.core.inspect import scan_locks
 from celery_redlock.observability import disable_prometheus, enable_prometheus
@@ -554,6 +561,47 @@ def test_redlock_quorum_refuses_enqueue_holds_at_publish(env: Env, redis_servers
     with pytest.raises(ConfigError, match="Redlock quorum of 3 masters"):
         rl.delay()
     assert queued_messages(app) == 0
+
+
+def test_redlock_tasks_give_a_plain_task_publish_time_dedup(env: Env) -> None:
+    """redlock_tasks with lock_on="enqueue+run" on a task without the base class, in a
+    publisher that called install(app): five delay(7) with no worker running send one
+    message and return its id; it runs once."""
+    app = env.app(redlock_tasks={"dd.plain": {"lock_key": "plain:<n>", "lock_on": "enqueue+run"}})
+
+    @app.task(name="dd.plain", shared=False)
+    def plain(n: int) -> int:
+        env.push("runs", n)
+        return n
+
+    install(app)  # a worker installs itself; a publisher of redlock_tasks says so
+    assert not app.finalized  # the first publish finalizes it, and so applies redlock_tasks
+    results = [plain.delay(7) for _ in range(5)]
+    assert len({r.id for r in results}) == 1
+    assert queued_messages(app) == 1
+    assert hold_owner(env, "plain:7") == results[0].id
+    with worker(app):
+        assert results[-1].get(timeout=15) == 7
+    assert env.items("runs") == [7]
+    assert env.held_keys() == []
+
+
+def test_redlock_lock_on_setting_is_the_default_of_tasks_that_do_not_set_it(env: Env) -> None:
+    """app.conf.redlock_lock_on="enqueue" makes a LockedTask without lock_on de-duplicate
+    at publish; a task that sets lock_on="run" keeps sending every call."""
+    app = env.app(redlock_lock_on="enqueue")
+
+    @app.task(base=LockedTask, shared=False, lock_key="d:<n>")
+    def defaulted(n: int) -> int:
+        return n
+
+    @app.task(base=LockedTask, shared=False, lock_key="r:<n>", lock_on="run")
+    def per_run(n: int) -> int:
+        return n
+
+    assert defaulted.delay(1).id == defaulted.delay(1).id
+    assert per_run.delay(1).id != per_run.delay(1).id
+    assert queued_messages(app) == 3
 
 
 def test_eager_calls_skip_the_publish_check_and_still_lock_the_run(env: Env) -> None:

@@ -149,7 +149,8 @@ def workers(
 # -- --help ----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_worker_help_documents_each_flag(server: RedisServer) -> None:
-    """`celery worker --help` lists --redlock-url, --redlock-ttl, --redlock-disable with help."""
+    """`celery worker --help` lists --redlock-url, --redlock-ttl, --redlock-lock-on and
+    --redlock-disable with help."""
     out = subprocess.run(
         [sys.executable, "-m", "celery", "-A", APP, "worker", "--help"],
         cwd=ROOT,
@@ -162,6 +163,7 @@ def test_worker_help_documents_each_flag(server: RedisServer) -> None:
     flat = " ".join(out.split())  # click wraps long help text over several lines
     assert "--redlock-url" in flat and "overrides app.conf.redlock_url" in flat
     assert "--redlock-ttl" in flat and "Default lock lease in seconds" in flat
+    assert "--redlock-lock-on" in flat and "enqueue or enqueue+run" in flat
     assert "--redlock-disable" in flat and "WITHOUT locks" in flat
 
 
