@@ -22,7 +22,7 @@ import pytest
 from celery import Celery
 from servers import RedisServer, free_port
 from test_observability import EventCapture
-from workers import Worker
+from workers import Worker, close_publisher, publisher
 
 pytestmark = pytest.mark.slow
 
@@ -89,12 +89,11 @@ def client(server: RedisServer, workers: list[Worker]) -> Iterator[Celery]:
     """A client app for the shared workers; the record list is emptied first."""
     server.client(db=3).delete("events")
     env = _env(server)
-    app = Celery("client", broker=env["REDLOCK_TEST_BROKER"], backend=env["REDLOCK_TEST_BACKEND"])
-    app.conf.broker_connection_retry_on_startup = True
+    app = publisher(env["REDLOCK_TEST_BROKER"], env["REDLOCK_TEST_BACKEND"])
     try:
         yield app
     finally:
-        app.close()
+        close_publisher(app)
 
 
 def _permits(server: RedisServer, name: str) -> int:

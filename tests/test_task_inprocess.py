@@ -32,6 +32,7 @@ from celery import Celery, signals
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
 from servers import RedisServer
+from workers import forget_results
 
 from celery_redlock import (
     ConfigError,
@@ -124,25 +125,6 @@ def env(shared_redis: RedisServer, redis_client: redis.Redis) -> Iterator[Env]:
             app.close()
         e.locks.close()
         e.rec.close()
-
-
-def forget_results(app: Celery) -> None:
-    """Stop *app*'s result subscriptions (in this thread) while the server still runs.
-
-    An AsyncResult unsubscribes in ``__del__``. One that outlives the test (held by a
-    failure's traceback, or in a reference cycle, like those a worker thread makes when it
-    re-queues a retry) would otherwise do that after the session's server is gone: the
-    garbage collector then reports an error at some random later point, and on CPython
-    3.11.7 that report can even break pytest's own parsing (gh-106905).
-    """
-    backend = getattr(app._local, "backend", None)  # this thread's backend, if it made one
-    consumer = getattr(backend, "result_consumer", None)
-    if consumer is None:
-        return
-    with contextlib.suppress(Exception):
-        consumer.stop()
-    consumer.subscribed_to.clear()
-    consumer._pubsub = None
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ import kombu
 import pytest
 from celery import Celery
 from servers import RedisServer
-from workers import Worker
+from workers import Worker, close_publisher, publisher
 
 pytestmark = pytest.mark.slow
 
@@ -42,9 +42,7 @@ def _env(server: RedisServer, ttl: float, broker: str | None = None) -> dict[str
 
 
 def _client_app(env: dict[str, str]) -> Celery:
-    app = Celery("client", broker=env["REDLOCK_TEST_BROKER"], backend=env["REDLOCK_TEST_BACKEND"])
-    app.conf.broker_connection_retry_on_startup = True
-    return app
+    return publisher(env["REDLOCK_TEST_BROKER"], env["REDLOCK_TEST_BACKEND"])
 
 
 def _events(server: RedisServer, kind: str | None = None) -> list[dict[str, Any]]:
@@ -92,7 +90,7 @@ def client(server: RedisServer, worker: Worker) -> Iterator[Celery]:
     try:
         yield app
     finally:
-        app.close()
+        close_publisher(app)
 
 
 def _lock_exists(server: RedisServer, name: str) -> bool:
@@ -216,7 +214,7 @@ def test_whole_worker_sigkilled_lock_expires_within_ttl_then_next_run_proceeds(
         assert app.send_task(f"{APP}.hold", args=(name, 0.05)).get(timeout=20) == name
     finally:
         second.stop()
-        app.close()
+        close_publisher(app)
 
 
 def _rabbitmq_up() -> bool:
@@ -252,7 +250,7 @@ def test_exclusion_end_to_end_with_rabbitmq_broker(server: RedisServer, tmp_path
                 assert after["start"] >= before["end"]
     finally:
         w.stop()
-        app.close()
+        close_publisher(app)
         _delete_queue(queue)
 
 
@@ -309,7 +307,7 @@ def test_warm_shutdown_finishes_the_task_and_releases(server: RedisServer, tmp_p
         assert not _lock_exists(server, f"hold:{name}")
     finally:
         w.stop()
-        app.close()
+        close_publisher(app)
 
 
 @pytest.mark.parametrize("multiprocess", [False, True], ids=["private-registry", "multiproc-dir"])
@@ -340,7 +338,7 @@ def test_pool_children_count_metrics_only_where_they_can_be_scraped(
         else:
             assert seen["hook"] is False and seen["registries"] == 0
     finally:
-        app.close()
+        close_publisher(app)
         w.stop()
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(prom_dir))

@@ -23,8 +23,7 @@ import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from servers import RedisServer, free_port
-from test_task_inprocess import forget_results
-from workers import Worker
+from workers import Worker, close_publisher, publisher
 
 from celery_redlock import is_skipped
 
@@ -47,18 +46,7 @@ def _env(server: RedisServer, broker_db: int, record_db: int, **extra: str) -> d
 
 
 def _client(env: dict[str, str]) -> Celery:
-    app = Celery("client", broker=env["REDLOCK_TEST_BROKER"], backend=env["REDLOCK_TEST_BACKEND"])
-    app.conf.broker_connection_retry_on_startup = True
-    app.conf.result_backend_transport_options = {"retry_policy": {"max_retries": 2}}
-    return app
-
-
-def _close(client: Celery) -> None:
-    """Close a publisher once its results are unsubscribed: an AsyncResult collected
-    later, on a closed app, makes Celery 5.3's Redis backend retry its unsubscribe for
-    minutes inside whatever publishes next."""
-    forget_results(client)
-    client.close()
+    return publisher(env["REDLOCK_TEST_BROKER"], env["REDLOCK_TEST_BACKEND"])
 
 
 def _records(server: RedisServer, db: int, kind: str) -> list[dict[str, Any]]:
@@ -197,7 +185,7 @@ def test_redlock_url_flag_puts_locks_on_the_flag_server(
         assert result.get(timeout=20) == name
         assert not on_flag.exists(key), "released on the flag server"
     finally:
-        _close(client)
+        close_publisher(client)
 
 
 @pytest.mark.slow
@@ -215,7 +203,7 @@ def test_redlock_ttl_flag_sets_the_lease(
         assert 5000 < pttl <= 7000, pttl
         assert result.get(timeout=20) == name
     finally:
-        _close(client)
+        close_publisher(client)
 
 
 @pytest.mark.slow
@@ -253,7 +241,7 @@ def test_redlock_disable_flag_runs_unlocked_with_a_loud_warning(
         ends = _records(server, DISABLED_RECORD, "end")
         assert max(s["t"] for s in starts) < min(e["t"] for e in ends), "the runs overlapped"
     finally:
-        _close(client)
+        close_publisher(client)
     text = workers["disabled"].text()
     warnings = [line for line in text.splitlines() if "DISABLED" in line]
     assert len(warnings) == 1 and "WARNING" in warnings[0], text[-3000:]
@@ -283,7 +271,7 @@ def test_redlock_tasks_locks_a_plain_shared_task_on_prefork(
         assert all(r["locked"] and isinstance(r["fence"], int) for r in runs)
         assert not server.client(db=1).exists("redlock:{plain:5}")
     finally:
-        _close(client)
+        close_publisher(client)
 
 
 def test_redlock_tasks_locks_a_plain_task_in_process(shared_redis: RedisServer) -> None:

@@ -11,6 +11,8 @@ import time
 import uuid
 from pathlib import Path
 
+from celery import Celery
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -80,3 +82,39 @@ class Worker:
         if self.proc.poll() is None:
             self.proc.wait(10)
         self.log.close()
+
+
+def forget_results(app: Celery) -> None:
+    """Stop *app*'s result subscriptions (in this thread) while the server still runs.
+
+    An AsyncResult unsubscribes in ``__del__``. One that outlives the test (held by a
+    failure's traceback, or in a reference cycle, like those a worker thread makes when it
+    re-queues a retry) would otherwise do that after the session's server is gone: the
+    garbage collector then reports an error at some random later point, and on CPython
+    3.11.7 that report can even break pytest's own parsing (gh-106905).
+    """
+    backend = getattr(app._local, "backend", None)  # this thread's backend, if it made one
+    consumer = getattr(backend, "result_consumer", None)
+    if consumer is None:
+        return
+    with contextlib.suppress(Exception):
+        consumer.stop()
+    consumer.subscribed_to.clear()
+    consumer._pubsub = None
+
+
+def publisher(broker: str, backend: str) -> Celery:
+    """A Celery app that publishes to the workers of a test and reads their results,
+    with a short retry policy for its result connection (see :func:`close_publisher`)."""
+    app = Celery("client", broker=broker, backend=backend)
+    app.conf.broker_connection_retry_on_startup = True
+    app.conf.result_backend_transport_options = {"retry_policy": {"max_retries": 2}}
+    return app
+
+
+def close_publisher(app: Celery) -> None:
+    """Close *app* once its results are unsubscribed: on Celery 5.3 a result collected
+    later, on a closed app, retries its unsubscribe for minutes inside whatever test
+    publishes next (pytest-timeout cannot interrupt that: it runs in ``__del__``)."""
+    forget_results(app)
+    app.close()
