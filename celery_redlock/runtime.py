@@ -413,17 +413,22 @@ def _own_task_holds(task: Any, request: Any, lock: Lock, attempt: tuple[int, int
     out, at most one TTL; then the contended strategy applies as usual. Skipping or
     failing against ourselves would be wrong (the celery-singleton bug).
 
-    The same ``retries``: this is another copy of a message whose delivery holds the
-    lock, or a contention retry whose refused delivery was redelivered and that copy
-    got the lock (contention retries do not count as attempts here: their deliveries
-    never ran the body). Either way the holder runs this task id's body (the broker
-    handed a message out twice: a Redis visibility timeout shorter than the task, a
-    connection lost before the ack). This delivery must not run while that one runs,
-    nor after it ended: it waits until the holder's lease would end. Renewed meanwhile:
-    that delivery runs, this copy is dropped (``Ignore``). Released: that delivery
-    ended (its release left the done mark this copy's caller checks; without one, a
-    release before the lease's end says so), this copy is dropped. Ran out without a
-    renewal: that delivery is gone, and this copy runs it.
+    The same ``retries``: another delivery of this message may hold the lock (the broker
+    handed the message out twice: a Redis visibility timeout shorter than the task, a
+    connection lost before the ack), or a contention retry's earlier delivery was
+    redelivered and that copy got it; or nothing runs at all: an acquire of this task id
+    whose reply was lost holds the lock until it is given back or expires. This
+    delivery waits until the holder's lease would end:
+
+    * it gets the lock: no delivery holds it any more. It runs, unless the done mark
+      (``acks_late``: every release of a run leaves one) says this attempt ran; the
+      caller checks that. A release alone does not prove a run: a lost acquire's
+      background give-back looks the same;
+    * the holder renewed its lease meanwhile: a delivery of this message runs now, this
+      copy is dropped (``Ignore``);
+    * still held, never renewed (another task took it meanwhile, or a slow server ended
+      the wait first): nothing says that this message runs, so the contended strategy
+      applies as for any holder.
     """
     holder = lock.holder
     task_id = request.id
@@ -440,14 +445,21 @@ def _own_task_holds(task: Any, request: Any, lock: Lock, attempt: tuple[int, int
         describe_holder(holder),
     )
     if lock.acquire(blocking=True, timeout=left / 1000 + drift(lock.ttl) + 0.05):
-        if lock.done_as is not None or time.monotonic() >= lease_end - drift(lock.ttl):
-            return True  # the caller drops it if the done mark says it ran
-        release_for_request(task, lock, None, request)
-        why = "the other delivery of this message ended"
-    else:
-        why = "the other delivery of this message still runs"
+        return True
+    if not _renewed_by(lock, task_id, lease_end):
+        return False
+    why = "the other delivery of this message still runs"
     log.info("Task %s[%s] dropped: %s (lock %r)", task.name, task_id, why, lock.name)
     raise Ignore(f"{why} (lock {lock.name!r})")
+
+
+def _renewed_by(lock: Lock, task_id: str, lease_end: float) -> bool:
+    """True when the lock's last refusal showed *task_id* holding it for longer than the
+    lease it had at *lease_end*: a live delivery renews it."""
+    ttl_ms = lock.holder_ttl_ms
+    if lock.holder.get("task_id") != task_id or not ttl_ms or ttl_ms < 0:
+        return False
+    return time.monotonic() + ttl_ms / 1000 > lease_end + drift(lock.ttl)
 
 
 def _ran_already(lock: Lock) -> bool:

@@ -696,6 +696,56 @@ def test_lock_taken_by_a_run_whose_body_never_starts_is_freed_when_it_ends(
     assert env.items("ran") == []
 
 
+@pytest.mark.parametrize("then", ["given-back", "taken-by-another"])
+def test_a_run_waiting_on_its_own_task_id_runs_once_and_is_never_dropped(
+    env: Env, logs: pytest.LogCaptureFixture, then: str
+) -> None:
+    """A run finds its lock held under its own task id and attempt, never renewed: what an
+    acquire whose reply was lost leaves behind. It waits for that lease, and is never
+    dropped as a copy of a running delivery, since none runs:
+
+    * ``given-back``: the holder is released before its lease ends (the lost acquire's
+      background give-back): the waiting run takes the lock and runs;
+    * ``taken-by-another``: the key goes without a wake-up (a server restarted without
+      persistence) and another task holds the lock when the wait ends: the contended
+      strategy applies (a retry), and the task runs once that holder is done.
+    """
+    app = env.app()
+
+    @app.task(
+        base=LockedTask,
+        shared=False,
+        lock_key="ghost",
+        lock_retry_backoff=0.05,
+        lock_retry_backoff_max=0.2,
+    )
+    def job() -> str:
+        env.push("ran", 1)
+        return "ran"
+
+    task_id = str(uuid.uuid4())
+    ghost = CoreLock(
+        env.locks, "ghost", 1.5, auto_renew=False, owner_info={"task_id": task_id, "retries": 0}
+    )
+    assert ghost.acquire(blocking=False)
+    other = CoreLock(env.locks, "ghost", 2.0, auto_renew=False, owner_info={"task_id": "other"})
+    with worker(app):
+        result = job.apply_async(task_id=task_id)
+        assert wait_for(lambda: any("another delivery" in m for m in messages(logs)), 10)
+        if then == "given-back":
+            ghost.release()
+        else:
+            env.locks.delete("redlock:{ghost}")
+            assert other.acquire(blocking=False)
+            try:
+                assert wait_for(lambda: any("lock retry" in m for m in messages(logs)), 10)
+            finally:
+                other.release()
+        assert result.get(timeout=15) == "ran"
+    assert env.items("ran") == [1]
+    assert not any("dropped" in m for m in messages(logs))
+
+
 def test_after_return_alone_frees_a_lock_whose_body_never_started(env: Env) -> None:
     """With the task_postrun receiver disconnected, LockedTask.after_return is what frees the
     key when the class's own before_start raises after the acquire."""
