@@ -121,7 +121,10 @@ def json_trip(value: Any) -> Any:
         text = kombu_dumps(value)
     except TypeError:  # sets, and the like: the JSON serializer refuses them at publish
         assume(False)
-    return kombu_loads(text)
+    try:
+        return kombu_loads(text)
+    except ValueError:  # kombu 5.3.0 cannot decode a UUID of version 6-15 it encoded itself
+        assume(False)  # (fixed in 5.3.1): such a call never reaches a worker there
 
 
 # -- keys: stable, bounded, equal for equal values -------------------------------------------
