@@ -49,9 +49,11 @@ chaos: $(STAMP)
 
 # The suite on every supported combination (oldest, newest, hiredis, valkey), one venv each
 # under .compat/; by hand, not in CI. COMPAT=oldest (or "oldest,valkey") runs only those,
-# COMPAT_PYTEST_ARGS="-x tests/test_lock.py" narrows the pytest run.
+# COMPAT_PYTEST_ARGS="-x tests/test_lock.py" replaces the default pytest arguments (two
+# processes, a file each, as `make pytest`).
+COMPAT_PYTEST_ARGS ?= -n 2 --dist loadfile
 test-compat:
-	nice -n 10 $(PYTHON) tools/compat.py $(COMPAT)
+	COMPAT_PYTEST_ARGS="$(COMPAT_PYTEST_ARGS)" nice -n 10 $(PYTHON) tools/compat.py $(COMPAT)
 
 # Two prefork workers, a LeaderScheduler beat and a throwaway Redis play a short script;
 # writes docs/demo-timeline.png. Plain lines instead of the live view under CI=true.
