@@ -117,7 +117,7 @@ def publish_held(
     call["task_id"] = task_id
     # A re-publish of the request this process runs (self.retry(), a contention retry)
     # keeps its place under the same task id, whatever else is queued.
-    republish = task_id == getattr(task.request, "id", None)
+    republish = task_id == _running_id(task)
     if options.debounce and not republish and call.get("eta") is None:
         call["countdown"] = max(float(call.get("countdown") or 0), options.debounce)
     ttl = _hold_ttl(options.enqueue_ttl, call)
@@ -186,6 +186,15 @@ def publish_held(
             name,
         )
     return result
+
+
+def _running_id(task: Any) -> str | None:
+    """The task id of the request of *task* this thread runs, if any. Read from the
+    request stack: a task object that another thread is still binding (its first use
+    from several threads at once) has none yet, and ``task.request`` would fail."""
+    stack = getattr(task, "request_stack", None)
+    top = stack.top if stack is not None else None
+    return getattr(top, "id", None)
 
 
 def _duplicate(task: Any, name: str, options: TaskOptions, found: Queued, task_id: str) -> Any:

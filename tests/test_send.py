@@ -15,7 +15,7 @@ from servers import FaultProxy, RedisServer, wait_child, wait_for
 
 from celery_redlock import Lock, Redlock, connect
 from celery_redlock.core.scripts import RELEASE
-from celery_redlock.core.send import Plain, checkout, pack
+from celery_redlock.core.send import Plain, checkout, pack, text_encoding
 from celery_redlock.core.stores.redis import RedisStore
 
 ProxyFactory = Callable[[RedisServer], FaultProxy]
@@ -221,7 +221,26 @@ def test_pack_gives_the_bytes_redis_py_would_send(args: tuple[Any, ...], encodin
     encoding, for every argument type lock commands use (packing needs no connection)."""
     conn = redis.Connection(encoding=encoding)
     expected = b"".join(conn.pack_command(*args))
-    assert pack(args, encoding, "strict") == expected
+    assert pack(args, *text_encoding(conn)) == expected
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "latin-1"])
+def test_a_lock_name_outside_ascii_is_the_key_redis_py_itself_names(
+    redis_server: RedisServer, encoding: str
+) -> None:
+    """Whatever the client's encoding, and whether redis-py packs commands itself or with
+    hiredis (which writes UTF-8 whatever the encoding), the key our scripts write is the
+    key redis-py's own commands on that client read."""
+    client = redis.Redis(host=redis_server.host, port=redis_server.port, encoding=encoding)
+    try:
+        for _ in range(3):  # the first call and those on the held connection alike
+            with Lock(client, "z\u00e9", ttl=5, auto_renew=False):
+                assert client.exists("redlock:{z\u00e9}") == 1
+            assert client.exists("redlock:{z\u00e9}") == 0
+        assert client.exists("redlock:{z\u00e9}:fence") == 1
+        assert client.dbsize() == 1, "a second spelling of the key was written"
+    finally:
+        client.close()
 
 
 def test_pack_refuses_what_redis_cannot_store() -> None:

@@ -86,14 +86,45 @@ class Packed:
         raise NotImplementedError
 
     def packed(self, conn: Any) -> Any:
-        encoder = conn.encoder
-        key = (encoder.encoding, encoder.encoding_errors)
+        key = text_encoding(conn)
         cached = self._packed
         if cached is not None and cached[0] == key:
             return cached[1]
         data = [pack(self.args(), *key)]
         self._packed = (key, data)
         return data
+
+
+_PROBE = "\u00e9"
+_text_encodings: dict[tuple[type, str, str], tuple[str, str]] = {}
+
+
+def text_encoding(conn: Any) -> tuple[str, str]:
+    """The encoding (and its error handler) in which *conn*'s own packer writes ``str``
+    arguments: the client's, except where redis-py packs with hiredis, which writes
+    UTF-8 whatever the client's encoding. Found once per connection class and encoding
+    by packing one probe with the connection's public ``pack_command``."""
+    encoder = conn.encoder
+    key = (type(conn), encoder.encoding, encoder.encoding_errors)
+    found = _text_encodings.get(key)
+    if found is None:
+        found = (encoder.encoding, encoder.encoding_errors)
+        try:
+            probe = b"".join(conn.pack_command("ECHO", _PROBE))
+        except (UnicodeError, LookupError):  # cannot encode the probe: nothing to tell
+            probe = b""
+        utf8 = _PROBE.encode("utf-8")
+        if utf8 in probe and utf8 != _encoded(_PROBE, found):
+            found = ("utf-8", "strict")
+        _text_encodings[key] = found
+    return found
+
+
+def _encoded(text: str, encoding: tuple[str, str]) -> bytes | None:
+    try:
+        return text.encode(*encoding)
+    except (UnicodeError, LookupError):
+        return None
 
 
 def pack(args: tuple[Any, ...], encoding: str, errors: str) -> bytes:
