@@ -448,9 +448,13 @@ def _own_task_holds(task: Any, request: Any, lock: Lock, attempt: tuple[int, int
         return True
     if not _renewed_by(lock, task_id, lease_end):
         return False
-    why = "the other delivery of this message still runs"
-    log.info("Task %s[%s] dropped: %s (lock %r)", task.name, task_id, why, lock.name)
-    raise Ignore(f"{why} (lock {lock.name!r})")
+    log.info(
+        "Task %s[%s] dropped: the other delivery of this message still runs (lock %r)",
+        task.name,
+        task_id,
+        lock.name,
+    )
+    raise Ignore(f"the other delivery of this message still runs (lock {lock.name!r})")
 
 
 def _renewed_by(lock: Lock, task_id: str, lease_end: float) -> bool:
