@@ -76,11 +76,12 @@ _WORDS = {
 class Script:
     """A Lua script of this package, run by ``EVALSHA`` (``EVAL`` once per server)."""
 
-    def __init__(self, filename: str) -> None:
+    def __init__(self, filename: str, *parts: str) -> None:
+        """The script in *filename*, followed by the text of *parts* (a body that several
+        scripts share, such as the renewal loop)."""
         self.filename = filename
-        self.source = (
-            resources.files(__package__).joinpath("scripts").joinpath(filename).read_text()
-        )
+        folder = resources.files(__package__).joinpath("scripts")
+        self.source = "".join(folder.joinpath(name).read_text() for name in (filename, *parts))
         self.sha = hashlib.sha1(self.source.encode("utf-8"), usedforsecurity=False).hexdigest()
 
     def __call__(self, keys: Sequence[str], args: Sequence[Any]) -> ScriptCall:
@@ -115,8 +116,8 @@ class ScriptCall(Packed):
 ACQUIRE = Script("acquire.lua")
 RELEASE = Script("release.lua")
 EXTEND = Script("extend.lua")
-EXTEND_MANY = Script("extend_many.lua")
-EXTEND_NODE = Script("extend_node.lua")  # renewal on a Redis Cluster node, across slots
+EXTEND_MANY = Script("extend_many.lua", "extend_items.lua")
+EXTEND_NODE = Script("extend_node.lua", "extend_items.lua")  # a Cluster node, across slots
 RAISE_FENCE = Script("raise_fence.lua")
 FORCE_RELEASE = Script("force_release.lua")  # `celery locks release`
 CLAIM_FIELD = Script("claim_field.lua")  # beat's once-per-tick claims (core/records.py)
