@@ -53,6 +53,10 @@ class LockKeys:
     #: Who last released the lock after finishing (a run's task id and attempt), for locks
     #: that ask for it: a redelivered copy of that message then knows it already ran.
     done: str = ""
+    #: The tokens given back by their own release in the last lease (each kept for one
+    #: lease): a re-sent copy of a release finds its token there and counts as released,
+    #: while a key taken or removed by someone else does not.
+    released: str = ""
 
 
 def normalize_name(name: str) -> str:
@@ -101,6 +105,7 @@ def lock_keys(name: str, prefix: str = "redlock:") -> LockKeys:
         waiting=f"{base}:waiting",
         queued=f"{base}:queued",
         done=f"{base}:done",
+        released=f"{base}:released",
     )
 
 
@@ -114,6 +119,7 @@ def permit_keys(name: str, prefix: str = "redlock:") -> LockKeys:
         fence=keys.fence,
         notify=keys.notify,
         waiting=keys.waiting,
+        released=keys.released,
     )
 
 
