@@ -1,6 +1,7 @@
--- extend_items: the loop that extend_many.lua and extend_node.lua share; core/scripts.py
--- appends it to each. They define count (how many items) and item(i) (key, token,
--- lease in milliseconds of item i); the codes returned are those their headers list.
+-- extend_items: the loop that extend_many.lua and extend_node.lua share; the Redis
+-- backend (core/backends/redis_backend.py) appends it to each. They define count (how many
+-- items) and item(i) (key, token, lease in milliseconds of item i); the codes returned
+-- are those their headers list.
 local out = {}
 local now
 for i = 1, count do

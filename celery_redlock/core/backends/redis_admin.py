@@ -1,0 +1,261 @@
+"""The operator reads of :class:`~.redis_backend.RedisBackend` (``celery locks``): what is
+held on one Redis, found with ``SCAN``, never ``KEYS``.
+
+Each function works on one client: a plain Redis, a Sentinel master client, or a
+``RedisCluster`` (then every primary is scanned, and one name's keys are read on the node
+that owns their slot). Locks are found with ``SCAN ... MATCH <prefix>{<pattern>}* TYPE
+hash``: each lock hash (state ``running`` for a task's run, else ``held``), each
+enqueue-time hold ``<lock key>:queued`` (state ``queued``) and each semaphore's permits
+``<lock key>:permits`` (one :class:`~celery_redlock.core.backend.LockInfo` per live
+permit); a rate limiter's state ``<lock key>:rate`` the same way. Hashes that are none of
+these (no ``token`` or ``owner`` field, foreign data) are skipped.
+
+Also here: :func:`foreign_data_message`, the reads that explain why Redis refused a lock
+script (which key holds what), and :func:`fence_of`.
+
+Errors are raised as redis-py raises them; the backend's verbs report them (see
+:func:`~.redis_backend.cannot_decide`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+from redis.cluster import RedisCluster
+from redis.exceptions import ResponseError
+
+from ..backend import LockInfo, RateInfo, Slot, parse_holder, text
+from ..errors import ConfigError
+from ..keys import LockKeys, lock_keys, rate_key
+
+__all__ = ["fence_of", "foreign_data_message", "read", "read_rate", "scan", "scan_rates"]
+
+#: Keys asked for per SCAN round trip, and hashes read per pipeline.
+SCAN_COUNT = 500
+READ_BATCH = 200
+
+_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
+_QUEUED, _PERMITS, _RATE = "}:queued", "}:permits", "}:rate"
+#: The order of one name's rows: its lock, its permits, then its queued hold.
+_RANK = {"lock": 0, "permit": 1}
+
+
+def scan(client: Any, prefix: str, pattern: str = "*") -> list[LockInfo]:
+    """Every held lock, live permit and queued hold whose name matches the glob *pattern*
+    (``sync:*``: ``*``, ``?`` and ``[abc]``), sorted by name; one name's permits first
+    to expire first."""
+    match = _GLOB_SPECIAL.sub(r"\\\1", prefix) + "{" + pattern + "}*"
+    start = len(prefix) + 1
+    found: list[LockInfo] = []
+    for node in _primaries(client):
+        keys = sorted(
+            k for k in {text(k) for k in _scan(node, match)} if k.startswith(prefix + "{")
+        )
+        found += _locks(node, [k for k in keys if k.endswith("}")], prefix)
+        found += _queued(node, [k for k in keys if k.endswith(_QUEUED)], prefix)
+        for key in (k for k in keys if k.endswith(_PERMITS)):
+            found += _permits(node, key, key[start : -len(_PERMITS)])
+    return sorted(found, key=lambda i: (i.name, 2 if i.state == "queued" else _RANK[i.kind]))
+
+
+def read(client: Any, prefix: str, name: str) -> list[LockInfo]:
+    """Lock *name*'s holder, queued hold and live permits (empty when none).
+
+    Raises :class:`~celery_redlock.core.errors.ConfigError` for a name or prefix no lock
+    can have, and when the lock key holds something that is not a lock (foreign data).
+    """
+    keys = lock_keys(name, prefix)
+    node = _node_of(client, keys.lock)
+    found = _locks(node, [keys.lock], prefix)
+    if not found:
+        kind = text(node.type(keys.lock))
+        if kind != "none":  # something is there, but not a lock celery-redlock wrote
+            what = "a hash without a lock token" if kind == "hash" else f"a {kind}"
+            raise ConfigError(
+                f"{keys.lock!r} holds {what}, not a celery-redlock lock: something else "
+                f"writes under the key prefix {prefix!r}; celery-redlock leaves it alone "
+                "(delete it with redis-cli if it is stale)"
+            )
+    found += _queued(node, [keys.queued], prefix)
+    return found + _permits(node, f"{keys.lock}:permits", keys.name)
+
+
+def scan_rates(client: Any, prefix: str, pattern: str = "*") -> list[RateInfo]:
+    """The state of every rate limiter whose name matches *pattern*, sorted by name."""
+    match = _GLOB_SPECIAL.sub(r"\\\1", prefix) + "{" + pattern + "}:rate"
+    found: list[RateInfo] = []
+    for node in _primaries(client):
+        for key in sorted({text(k) for k in _scan(node, match)}):
+            if key.startswith(prefix + "{") and key.endswith(_RATE):
+                info = _limiter(node, key, key[len(prefix) + 1 : -len(_RATE)])
+                if info is not None:
+                    found.append(info)
+    return sorted(found, key=lambda info: info.name)
+
+
+def read_rate(client: Any, prefix: str, name: str) -> RateInfo | None:
+    """The state of rate limiter *name*, or None when it is idle (no state)."""
+    key = rate_key(name, prefix)
+    return _limiter(_node_of(client, key), key, name)
+
+
+def _primaries(client: Any) -> list[Any]:
+    """Plain clients to scan: the client itself, or one per primary of a cluster."""
+    if isinstance(client, RedisCluster):
+        return [client.get_redis_connection(n) for n in client.get_primaries()]  # type: ignore[no-untyped-call]
+    return [client]
+
+
+def _node_of(client: Any, key: str) -> Any:
+    if isinstance(client, RedisCluster):
+        return client.get_redis_connection(client.get_node_from_key(key))  # type: ignore[no-untyped-call]
+    return client
+
+
+def _scan(node: Any, match: str) -> Iterator[Any]:
+    try:
+        yield from node.scan_iter(match=match, count=SCAN_COUNT, _type="hash")
+    except ResponseError as exc:
+        if "syntax" not in str(exc).lower():  # Redis < 6 has no SCAN ... TYPE
+            raise
+        yield from node.scan_iter(match=match, count=SCAN_COUNT)
+
+
+def foreign_data_message(client: Any, keys: LockKeys, exc: BaseException) -> str:
+    """Say which of a lock's keys holds data celery-redlock did not write, and what to do.
+
+    Called after Redis refused a lock command on the data (``WRONGTYPE``, a counter that
+    is not an integer): looks at the keys (a few reads, on this error path only).
+    """
+    detail = ""
+    prefix = keys.lock[: keys.lock.index("{")]
+    try:
+        kind = text(client.type(keys.lock))
+        queued = text(client.type(keys.queued)) if keys.queued else "none"
+        fence_kind = text(client.type(keys.fence))
+        value = text(client.get(keys.fence)) if fence_kind == "string" else None
+    except Exception:  # the refusal itself is reported below
+        kind = queued = fence_kind = "none"
+        value = None
+    if kind not in ("hash", "none"):
+        detail = f"{keys.lock!r} holds a {kind}, not a lock hash"
+    elif queued not in ("hash", "none"):
+        detail = f"its queued hold {keys.queued!r} holds a {queued}, not a hash"
+    elif fence_kind not in ("string", "none"):
+        detail = f"its fence counter {keys.fence!r} holds a {fence_kind}, not an integer"
+    elif value is not None and not _is_int64(value):
+        detail = f"its fence counter {keys.fence!r} holds {value[:40]!r}, not an integer"
+    elif value is not None and int(value) >= 2**63 - 1:
+        detail = f"its fence counter {keys.fence!r} is at the largest integer Redis keeps"
+    if not detail:
+        return f"lock {keys.name!r}: Redis refused the lock script on {keys.lock!r} ({exc})"
+    return (
+        f"lock {keys.name!r}: {detail}. Something other than celery-redlock writes under the "
+        f"key prefix {prefix!r}: delete that key if it is stale, or give celery-redlock a "
+        "prefix of its own (key_prefix=, or the redlock_key_prefix setting)"
+    )
+
+
+def _is_int64(value: str) -> bool:
+    try:
+        return -(2**63) <= int(value) < 2**63 and value.strip() == value
+    except ValueError:
+        return False
+
+
+def _permits(node: Any, key: str, name: str) -> list[LockInfo]:
+    """The live permits at *key* on one plain node, first to expire first."""
+    from .redis_backend import RedisBackend  # noqa: PLC0415 - it imports this module
+
+    slot = Slot(LockKeys(name=name, lock=key, fence="", notify="", waiting=""), limit=2)
+    try:
+        holders = RedisBackend.of(node).holders(slot)
+    except ConfigError:
+        return []  # not a permits hash: foreign data, left alone
+    return [
+        LockInfo(
+            name,
+            key,
+            h.fence,
+            -2 if h.ttl_ms is None else h.ttl_ms,
+            dict(h.record),
+            kind="permit",
+            state="running" if h.record.get("task_name") else "held",
+        )
+        for h in holders
+    ]
+
+
+def _hashes(node: Any, keys: Sequence[str], *fields: str) -> Iterator[tuple[str, list[Any], int]]:
+    """(key, fields, lease left) of each of *keys* that is a hash with its first field
+    set, pipelined on one plain node (what is no such hash, or went away, is skipped)."""
+    for start in range(0, len(keys), READ_BATCH):
+        chunk = keys[start : start + READ_BATCH]
+        pipe = node.pipeline(transaction=False)
+        for key in chunk:
+            pipe.hmget(key, *fields)
+            pipe.pttl(key)
+        replies = pipe.execute(raise_on_error=False)
+        for i, key in enumerate(chunk):
+            values, pttl = replies[2 * i], replies[2 * i + 1]
+            if isinstance(values, list) and values[0]:
+                yield key, values, pttl if isinstance(pttl, int) else -2
+
+
+def _locks(node: Any, keys: Sequence[str], prefix: str) -> list[LockInfo]:
+    found: list[LockInfo] = []
+    for key, (_, fence, info), ttl in _hashes(node, keys, "token", "fence", "info"):
+        record = parse_holder(info)
+        state: Literal["running", "held"] = "running" if record.get("task_name") else "held"
+        found.append(
+            LockInfo(key[len(prefix) + 1 : -1], key, fence_of(fence), ttl, record, state=state)
+        )
+    return found
+
+
+def _queued(node: Any, keys: Sequence[str], prefix: str) -> list[LockInfo]:
+    found: list[LockInfo] = []
+    for key, (owner, info), ttl in _hashes(node, keys, "owner", "info"):
+        record = parse_holder(info)
+        record.setdefault("task_id", text(owner))
+        name = key[len(prefix) + 1 : -len(_QUEUED)]
+        found.append(LockInfo(name, key, None, ttl, record, state="queued"))
+    return found
+
+
+def _limiter(node: Any, key: str, name: str) -> RateInfo | None:
+    pipe = node.pipeline(transaction=False)
+    pipe.hmget(key, "tat", "line", "interval", "burst")
+    pipe.pttl(key)
+    pipe.time()
+    fields, pttl, (seconds, micros) = pipe.execute(raise_on_error=False)
+    if not isinstance(fields, list):
+        return None  # not a limiter's hash: foreign data, left alone
+    tat, line, interval, burst = (fence_of(v) for v in fields)
+    if not interval or not burst:
+        return None
+    now = int(seconds) * 1_000_000 + int(micros)
+    next_at = max(tat or 0, now) - (burst - 1) * interval
+    free = (now - next_at) // interval + 1 if next_at <= now else 0
+    # Promised slots still due lie between the next possible grant and the line.
+    start = max(now, next_at)
+    queued = math.ceil(((line or 0) - start) / interval) if (line or 0) > start else 0
+    return RateInfo(
+        name=name,
+        key=key,
+        interval_us=interval,
+        burst=burst,
+        free=int(free),
+        next_ms=max(0, next_at - now) // 1000,
+        queued=queued,
+        ttl_ms=int(pttl) if isinstance(pttl, int) else -2,
+    )
+
+
+def fence_of(value: Any) -> int | None:
+    """A stored fence (or another counter) as an int; None when it is not one."""
+    digits = text(value)
+    return int(digits) if digits.isascii() and digits.isdigit() else None  # not "²"
