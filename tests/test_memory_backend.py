@@ -1,0 +1,401 @@
+"""The memory backend's verbs, without a server: exclusion, leases, fences, releases,
+notices, permits, rate grants, stores per URL, and what a forked child sees."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import pytest
+from freezegun import freeze_time
+
+from celery_redlock.core.backend import Handover, Renewal, Slot, Status
+from celery_redlock.core.backends.memory import MemoryBackend
+from celery_redlock.core.errors import ConfigError
+from celery_redlock.core.keys import LockKeys, lock_keys, permit_keys, rate_key
+
+RECORD = json.dumps({"hostname": "here", "pid": 1})
+
+
+@pytest.fixture
+def store() -> Iterator[MemoryBackend]:
+    """A store of its own for each test."""
+    backend = MemoryBackend("memory://test")
+    yield backend
+    backend.clear()
+
+
+def lock(name: str = "job") -> Slot:
+    return Slot(lock_keys(name))
+
+
+def take(
+    store: MemoryBackend,
+    slot: Slot,
+    token: str,
+    ttl_ms: int = 10_000,
+    *,
+    fence_ttl_ms: int = 0,
+) -> bool:
+    return store.acquire(
+        slot, token, ttl_ms, RECORD, wait=False, fence_ttl_ms=fence_ttl_ms
+    ).acquired
+
+
+def run_threads(count: int, target: Callable[[], None], seconds: float = 30.0) -> None:
+    threads = [threading.Thread(target=target, daemon=True) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(seconds)
+        assert not thread.is_alive()
+
+
+def test_one_holder_at_a_time_across_16_threads(store: MemoryBackend) -> None:
+    """16 threads hammering one lock never find two holders, and each owner check holds."""
+    slot, inside, wins, errors = lock(), [0], [0], list[str]()
+    guard = threading.Lock()
+
+    def worker() -> None:
+        me = f"t{threading.get_ident()}"
+        for i in range(300):
+            token = f"{me}-{i}"
+            if not take(store, slot, token):
+                continue
+            with guard:
+                inside[0] += 1
+                wins[0] += 1
+                if inside[0] != 1:
+                    errors.append("two holders")
+            if store.release(slot, "not-mine", 1000) is Status.OK:
+                errors.append("a stranger released it")
+            if store.extend(slot, "not-mine", 1000, replace=True) is not Status.TAKEN:
+                errors.append("a stranger extended it")
+            with guard:
+                inside[0] -= 1
+            if store.release(slot, token, 1000) is not Status.OK:
+                errors.append("own release refused")
+
+    run_threads(16, worker)
+    assert errors == []
+    assert wins[0] > 16
+
+
+def test_a_lease_expires_on_the_clock(store: MemoryBackend) -> None:
+    """A lease holds until its ttl has passed, then another owner takes it; the old owner's
+    release and extend then find it taken."""
+    slot = lock()
+    with freeze_time("2024-01-01") as clock:
+        assert take(store, slot, "a", ttl_ms=1000)
+        clock.tick(timedelta(milliseconds=999))
+        grant = store.acquire(slot, "b", 1000, RECORD, wait=False, fence_ttl_ms=0)
+        assert not grant.acquired and grant.holder_ttl_ms == 1
+        assert grant.holder == {"hostname": "here", "pid": 1}
+        clock.tick(timedelta(milliseconds=2))
+        assert not store.locked(slot)
+        assert take(store, slot, "b")
+        assert store.release(slot, "a", 1000) is Status.TAKEN
+        assert store.extend(slot, "a", 1000, replace=False) is Status.TAKEN
+        assert store.extend(slot, "b", 500, replace=False) == 10_500
+        assert [h.token for h in store.holders(slot)] == ["b"]
+
+
+def test_fences_strictly_increase_also_after_the_counter_expired(store: MemoryBackend) -> None:
+    """Each acquisition's fence is above the last, a re-sent acquire gets its own fence
+    again, and a counter gone idle restarts above anything it had counted to."""
+    slot, fences = lock(), list[int | None]()
+    with freeze_time("2024-01-01") as clock:
+        for i in range(5):
+            first = store.acquire(slot, f"t{i}", 1000, RECORD, wait=False, fence_ttl_ms=60_000)
+            again = store.acquire(slot, f"t{i}", 1000, RECORD, wait=False, fence_ttl_ms=60_000)
+            assert first.acquired and again.acquired and first.fence == again.fence
+            fences.append(first.fence)
+            assert store.release(slot, f"t{i}", 1000) is Status.OK
+        clock.tick(timedelta(seconds=61))  # the counter expires
+        grant = store.acquire(slot, "late", 1000, RECORD, wait=False, fence_ttl_ms=60_000)
+        fences.append(grant.fence)
+        assert store.raise_fence(slot, (grant.fence or 0) + 10, 60_000) == (grant.fence or 0) + 10
+        store.release(slot, "late", 1000)
+        fences.append(
+            store.acquire(slot, "next", 1000, RECORD, wait=False, fence_ttl_ms=60_000).fence
+        )
+    numbers = [f for f in fences if f is not None]
+    assert len(numbers) == 7 and numbers == sorted(set(numbers))  # strictly increasing
+    assert numbers[-1] == numbers[-2] + 11
+
+
+def test_a_resent_release_is_ok_a_forced_or_taken_one_is_not(store: MemoryBackend) -> None:
+    """A re-sent copy of a release is OK while remembered; after a forced release the holder
+    hears GONE, after a takeover TAKEN; a forced release remembers no token."""
+    slot = lock()
+    with freeze_time("2024-01-01") as clock:
+        assert take(store, slot, "a")
+        assert store.release(slot, "a", 1000) is Status.OK
+        assert store.release(slot, "a", 1000) is Status.OK  # re-sent
+        assert take(store, slot, "b")
+        assert store.release(slot, "a", 1000) is Status.OK  # re-sent, b holds it now
+        assert store.release(slot, "b", 1000) is Status.OK
+        clock.tick(timedelta(milliseconds=1001))
+        assert store.release(slot, "a", 1000) is Status.GONE  # forgotten
+
+        assert take(store, slot, "c")
+        assert store.force_release(slot, None, 1000).outcome == "released"
+        assert store.release(slot, "c", 1000) is Status.GONE
+
+        assert take(store, slot, "d", ttl_ms=100)
+        clock.tick(timedelta(milliseconds=101))
+        assert take(store, slot, "e")
+        assert store.release(slot, "d", 1000) is Status.TAKEN
+        assert store.force_release(slot, 999, 1000).outcome == "refused"
+
+
+def test_wait_wakes_on_release_and_times_out_otherwise(store: MemoryBackend) -> None:
+    """A blocked waiter wakes within milliseconds of the release; with no release (or no
+    waiter mark, so no notice) it waits out its time."""
+    slot = lock()
+    assert take(store, slot, "holder")
+    woke: list[float] = []
+
+    def waiter() -> None:
+        grant = store.acquire(slot, "waiter", 10_000, RECORD, wait=True, fence_ttl_ms=0)
+        assert not grant.acquired
+        store.wait(slot, 5.0, grant)
+        woke.append(time.monotonic())
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    time.sleep(0.05)
+    released = time.monotonic()
+    assert store.release(slot, "holder", 1000) is Status.OK
+    thread.join(5.0)
+    assert woke and woke[0] - released < 0.02
+
+    started = time.monotonic()
+    store.wait(slot, 0.1)  # the notice was taken: nothing to wake this one
+    assert 0.1 <= time.monotonic() - started < 1.0
+
+    other = lock("unmarked")
+    assert take(store, other, "x")
+    assert store.release(other, "x", 1000) is Status.OK  # nobody marked: no notice
+    started = time.monotonic()
+    store.wait(other, 0.05)
+    assert time.monotonic() - started >= 0.05
+
+
+def test_permits_never_exceed_the_limit_under_threads(store: MemoryBackend) -> None:
+    """16 threads taking 3 permits never hold more than 3 at once."""
+    slot, held, most, errors = Slot(permit_keys("pool"), limit=3), [0], [0], list[str]()
+    guard = threading.Lock()
+
+    def worker() -> None:
+        me = f"t{threading.get_ident()}"
+        for i in range(200):
+            token = f"{me}-{i}"
+            if not take(store, slot, token):
+                continue
+            with guard:
+                held[0] += 1
+                most[0] = max(most[0], held[0])
+                if held[0] > 3:
+                    errors.append(f"{held[0]} held")
+            with guard:
+                held[0] -= 1
+            if store.release(slot, token, 1000) is not Status.OK:
+                errors.append("own release refused")
+
+    run_threads(16, worker)
+    assert errors == []
+    assert 1 <= most[0] <= 3
+    assert store.holders(slot) == []
+
+
+def test_gcra_grants_at_most_rate_plus_burst_minus_one_per_period(store: MemoryBackend) -> None:
+    """At 5/s with a burst of 3, any one-second window sees at most 7 grants, a refusal
+    consumes nothing, and peek never writes."""
+    key, interval = rate_key("api"), 200_000
+    grants: list[float] = []
+    with freeze_time("2024-01-01") as clock:
+        start = time.monotonic()
+        for _ in range(300):  # 3 s in 10 ms steps, asking until refused each time
+            for _ in range(10):
+                if not store.rate("api", key, interval, 3, mode="take"):
+                    break
+                grants.append(time.monotonic() - start)
+            clock.tick(timedelta(milliseconds=10))
+        assert store.rate("api", key, interval, 3, mode="peek").granted
+        assert store.rate("api", key, interval, 3, mode="peek").granted
+    assert grants[:3] == [0.0, 0.0, 0.0]
+    for first in grants:
+        assert sum(1 for t in grants if first <= t < first + 1.0) <= 5 + 3 - 1
+    assert len(grants) >= 3 * 5
+
+
+def test_queue_mode_promises_one_slot_per_caller(store: MemoryBackend) -> None:
+    """Refused callers in queue mode are promised successive slots, no further than most_us."""
+    key = rate_key("line")
+    with freeze_time("2024-01-01"):
+        assert store.rate("line", key, 100_000, 1, mode="queue").granted
+        waits = [store.rate("line", key, 100_000, 1, mode="queue").retry_after for _ in range(3)]
+        assert waits == pytest.approx([0.1, 0.2, 0.3])
+        refused = store.rate("line", key, 100_000, 1, mode="queue", most_us=150_000)
+        assert not refused.granted and refused.retry_after == pytest.approx(0.4)
+        info = store.read_rate("redlock:", "line")
+        assert info is not None and info.queued == 3 and info.rate == "10/s"
+
+
+def test_each_url_is_one_store() -> None:
+    """The same URL gives the same store, another URL another one; other URLs are refused."""
+    a, b = MemoryBackend.for_url("memory://a"), MemoryBackend.for_url("memory://b")
+    try:
+        assert MemoryBackend.for_url("memory://a") is a
+        assert a.identity() == ("memory", "memory://a") and a.describe() == "memory://a"
+        assert take(a, lock("shared"), "x")
+        assert a.locked(lock("shared"))
+        assert not b.locked(lock("shared"))
+        assert take(b, lock("shared"), "y")
+        with pytest.raises(ConfigError):
+            MemoryBackend.for_url("redis://localhost")
+    finally:
+        a.clear()
+        b.clear()
+
+
+def test_a_forked_child_starts_with_an_empty_store() -> None:
+    """A forked child sees none of its parent's locks and takes them freely; the parent
+    still holds its lock afterwards and never sees the child's."""
+    backend, slot = MemoryBackend.for_url("memory://fork"), lock("forked")
+    try:
+        assert take(backend, slot, "parent")
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, then leave without running the parent's cleanup
+            try:
+                report = {
+                    "holders": len(MemoryBackend.for_url("memory://fork").holders(slot)),
+                    "took": take(backend, slot, "child"),
+                    "size": backend.size(),
+                }
+                os.write(write_end, json.dumps(report).encode())
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        ready, _, _ = select.select([read_end], [], [], 10.0)
+        seen = json.loads(os.read(read_end, 4096)) if ready else None
+        os.close(read_end)
+        deadline = time.monotonic() + 10.0
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            assert time.monotonic() < deadline, "the child did not exit"
+            time.sleep(0.01)
+        assert seen == {"holders": 0, "took": True, "size": 2}
+        assert [h.token for h in backend.holders(slot)] == ["parent"]
+    finally:
+        backend.clear()
+
+
+def test_foreign_data_at_a_lock_key(store: MemoryBackend) -> None:
+    """A key of another kind than a verb expects is FOREIGN for owner-checked verbs and a
+    ConfigError for the others; renew answers one status per item."""
+    mine = lock("m")
+    assert take(store, mine, "a")
+    assert store.release(mine, "a", 1000, done=("task-1", 60_000)) is Status.OK
+    keys = lock_keys("m")
+    # A lock whose key is where the done marks (a sorted set) are: foreign data.
+    foreign = Slot(LockKeys("odd", keys.done, keys.fence + "x", keys.notify, keys.waiting))
+    assert store.release(foreign, "a", 1000) is Status.FOREIGN
+    assert store.extend(foreign, "a", 1000, replace=True) is Status.FOREIGN
+    with pytest.raises(ConfigError):
+        take(store, foreign, "a")
+    with pytest.raises(ConfigError):
+        store.holders(foreign)
+    with pytest.raises(ConfigError):
+        store.load_records(mine, "fence")  # the fence counter is a string
+    assert take(store, mine, "b")
+    items = [
+        Renewal(mine, "b", 5000),
+        Renewal(lock("none"), "b", 5000),
+        Renewal(mine, "c", 5000),
+        Renewal(foreign, "b", 5000),
+    ]
+    assert store.renew(items) == [Status.OK, Status.GONE, Status.TAKEN, Status.FOREIGN]
+
+
+def test_done_marks_keep_the_16_most_recent(store: MemoryBackend) -> None:
+    """A release with a done mark adds it; the 16 most recent are kept."""
+    slot = lock("d")
+    for i in range(20):
+        assert take(store, slot, f"t{i}")
+        assert store.release(slot, f"t{i}", 1000, done=(f"mark-{i}", 60_000)) is Status.OK
+    assert not store.was_done(slot, "mark-3")
+    assert all(store.was_done(slot, f"mark-{i}") for i in range(4, 20))
+
+
+def test_an_enqueue_time_hold_is_handed_over(store: MemoryBackend) -> None:
+    """A queued hold blocks another id, is handed over to its own task's run, and a run of
+    another id is refused as superseded."""
+    slot = lock("q")
+    assert (
+        store.enqueue(slot, "id1", 10_000, RECORD, replace=False, running_blocks=True).outcome
+        == "queued"
+    )
+    dup = store.enqueue(slot, "id2", 10_000, RECORD, replace=False, running_blocks=True)
+    assert (dup.outcome, dup.owner, dup.state) == ("duplicate", "id1", "queued")
+    other = store.acquire(
+        slot, "t2", 1000, RECORD, wait=False, fence_ttl_ms=0, handover=Handover("id2")
+    )
+    assert other.superseded and other.queued_owner == "id1"
+    own = store.acquire(
+        slot, "t1", 1000, RECORD, wait=False, fence_ttl_ms=0, handover=Handover("id1")
+    )
+    assert own.acquired
+    [info] = store.read("redlock:", "q")
+    assert info.state == "held" and info.fence == own.fence
+    running = store.enqueue(slot, "id3", 10_000, RECORD, replace=False, running_blocks=True)
+    assert (running.outcome, running.owner, running.state) == ("duplicate", "id1", "running")
+    assert store.dequeue(slot, "id1") is Status.GONE
+
+
+def test_expired_names_are_swept(store: MemoryBackend) -> None:
+    """Names used once do not pile up: expired keys are swept as writes go on."""
+    with freeze_time("2024-01-01") as clock:
+        for i in range(5000):
+            assert take(store, lock(f"once-{i}"), "t", ttl_ms=5, fence_ttl_ms=50)
+            clock.tick(timedelta(milliseconds=1))
+        assert store.size() < 1000 + 2 * 55  # a sweep per 1000 writes; 55 ms of names live
+        assert len(store.scan("redlock:", "once-*")) <= 5
+
+
+def test_a_notice_waits_for_the_next_waiter_until_it_expires(store: MemoryBackend) -> None:
+    """A notice sent while nobody waits is kept for notice_ms; permits send one per permit
+    given back."""
+    slot = lock("n")
+    assert take(store, slot, "a")
+    assert not store.acquire(slot, "b", 1000, RECORD, wait=True, fence_ttl_ms=0).acquired
+    assert store.release(slot, "a", 50) is Status.OK
+    started = time.monotonic()
+    store.wait(slot, 5.0)  # the kept notice: at once
+    assert time.monotonic() - started < 1.0
+    assert take(store, slot, "a")
+    assert store.release(slot, "a", 50) is Status.OK  # the mark still stands
+    time.sleep(0.06)
+    started = time.monotonic()
+    store.wait(slot, 0.05)  # the notice expired
+    assert time.monotonic() - started >= 0.05
+
+    permits = Slot(permit_keys("p"), limit=3)
+    for token in ("x", "y", "z"):
+        assert take(store, permits, token)
+    assert not store.acquire(permits, "w", 1000, RECORD, wait=True, fence_ttl_ms=0).acquired
+    for token in ("x", "y", "z"):
+        assert store.release(permits, token, 5000) is Status.OK
+    started = time.monotonic()
+    for _ in range(3):
+        store.wait(permits, 5.0)
+    assert time.monotonic() - started < 1.0
+    started = time.monotonic()
+    store.wait(permits, 0.05)
+    assert time.monotonic() - started >= 0.05
