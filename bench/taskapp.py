@@ -119,11 +119,14 @@ if wanted("singleton"):
 
 if wanted("floor"):
     import secrets
+    from importlib import resources
 
-    from celery_redlock.core.scripts import ACQUIRE, RELEASE
-
+    _LUA = resources.files("celery_redlock.core").joinpath("lua")
+    _ACQUIRE = _LUA.joinpath("acquire.lua").read_text("utf-8")
+    _RELEASE = _LUA.joinpath("release.lua").read_text("utf-8")
     _locks: redis.Redis | None = None
     _locks_pid = 0
+    _shas: dict[str, str] = {}
 
     @app.task(name="bench.floor", ignore_result=True)
     def floor(i: int) -> None:
@@ -136,18 +139,19 @@ if wanted("floor"):
         global _locks, _locks_pid
         if _locks is None or _locks_pid != os.getpid():
             _locks = redis.Redis.from_url(LOCKS_URL)
-            _locks.script_load(ACQUIRE.source)
-            _locks.script_load(RELEASE.source)
+            _shas["acquire"] = _locks.script_load(_ACQUIRE)
+            _shas["release"] = _locks.script_load(_RELEASE)
             _locks_pid = os.getpid()
         key = f"floor:{{k:{i}}}"
         token = secrets.token_hex(20)
         record = f'{{"pid":{os.getpid()}}}'
         keys = [key, key + ":fence", key + ":waiting"]
-        got = _locks.evalsha(ACQUIRE.sha, 3, *keys, token, 30000, record, "0", 0)
+        got = _locks.evalsha(_shas["acquire"], 3, *keys, token, 30000, record, "0", 0)
         if int(got[0]) != 1:
             raise RuntimeError(f"floor: {key} was held")
         bump()
-        _locks.evalsha(RELEASE.sha, 3, key, key + ":notify", key + ":waiting", token, 30000)
+        released = (key + ":notify", key + ":waiting", key + ":released")
+        _locks.evalsha(_shas["release"], 4, key, *released, token, 30000)
 
     TASKS["floor"] = floor
 

@@ -63,10 +63,10 @@ from typing import Any
 
 from celery.beat import Scheduler
 from celery.utils.time import maybe_make_aware
+from redis.exceptions import RedisError
 
 from .core.connect import mask_url
 from .core.errors import ConfigError, RedlockError, one_line
-from .core.inspect import REDIS_ERRORS
 from .core.lock import Lock
 from .core.records import LockRecords
 from .settings import Settings
@@ -78,8 +78,10 @@ log = logging.getLogger("celery_redlock.beat")
 
 #: Suffix of the hash of tick records, next to the leader lock.
 RECORDS_SUFFIX = "ticks"
-#: What a lock store that cannot answer raises (core errors, or a raw Redis one).
-_STORE_ERRORS: tuple[type[Exception], ...] = (RedlockError, *REDIS_ERRORS)
+#: What a lock backend that cannot answer raises (core errors), and the client-side Redis
+#: errors it lets through as they are (a client whose pool is exhausted): beat stands by
+#: on either instead of crashing.
+_STORE_ERRORS: tuple[type[Exception], ...] = (RedlockError, RedisError)
 
 
 def _beat_ttl(settings: Settings) -> float:

@@ -14,9 +14,9 @@ Exit codes: 0 done; 1 the lock is not held, or the release was refused or
 aborted; 2 usage or configuration error; 3 Redis unreachable.
 
 Settings come from ``celery_redlock.settings.load_settings`` (the checks and the
-broker fallback the worker uses); every Redis call is made by
-``celery_redlock.core.inspect``. This module only picks the masters, maps errors
-to exit codes and renders.
+broker fallback the worker uses); every read and removal is a backend's operator
+verb, called through ``celery_redlock.core.admin``. This module only picks the
+masters, maps errors to exit codes and renders.
 """
 
 from __future__ import annotations
@@ -32,26 +32,21 @@ from typing import Any, NoReturn
 import click
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 from celery.exceptions import CeleryCommandException
-from redis.exceptions import AuthenticationError, ResponseError
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
-from .core.connect import address_of, connect, mask_url
-from .core.errors import ConfigError, describe_holder, one_line
-from .core.inspect import (
-    REDIS_ERRORS,
+from .core import Backend, connect, mask_url, open_backend
+from .core.admin import (
     LockInfo,
     RateInfo,
     force_dequeue,
     force_release,
-    read_limiter,
     read_lock,
-    read_permits,
-    read_queued,
-    scan_limiters,
+    read_rate,
     scan_locks,
-    scan_permits,
+    scan_rates,
 )
+from .core.errors import ConfigError, QuorumUnavailable, describe_holder, one_line
 from .core.keys import lock_keys
-from .core.stores.redis import server_refused
 from .settings import Settings, load_settings
 from .state import state_for
 
@@ -139,10 +134,18 @@ class _Unreachable(Exception):
             super().__init__(f"cannot reach Redis at {url}: {one_line(exc)}")
 
 
+#: What a master that cannot be asked raises: the backend's QuorumUnavailable, or a
+#: client-side Redis error it passes on as it is.
+_UNREACHABLE = (QuorumUnavailable, RedisError)
+
+
 def _refused(exc: BaseException) -> bool:
-    if isinstance(exc, AuthenticationError):
+    """True for a refusal that no retry mends (a wrong password, missing ACL rights): the
+    backend's QuorumUnavailable carries the Redis error it met as its cause."""
+    cause = exc.__cause__ if isinstance(exc, QuorumUnavailable) else exc
+    if isinstance(cause, AuthenticationError):
         return True
-    return isinstance(exc, ResponseError) and not server_refused(exc)
+    return isinstance(cause, ResponseError) and "NOPERM" in str(cause)
 
 
 class _Session:
@@ -161,17 +164,17 @@ class _Session:
             url = self.settings.url
             self.is_redlock = isinstance(url, list)
             urls = url if isinstance(url, list) else [url]
-            #: (masked url, client) per master: one for a single Redis, N for Redlock.
-            self.clients: list[tuple[str, Any]] = [
-                (mask_url(u), connect(u, **options)) for u in urls
+            #: (masked url, backend) per master: one for a single Redis, N for Redlock.
+            self.clients: list[tuple[str, Backend]] = [
+                (mask_url(u), open_backend(connect(u, **options))) for u in urls
             ]
         except ConfigError as exc:
             raise CeleryCommandException(str(exc), EXIT_USAGE) from None
         self.prefix: str = self.settings["redlock_key_prefix"]
         self.unreachable: list[_Unreachable] = []
 
-    def master_of(self, client: Any) -> str | None:
-        return address_of(client) if self.is_redlock else None
+    def master_of(self, backend: Backend) -> str | None:
+        return backend.describe() if self.is_redlock else None
 
     def collect(self, read: Callable[[Any], Sequence[LockInfo]]) -> list[LockRow]:
         """*read* on every master; rows sorted by name, then master."""
@@ -179,7 +182,7 @@ class _Session:
         for url, client in self.clients:
             try:
                 infos = read(client)
-            except REDIS_ERRORS as exc:
+            except _UNREACHABLE as exc:
                 self.unreachable.append(_Unreachable(url, exc))
                 continue
             except ConfigError as exc:  # foreign data where the lock should be
@@ -199,7 +202,7 @@ class _Session:
                 continue
             try:
                 found += read(client)
-            except REDIS_ERRORS as exc:
+            except _UNREACHABLE as exc:
                 self.unreachable.append(_Unreachable(url, exc))
         return sorted(found, key=lambda info: info.name)
 
@@ -254,9 +257,10 @@ def list_(ctx: click.Context, pattern: str, as_json: bool) -> None:
     """
     session = _Session(ctx)
     prefix = session.prefix
-    rows = session.collect(lambda client: scan_locks(client, prefix, pattern))
-    permits = session.collect(lambda client: scan_permits(client, prefix, pattern))
-    rates = session.limiters(lambda client: scan_limiters(client, prefix, pattern))
+    found = session.collect(lambda backend: scan_locks(backend, prefix, pattern))
+    rows = [row for row in found if row.kind != "permit"]
+    permits = [row for row in found if row.kind == "permit"]
+    rates = session.limiters(lambda backend: scan_rates(backend, prefix, pattern))
     if as_json:
         out = [r.as_json(session.is_redlock) for r in (*rows, *permits)]
         out += [_rate_json(info) for info in rates]
@@ -288,12 +292,8 @@ def show(ctx: click.Context, name: str, as_json: bool) -> None:
     except ConfigError as exc:
         raise CeleryCommandException(str(exc), EXIT_USAGE) from None
 
-    def read(client: Any) -> list[LockInfo]:
-        found = [read_lock(client, prefix, name), read_queued(client, prefix, name)]
-        return [i for i in found if i is not None] + read_permits(client, prefix, name)
-
-    rows = session.collect(read)
-    rates = session.limiters(lambda client: _listed(read_limiter(client, prefix, name)))
+    rows = session.collect(lambda backend: read_lock(backend, prefix, name))
+    rates = session.limiters(lambda backend: _listed(read_rate(backend, prefix, name)))
     if not rows and not rates:
         if session.unreachable:
             session.fail_unreachable()
@@ -358,7 +358,7 @@ def release(ctx: click.Context, name: str, force: bool) -> None:
                 continue
             fence = None if force else expected[master]
             done = force_release(client, session.prefix, name, fence, notice_ttl=notice_ttl)
-        except REDIS_ERRORS as exc:
+        except _UNREACHABLE as exc:
             session.unreachable.append(_Unreachable(url, exc))
             continue
         where = f" on {master}" if master else ""
@@ -386,9 +386,8 @@ def _held(session: _Session, name: str) -> list[LockRow]:
     except ConfigError as exc:
         raise CeleryCommandException(str(exc), EXIT_USAGE) from None
 
-    def read(client: Any) -> list[LockInfo]:
-        found = [read_lock(client, session.prefix, name), read_queued(client, session.prefix, name)]
-        return [info for info in found if info is not None]
+    def read(backend: Backend) -> list[LockInfo]:
+        return [info for info in read_lock(backend, session.prefix, name) if info.kind != "permit"]
 
     rows = session.collect(read)
     if not rows:

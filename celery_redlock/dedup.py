@@ -90,7 +90,7 @@ def attempt_of(request: Any) -> tuple[int, int]:
 
 def _hold(state: AppState, task: Any, name: str) -> QueuedHold:
     return QueuedHold(
-        state.store(),
+        state.backend(),
         name,
         key_prefix=state.settings["redlock_key_prefix"],
         owner_info={"task_name": task.name},
@@ -340,7 +340,9 @@ def release_hold_later(app: Any, name: str, task_id: str, why: str) -> None:
 
     def release() -> None:
         try:
-            hold = QueuedHold(state.store(), name, key_prefix=state.settings["redlock_key_prefix"])
+            hold = QueuedHold(
+                state.backend(), name, key_prefix=state.settings["redlock_key_prefix"]
+            )
             if hold.release(task_id):
                 log.info("task %s %s: released its queued hold of %r", task_id, why, name)
         except Exception as exc:

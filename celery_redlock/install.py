@@ -29,9 +29,8 @@ from redis.exceptions import AuthenticationError, BusyLoadingError
 from . import task as task_module
 from .core import renewal
 from .core.connect import mask_url
-from .core.errors import ConfigError
+from .core.errors import ConfigError, no_queued_holds
 from .core.events import add_hook
-from .core.stores.quorum import no_queued_holds
 from .dedup import HOLD_HEADER, release_hold_later
 from .observability import drop_unscrapable_metrics, enable_prometheus_by_default, logging_hook
 from .options import check_store, check_task_option

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery.exceptions import Ignore, Reject, Retry
 
+from .core.backend import RateGrant
 from .core.errors import LockContended, RateLimited, describe_holder
-from .core.store import RateGrant
 
 if TYPE_CHECKING:
     from .options import TaskOptions

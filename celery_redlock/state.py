@@ -11,7 +11,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from .core import Lock, RateLimiter, Semaphore, Store, connect, open_store, process
+from .core import Backend, Lock, RateLimiter, Semaphore, connect, open_backend, process
 from .options import TaskOptions, resolve
 from .settings import Settings, load_settings
 
@@ -35,7 +35,7 @@ class AppState:
         self.send_events = False
         self._settings: Settings | None = None
         self._clients: Any = None
-        self._store: tuple[Any, Store] | None = None
+        self._backend: tuple[Any, Backend] | None = None
         self._lock = threading.Lock()
         #: task id -> lock held for it in this process (released on every exit).
         self.held: dict[str, Lock] = {}
@@ -56,14 +56,14 @@ class AppState:
         with self._lock:
             self._settings = None
             self._clients = None
-            self._store = None
+            self._backend = None
             self.task_options = {}
 
     def _forked(self) -> None:
         """In a forked child: its own clients (sockets are per process) and guard."""
         self._lock = threading.Lock()
         self._clients = None
-        self._store = None
+        self._backend = None
 
     @property
     def disabled(self) -> bool:
@@ -90,13 +90,13 @@ class AppState:
                     self._clients = connect(self.settings.url, **options)
         return self._clients
 
-    def store(self) -> Store:
-        """The core store of this app's Redis, per process (a quorum when several URLs
-        are set)."""
+    def backend(self) -> Backend:
+        """The core backend of this app's ``redlock_url``, per process (a quorum when
+        several URLs are set; the in-process store for ``memory://``)."""
         clients = self.clients()
-        cached = self._store
+        cached = self._backend
         if cached is None or cached[0] is not clients:
-            cached = self._store = (clients, open_store(clients))
+            cached = self._backend = (clients, open_backend(clients))
         return cached[1]
 
     def make_lock(self, name: str, ttl: float, *, limit: int = 1, **options: Any) -> Lock:
@@ -105,15 +105,15 @@ class AppState:
         prefix = self.settings["redlock_key_prefix"]
         options.setdefault("fence_ttl", self.settings["redlock_fence_ttl"])
         if limit > 1:
-            return Semaphore(self.store(), name, limit, ttl, key_prefix=prefix, **options)
-        return Lock(self.store(), name, ttl, key_prefix=prefix, **options)
+            return Semaphore(self.backend(), name, limit, ttl, key_prefix=prefix, **options)
+        return Lock(self.backend(), name, ttl, key_prefix=prefix, **options)
 
     def make_limiter(
         self, name: str, rate: str, burst: int, owner_info: Mapping[str, Any] | None = None
     ) -> RateLimiter:
         """A core rate limiter on this app's Redis (one Redis only)."""
         return RateLimiter(
-            self.store(),
+            self.backend(),
             name,
             rate,
             burst=burst,

@@ -18,12 +18,11 @@ import pytest
 import redis
 from celery.bin.celery import celery as celery_main
 from click.testing import CliRunner, Result
+from lua import FORCE_RELEASE, run_script
 from servers import ClusterSetup, RedisServer, free_port
 
 from celery_redlock import Lock, QueuedHold
 from celery_redlock.core.connect import address_of
-from celery_redlock.core.scripts import FORCE_RELEASE
-from celery_redlock.core.stores.redis import RedisStore
 from tests.apps import locksapp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -217,8 +216,8 @@ def test_confirmed_release_leaves_a_lock_taken_meanwhile_alone(
     """force_release.lua with the confirmed fence does not remove a newer acquisition."""
     lock = hold(locks_on, "sync:11")
     stale = str((lock.fence or 0) - 1)
-    code, _, fence = RedisStore.of(locks_on).call(
-        FORCE_RELEASE(["redlock:{sync:11}", "redlock:{sync:11}:notify"], [1000, stale])
+    code, _, fence = run_script(
+        locks_on, FORCE_RELEASE, ["redlock:{sync:11}", "redlock:{sync:11}:notify"], [1000, stale]
     )
     assert (code, int(fence)) == (-1, lock.fence)
     assert lock.owned()

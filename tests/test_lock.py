@@ -25,6 +25,7 @@ import pytest
 import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lua import ACQUIRE, EXTEND, RELEASE, run_script
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from servers import BARE_CONNECT, FaultProxy, RedisServer, wait_child, wait_for
@@ -42,8 +43,6 @@ from celery_redlock.core import process
 from celery_redlock.core.errors import describe_holder
 from celery_redlock.core.lock import DEFAULT_FENCE_TTL
 from celery_redlock.core.renewal import get_manager
-from celery_redlock.core.scripts import ACQUIRE, EXTEND, RELEASE, Script
-from celery_redlock.core.stores.redis import RedisStore
 
 ProxyFactory = Callable[[RedisServer], FaultProxy]
 
@@ -54,11 +53,6 @@ ProxyFactory = Callable[[RedisServer], FaultProxy]
 def blocked_clients(client: redis.Redis) -> int:
     """How many clients the server has parked in a blocking command (BLPOP)."""
     return int(client.info("clients")["blocked_clients"])
-
-
-def run_script(client: redis.Redis, script: Script, keys: list[str], args: list[Any]) -> Any:
-    """Run one of the package's scripts directly, as another client would."""
-    return RedisStore.of(client).call(script(keys, args))
 
 
 def in_other_thread(fn: Callable[[], Any]) -> Any:
@@ -183,7 +177,10 @@ def test_same_lock_object_shared_with_another_thread_cannot_be_released_by_a_cop
     assert (
         in_other_thread(
             lambda: run_script(
-                redis_client, RELEASE, [ours.keys.lock, ours.keys.notify], [other, 1000]
+                redis_client,
+                RELEASE,
+                [ours.keys.lock, ours.keys.notify, ours.keys.waiting, ours.keys.released],
+                [other, 1000],
             )
         )
         == -1

@@ -13,7 +13,7 @@ from servers import RedisServer
 
 from celery_redlock import AlreadyQueued, ConfigError, Lock, LockEvent, QueuedHold, add_hook
 from celery_redlock.core import Handover, remove_hook
-from celery_redlock.core.inspect import force_dequeue, read_queued, scan_locks
+from celery_redlock.core.admin import force_dequeue, read_lock, scan_locks
 
 
 def test_a_second_claim_is_a_duplicate_of_the_first(redis_client: redis.Redis) -> None:
@@ -180,7 +180,7 @@ def test_inspect_shows_queued_and_running(redis_client: redis.Redis) -> None:
         ("k", "running", "r"),
         ("k", "queued", "q"),
     ]
-    assert read_queued(redis_client, "redlock:", "k") is not None
+    assert [i.state for i in read_lock(redis_client, "redlock:", "k")] == ["running", "queued"]
     assert force_dequeue(redis_client, "redlock:", "k", "other").outcome == "refused"
     assert force_dequeue(redis_client, "redlock:", "k", "q").outcome == "released"
     assert force_dequeue(redis_client, "redlock:", "k").outcome == "gone"

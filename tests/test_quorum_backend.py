@@ -16,14 +16,14 @@ from servers import RedisServer
 
 from celery_redlock.core.backend import Backend, Grant, Handover, Renewal, Slot, Status
 from celery_redlock.core.backends.memory import MemoryBackend
-from celery_redlock.core.backends.quorum import (
-    MAX_IN_FLIGHT,
-    RATELIMIT_REFUSAL,
-    SEMAPHORE_REFUSAL,
-    QuorumBackend,
-)
+from celery_redlock.core.backends.quorum import MAX_IN_FLIGHT, QuorumBackend
 from celery_redlock.core.backends.redis_backend import RedisBackend
-from celery_redlock.core.errors import ConfigError, QuorumUnavailable
+from celery_redlock.core.errors import (
+    RATE_ON_QUORUM,
+    SEMAPHORE_ON_QUORUM,
+    ConfigError,
+    QuorumUnavailable,
+)
 from celery_redlock.core.keys import lock_keys, permit_keys
 
 RECORD = json.dumps({"hostname": "test", "pid": 1})
@@ -493,10 +493,10 @@ def test_what_a_quorum_refuses(flaky: list[Flaky]) -> None:
         )
     with pytest.raises(ConfigError) as rate:
         quorum.rate("api", "redlock:{api}:rate", 1000, 1, mode="take")
-    assert RATELIMIT_REFUSAL in str(rate.value)
+    assert RATE_ON_QUORUM in str(rate.value)
     with pytest.raises(ConfigError) as permits:
         take(quorum, Slot(permit_keys("pool"), limit=2), "t")
-    assert SEMAPHORE_REFUSAL in str(permits.value)
+    assert SEMAPHORE_ON_QUORUM in str(permits.value)
 
 
 def test_operator_reads_and_forced_release(flaky: list[Flaky]) -> None:

@@ -12,11 +12,11 @@ import pytest
 import redis
 from servers import RedisServer
 
+from celery_redlock.core.backends.quorum import MAX_IN_FLIGHT
 from celery_redlock.core.connect import connect
 from celery_redlock.core.errors import QuorumUnavailable
 from celery_redlock.core.lock import Lock, Redlock
 from celery_redlock.core.records import LockRecords, record_version
-from celery_redlock.core.send import MAX_QUEUED
 
 KEY = "redlock:{beat:leader:t}"
 RECORDS = f"{KEY}:ticks"
@@ -191,8 +191,8 @@ def test_redlock_claims_do_not_wait_on_a_stalled_master(
             claim = records.claim("heartbeat", {"at": float(n)}, n=n)
             assert claim.outcome == "claimed", claim
             assert time.monotonic() - started < 1.0, "a claim waited for the stalled master"
-        stalled = lock.store.members[2]
-        assert 0 < stalled.running <= MAX_QUEUED, "the paused master was sent more calls"
+        stalled = lock.backend.in_flight(2)
+        assert 0 < stalled <= MAX_IN_FLIGHT, "the paused master was sent more calls"
     finally:
         masters[2].resume()
     assert stored(masters[0].client()) == {"at": 3.0, "fence": lock.fence, "n": 3}

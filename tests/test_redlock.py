@@ -26,10 +26,11 @@ from celery_redlock import (
     Redlock,
     connect,
 )
+from celery_redlock.core.backend import Slot
+from celery_redlock.core.backends.quorum import MAX_IN_FLIGHT
+from celery_redlock.core.backends.redis_backend import RedisBackend
 from celery_redlock.core.keys import lock_keys
 from celery_redlock.core.renewal import get_manager
-from celery_redlock.core.send import MAX_QUEUED
-from celery_redlock.core.stores.redis import RedisStore
 
 Servers = Callable[[int], list[RedisServer]]
 ProxyFactory = Callable[[RedisServer], FaultProxy]
@@ -257,8 +258,9 @@ def test_two_sentinel_groups_with_the_same_master_name_are_two_masters() -> None
 
 
 def lanes_idle(lock: Lock) -> bool:
-    """True when no call to any master of *lock* is queued or running in its lane."""
-    return not any(member.running for member in lock.store.members)
+    """True when no call to any master of *lock* is still running."""
+    backend: Any = lock.backend
+    return not any(backend.in_flight(i) for i in range(backend.masters))
 
 
 def test_clients_are_not_kept_alive_by_redlock_bookkeeping(redis_servers: Servers) -> None:
@@ -415,8 +417,8 @@ def test_fences_rise_across_holders_whose_quorums_differ(
             fences.append(lock.fence)
             lock.release()
             # Stay silent until every request to it has given up, so none lands later.
-            node = lock.store.members[down]
-            assert wait_for(lambda node=node: not node.running, 5)
+            backend: Any = lock.backend
+            assert wait_for(lambda i=down, b=backend: not b.in_flight(i), 5)
         finally:
             proxies[down].heal()
     assert fences == [51, 101, 102]
@@ -478,7 +480,7 @@ def test_a_blackholed_master_neither_slows_acquires_nor_ties_up_the_pool(
             lock.release()
             hanging = max(hanging, proxies[0].connection_count)
         assert time.monotonic() - began < 50 * lock.per_node_timeout / 4
-        assert hanging <= MAX_QUEUED + 2, hanging
+        assert hanging <= MAX_IN_FLIGHT + 2, hanging
         assert "not answering" in lock.masters[f"127.0.0.1:{proxies[0].port}/0"]
     finally:
         proxies[0].heal()
@@ -494,7 +496,7 @@ def test_waiting_on_a_master_that_went_silent_is_a_redlock_error(
     client = connect(proxy.url, socket_timeout=0.2, socket_connect_timeout=0.2)
     proxy.blackhole()
     with pytest.raises(QuorumUnavailable):
-        RedisStore.of(client).wait(lock_keys("rl:silent-wait"), 0.5)
+        RedisBackend.of(client).wait(Slot(lock_keys("rl:silent-wait")), 0.5)
     proxy.heal()
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import redis
+from lua import PERMIT_ACQUIRE, run_script
 from servers import ClusterSetup, RedisServer, wait_for
 
 from celery_redlock import (
@@ -27,9 +28,7 @@ from celery_redlock import (
 )
 from celery_redlock.core.keys import lock_keys
 from celery_redlock.core.renewal import get_manager
-from celery_redlock.core.scripts import PERMIT_ACQUIRE
 from celery_redlock.core.semaphore import REDLOCK_REFUSAL
-from celery_redlock.core.stores.redis import RedisStore
 
 # --------------------------------------------------------------------------- the limit
 
@@ -202,9 +201,8 @@ def test_re_sent_acquire_finds_its_own_permit_with_the_same_fence(
     """The acquire script run twice with one token (a client re-send) holds one permit."""
     keys = Semaphore(redis_client, "sem:resend", 2).keys
     args = ["t" * 40, 5000, "{}", "0", 0, 2]
-    store = RedisStore.of(redis_client)
-    first = store.call(PERMIT_ACQUIRE([keys.lock, keys.fence, keys.waiting], args))
-    again = store.call(PERMIT_ACQUIRE([keys.lock, keys.fence, keys.waiting], args))
+    first = run_script(redis_client, PERMIT_ACQUIRE, [keys.lock, keys.fence, keys.waiting], args)
+    again = run_script(redis_client, PERMIT_ACQUIRE, [keys.lock, keys.fence, keys.waiting], args)
     assert first == again == [1, 1]
     assert redis_client.hlen(keys.lock) == 1
 

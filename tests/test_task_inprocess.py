@@ -44,10 +44,10 @@ from celery_redlock import (
     is_skipped,
     runtime,
 )
+from celery_redlock.core.backend import Slot, Status
+from celery_redlock.core.backends.redis_backend import RedisBackend
 from celery_redlock.core.keys import LockKeys
 from celery_redlock.core.lock import Lock as CoreLock
-from celery_redlock.core.scripts import Status
-from celery_redlock.core.stores.redis import RedisStore
 from celery_redlock.interrupt import Watch, watch_of
 from celery_redlock.state import state_for
 from celery_redlock.task import needs_postrun_net
@@ -98,9 +98,8 @@ class Env:
 
     def held_keys(self) -> list[str]:
         """Lock keys (not fence counters or notify lists) currently in the lock store."""
-        return sorted(
-            k for k in self.locks.scan_iter("redlock:*") if not k.endswith((":fence", ":notify"))
-        )
+        side = (":fence", ":notify", ":released")
+        return sorted(k for k in self.locks.scan_iter("redlock:*") if not k.endswith(side))
 
     def hold_until(self, flag: str, limit: float = 10.0) -> bool:
         """Block (in small steps) until ``flag`` is set in the record db; False on timeout."""
@@ -904,19 +903,21 @@ def test_release_racing_a_renewal_round_is_not_reported_lost(
     """A renewal round that answers "key gone" after our own release does not mark it lost."""
     lost: list[Any] = []
 
-    class RacingStore(RedisStore):
+    class RacingBackend(RedisBackend):
         lock: Any = None
 
-        def release(self, keys: Any, token: str, notice_ms: int) -> Status:
-            status = super().release(keys, token, notice_ms)
+        def release(
+            self, slot: Slot, token: str, notice_ms: int, done: tuple[str, int] | None = None
+        ) -> Status:
+            status = super().release(slot, token, notice_ms, done)
             # The answer of a round that took its targets before release() started: the
             # key is gone now, because we just deleted it ourselves.
             self.lock.renewed(time.monotonic(), token, Status.GONE)
             return status
 
-    store = RacingStore(env.locks)
-    lock = Lock(store, "race", ttl=5, on_lost=lost.append)
-    store.lock = lock
+    backend = RacingBackend(env.locks)
+    lock = Lock(backend, "race", ttl=5, on_lost=lost.append)
+    backend.lock = lock
     assert lock.acquire(blocking=False)
     lock.release()
     assert lost == []

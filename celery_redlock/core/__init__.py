@@ -1,13 +1,17 @@
-"""The lock core: Redis locks with no knowledge of Celery.
+"""The lock core: locks, semaphores, rate limits and queued holds, with no knowledge of
+Celery.
 
-Dependency points one way: this package never imports celery. The lock logic
-(:mod:`.lock`) talks to Redis only through a store (:mod:`.store`): one Redis
-(:mod:`.stores.redis`) or a quorum of masters (:mod:`.stores.quorum`), which send
-through one path (:mod:`.send`, :mod:`.fanout`).
+Dependency points one way: this package never imports celery. The primitives
+(:mod:`.lock`, :mod:`.semaphore`, :mod:`.ratelimit`, :mod:`.queued`, :mod:`.records`)
+and the renewal thread (:mod:`.renewal`) talk to where locks live only through the
+verbs of a backend (:mod:`.backend`): one Redis, a quorum of masters (Redlock), or this
+process's memory (:mod:`.backends`).
 """
 
 from __future__ import annotations
 
+from .backend import Backend, Grant, Handover, Holder, Queued, RateGrant, Slot, Status
+from .backends import open_backend
 from .connect import connect, mask_url
 from .errors import (
     AlreadyQueued,
@@ -21,22 +25,26 @@ from .errors import (
 )
 from .events import LockEvent, add_hook, remove_hook
 from .keys import KeyTemplate, lock_keys, render_value
-from .lock import Lock, Redlock, open_store
+from .lock import Lock, Redlock
 from .queued import QueuedHold
 from .ratelimit import RateLimiter
+from .records import LockRecords
 from .renewal import get_manager
 from .semaphore import Semaphore
-from .store import Handover, Queued, RateGrant, Store
 
 __all__ = [
     "AlreadyQueued",
+    "Backend",
     "ConfigError",
+    "Grant",
     "Handover",
+    "Holder",
     "KeyTemplate",
     "Lock",
     "LockContended",
     "LockEvent",
     "LockLost",
+    "LockRecords",
     "NotOwned",
     "Queued",
     "QueuedHold",
@@ -47,13 +55,14 @@ __all__ = [
     "Redlock",
     "RedlockError",
     "Semaphore",
-    "Store",
+    "Slot",
+    "Status",
     "add_hook",
     "connect",
     "get_manager",
     "lock_keys",
     "mask_url",
-    "open_store",
+    "open_backend",
     "remove_hook",
     "render_value",
 ]

@@ -56,8 +56,8 @@ __all__ = [
     "Renewal",
     "Slot",
     "Status",
-    "parse_holder",
     "newest_records",
+    "parse_holder",
     "record_version",
     "text",
 ]
@@ -84,7 +84,9 @@ class Status(IntEnum):
         try:
             return cls(value)
         except ValueError:
-            raise ValueError(f"unexpected status code {code!r} from a celery-redlock backend") from None
+            raise ValueError(
+                f"unexpected status code {code!r} from a celery-redlock backend"
+            ) from None
 
     def describe(self) -> str:
         """The status in words, for log lines and errors."""
@@ -434,7 +436,7 @@ class Backend(Protocol):
         :func:`record_version` where masters differ."""
         ...
 
-    def claim(
+    def claim(  # noqa: PLR0917 - a record claim names slot, token, field, value and version
         self,
         slot: Slot,
         suffix: str,

@@ -1,8 +1,9 @@
 """Build redis-py clients for lock traffic from URLs.
 
 ``redis://``, ``rediss://`` (TLS), ``unix://`` and ``sentinel://`` URLs, or a
-list of them (independent masters, for Redlock). Timeouts and the retry policy
-are set on purpose (:func:`lock_retry`): a broken connection (a restarted server,
+list of them (independent masters, for Redlock); ``memory://`` gives the in-process
+memory backend instead of a client (for tests and single-process tools). Timeouts and
+the retry policy are set on purpose (:func:`lock_retry`): a broken connection (a restarted server,
 a reset) is retried once at once on a new one, which is safe because every lock
 script is idempotent; a timeout is not retried, so a Redis that stopped answering
 is reported after one socket timeout, not after the several that redis-py's
@@ -23,6 +24,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
+from .backend import Backend
 from .errors import ConfigError
 
 __all__ = ["LOCK_CLIENT_DEFAULTS", "address_of", "connect", "lock_retry", "mask_url"]
@@ -33,7 +35,7 @@ LOCK_CLIENT_DEFAULTS: dict[str, Any] = {
     "socket_connect_timeout": 1.0,
     "socket_keepalive": True,
 }
-_SCHEMES = ("redis", "rediss", "unix", "sentinel")
+_SCHEMES = ("redis", "rediss", "unix", "sentinel", "memory")
 #: Where one URL of a ``;``-joined list (Sentinel) ends: before the next ``scheme://``.
 _NEXT_URL = re.compile(r";(?=\s*[a-z][a-z0-9+.-]*://)", re.IGNORECASE)
 #: Query parameters that carry a secret: ``password=``, ``sentinel_password=`` ...
@@ -69,14 +71,19 @@ def _mask_one(url: str) -> str:
     return f"{scheme}{sep}{head}{qmark}{query}"
 
 
+Client = redis.Redis | RedisCluster | Backend
+
+
 @overload
-def connect(url_or_urls: str, **options: Any) -> redis.Redis | RedisCluster: ...
+def connect(url_or_urls: str, **options: Any) -> Client: ...
 @overload
-def connect(url_or_urls: Sequence[str], **options: Any) -> list[redis.Redis | RedisCluster]: ...
-def connect(
-    url_or_urls: str | Sequence[str], **options: Any
-) -> redis.Redis | RedisCluster | list[redis.Redis | RedisCluster]:
+def connect(url_or_urls: Sequence[str], **options: Any) -> list[Client]: ...
+def connect(url_or_urls: str | Sequence[str], **options: Any) -> Client | list[Client]:
     """A client (or a list of clients, one per URL) for lock traffic.
+
+    ``memory://`` (or ``memory://<name>``) gives this process's in-memory backend of
+    that URL: the same URL is the same store everywhere in the process, as Celery's
+    ``memory://`` broker; other processes (a forked child too) never see it.
 
     ``cluster=True`` makes a ``RedisCluster`` from a ``redis://``/``rediss://`` URL.
     Sentinel: ``sentinel://h1:26379;sentinel://h2:26379/0?master=mymaster``
@@ -95,7 +102,7 @@ def connect(
     return _connect_one(url_or_urls, dict(options))
 
 
-def _connect_one(url: str, options: dict[str, Any]) -> redis.Redis | RedisCluster:
+def _connect_one(url: str, options: dict[str, Any]) -> Client:
     if not isinstance(url, str) or "://" not in url:
         raise ConfigError(f"not a Redis URL: {mask_url(str(url))!r}")
     scheme = url.split("://", 1)[0].lower()
@@ -104,6 +111,10 @@ def _connect_one(url: str, options: dict[str, Any]) -> redis.Redis | RedisCluste
             f"unknown Redis URL scheme {scheme!r} in {mask_url(url)!r}; "
             f"use one of {', '.join(s + '://' for s in _SCHEMES)}"
         )
+    if scheme == "memory":
+        from .backends.memory import MemoryBackend  # noqa: PLC0415 - only memory URLs need it
+
+        return MemoryBackend.for_url(url)
     cluster = bool(options.pop("cluster", False))
     for key, value in LOCK_CLIENT_DEFAULTS.items():
         if scheme == "unix" and key == "socket_keepalive":

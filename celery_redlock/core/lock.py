@@ -1,10 +1,10 @@
-"""``Lock`` and ``Redlock``: the state of one lock, over a store that does the I/O.
+"""``Lock`` and ``Redlock``: the state of one acquisition, over a backend that does the I/O.
 
 ``acquire``, ``release``, ``extend`` and ``owned`` check and change the local
 state of an acquisition (token, fence, local deadline, reentrancy count, lost);
-the store (:mod:`celery_redlock.core.store`) talks to Redis. A ``Lock`` on one
-client uses a :class:`RedisStore`; on a list of clients, or as ``Redlock``, a
-:class:`QuorumStore` over independent masters.
+the backend (:mod:`celery_redlock.core.backend`) keeps the lock. A ``Lock`` on one
+client uses a Redis backend; on a list of clients, or as ``Redlock``, a quorum of
+independent masters; on ``connect("memory://")``, the in-process memory backend.
 
 Why the local deadline is authoritative: validity is ``ttl - elapsed - drift``
 (drift = 1% of the TTL + 2 ms) counted with ``time.monotonic()`` from *before*
@@ -12,6 +12,21 @@ the first request was sent. Redis may keep the key a little longer, never
 shorter, so while ``monotonic() < valid_until`` no one else can hold the lock.
 Past it, without a confirmed renewal, the lock counts as lost, whatever the
 process still believes.
+
+Why ``release()`` asks the backend, not the clock, whether the lock was lost (a
+timeline)::
+
+    t=0    A acquires 'report' (token ta), lease 30 s
+    t=5    Redis restarts without persistence (or fails over, or an operator runs
+           `celery locks release report --force`): the key is gone
+    t=6    B acquires 'report' (token tb) and writes
+    t=7    A's release finds tb: TAKEN, whatever A's local deadline (still 23 s away)
+           says. A learns that its work may have overlapped B's: LockLost.
+
+    A release whose reply is lost is re-sent by the client (redis-py re-sends on a
+    broken connection): the first copy released ta and woke B, the second finds tb.
+    The backend remembers ta as released for one lease, so the second copy answers
+    OK: the holder's own release never reads as a loss.
 """
 
 from __future__ import annotations
@@ -25,27 +40,22 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from . import events, process
+from .backend import Backend, Grant, Handover, Slot, Status
+from .backends import open_backend
 from .errors import ConfigError, LockContended, LockLost, NotOwned, QuorumUnavailable, RedlockError
 from .keys import LockKeys, lock_keys
 from .renewal import get_manager
-from .scripts import Status
-from .store import Grant, Handover, Holder, Store
-from .stores.quorum import QuorumStore
-from .stores.redis import RedisStore
 
 __all__ = [
     "DEFAULT_FENCE_TTL",
     "MAX_TTL_MS",
     "MIN_TTL",
-    "Layout",
     "Lock",
-    "Mutex",
     "Redlock",
     "drift",
-    "open_store",
     "ttl_to_ms",
 ]
 
@@ -88,76 +98,6 @@ def drift(ttl: float) -> float:
     return 0.01 * ttl + 0.002
 
 
-def open_store(target: Any, *, per_node_timeout: float | None = None) -> Store:
-    """The store for *target*: a store as it is, a list of clients as a quorum of
-    masters (Redlock), one client (plain, Sentinel master or Cluster) as one Redis."""
-    if isinstance(target, (RedisStore, QuorumStore)):
-        return target
-    if isinstance(target, (list, tuple)):
-        return QuorumStore(target, per_node_timeout=per_node_timeout)
-    return RedisStore.of(target)
-
-
-class Layout(Protocol):
-    """How the acquisitions of one name are stored: the store calls a :class:`Lock` makes.
-
-    :class:`Mutex` (one holder: a hash per name) for a ``Lock``; a semaphore's permits
-    (:class:`~celery_redlock.core.semaphore.Permits`) for a ``Semaphore``. The state
-    machine in :class:`Lock` is the same for both.
-    """
-
-    def acquire(
-        self, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
-    ) -> Grant: ...
-
-    def release(self, token: str, notice_ms: int) -> Status: ...
-
-    def abandon(self, token: str, notice_ms: int) -> None: ...
-
-    def extend(self, token: str, ms: int, *, replace: bool) -> int | Status: ...
-
-    def holders(self) -> list[Holder]:
-        """Every current holder (a mutex has at most one)."""
-        ...
-
-    def locked(self) -> bool:
-        """True when no acquisition is free now."""
-        ...
-
-
-class Mutex:
-    """One holder per name: the lock hash (token, fence, holder record) of ``acquire.lua``."""
-
-    __slots__ = ("keys", "store")
-
-    def __init__(self, store: Store, keys: LockKeys) -> None:
-        self.store = store
-        self.keys = keys
-
-    def acquire(
-        self, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
-    ) -> Grant:
-        return self.store.acquire(
-            self.keys, token, ttl_ms, record, wait=wait, fence_ttl_ms=fence_ttl_ms
-        )
-
-    def release(self, token: str, notice_ms: int) -> Status:
-        return self.store.release(self.keys, token, notice_ms)
-
-    def abandon(self, token: str, notice_ms: int) -> None:
-        self.store.abandon(self.keys, token, notice_ms)
-
-    def extend(self, token: str, ms: int, *, replace: bool) -> int | Status:
-        return self.store.extend(self.keys, token, ms, replace=replace)
-
-    def holders(self) -> list[Holder]:
-        holder = self.store.holder(self.keys)
-        return [] if holder is None else [holder]
-
-    def locked(self) -> bool:
-        return self.store.locked(self.keys)
-
-
 class Lock:
     """A lease on Redis, kept alive by the per-process renewal thread.
 
@@ -167,10 +107,11 @@ class Lock:
 
     *target* is a ``redis.Redis`` (or a Sentinel ``master_for()`` client, or a
     ``RedisCluster``), a list of clients of independent masters (a Redlock
-    quorum), or a store from :func:`open_store`. Every mutation is one
-    owner-checked Lua script; a fresh 160-bit token per acquisition means nobody
-    releases or extends what they do not own: not another thread, not a forked
-    child, not a retried duplicate.
+    quorum), a backend from :func:`~celery_redlock.core.connect.connect` (such as
+    ``connect("memory://")``), or any :class:`~celery_redlock.core.backend.Backend`.
+    Every mutation is one owner-checked step on the backend; a fresh 160-bit token per
+    acquisition means nobody releases or extends what they do not own: not another
+    thread, not a forked child, not a retried duplicate.
     """
 
     def __init__(
@@ -216,11 +157,12 @@ class Lock:
                 raise ConfigError(
                     f"owner_info must be a dict with str keys that JSON can write: {exc}"
                 ) from None
-        self.store: Store = open_store(target)
+        #: Where the lock lives (see :mod:`celery_redlock.core.backend`).
+        self.backend: Backend = open_backend(target)
         self.name = name
         self.keys: LockKeys = lock_keys(name, key_prefix)
-        #: The store calls of this kind of lock (a Semaphore's permits differ).
-        self.layout: Layout = Mutex(self.store, self.keys)
+        #: What an acquisition holds: the mutex of the name (a Semaphore: a permit).
+        self.slot = Slot(self.keys)
         self.key_prefix = key_prefix
         self.auto_renew = bool(auto_renew)
         self.reentrant = bool(reentrant)
@@ -245,7 +187,7 @@ class Lock:
         self.holder: dict[str, Any] = {}
         #: The other owner's remaining lease (ms) at the last contended attempt.
         self.holder_ttl_ms: int | None = None
-        #: What each master answered in the last attempt (quorum stores).
+        #: What each master answered in the last attempt (a quorum).
         self.masters: dict[str, str] = {}
         self._state = threading.RLock()
         self._token: str | None = None
@@ -331,21 +273,15 @@ class Lock:
             token = os.urandom(TOKEN_BYTES).hex()  # 160 fresh CSPRNG bits per attempt
             will_wait = blocking and (deadline is None or time.monotonic() < deadline)
             started = time.monotonic()
-            if self.handover is None:
-                grant = self.layout.acquire(
-                    token, self.ttl_ms, record, wait=will_wait, fence_ttl_ms=self.fence_ttl_ms
-                )  # raises QuorumUnavailable
-            else:
-                grant = self.store.handover(
-                    self.keys,
-                    token,
-                    self.ttl_ms,
-                    record,
-                    owner=self.handover.owner,
-                    strict=self.handover.strict,
-                    wait=will_wait,
-                    fence_ttl_ms=self.fence_ttl_ms,
-                )
+            grant = self.backend.acquire(
+                self.slot,
+                token,
+                self.ttl_ms,
+                record,
+                wait=will_wait,
+                fence_ttl_ms=self.fence_ttl_ms,
+                handover=self.handover,
+            )  # raises QuorumUnavailable
             self.masters = dict(grant.masters)
             if grant.acquired:
                 valid_until = started + self.ttl - drift(self.ttl)
@@ -359,7 +295,7 @@ class Lock:
                     return True
                 # The answer came back after the lease was already spent (a long
                 # pause): it cannot be trusted to exclude anyone. Give it back.
-                self.layout.abandon(token, self.ttl_ms)
+                self._abandon(token)
                 log_acquire.warning("acquire of %r answered too late to be valid", self.name)
             else:
                 self.holder = dict(grant.holder)
@@ -385,7 +321,23 @@ class Lock:
             wait = self.ttl if not grant.wait_ms or grant.wait_ms < 0 else grant.wait_ms / 1000
             if left is not None:
                 wait = min(wait, left)
-            self.store.wait(self.keys, max(wait, 0.001), grant)
+            self.backend.wait(self.slot, max(wait, 0.001), grant)
+
+    @property
+    def _notice_ms(self) -> int:
+        """How long a release's wake-up notice and its released-token record live: one
+        lease (a re-sent copy of the release comes within it), but never longer than the
+        name's fence counter, so that a name used once costs memory for at most
+        ``fence_ttl`` after its release."""
+        return min(self.ttl_ms, self.fence_ttl_ms) if self.fence_ttl_ms else self.ttl_ms
+
+    def _abandon(self, token: str) -> None:
+        """Best-effort release of an acquisition that cannot be used (it answered too
+        late to be valid): where it does not get through, the lease expires by itself."""
+        try:
+            self.backend.release(self.slot, token, self._notice_ms)
+        except QuorumUnavailable:
+            log_acquire.debug("give-back of a late acquire of %r did not get through", self.name)
 
     def _take(self, token: str, grant: Grant, started: float, valid_until: float) -> None:
         with self._state:
@@ -405,10 +357,11 @@ class Lock:
         """Give the lock back (owner-checked) and wake one waiter.
 
         Raises :class:`NotOwned` if this object does not hold it, and
-        :class:`LockLost` if its lease ran out first (or the key holds foreign data).
-        While the lease is still valid, a key that is gone or held by another owner was
-        removed first (by a re-sent copy of this release after a lost reply, or by
-        ``celery locks release --force``): that counts as released.
+        :class:`LockLost` if the backend says the acquisition was no longer there:
+        expired, removed (a Redis restart, a failover, ``celery locks release --force``)
+        or taken by another owner, whatever the local clock says. A re-sent copy of this
+        release (after a lost reply) finds its own token remembered as released and
+        counts as released (see the module docstring).
         """
         with self._state:
             if not self._held_here():
@@ -418,33 +371,20 @@ class Lock:
                 return
             token = self._token
             assert token is not None
-            was_valid = not self._lost and time.monotonic() < self._valid_until
             reported = self._lost  # _mark_lost already emitted "lost" for this acquisition
             held = time.monotonic() - self._acquired_at
             fence = self._fence
-            # From here on the acquisition is being given back, whatever the store answers:
+            # From here on the acquisition is being given back, whatever the backend answers:
             # a renewal round already in flight must not answer "key gone" after our own
             # release and mark it lost, nor move the deadline of a lease given back.
             self._token = None
             self._count = 0
             self._valid_until = 0.0
         get_manager().unregister(self)
-        if self.done_as is None:
-            status = self.layout.release(token, self.ttl_ms)
-        else:
-            status = self.store.release(self.keys, token, self.ttl_ms, (self.done_as, self.done_ms))
-        # While the lease is valid nobody else can take the key unless it was removed
-        # first: by this very release (a copy re-sent after a lost reply finds the key
-        # gone, or already taken by the waiter it woke), or by an operator's forced release.
-        if status is Status.OK or (status in (Status.GONE, Status.TAKEN) and was_valid):
-            if status is not Status.OK:
-                log_release.info(
-                    "lock %r was already released or removed at release (%s)",
-                    self.name,
-                    status.describe(),
-                )
-            else:
-                log_release.debug("released %r fence=%s after %.3f s", self.name, fence, held)
+        done = None if self.done_as is None else (self.done_as, self.done_ms)
+        status = self.backend.release(self.slot, token, self._notice_ms, done)
+        if status is Status.OK:
+            log_release.debug("released %r fence=%s after %.3f s", self.name, fence, held)
             self._event("released", held=held, fence=fence)
             return
         reason = self._lost_reason or status.describe()
@@ -474,7 +414,7 @@ class Lock:
         self.expire_if_past(started)
         if self._lost:
             raise LockLost(self.name, self._lost_reason)
-        outcome = self.layout.extend(token, ms, replace=replace)
+        outcome = self.backend.extend(self.slot, token, ms, replace=replace)
         if isinstance(outcome, Status):
             self._mark_lost(outcome.describe())
             raise LockLost(self.name, outcome.describe())
@@ -498,7 +438,7 @@ class Lock:
             self.expire_if_past(now)
             return False
         try:
-            holders = self.layout.holders()
+            holders = self.backend.holders(self.slot)
         except QuorumUnavailable:
             return time.monotonic() < self._valid_until
         except ConfigError:  # the key holds foreign data: this owner's lock is gone
@@ -519,32 +459,32 @@ class Lock:
         """
         if not match:
             raise ConfigError("release_matching() needs at least one field to match")
-        for holder in self.layout.holders():
+        for holder in self.backend.holders(self.slot):
             if all(holder.record.get(k) == v for k, v in match.items()):
-                return self.layout.release(holder.token, self.ttl_ms) is Status.OK
+                return self.backend.release(self.slot, holder.token, self._notice_ms) is Status.OK
         return False
 
     def read_holder(self) -> dict[str, Any] | None:
         """The current holder's record (``task_name``, ``task_id``, ``hostname``, ``pid``,
         ``acquired_at``), or None when the lock is free (a semaphore: the permit that
         expires first)."""
-        holders = self.layout.holders()
+        holders = self.backend.holders(self.slot)
         return dict(holders[0].record) if holders else None
 
     def read_holders(self) -> list[dict[str, Any]]:
         """Every current holder's record (a lock has at most one; a semaphore one per
         permit held)."""
-        return [dict(holder.record) for holder in self.layout.holders()]
+        return [dict(holder.record) for holder in self.backend.holders(self.slot)]
 
     def locked(self) -> bool:
         """True when the lock cannot be taken now (a mutex: anyone holds it; a semaphore:
         every permit is held)."""
-        return self.layout.locked()
+        return self.backend.locked(self.slot)
 
     def ran_before(self) -> bool:
         """True when an earlier release of this name carried this lock's ``done_as`` mark
         (among the 16 most recent, within ``done_ttl`` of the last one)."""
-        return self.done_as is not None and self.store.was_done(self.keys, self.done_as)
+        return self.done_as is not None and self.backend.was_done(self.slot, self.done_as)
 
     # -- renewal (the renewal thread calls these) -----------------------------------------
     def renewal(self) -> tuple[str, int] | None:
@@ -648,8 +588,8 @@ class Lock:
         state = "held" if self._held_here() else "free"
         if self._lost:
             state = "lost"
-        store = self.store
-        extra = f" quorum={store.quorum}/{len(store.members)}" if len(store.members) > 1 else ""
+        masters = self.backend.masters
+        extra = f" quorum={masters // 2 + 1}/{masters}" if masters > 1 else ""
         return (
             f"<{type(self).__name__} {self.name!r} ttl={self.ttl}s {state} "
             f"fence={self.fence}{extra}>"
@@ -659,7 +599,7 @@ class Lock:
 class Redlock(Lock):
     """One lock over N independent Redis masters, held by a majority.
 
-    Same interface as :class:`Lock`; see :mod:`celery_redlock.core.stores.quorum`
+    Same interface as :class:`Lock`; see :mod:`celery_redlock.core.backends.quorum`
     for how an attempt goes. ``per_node_timeout`` bounds the wait for each master
     (default: 5% of the TTL, at least 50 ms).
     """
@@ -678,21 +618,25 @@ class Redlock(Lock):
                 f"Redlock takes a list of Redis clients (one per master), got "
                 f"{type(clients).__name__}; use Lock for one Redis"
             )
-        store = QuorumStore(clients, per_node_timeout=per_node_timeout)
-        super().__init__(store, name, ttl, **options)
-        self.quorum_store = store
+        super().__init__(
+            open_backend(clients, per_node_timeout=per_node_timeout), name, ttl, **options
+        )
+        self._clients = list(clients)
+        self._per_node_timeout = per_node_timeout
 
     @property
     def quorum(self) -> int:
         """How many masters must agree."""
-        return self.quorum_store.quorum
+        return self.backend.masters // 2 + 1
 
     @property
     def clients(self) -> list[Any]:
         """The masters' clients, in the order given."""
-        return self.quorum_store.clients
+        return list(self._clients)
 
     @property
     def per_node_timeout(self) -> float:
         """How long each master is waited for (seconds)."""
-        return self.quorum_store.timeout(self.ttl_ms)
+        if self._per_node_timeout is not None:
+            return self._per_node_timeout
+        return max(0.05, 0.05 * self.ttl)

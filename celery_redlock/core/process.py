@@ -1,9 +1,10 @@
 """This process: its id, and the one after-fork reset for everything kept per process.
 
-Whatever the package keeps per process (the renewal thread, the I/O pool, held
-connections, an app's Redis clients) registers a reset with :func:`on_fork`. One
-``os.register_at_fork`` hook runs them all in a forked child, before ``os.fork()``
-returns there, so a child never uses its parent's threads, sockets or locks.
+Whatever the package keeps per process (the renewal thread, the thread pool, memory
+stores, a quorum's calls in flight, an app's Redis clients) registers a reset with
+:func:`on_fork`. One ``os.register_at_fork`` hook runs them all in a forked child,
+before ``os.fork()`` returns there, so a child never uses its parent's threads, sockets
+or locks.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ log = logging.getLogger("celery_redlock")
 _pid = os.getpid()
 _resets: list[Callable[[], Callable[[], None] | None]] = []
 _resets_lock = threading.Lock()
+#: Dead references (methods of collected objects) are dropped when the list reaches this
+#: length, which then doubles the live count: registering stays O(1) amortised, and a
+#: process that makes and drops objects in a loop keeps a list as long as the live ones.
+_prune_at = 64
 
 
 def pid() -> int:
@@ -35,10 +40,14 @@ def on_fork(reset: Callable[[], None]) -> Callable[[], None]:
     A bound method is held weakly: registering an object's method does not keep the
     object alive, and a method of a collected object is dropped.
     """
+    global _prune_at
     ref: Callable[[], Callable[[], None] | None] = (
         weakref.WeakMethod(reset) if isinstance(reset, MethodType) else lambda: reset
     )
     with _resets_lock:
+        if len(_resets) >= _prune_at:
+            _resets[:] = [r for r in _resets if r() is not None]
+            _prune_at = max(64, 2 * len(_resets))
         _resets.append(ref)
     return reset
 

@@ -5,7 +5,7 @@ A publisher takes the hold for the task id of the message it is about to send
 replaces the hold (the newest call wins). The worker that starts the message turns
 the hold into the lock itself in one atomic, owner-checked step: a
 :class:`~celery_redlock.core.lock.Lock` made with ``handover=Handover(task_id)``
-(``acquire.lua`` with the hold's key). The hold lives at ``<lock key>:queued`` (same
+(on Redis ``acquire.lua`` with the hold's key). The hold lives at ``<lock key>:queued`` (same
 hash tag), a hash of ``owner`` (the task id) and ``info`` (its record), with a lease
 of its own: a message that never runs (lost, purged) frees its name when it ends.
 
@@ -21,8 +21,8 @@ A hold belongs to a task id, not to a process, so any process can give it back
 for that id (:meth:`QueuedHold.release`: a message revoked, expired or rejected
 before it ran) and nobody can give back another id's hold.
 
-Needs one Redis (a plain server, a Sentinel master or a Cluster): a quorum store
-refuses with :class:`~celery_redlock.core.errors.ConfigError`.
+Needs one Redis (a plain server, a Sentinel master or a Cluster) or the memory
+backend: a quorum refuses with :class:`~celery_redlock.core.errors.ConfigError`.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import events, process
+from .backend import Backend, Queued, Slot, Status
+from .backends import open_backend
 from .errors import ConfigError
 from .keys import LockKeys, lock_keys
-from .lock import open_store, ttl_to_ms
-from .scripts import Status
-from .store import Queued, Store
+from .lock import ttl_to_ms
 
 __all__ = ["QueuedHold"]
 
@@ -46,7 +46,7 @@ _HOSTNAME = socket.gethostname()
 
 
 class QueuedHold:
-    """The enqueue-time hold of lock *name* on *target* (a client or a store).
+    """The enqueue-time hold of lock *name* on *target* (a client or a backend).
 
     >>> hold = QueuedHold(client, "sync:42")
     >>> hold.claim("task-id-1", ttl=3600).outcome
@@ -65,8 +65,9 @@ class QueuedHold:
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"lock name must be a non-empty string, got {name!r}")
-        self.store: Store = open_store(target)
+        self.backend: Backend = open_backend(target)
         self.keys: LockKeys = lock_keys(name, key_prefix)
+        self.slot = Slot(self.keys)
         self.name = self.keys.name
         self.owner_info: dict[str, Any] = dict(owner_info or {})
 
@@ -93,8 +94,8 @@ class QueuedHold:
         record = {"hostname": _HOSTNAME, "pid": process.pid(), "queued_at": round(time.time(), 3)}
         record.update(self.owner_info)
         record["task_id"] = owner
-        found = self.store.enqueue(
-            self.keys,
+        found = self.backend.enqueue(
+            self.slot,
             owner,
             ttl_to_ms(ttl, "the queued hold's ttl"),
             json.dumps(record, separators=(",", ":"), default=str),
@@ -115,7 +116,7 @@ class QueuedHold:
 
     def release(self, owner: str) -> bool:
         """Give up task *owner*'s hold; True if it was there (never another id's)."""
-        return self.store.dequeue(self.keys, owner) is Status.OK
+        return self.backend.dequeue(self.slot, owner) is Status.OK
 
     def __repr__(self) -> str:
         return f"<QueuedHold {self.name!r}>"

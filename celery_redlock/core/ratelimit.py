@@ -1,9 +1,10 @@
 """``RateLimiter``: at most *rate* grants per period for one name, across every process.
 
-One script (``rate.lua``), one round trip per decision, O(1) memory per name that
-expires when the limiter is idle again. The algorithm is GCRA (the generic cell rate
-algorithm, as in ATM networks and redis-cell): the state is one timestamp, the
-*theoretical arrival time* ``tat``, the moment the limiter is empty again. With the
+One backend call (on Redis one script, ``rate.lua``), one round trip per decision,
+O(1) memory per name that expires when the limiter is idle again. The algorithm is
+GCRA (the generic cell rate algorithm, as in ATM networks and redis-cell): the state is
+one timestamp, the *theoretical arrival time* ``tat``, the moment the limiter is empty
+again. With the
 emission interval ``T = period / rate`` and ``burst`` b, a grant is possible when
 ``tat - now <= (b - 1) * T``, and moves ``tat`` on by ``T``.
 
@@ -39,25 +40,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import events
+from .backend import Backend, RateGrant
+from .backends import open_backend
+from .errors import RATE_ON_QUORUM as REDLOCK_REFUSAL
 from .errors import ConfigError
 from .keys import rate_key
-from .lock import open_store
-from .store import RateGrant
-from .stores.redis import RedisStore
 
 __all__ = ["PERIODS", "REDLOCK_REFUSAL", "RateGrant", "RateLimiter", "parse_rate"]
 
 #: Rate suffixes and their periods in seconds.
 PERIODS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*([smhd])\s*$")
-
-#: Why a rate limiter is refused on a list of Redlock masters.
-REDLOCK_REFUSAL = (
-    "a RateLimiter cannot run on a list of Redlock masters: a grant counted on a majority "
-    "of masters does not bound the grants (3 masters: grants counted on masters 1 and 2, "
-    "2 and 3, 1 and 3 are three grants while each master counted two). Use one Redis (a "
-    "plain server, a Sentinel-managed master or a Cluster) for rate limits"
-)
 
 
 def parse_rate(rate: Any) -> tuple[float, float, str]:
@@ -118,10 +111,9 @@ class RateLimiter:
         if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
             raise ConfigError(f"burst must be a whole number >= 1, got {burst!r}")
         self.burst = burst
-        store = open_store(target)
-        if len(store.members) > 1:
+        self.backend: Backend = open_backend(target)
+        if self.backend.masters > 1:
             raise ConfigError(f"rate limiter {name!r}: {REDLOCK_REFUSAL}")
-        self.store: RedisStore = store.members[0]
         self.name = name
         self.key = rate_key(name, key_prefix)
         #: Who asks (``task_name``, ``task_id``, ...): the ``holder`` of its events.
@@ -157,7 +149,7 @@ class RateLimiter:
             return self._decide("queue" if queue else "take")
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         most = 0 if timeout is None else max(1, round(timeout * 1e6))
-        grant = self.store.rate(
+        grant = self.backend.rate(
             self.name,
             self.key,
             self.interval_us,
@@ -174,15 +166,17 @@ class RateLimiter:
                 if left <= 0 or wait > left:
                     return grant
             time.sleep(wait)
-            grant = self.store.rate(self.name, self.key, self.interval_us, self.burst, mode="take")
+            grant = self.backend.rate(
+                self.name, self.key, self.interval_us, self.burst, mode="take"
+            )
         return grant
 
     def peek(self) -> RateGrant:
         """Whether a grant is possible now, and when the next one is; writes nothing."""
-        return self.store.rate(self.name, self.key, self.interval_us, self.burst, mode="peek")
+        return self.backend.rate(self.name, self.key, self.interval_us, self.burst, mode="peek")
 
     def _decide(self, mode: str) -> RateGrant:
-        grant = self.store.rate(self.name, self.key, self.interval_us, self.burst, mode=mode)
+        grant = self.backend.rate(self.name, self.key, self.interval_us, self.burst, mode=mode)
         if not grant.granted:
             self._refused(grant)
         return grant

@@ -1,9 +1,10 @@
 """The per-process renewal thread: one thread keeps every held lock alive.
 
-Every round renews all the locks this process holds, one batched script per
-Redis node (``extend_many.lua``), the nodes called in parallel on the shared I/O
-pool. Rounds come every ``min(ttl)/3``; each node call gets ``interval/2`` to
-answer before the round moves on without it.
+Every round renews all the locks this process holds with one ``renew`` call per
+backend (:meth:`~celery_redlock.core.backend.Backend.renew`: one batched script per
+Redis node), the backends called in parallel on the process's thread pool. Rounds
+come every ``min(ttl)/3``; each backend gets ``interval/2`` to answer before the
+round moves on without it.
 
 Why the local deadline rules (a timeline)::
 
@@ -31,13 +32,9 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any, Protocol
 
-from . import process
+from . import process, threads
+from .backend import Backend, Renewal, Slot, Status
 from .errors import QuorumUnavailable
-from .keys import LockKeys
-from .scripts import Status
-from .send import executor
-from .store import Store
-from .stores.redis import REDIS_ERRORS, RedisStore
 
 __all__ = ["Renewable", "RenewalManager", "get_manager", "shutdown"]
 
@@ -55,8 +52,8 @@ class Renewable(Protocol):
 
     ttl: float
     name: str
-    keys: LockKeys
-    store: Store
+    slot: Slot
+    backend: Backend
 
     @property
     def valid_until(self) -> float: ...
@@ -83,7 +80,7 @@ class RenewalManager:
         self._mutex = threading.Lock()
         self._cond = threading.Condition(self._mutex)
         self._locks: dict[int, Renewable] = {}
-        self._inflight: dict[int, cf.Future[list[Status]]] = {}
+        self._inflight: dict[Backend, cf.Future[list[Status | QuorumUnavailable]]] = {}
         self._next_round = _NEVER
         self._wake_at = 0.0  # when the waiting thread wakes by itself; 0.0 while it runs
         self._stop = False
@@ -189,55 +186,41 @@ class RenewalManager:
             except Exception:  # the thread must outlive any error
                 log.exception("renewal round failed; the next round will try again")
 
-    def _finished(self, node: int, _future: cf.Future[list[Status]]) -> None:
-        self._inflight.pop(node, None)
+    def _finished(self, backend: Backend, _future: cf.Future[Any]) -> None:
+        self._inflight.pop(backend, None)
 
     def _round(self, locks: list[Renewable], interval: float) -> None:
         started = time.monotonic()
         for lock in locks:  # a lease already past its deadline is not renewed, ever
             _safely(lock.expire_if_past, started)
-        # One batched script per node (store member) for every lock held there.
-        per_node: dict[int, list[tuple[int, int, str, str, int]]] = defaultdict(list)
-        nodes: dict[int, RedisStore] = {}
-        planned: list[tuple[Renewable, str, list[Status | BaseException]]] = []
+        # One renew call per backend (equal backends share one) for every lock held there.
+        batches: dict[Backend, list[tuple[Renewable, Renewal]]] = defaultdict(list)
         for lock in locks:
             renewal = _safely(lock.renewal)
-            if renewal is None:
+            if renewal is not None:
+                token, ms = renewal
+                batches[lock.backend].append((lock, Renewal(lock.slot, token, ms)))
+        futures: dict[cf.Future[list[Status | QuorumUnavailable]], Backend] = {}
+        for backend, batch in batches.items():
+            if backend in self._inflight:  # the previous round's call has not returned
+                log.warning("renewal: %s still busy with the previous round", backend.describe())
                 continue
-            token, ms = renewal
-            members = lock.store.members
-            outcomes: list[Status | BaseException] = [
-                TimeoutError("no answer from the node this round")
-            ] * len(members)
-            for index, member in enumerate(members):
-                per_node[id(member)].append((len(planned), index, lock.keys.lock, token, ms))
-                nodes[id(member)] = member
-            planned.append((lock, token, outcomes))
-        if not planned:
-            return
-        futures: dict[cf.Future[list[Status]], int] = {}
-        pool = executor()
-        for node, items in per_node.items():
-            if node in self._inflight:  # the previous call to this node has not returned
-                log.warning("renewal: node %s still busy with the previous round", nodes[node])
-                continue
-            future = pool.submit(nodes[node].renew_many, [(k, t, ms) for *_, k, t, ms in items])
-            self._inflight[node] = future
-            future.add_done_callback(partial(self._finished, node))
-            futures[future] = node
+            future = threads.submit(backend.renew, [item for _, item in batch])
+            self._inflight[backend] = future
+            future.add_done_callback(partial(self._finished, backend))
+            futures[future] = backend
         done, _ = cf.wait(futures, timeout=max(interval / 2, 0.01))
         for future in done:
-            items = per_node[futures[future]]
+            batch = batches[futures[future]]
             try:
-                statuses: Sequence[Status | BaseException] = future.result()
-            except REDIS_ERRORS as exc:
-                statuses = [exc] * len(items)
-            for (lock_index, member_index, *_), status in zip(items, statuses, strict=True):
-                planned[lock_index][2][member_index] = status
-        for lock, token, outcomes in planned:
-            outcome = _safely(lock.store.settle, lock.name, outcomes)
-            if outcome is not None:
-                _safely(lock.renewed, started, token, outcome)
+                outcomes: Sequence[Status | QuorumUnavailable] = future.result()
+            except QuorumUnavailable as exc:
+                outcomes = [exc] * len(batch)
+            except Exception:  # a bug or a client-side error: said as it is, never "down"
+                log.exception("renewal: %s failed", futures[future].describe())
+                continue
+            for (lock, item), outcome in zip(batch, outcomes, strict=True):
+                _safely(lock.renewed, started, item.token, outcome)
 
 
 def _interval(ttl: float) -> float:

@@ -4,12 +4,12 @@ A permit is an acquisition like a lock's: its own 160-bit token, owner-checked r
 and extend, a lease kept alive by the per-process renewal thread, a local deadline that
 decides, a fence from the name's counter (strictly increasing across every permit and
 lock of the name). The state machine is :class:`~celery_redlock.core.lock.Lock`'s;
-only the store calls differ (:class:`Permits`). ``limit=1`` is a plain lock: the same
-keys and scripts as ``Lock``, so a ``Semaphore(limit=1)`` and a ``Lock`` of one name
-exclude each other, and it works on a list of Redlock masters too.
+only the slot differs (one of *limit* permits instead of the mutex). ``limit=1`` is a
+plain lock: the same slot as ``Lock``, so a ``Semaphore(limit=1)`` and a ``Lock`` of
+one name exclude each other, and it works on a list of Redlock masters too.
 
-How permits are stored (``permit_acquire.lua``): one hash per name,
-``<prefix>{<name>}:permits``, one field per permit, ``token ->
+How permits are stored on Redis (``permit_acquire.lua``; the memory backend keeps the
+same): one hash per name, ``<prefix>{<name>}:permits``, one field per permit, ``token ->
 "<expiry in server ms>|<fence>|<holder record>"``. A permit is granted only while the
 hash has fewer than *limit* fields; when it is full, the expired ones are removed
 first. So live permits <= fields <= limit at every moment, an expired permit takes
@@ -28,57 +28,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from .backend import Slot
+from .errors import SEMAPHORE_ON_QUORUM as REDLOCK_REFUSAL
 from .errors import ConfigError
-from .keys import LockKeys, permit_keys
+from .keys import permit_keys
 from .lock import Lock
-from .scripts import Status
-from .store import Grant, Holder
-from .stores.redis import RedisStore
 
-__all__ = ["REDLOCK_REFUSAL", "Permits", "Semaphore"]
-
-#: Why a semaphore with a limit above 1 is refused on a list of Redlock masters.
-REDLOCK_REFUSAL = (
-    "a Semaphore with limit > 1 cannot run on a list of Redlock masters: a permit held "
-    "on a majority of masters does not bound the holders (3 masters, limit 2: A holds "
-    "permits on masters 1 and 2, B on 2 and 3, C on 1 and 3; each holds a majority and "
-    "no master holds more than 2 permits, yet three run at once). Use one Redis (a "
-    "plain server, a Sentinel-managed master or a Cluster) for it, or limit=1 (a "
-    "Redlock mutex)"
-)
-
-
-class Permits:
-    """The store calls of a semaphore with *limit* permits (one Redis)."""
-
-    __slots__ = ("keys", "limit", "store")
-
-    def __init__(self, store: RedisStore, keys: LockKeys, limit: int) -> None:
-        self.store = store
-        self.keys = keys
-        self.limit = limit
-
-    def acquire(
-        self, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
-    ) -> Grant:
-        return self.store.acquire_permit(
-            self.keys, token, ttl_ms, record, self.limit, wait=wait, fence_ttl_ms=fence_ttl_ms
-        )
-
-    def release(self, token: str, notice_ms: int) -> Status:
-        return self.store.release_permit(self.keys, token, notice_ms, self.limit)
-
-    def abandon(self, token: str, notice_ms: int) -> None:
-        self.store.abandon_permit(self.keys, token, notice_ms, self.limit)
-
-    def extend(self, token: str, ms: int, *, replace: bool) -> int | Status:
-        return self.store.extend_permit(self.keys, token, ms, replace=replace)
-
-    def holders(self) -> list[Holder]:
-        return list(self.store.permits(self.keys))
-
-    def locked(self) -> bool:
-        return len(self.store.permits(self.keys)) >= self.limit
+__all__ = ["REDLOCK_REFUSAL", "Semaphore", "check_limit"]
 
 
 def check_limit(limit: Any) -> int:
@@ -104,7 +60,7 @@ class Semaphore(Lock):
     refused attempt) is that permit's record.
 
     *target* is one Redis (a client, a Sentinel ``master_for()`` client, a
-    ``RedisCluster``) or a store; a list of Redlock masters is refused for
+    ``RedisCluster``) or a backend; a list of Redlock masters is refused for
     ``limit > 1`` (:data:`REDLOCK_REFUSAL`).
     """
 
@@ -120,11 +76,10 @@ class Semaphore(Lock):
         super().__init__(target, name, ttl, **options)
         self.limit = limit
         if limit > 1:
-            members = self.store.members
-            if len(members) > 1:
+            if self.backend.masters > 1:
                 raise ConfigError(f"semaphore {name!r}: {REDLOCK_REFUSAL}")
             self.keys = permit_keys(name, self.key_prefix)
-            self.layout = Permits(members[0], self.keys, limit)
+            self.slot = Slot(self.keys, limit)
 
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + f" limit={self.limit}>"

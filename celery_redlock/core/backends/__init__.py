@@ -24,7 +24,7 @@ def open_backend(target: Any, *, per_node_timeout: float | None = None) -> Backe
         return target
     if isinstance(target, str):
         raise ConfigError(
-            f"expected a Redis client or a backend, got the URL {target!r}: build one with "
-            "celery_redlock.connect(url)"
+            f"expected a redis-py client, a list of them or a backend, got str {target!r}: "
+            "build one with celery_redlock.connect(url)"
         )
     return RedisBackend.of(target)

@@ -58,6 +58,7 @@ import json
 import random
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
@@ -80,19 +81,24 @@ from ..backend import (
     newest_records,
     record_version,
 )
-from ..errors import ConfigError, QuorumUnavailable, describe_holder
+from ..errors import (
+    RATE_ON_QUORUM,
+    SEMAPHORE_ON_QUORUM,
+    ConfigError,
+    QuorumUnavailable,
+    describe_holder,
+    no_queued_holds,
+)
 
 __all__ = [
     "ADMIN_TIMEOUT",
     "FIRST_CONTACT",
+    "GRACE",
     "MAX_IN_FLIGHT",
     "MIN_TIMEOUT",
-    "RATELIMIT_REFUSAL",
     "READ_TIMEOUT",
-    "SEMAPHORE_REFUSAL",
     "NoAnswer",
     "QuorumBackend",
-    "no_queued_holds",
 ]
 
 #: Per-member timeout of reads and records (no lease to take 5% of) when none is set.
@@ -104,36 +110,11 @@ MIN_TIMEOUT = 0.05
 #: How many timeouts a member this process never heard from is waited for: its first
 #: call connects and shakes hands (TLS, AUTH) before it answers.
 FIRST_CONTACT = 3
+#: After the outcome is decided, how long answers already on their way are still taken
+#: (they tell the caller which masters it holds).
+GRACE = 0.002
 #: Calls one member may have running at once; past that it is not sent more.
-MAX_IN_FLIGHT = 8
-
-#: Why a semaphore with a limit above 1 is refused on a quorum.
-SEMAPHORE_REFUSAL = (
-    "a Semaphore with limit > 1 cannot run on a list of Redlock masters: a permit held "
-    "on a majority of masters does not bound the holders (3 masters, limit 2: A holds "
-    "permits on masters 1 and 2, B on 2 and 3, C on 1 and 3; each holds a majority and "
-    "no master holds more than 2 permits, yet three run at once). Use one Redis (a "
-    "plain server, a Sentinel-managed master or a Cluster) for it, or limit=1 (a "
-    "Redlock mutex)"
-)
-#: Why a rate limiter is refused on a quorum.
-RATELIMIT_REFUSAL = (
-    "a RateLimiter cannot run on a list of Redlock masters: a grant counted on a majority "
-    "of masters does not bound the grants (3 masters: grants counted on masters 1 and 2, "
-    "2 and 3, 1 and 3 are three grants while each master counted two). Use one Redis (a "
-    "plain server, a Sentinel-managed master or a Cluster) for rate limits"
-)
-
-
-def no_queued_holds(name: str, masters: int) -> str:
-    """Why a quorum refuses enqueue-time holds."""
-    return (
-        f"lock {name!r}: enqueue-time holds (lock_on='enqueue' or 'enqueue+run') need one "
-        f"Redis (a plain server, a Sentinel master or a Cluster), not a Redlock quorum of "
-        f"{masters} masters: the hand-over from the queued hold to the lock could not be one "
-        "atomic step on a majority. Use lock_on='run' with these masters, or point "
-        "redlock_url at one Redis"
-    )
+MAX_IN_FLIGHT = 4
 
 
 class NoAnswer(Exception):
@@ -146,6 +127,49 @@ Call = Callable[[Backend], Any]
 Decided = Callable[[Sequence[Any]], bool]
 
 
+class _Calls:
+    """The calls each member backend has running in this process, and whether it ever
+    answered here: per member, not per quorum, since a Redlock made for each call builds
+    a new quorum over the same masters (their backends are shared per client)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: weakref.WeakKeyDictionary[Backend, int] = weakref.WeakKeyDictionary()
+        self._heard: weakref.WeakSet[Backend] = weakref.WeakSet()
+
+    def start(self, member: Backend) -> bool:
+        """Count a call to *member*; False (not counted) when it has too many running."""
+        with self._lock:
+            running = self._running.get(member, 0)
+            if running >= MAX_IN_FLIGHT:
+                return False
+            self._running[member] = running + 1
+            return True
+
+    def done(self, member: Backend, future: cf.Future[Any]) -> None:
+        with self._lock:
+            self._running[member] -= 1
+            if not isinstance(future.exception(), QuorumUnavailable):
+                self._heard.add(member)  # connected and answered: no first contact now
+
+    def running(self, member: Backend) -> int:
+        return self._running.get(member, 0)
+
+    def heard(self, member: Backend) -> bool:
+        return member in self._heard
+
+
+_calls = _Calls()
+
+
+def _after_fork() -> None:
+    global _calls
+    _calls = _Calls()  # a child has none of its parent's calls running, nor connections
+
+
+process.on_fork(_after_fork)
+
+
 class _Round:
     """``call(member)`` on the members *where* at once (see the module docstring)."""
 
@@ -156,7 +180,7 @@ class _Round:
         self.where = list(range(quorum.masters) if where is None else where)
         self.results: list[Any] = [_PENDING] * len(self.where)
         self.futures: dict[cf.Future[Any], int] = {}
-        first = any(not quorum._heard[i] for i in self.where)
+        first = any(not _calls.heard(quorum.members[i]) for i in self.where)
         self.timeout = timeout * (FIRST_CONTACT if first else 1)
         for pos, i in enumerate(self.where):
             future = quorum._start(i, call)
@@ -174,6 +198,10 @@ class _Round:
             if left <= 0:
                 break
             done, pending = cf.wait(pending, timeout=left, return_when=cf.FIRST_COMPLETED)
+            for future in done:
+                self.results[self.futures[future]] = _outcome(future)
+        if pending and time.monotonic() < deadline:  # decided: answers on their way still count
+            done, pending = cf.wait(pending, timeout=GRACE)
             for future in done:
                 self.results[self.futures[future]] = _outcome(future)
         late = time.monotonic() >= deadline
@@ -195,7 +223,7 @@ class _Round:
         cf.wait(list(now), timeout=self.timeout)
 
     def _follow(self, i: int, call: Call, started: list[cf.Future[Any]], _: object) -> None:
-        future = self.quorum._start(i, call, follow_up=True)
+        future = self.quorum._start(i, call)
         if future is not None:
             started.append(future)
 
@@ -248,35 +276,22 @@ class QuorumBackend:
         self.per_node_timeout = per_node_timeout
         #: Each member's name in errors and ``Grant.masters``.
         self.names = [m.describe() for m in self.members]
-        self._reset()
-        process.on_fork(self._reset)  # a child has none of its parent's calls running
 
-    def _reset(self) -> None:
-        self._lock = threading.Lock()
-        self._running = [0] * self.masters
-        self._heard = [False] * self.masters  # answered in this process: connected
-
-    def _start(self, i: int, call: Call, *, follow_up: bool = False) -> cf.Future[Any] | None:
+    def _start(self, i: int, call: Call) -> cf.Future[Any] | None:
         """``call(member i)`` in the process's pool: its future, or None when the member
-        has :data:`MAX_IN_FLIGHT` calls running (a follow-up is always sent: there is
-        one per call it follows, so they are bounded as those are)."""
-        with self._lock:
-            if self._running[i] >= MAX_IN_FLIGHT and not follow_up:
-                return None
-            self._running[i] += 1
-        future = threads.submit(call, self.members[i])
-        future.add_done_callback(lambda f: self._done(i, f))
+        has :data:`MAX_IN_FLIGHT` calls running. Follow-ups too: a silent member ties up
+        at most that many of the pool's threads, however many attempts give up on it
+        (a follow-up not sent leaves a lease that expires by itself)."""
+        member = self.members[i]
+        if not _calls.start(member):
+            return None
+        future = threads.submit(call, member)
+        future.add_done_callback(lambda f: _calls.done(member, f))
         return future
 
-    def _done(self, i: int, future: cf.Future[Any]) -> None:
-        with self._lock:
-            self._running[i] -= 1
-            if not isinstance(future.exception(), QuorumUnavailable):
-                self._heard[i] = True
-
     def in_flight(self, i: int) -> int:
-        """Calls member *i* has running now."""
-        return self._running[i]
+        """Calls member *i* has running now (from any quorum that includes it)."""
+        return _calls.running(self.members[i])
 
     def describe(self) -> str:
         """The members' addresses."""
@@ -354,7 +369,7 @@ class QuorumBackend:
         if handover is not None:
             raise ConfigError(no_queued_holds(name, n))
         if slot.permits:
-            raise ConfigError(f"semaphore {name!r}: {SEMAPHORE_REFUSAL}")
+            raise ConfigError(f"semaphore {name!r}: {SEMAPHORE_ON_QUORUM}")
         timeout = self.timeout(ttl_ms)
         sent = _Round(
             self,
@@ -585,8 +600,8 @@ class QuorumBackend:
         raise ConfigError(no_queued_holds(slot.name, self.masters))
 
     def rate(self, name: str, *args: Any, **kwargs: Any) -> RateGrant:
-        """Refused: no rate limits on a quorum (:data:`RATELIMIT_REFUSAL`)."""
-        raise ConfigError(f"rate limiter {name!r}: {RATELIMIT_REFUSAL}")
+        """Refused: no rate limits on a quorum (:data:`RATE_ON_QUORUM`)."""
+        raise ConfigError(f"rate limiter {name!r}: {RATE_ON_QUORUM}")
 
     # -- records ------------------------------------------------------------------------
     def load_records(self, slot: Slot, suffix: str) -> dict[str, str]:

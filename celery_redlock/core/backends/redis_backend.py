@@ -34,7 +34,7 @@ import redis
 from redis import exceptions as rx
 from redis.cluster import RedisCluster
 
-from .. import process, threads
+from .. import process
 from ..backend import (
     Claim,
     ForceRelease,
@@ -206,9 +206,11 @@ class RedisBackend:
             if not foreign and not cannot_decide(exc):
                 raise  # never sent, or a bug: nothing to take back
             # The script may have run (a lost reply), or stopped at foreign data after
-            # writing: take back whatever this token may hold, without making the caller
-            # wait. A copy that reaches the server after this release lives out its lease.
-            threads.submit(self._abandon, slot, token, ttl_ms)
+            # writing: take back whatever this token may hold, here, so the call that
+            # undoes it is bounded as the call itself is (at most one more socket
+            # timeout) and no thread is left behind on a server that stopped answering.
+            # A copy that reaches the server after this release lives out its lease.
+            self._abandon(slot, token, ttl_ms)
             if foreign:
                 raise ConfigError(foreign_data_message(self.client, keys, exc)) from exc
             raise self.unavailable(slot.name, exc) from exc

@@ -1,4 +1,5 @@
-"""The one send path (core/send.py, core/fanout.py) against real servers."""
+"""How lock traffic reaches Redis: through the client's own pool, with nothing held
+between calls, and errors that are not Redis being down raised as they are."""
 
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ import redis
 from servers import FaultProxy, RedisServer, wait_child, wait_for
 
 from celery_redlock import Lock, Redlock, connect
-from celery_redlock.core.scripts import RELEASE
-from celery_redlock.core.send import Plain, checkout, pack, text_encoding
-from celery_redlock.core.stores.redis import RedisStore
+from celery_redlock.core import ConfigError, Slot, Status, lock_keys
+from celery_redlock.core.backends.redis_backend import RedisBackend
 
 ProxyFactory = Callable[[RedisServer], FaultProxy]
 
@@ -27,19 +27,25 @@ def lock_connections(server: RedisServer, name: str) -> int:
     return sum(1 for c in clients if c.get("name") == name)
 
 
-def test_lock_traffic_of_one_thread_uses_one_held_connection(redis_server: RedisServer) -> None:
-    """200 acquire/release cycles from one thread keep to the one connection the store holds."""
-    client = redis.Redis(host=redis_server.host, port=redis_server.port, client_name="held")
+def test_lock_traffic_of_one_thread_holds_no_connection_between_calls(
+    redis_server: RedisServer,
+) -> None:
+    """200 acquire/release cycles from one thread on a one-connection pool: every call gets
+    the connection back to the pool, so the application's own commands in between run."""
+    client = redis.Redis(
+        host=redis_server.host, port=redis_server.port, client_name="held", max_connections=1
+    )
     lock = Lock(client, "send:held", ttl=5, auto_renew=False)
-    for _ in range(200):
+    for i in range(200):
         assert lock.acquire(blocking=False)
+        assert client.set("send:app", i)  # the pool's one connection is free again
         lock.release()
     assert lock_connections(redis_server, "held") == 1
 
 
 def test_a_server_that_lost_its_scripts_gets_them_sent_whole(redis_client: redis.Redis) -> None:
-    """After SCRIPT FLUSH, the next lock call answers NOSCRIPT by sending the script with EVAL
-    on the same connection: the caller never sees NOSCRIPT."""
+    """After SCRIPT FLUSH, the next lock call answers NOSCRIPT by sending the script with EVAL:
+    the caller never sees NOSCRIPT."""
     lock = Lock(redis_client, "send:noscript", ttl=5, auto_renew=False)
     with lock:
         pass
@@ -49,49 +55,47 @@ def test_a_server_that_lost_its_scripts_gets_them_sent_whole(redis_client: redis
     assert not redis_client.exists(lock.keys.lock)
 
 
-def test_a_plain_command_error_reply_leaves_the_connection_in_step(
-    redis_client: redis.Redis,
-) -> None:
-    """An error reply (WRONGTYPE) is raised, and the next command on the same held
-    connection gets its own reply, not a leftover."""
-    redis_client.set("send:string", "x")
-    redis_client.hset("send:hash", "token", "t")
-    store = RedisStore.of(redis_client)
-    with pytest.raises(redis.ResponseError):
-        store.call(Plain("HGET", "send:string", "token"))
-    assert store.call(Plain("HGET", "send:hash", "token")) == b"t"
+def test_an_error_reply_leaves_the_connection_in_step(redis_client: redis.Redis) -> None:
+    """An error reply (WRONGTYPE: foreign data at the key) is a ConfigError, and the next
+    call gets its own reply, not a leftover."""
+    redis_client.set("redlock:{send:string}", "x")
+    with pytest.raises(ConfigError):
+        Lock(redis_client, "send:string", ttl=5, auto_renew=False).acquire(blocking=False)
+    with Lock(redis_client, "send:hash", ttl=5, auto_renew=False) as lock:
+        assert lock.owned()
 
 
 def test_an_exception_between_send_and_read_drops_the_connection(
     redis_server: RedisServer, fault_proxy: ProxyFactory
 ) -> None:
-    """An exception landing in the waiting thread (as LockLost does) drops the connection:
-    the late reply is never read as the answer to the next command."""
+    """An exception landing in a thread waiting for a lock's reply (as LockLost does) drops
+    that connection: the late reply is never read as the answer to the next command."""
     proxy = fault_proxy(redis_server)
-    client = proxy.client(socket_timeout=5)
-    client.set("send:a", "first")
+    client = proxy.client(socket_timeout=5, max_connections=1)
     client.set("send:b", "second")
-    store = RedisStore.of(client)
-    assert store.call(Plain("GET", "send:a")) == b"first"  # the held connection exists
+    holder = Lock(client, "send:a", ttl=5, auto_renew=False)
+    assert holder.acquire(blocking=False)
     proxy.delay_replies(0.5)
     caught: list[BaseException] = []
 
     def waiter() -> None:
         try:
-            store.call(Plain("GET", "send:a"))
+            Lock(client, "send:a", ttl=5, auto_renew=False).acquire(blocking=False)
         except BaseException as exc:  # the interrupt below
             caught.append(exc)
 
     thread = threading.Thread(target=waiter)
     thread.start()
-    time.sleep(0.1)  # the GET is out, its reply held back by the proxy
+    time.sleep(0.1)  # the acquire is out, its reply held back by the proxy
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(thread.ident or 0), ctypes.py_object(KeyboardInterrupt)
     )
     thread.join(5)
     assert caught and isinstance(caught[0], KeyboardInterrupt)
     proxy.heal()
-    assert store.call(Plain("GET", "send:b")) == b"second"
+    assert client.get("send:b") == b"second"
+    assert holder.owned()
+    holder.release()
 
 
 def test_a_forked_child_uses_a_connection_of_its_own(redis_server: RedisServer) -> None:
@@ -133,20 +137,18 @@ class OldPool(redis.ConnectionPool):
             return super().get_connection(command_name)
 
 
-def test_checkout_passes_a_command_name_only_to_pools_that_need_one(
-    redis_server: RedisServer,
-) -> None:
+def test_a_pool_that_needs_a_command_name_serves_a_wait(redis_server: RedisServer) -> None:
     """redis-py < 5.3 requires get_connection(command_name); newer versions take none. The
-    signature decides, so locks work on both (and a TypeError is never taken for a sign)."""
-    old = OldPool(host=redis_server.host, port=redis_server.port)
-    conn = checkout(old)
-    old.release(conn)
-    assert OldPool.names == ["EVALSHA"]
-    lock = Lock(redis.Redis(connection_pool=old), "send:old-pool", ttl=5, auto_renew=False)
-    with lock:
-        assert lock.owned()
-    new = redis.ConnectionPool(host=redis_server.host, port=redis_server.port)
-    new.release(checkout(new))
+    signature decides, so the wait for a release notice (the one verb that takes a
+    connection from the pool itself) works on both, and gives the connection back."""
+    slot = Slot(lock_keys("send:old-pool"))
+    old = OldPool(host=redis_server.host, port=redis_server.port, max_connections=1)
+    RedisBackend(redis.Redis(connection_pool=old)).wait(slot, 0.05)
+    assert OldPool.names == ["BLPOP"]
+    assert old.get_connection("PING") is not None  # the one connection was given back
+    new = redis.ConnectionPool(host=redis_server.host, port=redis_server.port, max_connections=1)
+    RedisBackend(redis.Redis(connection_pool=new)).wait(slot, 0.05)
+    assert new.get_connection() is not None
 
 
 class BrokenPool(redis.ConnectionPool):
@@ -174,16 +176,16 @@ def test_a_master_that_answers_too_late_is_given_back_its_grant(
     redis_servers: Callable[[int], list[RedisServer]], fault_proxy: ProxyFactory
 ) -> None:
     """A master slower than the per-node timeout grants after the attempt gave up: the
-    give-back release, queued behind the acquire on that master, removes the key there at
-    once instead of leaving it for the whole 30 s lease."""
+    give-back release, sent after the acquire on that master answered, removes the key
+    there at once instead of leaving it for the whole 30 s lease."""
     servers = redis_servers(3)
     proxies = [fault_proxy(s) for s in servers]
     clients = connect([p.url for p in proxies], socket_timeout=2.0)
     lock = Redlock(clients, "send:late", ttl=30, auto_renew=False, per_node_timeout=0.1)
     with lock:  # every master connected, with the scripts loaded
         pass
-    members = lock.store.members
-    assert wait_for(lambda: all(not m.first_contact and not m.running for m in members), 5)
+    backend: Any = lock.backend
+    assert wait_for(lambda: not any(backend.in_flight(i) for i in range(3)), 5)
     blocker = Lock(clients[1], "send:late", ttl=30, auto_renew=False, owner_info={"x": 1})
     other = Lock(clients[2], "send:late", ttl=30, auto_renew=False, owner_info={"x": 2})
     assert blocker.acquire(blocking=False) and other.acquire(blocking=False)
@@ -199,29 +201,11 @@ def test_a_master_that_answers_too_late_is_given_back_its_grant(
     other.release()
 
 
-def test_release_script_status_reaches_the_caller_as_sent(redis_client: redis.Redis) -> None:
-    """A script call through the store returns the script's own reply (release of a
-    missing key: 0), not a translated value."""
-    reply = RedisStore.of(redis_client).call(RELEASE(["send:none", "send:none:n"], ["t", 1000]))
-    assert reply == 0
-
-
-@pytest.mark.parametrize("encoding", ["utf-8", "latin-1"])
-@pytest.mark.parametrize(
-    "args",
-    [
-        ("EVALSHA", "a" * 40, 2, "redlock:{sync:42}", "redlock:{sync:42}:fence", "tok", 30000),
-        ("HMGET", "redlock:{zé}", "token", "info"),
-        ("EVAL", "return 1", 0, b"\x00\xff raw", -7, 2.5, 10**20),
-        ("SET", "k", ""),
-    ],
-)
-def test_pack_gives_the_bytes_redis_py_would_send(args: tuple[Any, ...], encoding: str) -> None:
-    """Our packer writes exactly what redis-py's pack_command writes for the same client
-    encoding, for every argument type lock commands use (packing needs no connection)."""
-    conn = redis.Connection(encoding=encoding)
-    expected = b"".join(conn.pack_command(*args))
-    assert pack(args, *text_encoding(conn)) == expected
+def test_release_status_reaches_the_caller_as_the_script_said(redis_client: redis.Redis) -> None:
+    """A release of a lock nobody holds (and this token never released) is GONE, as the
+    script said: not OK, not an error."""
+    backend = RedisBackend.of(redis_client)
+    assert backend.release(Slot(lock_keys("send:none")), "t", 1000) is Status.GONE
 
 
 @pytest.mark.parametrize("encoding", ["utf-8", "latin-1"])
@@ -233,17 +217,12 @@ def test_a_lock_name_outside_ascii_is_the_key_redis_py_itself_names(
     key redis-py's own commands on that client read."""
     client = redis.Redis(host=redis_server.host, port=redis_server.port, encoding=encoding)
     try:
-        for _ in range(3):  # the first call and those on the held connection alike
+        for _ in range(3):  # the first call (loads the scripts) and later ones alike
             with Lock(client, "z\u00e9", ttl=5, auto_renew=False):
                 assert client.exists("redlock:{z\u00e9}") == 1
             assert client.exists("redlock:{z\u00e9}") == 0
         assert client.exists("redlock:{z\u00e9}:fence") == 1
-        assert client.dbsize() == 1, "a second spelling of the key was written"
+        assert client.exists("redlock:{z\u00e9}:released") == 1
+        assert client.dbsize() == 2, "a second spelling of a key was written"
     finally:
         client.close()
-
-
-def test_pack_refuses_what_redis_cannot_store() -> None:
-    """A value of a type neither we nor redis-py would send is a TypeError naming it."""
-    with pytest.raises(TypeError, match="dict"):
-        pack(("SET", "k", {"a": 1}), "utf-8", "strict")

@@ -1,1 +1,0 @@
-"""The stores behind the seam of :mod:`celery_redlock.core.store`."""
