@@ -57,9 +57,8 @@ from celery_redlock.core import (
 from celery_redlock.core.threads import MAX_WORKERS
 
 #: What may be added to each figure after any number of calls, per server watched: a
-#: client's pool keeps as many connections as calls overlapped on it (a Redlock's calls on
-#: one master may overlap: the last answer of an acquire, its release, the renewal round,
-#: at most quorum.MAX_IN_FLIGHT = 4 at once), never one per call.
+#: client's pool keeps as many connections as calls overlapped on it (a Redlock runs one
+#: call of ours at a time per master, beside a waiter's), never one per call.
 SLACK = 4
 #: Function-scoped calls per primitive on one shared client.
 CALLS = 10_000

@@ -12,7 +12,6 @@ import pytest
 import redis
 from servers import RedisServer
 
-from celery_redlock.core.backends.quorum import MAX_IN_FLIGHT
 from celery_redlock.core.connect import connect
 from celery_redlock.core.errors import QuorumUnavailable
 from celery_redlock.core.lock import Lock, Redlock
@@ -192,7 +191,8 @@ def test_redlock_claims_do_not_wait_on_a_stalled_master(
             assert claim.outcome == "claimed", claim
             assert time.monotonic() - started < 1.0, "a claim waited for the stalled master"
         stalled = lock.backend.in_flight(2)
-        assert 0 < stalled <= MAX_IN_FLIGHT, "the paused master was sent more calls"
+        # One call runs there, the claims after it wait behind it (dropped unrun).
+        assert 0 < stalled <= 3, "the paused master was sent more calls"
     finally:
         masters[2].resume()
     assert stored(masters[0].client()) == {"at": 3.0, "fence": lock.fence, "n": 3}

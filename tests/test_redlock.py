@@ -27,7 +27,6 @@ from celery_redlock import (
     connect,
 )
 from celery_redlock.core.backend import Slot
-from celery_redlock.core.backends.quorum import MAX_IN_FLIGHT
 from celery_redlock.core.backends.redis_backend import RedisBackend
 from celery_redlock.core.keys import lock_keys
 from celery_redlock.core.renewal import get_manager
@@ -480,7 +479,8 @@ def test_a_blackholed_master_neither_slows_acquires_nor_ties_up_the_pool(
             lock.release()
             hanging = max(hanging, proxies[0].connection_count)
         assert time.monotonic() - began < 50 * lock.per_node_timeout / 4
-        assert hanging <= MAX_IN_FLIGHT + 2, hanging
+        # One call of ours runs on a master at a time (plus connections still closing).
+        assert hanging <= 3, hanging
         assert "not answering" in lock.masters[f"127.0.0.1:{proxies[0].port}/0"]
     finally:
         proxies[0].heal()

@@ -93,6 +93,11 @@ def ttl_to_ms(ttl: float, what: str = "ttl") -> int:
     return int(ms)
 
 
+def _seconds(value: Any) -> bool:
+    """True when *value* is a number of seconds (an int or float, not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def drift(ttl: float) -> float:
     """Clock drift allowance for a lease of *ttl* seconds: 1% + 2 ms."""
     return 0.01 * ttl + 0.002
@@ -146,7 +151,7 @@ class Lock:
         self.fence_ttl_ms = 0 if fence_ttl is None else ttl_to_ms(fence_ttl, "fence_ttl")
         if max_hold is not None:
             ttl_to_ms(max_hold, "max_hold")
-        if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
+        if timeout is not None and (not _seconds(timeout) or not timeout >= 0):
             raise ConfigError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
         if owner_info is not None and not isinstance(owner_info, Mapping):
             raise ConfigError(f"owner_info must be a mapping, got {type(owner_info).__name__}")
@@ -254,7 +259,10 @@ class Lock:
         blocking: waiting is for contention, not for outages.
         """
         blocking = self.blocking if blocking is None else blocking
-        timeout = self.timeout if timeout is None else timeout
+        if timeout is None:
+            timeout = self.timeout
+        elif not _seconds(timeout):
+            raise ConfigError(f"timeout must be None or a number of seconds, got {timeout!r}")
         with self._state:
             if self._held_here() and not self._lost:
                 if not self.reentrant:

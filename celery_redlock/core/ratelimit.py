@@ -147,6 +147,10 @@ class RateLimiter:
         """
         if not blocking:
             return self._decide("queue" if queue else "take")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+        ):
+            raise ConfigError(f"timeout must be None or a number of seconds, got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         most = 0 if timeout is None else max(1, round(timeout * 1e6))
         grant = self.backend.rate(

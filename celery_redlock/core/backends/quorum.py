@@ -36,16 +36,15 @@ decided, every member answered, or the timeout. A member's answer is its value, 
 :class:`~.errors.QuorumUnavailable` (it is down: no answer), a
 :class:`~.errors.ConfigError` (foreign data), or :class:`NoAnswer`. Any other error
 (a client whose pool is exhausted, a wrong argument, a bug) is raised to the caller as
-it is, never counted as a member being down. A member with :data:`MAX_IN_FLIGHT` calls
-still running is not sent more: it counts as not answering, so a stalled member ties
-up a bounded number of threads.
+it is, never counted as a member being down. Calls to one member take turns
+(:class:`_Gate`): one of ours runs on a member at a time, and a member stuck in a call
+longer than a round's timeout is not sent more until it returns (it counts as not
+answering), so a stalled member ties up one thread.
 
 A release that undoes an acquire never overtakes it: where the acquire still runs,
-the release is chained behind it. Calls are not queued per member otherwise (each
-attempt has a fresh token, so a later attempt's calls cannot undo an earlier one's).
-A grant that outlives its release on a slow member (the release did not get through,
-or a holder's release reached that member first) lives on that minority until its
-lease ends: it can delay the next holder there, never let two hold a majority.
+the release is chained behind it. A grant that outlives its release on a slow member
+(the release did not get through in time) lives on that minority until its lease
+ends: it can delay the next holder there, never let two hold a majority.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ import random
 import threading
 import time
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 
@@ -94,7 +93,6 @@ __all__ = [
     "ADMIN_TIMEOUT",
     "FIRST_CONTACT",
     "GRACE",
-    "MAX_IN_FLIGHT",
     "MIN_TIMEOUT",
     "READ_TIMEOUT",
     "NoAnswer",
@@ -113,8 +111,6 @@ FIRST_CONTACT = 3
 #: After the outcome is decided, how long answers already on their way are still taken
 #: (they tell the caller which masters it holds).
 GRACE = 0.002
-#: Calls one member may have running at once; past that it is not sent more.
-MAX_IN_FLIGHT = 4
 
 
 class NoAnswer(Exception):
@@ -127,44 +123,93 @@ Call = Callable[[Backend], Any]
 Decided = Callable[[Sequence[Any]], bool]
 
 
-class _Calls:
-    """The calls each member backend has running in this process, and whether it ever
-    answered here: per member, not per quorum, since a Redlock made for each call builds
-    a new quorum over the same masters (their backends are shared per client)."""
+class _Gate:
+    """One member's calls, one at a time and in order, in this process.
+
+    A caller does not wait for every master: it goes on at a majority, and the slowest
+    master may still run the last call when the next one comes. Calls to one member
+    queue here behind the one running (each dropped unrun if its round gave up on it
+    meanwhile), and one pool thread runs them, so a client never has more than one
+    call of ours running (a pool that allows 2 connections serves a Redlock and a
+    waiter) and a member that stops answering ties up one thread, not the pool. A
+    member whose call has run longer than a round's timeout is stuck (silent,
+    paused): it is sent nothing more until that call returns. One gate per member
+    backend, shared by every quorum that has it (a Redlock made for each call builds
+    a new quorum over the same masters, whose backends are shared per client).
+    """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running: weakref.WeakKeyDictionary[Backend, int] = weakref.WeakKeyDictionary()
-        self._heard: weakref.WeakSet[Backend] = weakref.WeakSet()
+        self._mutex = threading.Lock()
+        self._queue: deque[tuple[Call, Backend, float, cf.Future[Any]]] = deque()
+        self._running = False  # a pool thread is running the queue
+        self._since = 0.0  # when the running call started (0.0: between calls)
+        self.heard = False  # answered once: connected, scripts loaded
 
-    def start(self, member: Backend) -> bool:
-        """Count a call to *member*; False (not counted) when it has too many running."""
-        with self._lock:
-            running = self._running.get(member, 0)
-            if running >= MAX_IN_FLIGHT:
-                return False
-            self._running[member] = running + 1
-            return True
+    @property
+    def calls(self) -> int:
+        """Calls queued or running."""
+        return len(self._queue) + (self._since > 0)
 
-    def done(self, member: Backend, future: cf.Future[Any]) -> None:
-        with self._lock:
-            self._running[member] -= 1
-            if not isinstance(future.exception(), QuorumUnavailable):
-                self._heard.add(member)  # connected and answered: no first contact now
+    def offer(self, call: Call, member: Backend, timeout: float) -> cf.Future[Any] | None:
+        """Queue ``call(member)``, to run within *timeout* seconds or not at all: its
+        future, or None when the running call has run longer than *timeout* (stuck)."""
+        future: cf.Future[Any] = cf.Future()
+        now = time.monotonic()
+        with self._mutex:
+            if self._since and now - self._since > timeout:
+                return None
+            self._queue.append((call, member, now + timeout, future))
+            start = not self._running
+            self._running = True
+        if start:
+            threads.submit(self._drain)
+        return future
 
-    def running(self, member: Backend) -> int:
-        return self._running.get(member, 0)
+    def _drain(self) -> None:
+        while True:
+            with self._mutex:
+                if not self._queue:
+                    self._running = False
+                    return
+                call, member, deadline, future = self._queue.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            if time.monotonic() > deadline:  # its round gave up on it: do not run it
+                future.set_result(NoAnswer("not answering: still busy with an earlier call"))
+                continue
+            self._since = time.monotonic()
+            try:
+                value, error = call(member), None
+            except BaseException as exc:  # handed to the round: raised there
+                value, error = None, exc
+            finally:
+                # Before the future is resolved: a follow-up chained to it is offered from
+                # this thread, and must not find this call still "running".
+                self._since = 0.0
+            if not isinstance(error, QuorumUnavailable):
+                self.heard = True
+            if error is None:
+                future.set_result(value)
+            else:
+                future.set_exception(error)
 
-    def heard(self, member: Backend) -> bool:
-        return member in self._heard
+
+_gates: weakref.WeakKeyDictionary[Backend, _Gate] = weakref.WeakKeyDictionary()
+_gates_lock = threading.Lock()
 
 
-_calls = _Calls()
+def _gate(member: Backend) -> _Gate:
+    with _gates_lock:
+        gate = _gates.get(member)
+        if gate is None:
+            gate = _gates[member] = _Gate()
+        return gate
 
 
 def _after_fork() -> None:
-    global _calls
-    _calls = _Calls()  # a child has none of its parent's calls running, nor connections
+    global _gates, _gates_lock
+    _gates = weakref.WeakKeyDictionary()  # a child has none of its parent's calls
+    _gates_lock = threading.Lock()
 
 
 process.on_fork(_after_fork)
@@ -180,12 +225,12 @@ class _Round:
         self.where = list(range(quorum.masters) if where is None else where)
         self.results: list[Any] = [_PENDING] * len(self.where)
         self.futures: dict[cf.Future[Any], int] = {}
-        first = any(not _calls.heard(quorum.members[i]) for i in self.where)
+        first = any(not _gate(quorum.members[i]).heard for i in self.where)
         self.timeout = timeout * (FIRST_CONTACT if first else 1)
         for pos, i in enumerate(self.where):
-            future = quorum._start(i, call)
+            future = quorum._start(i, call, self.timeout)
             if future is None:
-                self.results[pos] = NoAnswer("not answering: still busy with earlier calls")
+                self.results[pos] = NoAnswer("not answering: still busy with an earlier call")
             else:
                 self.futures[future] = pos
 
@@ -223,7 +268,7 @@ class _Round:
         cf.wait(list(now), timeout=self.timeout)
 
     def _follow(self, i: int, call: Call, started: list[cf.Future[Any]], _: object) -> None:
-        future = self.quorum._start(i, call)
+        future = self.quorum._start(i, call, self.timeout)
         if future is not None:
             started.append(future)
 
@@ -267,7 +312,9 @@ class QuorumBackend:
                 + ", ".join(twice)
             )
         if per_node_timeout is not None and (
-            isinstance(per_node_timeout, bool) or not per_node_timeout > 0
+            isinstance(per_node_timeout, bool)
+            or not isinstance(per_node_timeout, (int, float))
+            or not per_node_timeout > 0
         ):
             raise ConfigError(f"per_node_timeout must be > 0 seconds, got {per_node_timeout!r}")
         self.members: tuple[Backend, ...] = tuple(members)
@@ -277,21 +324,16 @@ class QuorumBackend:
         #: Each member's name in errors and ``Grant.masters``.
         self.names = [m.describe() for m in self.members]
 
-    def _start(self, i: int, call: Call) -> cf.Future[Any] | None:
-        """``call(member i)`` in the process's pool: its future, or None when the member
-        has :data:`MAX_IN_FLIGHT` calls running. Follow-ups too: a silent member ties up
-        at most that many of the pool's threads, however many attempts give up on it
-        (a follow-up not sent leaves a lease that expires by itself)."""
+    def _start(self, i: int, call: Call, timeout: float) -> cf.Future[Any] | None:
+        """``call(member i)`` in its turn (:class:`_Gate`), given up after *timeout*: its
+        future, or None when the member is stuck in a call that ran longer than that.
+        Follow-ups too: a follow-up not sent leaves a lease that expires by itself."""
         member = self.members[i]
-        if not _calls.start(member):
-            return None
-        future = threads.submit(call, member)
-        future.add_done_callback(lambda f: _calls.done(member, f))
-        return future
+        return _gate(member).offer(call, member, timeout)
 
     def in_flight(self, i: int) -> int:
-        """Calls member *i* has running now (from any quorum that includes it)."""
-        return _calls.running(self.members[i])
+        """Calls to member *i* queued or running (from any quorum that has it)."""
+        return _gate(self.members[i]).calls
 
     def describe(self) -> str:
         """The members' addresses."""
