@@ -111,6 +111,10 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
         self._app_state = state_for(app)
         settings = self._app_state.settings  # ConfigError here: beat does not start
+        settings.check_single_process(
+            "beat's leader election is between beat processes, which would each see only "
+            "their own"
+        )
         #: The leader lock's name and lease (seconds).
         self.lock_name = _beat_lock_name(settings, app)
         self.ttl = _beat_ttl(settings)

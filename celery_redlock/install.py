@@ -169,7 +169,11 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
         try:
             apply_redlock_tasks(app)
             if not state.disabled:
-                state.settings  # noqa: B018 - check now: a bad setting stops the worker here
+                settings = state.settings  # check now: a bad setting stops the worker here
+                if _forks_children(parent):
+                    settings.check_single_process(
+                        "this worker's prefork pool runs tasks in child processes"
+                    )
                 state.clients()  # and a URL no client can be made of (nothing connects yet)
                 check_locked_tasks(app, state)  # and a task's options against them
         except ConfigError as exc:
@@ -184,6 +188,8 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
             )
             return
         log.info("celery-redlock: %s", state.settings.describe())
+        if state.settings.in_process:
+            return  # memory://: nothing to reach
         clients = state.clients()
         url = state.settings.url
         urls = url if isinstance(url, list) else [url]
@@ -196,6 +202,14 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def shutdown(self, parent: Any) -> None:
         renewal.shutdown(timeout=2.0)
+
+
+def _forks_children(worker: Any) -> bool:
+    """True when *worker*'s pool runs tasks in forked child processes (prefork)."""
+    from celery.concurrency import prefork  # noqa: PLC0415 - a worker's start only
+
+    pool = getattr(worker, "pool_cls", None)
+    return isinstance(pool, type) and issubclass(pool, prefork.TaskPool)
 
 
 def check_locked_tasks(app: Any, state: AppState) -> None:

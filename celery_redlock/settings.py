@@ -106,6 +106,25 @@ class Settings:
         assert url is not None
         return url  # type: ignore[no-any-return]
 
+    @property
+    def in_process(self) -> bool:
+        """True when every lock lives in this process (``memory://``): for tests and
+        single-process tools, never shared with a forked child or another process."""
+        url = self.url
+        urls = url if isinstance(url, list) else [url]
+        return all(u.lower().startswith("memory://") for u in urls)
+
+    def check_single_process(self, who: str) -> None:
+        """A ConfigError when locks live in this process (``memory://``) but *who* (a
+        prefork worker, a beat) runs in several processes that would not share them."""
+        if self.in_process:
+            raise ConfigError(
+                f"redlock_url={self.values['redlock_url']!r} keeps locks in this process, "
+                f"but {who}: its locks would not be shared, so two runs of one key could "
+                "overlap. memory:// is for tests and single-process tools (eager calls, "
+                "direct calls, a solo or threads worker); point redlock_url at Redis"
+            )
+
     def describe(self) -> str:
         """One line for the worker's start-up log (passwords masked)."""
         url = self.values["redlock_url"]

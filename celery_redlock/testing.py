@@ -1,6 +1,18 @@
 """Pytest helpers for users' own test suites (loaded as the ``celery_redlock`` plugin).
 
-Fixtures:
+With no server at all (``docs/testing.md`` shows a whole test), composing with the
+Celery fixtures that pytest-celery loads (``celery_config``, ``celery_app``,
+``celery_worker_pool``, ``celery_worker_parameters``):
+
+* ``redlock_celery_config``: Celery settings for such tests: Celery's ``memory://``
+  broker, an in-memory result backend and ``redlock_url = "memory://..."`` (locks kept
+  in this process); return it from your ``celery_config`` fixture;
+* ``redlock_store``: the memory backend of ``celery_app``'s locks, empty when the test
+  starts and when it ends; pass it to ``Lock(...)`` to hold a key from the test;
+* ``redlock_worker``: an in-process worker for ``celery_app`` (the ``solo`` or
+  ``threads`` pool of ``celery_worker_pool``), stopped after the test.
+
+With a real server, for tests that want Redis itself:
 
 * ``redlock_redis_url``: a throwaway ``redis-server`` (or ``valkey-server``) on a
   free loopback port for the test session; its URL. Skips the test when no
@@ -31,7 +43,19 @@ try:
 except ImportError:  # the server launcher works without pytest; the fixtures need it
     pytest = None  # type: ignore[assignment]
 
-__all__ = ["find_server_binary", "redlock_app_conf", "redlock_redis_url", "start_redis"]
+__all__ = [
+    "MEMORY_URL",
+    "find_server_binary",
+    "redlock_app_conf",
+    "redlock_celery_config",
+    "redlock_redis_url",
+    "redlock_store",
+    "redlock_worker",
+    "start_redis",
+]
+
+#: Where ``redlock_celery_config`` keeps the locks of a test session: this process.
+MEMORY_URL = "memory://celery-redlock-tests"
 
 
 def find_server_binary() -> str | None:
@@ -143,3 +167,60 @@ def redlock_app_conf(redlock_redis_url: str) -> Callable[..., None]:
         state_for(app).reset()
 
     return configure
+
+
+@_fixture(scope="session")
+def redlock_celery_config() -> dict[str, Any]:
+    """Celery settings for locked tasks without any server: ``memory://`` broker, an
+    in-memory result backend, locks in this process, a short lease."""
+    return {
+        "broker_url": "memory://",
+        # The memory transport polls its queues: every 10 ms instead of every second.
+        "broker_transport_options": {"polling_interval": 0.01},
+        "result_backend": "cache+memory://",
+        "redlock_url": MEMORY_URL,
+        "redlock_ttl": 5.0,
+    }
+
+
+@_fixture()
+def redlock_store(celery_app: Any) -> Iterator[Any]:
+    """The memory backend where ``celery_app`` keeps its locks, empty at the start and at
+    the end of the test (so no test sees another's locks)."""
+    from .core.backends.memory import MemoryBackend  # noqa: PLC0415
+    from .state import state_for  # noqa: PLC0415
+
+    backend = state_for(celery_app).backend()
+    if not isinstance(backend, MemoryBackend):
+        raise RuntimeError(
+            f"redlock_store needs celery_app's redlock_url to be memory://, got "
+            f"{celery_app.conf.get('redlock_url')!r}: return redlock_celery_config from "
+            "your celery_config fixture"
+        )
+    backend.clear()
+    yield backend
+    backend.clear()
+
+
+@_fixture()
+def redlock_worker(
+    celery_app: Any,
+    celery_includes: Any,
+    celery_worker_pool: str,
+    celery_worker_parameters: dict[str, Any],
+) -> Iterator[Any]:
+    """An in-process worker for ``celery_app``: Celery's own test worker (a thread of this
+    process) with the ``celery_worker_pool`` pool (``solo``, the default, or ``threads``),
+    stopped when the test returns. A ``prefork`` pool is refused: its children would not
+    share the locks kept in this process."""
+    from celery.contrib.testing.worker import start_worker  # noqa: PLC0415
+
+    if celery_worker_pool == "prefork":
+        raise RuntimeError(
+            "redlock_worker runs tasks in this process: use celery_worker_pool 'solo' or "
+            "'threads' (prefork children would not share memory:// locks)"
+        )
+    for module in celery_includes:
+        celery_app.loader.import_task_module(module)
+    with start_worker(celery_app, pool=celery_worker_pool, **celery_worker_parameters) as worker:
+        yield worker

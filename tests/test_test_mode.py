@@ -1,0 +1,143 @@
+"""The test mode for users: ``redlock_url = "memory://"`` with no server, the plugin's
+fixtures, docs/testing.md as written, and the start-up refusals where memory:// cannot
+hold (a prefork worker, a beat)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from workers import Worker
+
+from celery_redlock import ConfigError, Lock, LockedTask, connect, is_skipped
+from celery_redlock.testing import MEMORY_URL
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_testing_page_runs_as_written(pytester: pytest.Pytester) -> None:
+    """docs/testing.md's conftest.py and test file, copied as they are into an empty
+    directory, pass in a fresh pytest process with no server running for them."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "testing.md").read_text(), re.S)
+    assert len(blocks) == 2, "docs/testing.md should show a conftest.py and one test file"
+    pytester.makeconftest(blocks[0])
+    pytester.makepyfile(test_sync=blocks[1])
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=120)
+    result.assert_outcomes(passed=3)
+
+
+def _memory_app(name: str) -> tuple[Celery, Any]:
+    app = Celery(name, broker="memory://", backend="cache+memory://")
+    app.conf.update(
+        redlock_url=f"memory://{name}",
+        broker_transport_options={"polling_interval": 0.01},
+    )
+    started, release = threading.Event(), threading.Event()
+
+    @app.task(base=LockedTask, bind=True, shared=False, name=f"{name}.slow",
+              lock_key="k:<n>", lock_on_contended="skip")  # fmt: skip
+    def slow(self: Any, n: int) -> int:
+        started.set()
+        assert release.wait(10)
+        assert self.lock is not None
+        return int(self.lock.fence)
+
+    slow.started, slow.release = started, release  # type: ignore[attr-defined]
+    return app, slow
+
+
+def test_a_threads_worker_on_memory_skips_a_second_run_of_one_key() -> None:
+    """An in-process worker with the threads pool on memory:// (broker and locks): while one
+    run of k:1 holds its lock, a second is skipped; afterwards the key is free again."""
+    from celery.contrib.testing.worker import start_worker  # noqa: PLC0415
+
+    app, slow = _memory_app("tm-threads")
+    try:
+        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+            first = slow.delay(1)
+            assert slow.started.wait(10)
+            assert is_skipped(slow.delay(1).get(timeout=10))
+            slow.release.set()
+            assert isinstance(first.get(timeout=10), int)
+            assert Lock(connect("memory://tm-threads"), "k:1").acquire(blocking=False)
+    finally:
+        slow.release.set()
+        app.close()
+
+
+def test_eager_and_direct_calls_lock_on_memory_with_a_non_redis_broker() -> None:
+    """A project whose broker is RabbitMQ runs a LockedTask eagerly and directly with
+    redlock_url = memory:// (no server for the locks): a held key skips both."""
+    app = Celery("tm-eager", broker="amqp://guest:guest@127.0.0.1:5672//")
+    app.conf.update(redlock_url="memory://tm-eager", task_always_eager=True)
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="tm-eager.job",
+              lock_key="job:<n>", lock_on_contended="skip")  # fmt: skip
+    def job(self: Any, n: int) -> int:
+        return int(self.lock.fence)
+
+    try:
+        assert isinstance(job.delay(1).get(), int)
+        assert isinstance(job(1), int)
+        with Lock(connect("memory://tm-eager"), "job:1"):
+            assert is_skipped(job.delay(1).get())
+            assert is_skipped(job(1))
+    finally:
+        app.close()
+
+
+def test_a_prefork_worker_on_memory_stops_at_start_up(tmp_path: Path) -> None:
+    """celery worker -P prefork with redlock_url = memory://: exits non-zero with one line
+    saying why (its children would not share the locks), before it is ready."""
+    env = {
+        "REDLOCK_TEST_BROKER": "memory://",
+        "REDLOCK_TEST_BACKEND": "cache+memory://",
+        "REDLOCK_TEST_LOCKS": MEMORY_URL,
+        "REDLOCK_TEST_RECORD": "redis://127.0.0.1:1/0",
+        "REDLOCK_TEST_CONF": "",
+    }
+    worker = Worker("tests.apps.configapp", env, tmp_path / "prefork.log")
+    try:
+        assert worker.wait_exit() != 0
+        text = worker.text()
+    finally:
+        worker.stop()
+    lines = [line for line in text.splitlines() if "memory://" in line]
+    assert len(lines) == 1, text
+    assert "prefork" in lines[0] and "would not be shared" in lines[0]
+    assert "Traceback" not in text and "ready." not in text
+
+
+def test_a_beat_on_memory_stops_at_start_up(tmp_path: Path) -> None:
+    """celery beat -S LeaderScheduler with redlock_url = memory://: exits non-zero naming
+    why (other beats would not see its leader lock)."""
+    env = {**os.environ, "BEATAPP_BROKER": "memory://", "BEATAPP_LOCKS": MEMORY_URL}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    argv = [sys.executable, "-m", "celery", "-A", "tests.apps.beatapp", "beat", "-l", "info",
+            "--pidfile=", f"--schedule={tmp_path / 'schedule'}",
+            "-S", "celery_redlock.beat:LeaderScheduler"]  # fmt: skip
+    done = subprocess.run(
+        argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    text = done.stdout + done.stderr
+    assert done.returncode != 0, text
+    assert "memory://" in text and "beat" in text and "would not be shared" in text
+
+
+def test_check_single_process_names_the_url_and_the_way_out() -> None:
+    """The start-up refusal is a ConfigError that names the URL and says what to use."""
+    from celery_redlock.settings import load_settings  # noqa: PLC0415
+
+    settings = load_settings({"redlock_url": "memory://x"})
+    with pytest.raises(ConfigError, match=r"memory://x.*point redlock_url at Redis"):
+        settings.check_single_process("a prefork pool")
+    load_settings({"redlock_url": "redis://127.0.0.1:1/0"}).check_single_process("beat")
