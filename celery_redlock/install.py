@@ -215,16 +215,23 @@ def _forks_children(worker: Any) -> bool:
 def check_locked_tasks(app: Any, state: AppState) -> None:
     """Resolve every locked task's options against the settings now, so a bad combination
     (``lock_limit=None`` without a rate, a limit or a rate on Redlock masters, enqueue-time
-    holds on Redlock masters) stops the worker at start-up with a ConfigError naming the
-    task, never deep in a run."""
+    holds on Redlock masters) stops the worker at start-up with one ConfigError naming
+    every such task (by name) and its option, never deep in a run."""
     url = state.settings.url
     masters = len(url) if isinstance(url, list) else 1
-    for task in list(app.tasks.values()):
-        if isinstance(task, LockedTask) and type(task).redlock_spec is not None:
+    problems: list[str] = []
+    for name, task in sorted(app.tasks.items()):
+        if not (isinstance(task, LockedTask) and type(task).redlock_spec is not None):
+            continue
+        try:
             options = state.options_for(task)
             check_store(task.name, options, masters)
             if masters > 1 and options.lock_on != "run":
-                raise ConfigError(f"task {task.name!r}: " + no_queued_holds(task.name, masters))
+                raise ConfigError(f"task {name!r}: " + no_queued_holds(name, masters))
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def check_lock_redis(where: str, client: Any) -> None:
