@@ -1,9 +1,10 @@
-"""Single-node lock benchmark: uncontended acquire+release cycles, and hand-off latency.
+"""Single-node lock benchmark: uncontended cycles, hand-off latency, a waiter's commands.
 
 Run by hand (not part of the test suite)::
 
     .venv/bin/python bench/bench_lock.py [--cycles 5000] [--blocks 100] [--warmup 500]
-                                         [--handoffs 200] [--write-docs] [--profile]
+                                         [--handoffs 200] [--wait-seconds 10]
+                                         [--write-docs] [--profile]
 
 It starts its own throwaway redis-server on a free loopback port and stops it
 by pid at the end (also on error or Ctrl-C). Everything runs in the same
@@ -17,13 +18,22 @@ background load hits them alike. cycles/s is the median block rate, p50/p99
 are over every measured cycle. Two columns split a cycle's cost: client CPU
 (this thread's CPU time per cycle, ``time.thread_time_ns``) and server time
 (INFO commandstats usec of SET/EVALSHA per cycle, reset before each block); the rest of the
-wall time is the two network round trips and scheduling.
+wall time is the two network round trips and scheduling. Two more rows run our
+``Lock`` on the in-process memory backend (``connect("memory://")``): no server, the
+cost of the lock logic alone.
 
 Hand-off: the holder holds the lock, a waiter thread blocks in ``acquire()``;
 after a random pause (5-105 ms, the same seeded sequence for every
 implementation, so a polling waiter is caught at a random point of its sleep)
 the holder calls ``release()``. The figure is release-call-start to
 waiter-acquired.
+
+Waiter: a holder keeps the lock (``auto_renew``, renewed every TTL/3) for
+``--wait-seconds`` while a waiter on another client blocks in ``acquire()``. The
+waiter's commands per second are the server's EVALSHA + EVAL + BLPOP calls over the
+window (INFO commandstats, reset at its start) minus the holder's renewal scripts
+(one per renewal round, counted by the renewal thread), for several TTLs: a waiter
+waits at most the holder's lease left, so the TTL sets how often it wakes.
 """
 
 from __future__ import annotations
@@ -54,7 +64,8 @@ import redis
 import redis_lock
 from _docs import DOCS, write_block
 
-from celery_redlock import Lock
+from celery_redlock import Lock, LockLost, connect
+from celery_redlock.core.renewal import get_manager
 from celery_redlock.core.renewal import shutdown as stop_renewal
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,6 +138,11 @@ def ours(client: redis.Redis, auto_renew: bool) -> Cycle:
     return cycle
 
 
+def ours_memory(auto_renew: bool) -> Cycle:
+    """``celery_redlock.Lock`` on the in-process memory backend (no server)."""
+    return ours(connect("memory://bench"), auto_renew)
+
+
 CYCLE_IMPLS: list[tuple[str, Callable[[redis.Redis], Cycle]]] = [
     ("raw SET NX PX + EVALSHA (floor)", raw_floor),
     ("redis-py Lock", redis_py),
@@ -134,10 +150,15 @@ CYCLE_IMPLS: list[tuple[str, Callable[[redis.Redis], Cycle]]] = [
     ("python-redis-lock (auto_renewal=True)", lambda c: python_redis_lock(c, True)),
     ("celery_redlock.Lock (auto_renew=True)", lambda c: ours(c, True)),
     ("celery_redlock.Lock (auto_renew=False)", lambda c: ours(c, False)),
+    ("celery_redlock.Lock on memory:// (auto_renew=True)", lambda c: ours_memory(True)),
+    ("celery_redlock.Lock on memory:// (auto_renew=False)", lambda c: ours_memory(False)),
 ]
 OURS_DEFAULT = "celery_redlock.Lock (auto_renew=True)"
+OURS_MEMORY = "celery_redlock.Lock on memory:// (auto_renew=True)"
 RAW = CYCLE_IMPLS[0][0]
 REDIS_PY = CYCLE_IMPLS[1][0]
+#: TTLs (seconds) of the waiter test: the default, and shorter leases that wake it more.
+WAITER_TTLS = (30.0, 3.0, 1.0, 0.3)
 
 
 @dataclass
@@ -255,6 +276,71 @@ def measure_handoffs(impl: HandoffImpl, client: redis.Redis, n: int, seed: int) 
     return out
 
 
+@dataclass
+class Waiting:
+    """What one blocked waiter sent while a renewed holder kept the lock."""
+
+    ttl: float
+    seconds: float
+    evalsha: int  # the waiter's scripts (acquire attempts): all scripts minus renewals
+    blpop: int
+    renewals: int  # the holder's renewal rounds in the window (one script each)
+    #: The holder's lease ran out before a renewal got through (a loaded machine and a
+    #: short TTL): the waiter took the lock during the window, the counts mean nothing.
+    holder_lost: bool = False
+
+    @property
+    def per_second(self) -> float:
+        return (self.evalsha + self.blpop) / self.seconds
+
+
+def measure_waiter(
+    server: _servers.Server, ttl: float, seconds: float, clients: list[redis.Redis]
+) -> Waiting:
+    """A holder (renewed) keeps the lock for *seconds* while a waiter blocks in acquire().
+    The clients go into *clients*, closed by the caller once the renewal thread stopped
+    (a renewal round in flight when the holder released still uses the holder's)."""
+    holder_client, waiter_client, admin = server.client(), server.client(), server.client()
+    clients += [holder_client, waiter_client, admin]
+    name = f"bench:waiter:{ttl}"
+    holder = Lock(holder_client, name, ttl=ttl)
+    waiter = Lock(waiter_client, name, ttl=ttl)
+    if not holder.acquire(blocking=False):
+        raise RuntimeError("waiter test: holder could not acquire")
+    got = threading.Event()
+
+    def wait() -> None:
+        if waiter.acquire(timeout=seconds + 30):
+            got.set()
+            waiter.release()
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    time.sleep(min(1.0, ttl))  # the waiter is blocked by now
+    manager = get_manager()
+    rounds0 = manager.rounds
+    admin.config_resetstat()
+    time.sleep(seconds)
+    stats = admin.info("commandstats")
+    rounds = manager.rounds - rounds0
+    holder_lost = got.is_set() or holder.lost
+    try:
+        holder.release()
+    except LockLost:
+        holder_lost = True
+    thread.join(10)
+    if not got.is_set():
+        raise RuntimeError("waiter test: the waiter never got the lock after the release")
+
+    def calls(name: str, what: str = "calls") -> int:
+        return int(stats.get(f"cmdstat_{name}", {}).get(what, 0))
+
+    # A script the server had not cached yet (the first renewal round on this server) is
+    # an EVALSHA refused with NOSCRIPT, then an EVAL: one script run, counted once.
+    scripts = calls("evalsha") - calls("evalsha", "failed_calls") + calls("eval")
+    return Waiting(ttl, seconds, max(0, scripts - rounds), calls("blpop"), rounds, holder_lost)
+
+
 def pct(values: list[float], p: float) -> float:
     """The p-th percentile (nearest rank) of *values*."""
     ordered = sorted(values)
@@ -297,14 +383,15 @@ def machine_facts(server: _servers.Server) -> dict[str, str]:
 
 
 def cycles_table(results: dict[str, dict[str, float]]) -> str:
-    raw = results[RAW]["rate"]
+    raw, rp = results[RAW]["rate"], results[REDIS_PY]["rate"]
     rows = [
-        "| implementation | cycles/s | vs floor | p50 µs | p99 µs | client CPU µs | server µs |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| implementation | cycles/s | vs floor | vs redis-py | p50 µs | p99 µs | "
+        "client CPU µs | server µs |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, r in results.items():
         rows.append(
-            f"| {label} | {r['rate']:,.0f} | {r['rate'] / raw:.2f}x | "
+            f"| {label} | {r['rate']:,.0f} | {r['rate'] / raw:.2f}x | {r['rate'] / rp:.2f}x | "
             f"{r['p50']:.1f} | {r['p99']:.1f} | {r['cpu']:.1f} | {r['server']:.1f} |"
         )
     return "\n".join(rows)
@@ -323,19 +410,54 @@ def handoff_table(results: dict[str, list[float]]) -> str:
     return "\n".join(rows)
 
 
-def targets(cycles: dict[str, dict[str, float]], handoffs: dict[str, list[float]]) -> list[str]:
-    ours_rate = cycles[OURS_DEFAULT]["rate"]
-    raw, rp = cycles[RAW]["rate"], cycles[REDIS_PY]["rate"]
+def waiter_table(results: list[Waiting]) -> str:
+    rows = [
+        "| lock TTL s | window s | waiter EVALSHA | waiter BLPOP | commands/s | "
+        "holder renewals (not counted) |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for w in results:
+        if w.holder_lost:
+            rows.append(
+                f"| {w.ttl:g} | {w.seconds:g} | - | - | the holder's lease ran out before a "
+                f"renewal: not measured | {w.renewals} |"
+            )
+            continue
+        rows.append(
+            f"| {w.ttl:g} | {w.seconds:g} | {w.evalsha} | {w.blpop} | {w.per_second:.2f} | "
+            f"{w.renewals} |"
+        )
+    return "\n".join(rows)
+
+
+def targets(
+    cycles: dict[str, dict[str, float]], handoffs: dict[str, list[float]], waits: list[Waiting]
+) -> list[str]:
+    ours_rate, rp = cycles[OURS_DEFAULT]["rate"], cycles[REDIS_PY]["rate"]
     ours_handoff = pct(handoffs["celery_redlock.Lock"], 50) * 1000
+    memory_p50 = cycles[OURS_MEMORY]["p50"]
 
     def mark(ok: bool) -> str:
         return "met" if ok else "MISSED"
 
-    return [
-        f"- cycle >= 1.0x the raw floor: {ours_rate / raw:.2f}x, {mark(ours_rate >= raw)}",
-        f"- cycle >= 1.2x redis-py Lock: {ours_rate / rp:.2f}x, {mark(ours_rate >= 1.2 * rp)}",
+    lines = [
+        f"- `Lock` cycle >= 1.0x redis-py's `Lock` (our cycles/s / theirs, above 1.0x: ours "
+        f"faster): {ours_rate / rp:.2f}x, {mark(ours_rate >= rp)}",
         f"- hand-off p50 <= 1 ms: {ours_handoff:.3f} ms, {mark(ours_handoff <= 1.0)}",
     ]
+    for w in waits:
+        if w.holder_lost:
+            lines.append(f"- a waiter <= 5 commands/s (TTL {w.ttl:g} s): not measured")
+            continue
+        lines.append(
+            f"- a waiter <= 5 commands/s (TTL {w.ttl:g} s): {w.per_second:.2f}/s, "
+            f"{mark(w.per_second <= 5)}"
+        )
+    lines.append(
+        f"- memory backend `Lock` cycle <= 20 µs (p50): {memory_p50:.1f} µs, "
+        f"{mark(memory_p50 <= 20)}"
+    )
+    return lines
 
 
 def profile_ours(client: redis.Redis, n: int) -> str:
@@ -363,6 +485,9 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=100, help="interleaved blocks per impl")
     parser.add_argument("--handoffs", type=int, default=200, help="hand-offs per implementation")
     parser.add_argument("--seed", type=int, default=7, help="seed of the pre-release pauses")
+    parser.add_argument(
+        "--wait-seconds", type=float, default=10.0, help="window of the waiter test, per TTL"
+    )
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
     parser.add_argument("--profile", action="store_true", help="cProfile our default cycle")
     args = parser.parse_args()
@@ -406,9 +531,16 @@ def main() -> None:
         for impl in HANDOFF_IMPLS:
             print(f"  hand-offs: {impl.label}", file=sys.stderr)
             handoffs[impl.label] = measure_handoffs(impl, client, args.handoffs, args.seed)
+        waits: list[Waiting] = []
+        waiter_clients: list[redis.Redis] = []
+        for ttl in WAITER_TTLS:
+            print(f"  waiter, TTL {ttl:g} s", file=sys.stderr)
+            waits.append(measure_waiter(server, ttl, args.wait_seconds, waiter_clients))
         profile = profile_ours(client, args.cycles) if args.profile else ""
+        stop_renewal()
+        for other in waiter_clients:
+            other.close()
         client.close()
-    stop_renewal()
 
     python = Path(sys.executable)
     if python.is_relative_to(ROOT):
@@ -426,7 +558,7 @@ def main() -> None:
             f"Uncontended acquire+release, {args.cycles} cycles each in {args.blocks} "
             f"interleaved blocks (after {args.warmup} warm-up cycles each); cycles/s is "
             "the median block, p50/p99 over all cycles; client CPU and server µs are per "
-            "cycle (median block):",
+            'cycle (median block); "vs" columns are cycles/s ratios (above 1.0x: faster):',
             "",
             cycles_table(cycle_results),
             "",
@@ -435,9 +567,14 @@ def main() -> None:
             "",
             handoff_table(handoffs),
             "",
-            "Targets (issue 16):",
+            f"A blocked waiter's commands, {args.wait_seconds:g} s per TTL (the holder renewed "
+            "every TTL/3; its renewal scripts are subtracted):",
             "",
-            *targets(cycle_results, handoffs),
+            waiter_table(waits),
+            "",
+            "Budgets (issue 23):",
+            "",
+            *targets(cycle_results, handoffs, waits),
         ]
     )
     print(body)
