@@ -112,8 +112,7 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
         self._app_state = state_for(app)
         settings = self._app_state.settings  # ConfigError here: beat does not start
         settings.check_single_process(
-            "beat's leader election is between beat processes, which would each see only "
-            "their own"
+            "beat's leader election is between beat processes, which would each see only their own"
         )
         #: The leader lock's name and lease (seconds).
         self.lock_name = _beat_lock_name(settings, app)

@@ -46,10 +46,11 @@ from typing import Any
 
 from celery.exceptions import Ignore
 
+from .contention import RETRIES_HEADER, SKIPPED
 from .core import AlreadyQueued, ConfigError, Queued, QueuedHold, QuorumUnavailable
+from .naming import lock_name_for
 from .observability import send_publisher_event, send_task_event
 from .options import TaskOptions
-from .policies import SKIPPED
 from .state import AppState, state_for
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "attempt_of",
     "claim_at_worker",
     "give_up_hold",
+    "publish",
     "publish_held",
     "release_hold_later",
     "skip_superseded",
@@ -74,17 +76,15 @@ NO_DEDUP_HEADER = "redlock_no_dedup"
 #: How long the hold of a message with ``expires=`` outlives that moment: a worker that
 #: receives it later discards it (and frees the hold at once); none may ever receive it.
 EXPIRED_GRACE = 5.0
-#: Message header carrying the number of contention retries (see policies.RETRIES_HEADER).
-_LOCK_RETRIES = "redlock_retries"
 
 
 def attempt_of(request: Any) -> tuple[int, int]:
     """Which attempt of its task id a request is: (``self.retry()`` count, contention
     retry count). A redelivered copy of a message has the same attempt as the original."""
     headers = getattr(request, "headers", None)
-    lock_retries = headers.get(_LOCK_RETRIES) if isinstance(headers, dict) else None
+    lock_retries = headers.get(RETRIES_HEADER) if isinstance(headers, dict) else None
     if lock_retries is None:
-        lock_retries = getattr(request, _LOCK_RETRIES, 0)
+        lock_retries = getattr(request, RETRIES_HEADER, 0)
     return int(getattr(request, "retries", 0) or 0), int(lock_retries or 0)
 
 
@@ -355,3 +355,20 @@ def release_hold_later(app: Any, name: str, task_id: str, why: str) -> None:
             )
 
     threading.Thread(target=release, name="celery-redlock-dequeue", daemon=True).start()
+
+
+def publish(
+    task: Any, args: Any, kwargs: Any, call: dict[str, Any], send: Callable[..., Any]
+) -> Any:
+    """Publish one call of a locked task through *send* (``send(args, kwargs, **call)``);
+    with ``lock_on="enqueue"`` or ``"enqueue+run"`` after the duplicate check of
+    :mod:`celery_redlock.dedup`."""
+    app = task.app
+    state = state_for(app)
+    if state.disabled or app.conf.task_always_eager:
+        return send(args, kwargs, **call)
+    options = state.options_for(task)
+    if options.lock_on == "run":
+        return send(args, kwargs, **call)
+    name = lock_name_for(task, tuple(args or ()), dict(kwargs or {}), call.get("headers"), options)
+    return publish_held(task, name, options, args, kwargs, call=call, send=send)

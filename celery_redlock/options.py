@@ -16,20 +16,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .contention import DUPLICATE_POLICIES, STRATEGIES, Duplicate, Strategy
 from .core import ConfigError, KeyTemplate
 from .core.lock import MAX_TTL_MS, MIN_TTL, ttl_to_ms
 from .core.ratelimit import parse_rate
 from .core.semaphore import REDLOCK_REFUSAL
-from .policies import (
-    DUPLICATE_POLICIES,
-    LOCK_ON,
-    LOST_POLICIES,
-    STRATEGIES,
-    Duplicate,
-    Strategy,
-)
 
 __all__ = [
+    "LOCK_ON",
+    "LOST_POLICIES",
     "OPTIONS",
     "Option",
     "TaskOptions",
@@ -53,6 +48,14 @@ __all__ = [
     "seconds",
     "whole_number",
 ]
+
+
+#: ``lock_on_lost``: "raise" interrupts the body with LockLost, "warn" only logs.
+LOST_POLICIES = ("raise", "warn")
+#: ``lock_on``: when the lock is held. "run": while the body runs; "enqueue": from publish
+#: until the body starts (the run itself is locked as with "run"); "enqueue+run": from
+#: publish until the run ends (one queued-or-running per key). See celery_redlock.dedup.
+LOCK_ON = ("run", "enqueue", "enqueue+run")
 
 
 # -- value checks (shared with the redlock_* settings): each returns the value to use or

@@ -1,7 +1,7 @@
 """``LockedTask``: the lock around a Celery task, from acquire to every kind of exit.
 
 Where each step happens, and why there (the steps themselves are in
-:mod:`celery_redlock.runtime`):
+:mod:`celery_redlock.run`):
 
 * **acquire** in ``before_start``: the tracer runs it inside the try block where
   ``Retry``, ``Ignore`` and exceptions count, so a contended run can be
@@ -17,37 +17,44 @@ Where each step happens, and why there (the steps themselves are in
   ``__call__`` or ``after_return`` can end a run any other way there (``Ignore``,
   ``Reject`` or ``Retry`` raised by its own code after the acquire, or an
   ``after_return`` that does not call ours): for those, a ``task_postrun``
-  receiver is connected too (``runtime.use_postrun_net``).
+  receiver is connected too (``run.use_postrun_net``).
 * **the main process** releases the exact acquisition of a child that is gone
   (hard time limit, lost child, ``revoke(terminate=True)``): see
-  :mod:`celery_redlock.install`.
+  :mod:`celery_redlock.worker`.
+
+``redlock_tasks`` (:func:`apply_redlock_tasks`) gives tasks that do not use the base
+class the same behaviour.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 from celery import Task
 
+from .contention import SKIPPED, is_skipped
 from .core import ConfigError, Lock, LockContended, QuorumUnavailable
-from .options import OPTIONS, TaskSpec, check_declared, compile_key, declared
-from .policies import SKIPPED, is_skipped
-from .runtime import (
-    KEY_HEADER,
-    acquire_for_request,
-    lock_name_for,
-    lock_of,
-    publish,
-    release_for_request,
-    run_locked,
-    use_postrun_net,
-)
+from .dedup import publish
+from .naming import KEY_HEADER, lock_name_for
+from .options import OPTIONS, TaskSpec, check_declared, check_task_option, compile_key, declared
+from .run import acquire_for_request, lock_of, release_for_request, run_locked, use_postrun_net
 from .state import state_for
 
-__all__ = ["SKIPPED", "LockedTask", "app_hooks", "is_skipped", "lock_name_for"]
+log = logging.getLogger("celery_redlock")
+
+__all__ = [
+    "SKIPPED",
+    "LockedTask",
+    "app_hooks",
+    "apply_redlock_tasks",
+    "is_skipped",
+    "lock_name_for",
+]
 
 #: Failures that a task's lock options produce on purpose (added to ``Task.throws``).
 _EXPECTED = (LockContended, QuorumUnavailable)
@@ -155,7 +162,7 @@ def prepare_task_class(cls: type) -> None:
     cls.redlock_spec = TaskSpec(signature=signature, key=key)  # type: ignore[attr-defined]
 
     # A run refused for contention, or given up on because Redis stayed unreachable, is
-    # an outcome the task's lock options asked for, and celery_redlock.policies has already
+    # an outcome the task's lock options asked for, and celery_redlock.contention has already
     # logged why in one line: Celery logs "raised expected" at INFO, not a traceback.
     throws = tuple(inspect.getattr_static(cls, "throws", ()) or ())
     cls.throws = throws + tuple(e for e in _EXPECTED if e not in throws)  # type: ignore[attr-defined]
@@ -195,3 +202,36 @@ def _wrap_run(
     cls._redlock_prepared_run = locked_run  # type: ignore[attr-defined]
     cls._redlock_fun = staticmethod(fun)  # type: ignore[attr-defined]
     cls._redlock_bound = bound  # type: ignore[attr-defined]
+
+
+# -- redlock_tasks: lock tasks that do not use the base class ---------------------------------
+def apply_redlock_tasks(app: Any = None, sender: Any = None, **_: Any) -> None:
+    """Give tasks matched by ``app.conf.redlock_tasks`` the LockedTask behaviour."""
+    app = app if app is not None else sender
+    patterns = app.conf.get("redlock_tasks") or {}
+    if not patterns:
+        return
+    for name, task in list(app.tasks.items()):
+        if isinstance(task, LockedTask):
+            continue
+        options = _match(patterns, name)
+        if options is None:
+            continue
+        for key, value in options.items():
+            check_task_option(name, key, value)
+        cls = type(task)
+        locked = type(cls.__name__, (LockedTask, cls), {**options, "name": name})
+        task.__class__ = locked
+        task.__dict__.pop("__trace__", None)
+        log.debug("redlock_tasks: %s is now locked with %s", name, options)
+
+
+def _match(patterns: dict[str, Any], name: str) -> dict[str, Any] | None:
+    if name in patterns:
+        return dict(patterns[name])
+    if name.startswith("celery."):
+        return None  # Celery's own tasks only when named exactly
+    for pattern, options in patterns.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return dict(options)
+    return None

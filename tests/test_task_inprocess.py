@@ -42,8 +42,8 @@ from celery_redlock import (
     LockLost,
     QuorumUnavailable,
     is_skipped,
-    runtime,
 )
+from celery_redlock import run as run_module
 from celery_redlock.core.backend import Slot, Status
 from celery_redlock.core.backends.redis_backend import RedisBackend
 from celery_redlock.core.keys import LockKeys
@@ -167,7 +167,7 @@ def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
 @contextlib.contextmanager
 def postrun_net_off() -> Iterator[None]:
     """Disconnect the task_postrun safety net for a while (if some class connected it)."""
-    receiver = runtime.on_postrun
+    receiver = run_module.on_postrun
     connected = signals.task_postrun.disconnect(receiver)
     try:
         yield
@@ -659,7 +659,7 @@ def test_needs_postrun_net_only_for_classes_with_their_own_hooks(env: Env) -> No
     for task in (with_call, with_after_return, with_before_start):
         assert needs_postrun_net(cls(task)), task.name
     receivers = [r for _, r in signals.task_postrun.receivers]
-    assert runtime.on_postrun in receivers
+    assert run_module.on_postrun in receivers
 
 
 @pytest.mark.parametrize("how", ["error", "ignore", "reject"])
@@ -758,7 +758,7 @@ def test_after_return_alone_frees_a_lock_whose_body_never_started(env: Env) -> N
     # postrun_net_off() must find connected to take it away.
     guarded._get_current_object()
     with postrun_net_off(), worker(app):
-        assert runtime.on_postrun not in [r for _, r in signals.task_postrun.receivers]
+        assert run_module.on_postrun not in [r for _, r in signals.task_postrun.receivers]
         result = guarded.apply_async(("error",))
         assert isinstance(result.get(timeout=10, propagate=False), ValueError)
         assert wait_for(lambda: env.held_keys() == [], timeout=5)

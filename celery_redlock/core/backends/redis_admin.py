@@ -21,15 +21,19 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 from redis.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
-from ..backend import LockInfo, RateInfo, Slot, parse_holder, text
+from ..backend import Holder, LockInfo, RateInfo, Slot, parse_holder, text
 from ..errors import ConfigError
 from ..keys import LockKeys, lock_keys, rate_key
+
+#: Reads the permits of a slot on one plain node (the Redis backend's ``holders`` verb on
+#: that node's client: passed in, since that backend uses this module).
+Permits = Callable[[Any, Slot], list[Holder]]
 
 __all__ = ["fence_of", "foreign_data_message", "read", "read_rate", "scan", "scan_rates"]
 
@@ -43,7 +47,7 @@ _QUEUED, _PERMITS, _RATE = "}:queued", "}:permits", "}:rate"
 _RANK = {"lock": 0, "permit": 1}
 
 
-def scan(client: Any, prefix: str, pattern: str = "*") -> list[LockInfo]:
+def scan(client: Any, prefix: str, pattern: str, permits: Permits) -> list[LockInfo]:
     """Every held lock, live permit and queued hold whose name matches the glob *pattern*
     (``sync:*``: ``*``, ``?`` and ``[abc]``), sorted by name; one name's permits first
     to expire first."""
@@ -57,11 +61,11 @@ def scan(client: Any, prefix: str, pattern: str = "*") -> list[LockInfo]:
         found += _locks(node, [k for k in keys if k.endswith("}")], prefix)
         found += _queued(node, [k for k in keys if k.endswith(_QUEUED)], prefix)
         for key in (k for k in keys if k.endswith(_PERMITS)):
-            found += _permits(node, key, key[start : -len(_PERMITS)])
+            found += _permits(permits, node, key, key[start : -len(_PERMITS)])
     return sorted(found, key=lambda i: (i.name, 2 if i.state == "queued" else _RANK[i.kind]))
 
 
-def read(client: Any, prefix: str, name: str) -> list[LockInfo]:
+def read(client: Any, prefix: str, name: str, permits: Permits) -> list[LockInfo]:
     """Lock *name*'s holder, queued hold and live permits (empty when none).
 
     Raises :class:`~celery_redlock.core.errors.ConfigError` for a name or prefix no lock
@@ -80,7 +84,7 @@ def read(client: Any, prefix: str, name: str) -> list[LockInfo]:
                 "(delete it with redis-cli if it is stale)"
             )
     found += _queued(node, [keys.queued], prefix)
-    return found + _permits(node, f"{keys.lock}:permits", keys.name)
+    return found + _permits(permits, node, f"{keys.lock}:permits", keys.name)
 
 
 def scan_rates(client: Any, prefix: str, pattern: str = "*") -> list[RateInfo]:
@@ -166,13 +170,11 @@ def _is_int64(value: str) -> bool:
         return False
 
 
-def _permits(node: Any, key: str, name: str) -> list[LockInfo]:
+def _permits(permits: Permits, node: Any, key: str, name: str) -> list[LockInfo]:
     """The live permits at *key* on one plain node, first to expire first."""
-    from .redis_backend import RedisBackend  # noqa: PLC0415 - it imports this module
-
     slot = Slot(LockKeys(name=name, lock=key, fence="", notify="", waiting=""), limit=2)
     try:
-        holders = RedisBackend.of(node).holders(slot)
+        holders = permits(node, slot)
     except ConfigError:
         return []  # not a permits hash: foreign data, left alone
     return [

@@ -428,11 +428,11 @@ class RedisBackend:
     # -- operator reads and forced release (reads: see redis_admin) ---------------------
     def scan(self, prefix: str, pattern: str = "*") -> list[LockInfo]:
         with self._errors(pattern):
-            return redis_admin.scan(self.client, prefix, pattern)
+            return redis_admin.scan(self.client, prefix, pattern, _node_permits)
 
     def read(self, prefix: str, name: str) -> list[LockInfo]:
         with self._errors(name):
-            return redis_admin.read(self.client, prefix, name)
+            return redis_admin.read(self.client, prefix, name, _node_permits)
 
     def scan_rates(self, prefix: str, pattern: str = "*") -> list[RateInfo]:
         with self._errors(pattern):
@@ -635,3 +635,8 @@ def _after_fork() -> None:
 
 
 process.on_fork(_after_fork)
+
+
+def _node_permits(node: Any, slot: Slot) -> list[Holder]:
+    """The permits of *slot* on one plain node's client (operator reads of a cluster)."""
+    return RedisBackend.of(node).holders(slot)

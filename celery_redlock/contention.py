@@ -1,6 +1,7 @@
-"""What a run does when its lock is held by another: the ``lock_on_contended`` strategies.
+"""What a call does when its key is held: the ``lock_on_contended`` strategies of a run,
+and the ``lock_on_duplicate`` policies of a publish.
 
-:data:`STRATEGIES` is the one table of them. An entry names a function that decides
+:data:`STRATEGIES` is the one table of the first. An entry names a function that decides
 the fate of a refused run (:class:`Refusal`) and says whether the run first waits for
 the holder's release. ``lock_on_contended`` accepts every name in the table, so a new
 strategy is one entry and one function.
@@ -16,26 +17,22 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from celery.exceptions import Ignore, Reject, Retry
 
 from .core.backend import RateGrant
 from .core.errors import LockContended, RateLimited, describe_holder
 
-if TYPE_CHECKING:
-    from .options import TaskOptions
-
 __all__ = [
     "DUPLICATE_POLICIES",
-    "LOCK_ON",
-    "LOST_POLICIES",
     "RATE_SLOT_HEADER",
     "RETRIES_HEADER",
     "SKIPPED",
     "STRATEGIES",
     "Duplicate",
     "Refusal",
+    "RetryOptions",
     "Strategy",
     "backoff_delay",
     "is_skipped",
@@ -52,12 +49,19 @@ RETRIES_HEADER = "redlock_retries"
 #: Message header of a run re-queued for its rate limit: it was promised a slot (joined
 #: the limiter's line) and asks for it when it comes back, instead of joining again.
 RATE_SLOT_HEADER = "redlock_rate_slot"
-#: ``lock_on_lost``: "raise" interrupts the body with LockLost, "warn" only logs.
-LOST_POLICIES = ("raise", "warn")
-#: ``lock_on``: when the lock is held. "run": while the body runs; "enqueue": from publish
-#: until the body starts (the run itself is locked as with "run"); "enqueue+run": from
-#: publish until the run ends (one queued-or-running per key). See celery_redlock.dedup.
-LOCK_ON = ("run", "enqueue", "enqueue+run")
+
+
+class RetryOptions(Protocol):
+    """The task options a strategy reads (``TaskOptions`` has them)."""
+
+    @property
+    def max_retries(self) -> int: ...
+    @property
+    def retry_backoff(self) -> float: ...
+    @property
+    def retry_backoff_max(self) -> float: ...
+    @property
+    def retry_jitter(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,7 @@ class Refusal:
     request: Any
     #: The lock not taken: ``.name``, and ``.holder`` (the other owner's record).
     lock: Any
-    options: TaskOptions
+    options: RetryOptions
     #: An eager run (``apply()``, ``task_always_eager``): it cannot be re-queued.
     eager: bool
     #: The run waited for the holder's release (up to ``lock_wait_timeout``) first.
@@ -220,7 +224,7 @@ STRATEGIES: dict[str, Strategy] = {
 }
 
 
-def backoff_delay(options: TaskOptions, attempt: int) -> float:
+def backoff_delay(options: RetryOptions, attempt: int) -> float:
     """Exponential backoff for contention retry *attempt* (0-based), jittered if enabled."""
     delay: float = min(options.retry_backoff_max, options.retry_backoff * (2**attempt))
     if options.retry_jitter:
@@ -228,7 +232,7 @@ def backoff_delay(options: TaskOptions, attempt: int) -> float:
     return delay
 
 
-def rate_delay(options: TaskOptions, grant: RateGrant, interval: float) -> float:
+def rate_delay(options: RetryOptions, grant: RateGrant, interval: float) -> float:
     """The countdown of a run refused by its rate limit: the time until its slot, less a
     small lead (a quarter of the interval, at most 50 ms), jittered within the first half of
     that lead (``lock_retry_jitter``). The run is back in a worker just before its slot
@@ -247,7 +251,7 @@ def requeue(
     request: Any,
     name: str,
     exc: Exception,
-    options: TaskOptions,
+    options: RetryOptions,
     *,
     delay: float | None = None,
     rate_slot: bool = False,

@@ -1,18 +1,22 @@
-"""The lock of one task run: acquire, the body under the lock, release on every exit.
+"""One run of a locked task, in one place: acquire, the body under its lock, release.
 
-Used by :class:`~celery_redlock.task.LockedTask` (its hooks and body wrapper) and by
-the worker's receivers in :mod:`celery_redlock.install`, which release for a run from
-outside it: at warm shutdown, for a worker child that is gone, and in the
-``task_postrun`` safety net.
+One path for a worker's run (``before_start`` takes the lock, where ``Retry`` and
+``Ignore`` are honoured), an eager call (``apply()``, ``task_always_eager``) and a
+direct call (``task(...)``, locked when its body starts): :func:`acquire_for_request`
+takes the run's lock and rate slot or applies the contended strategy
+(:mod:`celery_redlock.contention`); :func:`run_locked` runs the body and releases on
+every exit; :func:`release_for_request` releases, logging and never raising over the
+task's outcome.
 
-Every lock a run takes is in ``AppState.held`` under the task id until it is released,
-so each of these paths can tell whether there is still something to release.
+Every lock a worker's run takes is in ``AppState.held`` under the task id until it is
+released, so the worker's own paths (:mod:`celery_redlock.worker`: warm shutdown, a
+child that is gone, the ``task_postrun`` safety net) can tell whether there is still
+something to release.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -22,10 +26,9 @@ from typing import Any
 from celery import signals
 from celery.exceptions import Ignore, Retry
 
+from .contention import RATE_SLOT_HEADER, STRATEGIES, Refusal, Strategy, requeue
 from .core import (
-    ConfigError,
     Handover,
-    KeyTemplate,
     Lock,
     LockLost,
     QuorumUnavailable,
@@ -33,7 +36,6 @@ from .core import (
     RateLimiter,
     RedlockError,
     Semaphore,
-    render_value,
 )
 from .core.errors import describe_holder
 from .core.lock import drift
@@ -43,33 +45,25 @@ from .dedup import (
     attempt_of,
     claim_at_worker,
     give_up_hold,
-    publish_held,
     skip_superseded,
 )
 from .interrupt import LockLostInterrupt, on_lost, watch
+from .naming import lock_name_for
 from .observability import send_task_event
 from .options import TaskOptions
-from .policies import RATE_SLOT_HEADER, STRATEGIES, Refusal, Strategy, requeue
 from .state import AppState, state_for
 
 __all__ = [
-    "KEY_HEADER",
     "acquire_for_request",
-    "lock_name_for",
     "lock_of",
-    "publish",
-    "release_all_held",
-    "release_for_gone_child",
+    "on_postrun",
     "release_for_request",
     "run_locked",
     "use_postrun_net",
 ]
 
 log = logging.getLogger("celery_redlock.task")
-log_release = logging.getLogger("celery_redlock.release")
 
-#: Message header carrying a per-call key (``apply_async(lock_key=...)``).
-KEY_HEADER = "redlock_key"
 #: How long a run that comes back for the slot its rate limiter promised it may wait in
 #: the worker for the run before it (which took its grant a little late) before it goes to
 #: the end of the line instead.
@@ -79,75 +73,6 @@ RATE_SHORT_WAIT = 0.25
 def lock_of(request: Any) -> Lock | None:
     """The lock held for the run of *request* (None outside a locked run)."""
     return getattr(request, "_redlock_lock", None)
-
-
-# -- the lock name of one call -----------------------------------------------------------
-def lock_name_for(
-    task: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    headers: Any = None,
-    options: TaskOptions | None = None,
-) -> str:
-    """The rendered lock name of one call: per-call key, task key, app default, task name."""
-    if options is None:
-        options = state_for(task.app).options_for(task)
-    key = headers.get(KEY_HEADER) if isinstance(headers, dict) else None
-    if key is None:
-        key = options.key
-    elif "<" in key:
-        key = KeyTemplate(key)
-    if key is None:
-        return str(task.name)
-    if isinstance(key, str):
-        return key
-    if isinstance(key, KeyTemplate):
-        arguments = _arguments(task, options, args, kwargs)
-        try:
-            return key.render(arguments)
-        except _RENDER_ERRORS as exc:
-            raise _unrenderable(task, key.template, exc) from None
-    name = key(*args, **kwargs)
-    if not isinstance(name, str):
-        try:
-            name = render_value(name)
-        except TypeError as exc:
-            raise _unrenderable(task, key, exc) from None
-    if not name:
-        raise ConfigError(f"task {task.name!r}: lock_key callable returned an empty name")
-    return str(name)
-
-
-#: What rendering a key from one call's arguments raises when they do not fit it: a value
-#: with no canonical text (TypeError), a missing argument (ConfigError) or a missing field
-#: of one (KeyError, AttributeError for ``<a.b>``).
-_RENDER_ERRORS = (ConfigError, TypeError, KeyError, AttributeError)
-
-
-def _unrenderable(task: Any, key: Any, exc: BaseException) -> ConfigError:
-    """The error for a call whose arguments the lock key cannot be rendered from."""
-    return ConfigError(
-        f"task {task.name!r}: lock_key {key!r} cannot be rendered for this call "
-        f"({type(exc).__name__}: {exc}); pass arguments with a canonical text (str, int, "
-        "UUID, date, list, dict ...) or give lock_key a callable"
-    )
-
-
-def _arguments(
-    task: Any, options: TaskOptions, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> dict[str, Any]:
-    """The call's arguments by name, defaults applied (``**kwargs`` entries merged in)."""
-    signature = options.signature
-    try:
-        bound = signature.bind(*args, **kwargs)
-    except TypeError as exc:
-        raise TypeError(f"{task.name}(): {exc}") from None
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
-    for param in signature.parameters.values():
-        if param.kind is param.VAR_KEYWORD:
-            arguments.update(arguments.pop(param.name, {}))
-    return arguments
 
 
 def _new_lock(
@@ -224,33 +149,17 @@ def _rate_grant(
     return limiter.acquire(queue=requeues)
 
 
-# -- publish -------------------------------------------------------------------------------
-def publish(
-    task: Any, args: Any, kwargs: Any, call: dict[str, Any], send: Callable[..., Any]
-) -> Any:
-    """Publish one call of a locked task through *send* (``send(args, kwargs, **call)``);
-    with ``lock_on="enqueue"`` or ``"enqueue+run"`` after the duplicate check of
-    :mod:`celery_redlock.dedup`."""
-    app = task.app
-    state = state_for(app)
-    if state.disabled or app.conf.task_always_eager:
-        return send(args, kwargs, **call)
-    options = state.options_for(task)
-    if options.lock_on == "run":
-        return send(args, kwargs, **call)
-    name = lock_name_for(task, tuple(args or ()), dict(kwargs or {}), call.get("headers"), options)
-    return publish_held(task, name, options, args, kwargs, call=call, send=send)
-
-
 # -- acquire -------------------------------------------------------------------------------
 def acquire_for_request(
     task: Any,
-    task_id: str,
+    task_id: str | None,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     request: Any = None,
 ) -> None:
-    """``before_start``: take the run's lock, or apply the contended strategy.
+    """Take the run's lock and rate slot, or apply the contended strategy: from
+    ``before_start`` for a worker's or an eager run (*task_id*), from the body for a
+    direct call (*task_id* None: no message to re-queue, mark or hand over).
 
     With ``lock_on="enqueue"``/``"enqueue+run"`` the lock is taken by a hand-over of the
     message's enqueue-time hold (see celery_redlock.dedup); a message that does not run
@@ -263,34 +172,35 @@ def acquire_for_request(
     if state.disabled:
         return
     options = state.options_for(task)
+    direct = task_id is None
     eager = bool(getattr(request, "is_eager", False))
     policy = options.on_contended
-    strategy = options.strategy
+    strategy = STRATEGIES[policy]
     if eager and strategy.eager is not None:
         policy = strategy.eager
         strategy = STRATEGIES[policy]
-    headers = getattr(request, "headers", None)
+    headers = None if direct else getattr(request, "headers", None)
     name = lock_name_for(task, args, kwargs, headers, options)
-    attempt = attempt_of(request)
+    attempt = (0, 0) if direct else attempt_of(request)
     handover = None
-    if options.lock_on != "run" and not eager:
+    if options.lock_on != "run" and not eager and task_id is not None:
         marks = headers if isinstance(headers, dict) else {}
         # A retry keeps its place; a chain step was sent on purpose: neither is a duplicate.
         keeps_place = attempt != (0, 0) or bool(marks.get(NO_DEDUP_HEADER))
         if not keeps_place and HOLD_HEADER not in marks:
             claim_at_worker(task, request, name, options)
         handover = Handover(task_id, strict=not keeps_place)
-    run = _Run(task, request, task_id, name, options, strategy, policy, eager, attempt)
+    run = _Run(task, request, task_id, name, options, strategy, policy, eager, attempt, direct)
     try:
         _acquire(run, state, handover)
     except Retry:
         raise  # re-queued under the same task id: it keeps its hold
     except BaseException:
         if handover is not None:
-            give_up_hold(task, name, task_id)
+            give_up_hold(task, name, handover.owner)
         raise
     if handover is not None and lock_of(request) is None:
-        give_up_hold(task, name, task_id)  # a run that does not start (fail-open, a skip)
+        give_up_hold(task, name, handover.owner)  # a run that does not start (fail-open, a skip)
 
 
 @dataclass(frozen=True)
@@ -299,13 +209,21 @@ class _Run:
 
     task: Any
     request: Any
-    task_id: str
+    task_id: str | None
     name: str
     options: TaskOptions
     strategy: Strategy
     policy: str
     eager: bool
     attempt: tuple[int, int]
+    #: A direct call (``task(...)``): no message, so nothing to re-queue, mark or track.
+    direct: bool = False
+
+    def refusal(self, lock: Any, rate: RateGrant | None = None) -> Refusal:
+        """The run as a contended strategy sees it (a direct call has no request)."""
+        request = None if self.direct else self.request
+        waited = self.strategy.waits
+        return Refusal(self.task, request, lock, self.options, self.eager, waited, rate=rate)
 
 
 def _acquire(run: _Run, state: AppState, handover: Handover | None) -> None:
@@ -324,7 +242,9 @@ def _acquire(run: _Run, state: AppState, handover: Handover | None) -> None:
     # acks_late: the broker may hand this message out again while or after it runs; the
     # release then marks this task id's attempt done, so such a copy (or a contention
     # retry of a delivery whose copy ran) knows it ran (a mutex's release only).
-    done_as = f"{task_id}:{run.attempt[0]}" if task.acks_late and not eager and mutex else None
+    tracked = task_id is not None  # a worker's or an eager run: a message, an id
+    queued = tracked and not eager
+    done_as = f"{task_id}:{run.attempt[0]}" if task.acks_late and queued and mutex else None
     try:
         if options.limit is not None:
             lock = _new_lock(
@@ -340,12 +260,12 @@ def _acquire(run: _Run, state: AppState, handover: Handover | None) -> None:
             )
             acquired = lock.acquire(blocking=False)
             if not acquired and not lock.superseded:
-                if not eager and mutex and lock.holder.get("task_id") == task_id:
+                if queued and mutex and lock.holder.get("task_id") == task_id:
                     copy = True
                     acquired = _own_task_holds(task, request, lock, run.attempt)
                 elif waits:
                     acquired = lock.acquire(blocking=True, timeout=options.wait_timeout)
-                elif _held_by_this_task(lock, task_id):
+                elif tracked and _held_by_this_task(lock, str(task_id)):
                     # A semaphore's permit held by an earlier attempt of this task id (a
                     # self.retry() not released yet): wait for it, at most one TTL.
                     acquired = lock.acquire(blocking=True, timeout=lock.ttl)
@@ -362,41 +282,46 @@ def _acquire(run: _Run, state: AppState, handover: Handover | None) -> None:
             if not acquired:
                 if lock.superseded:
                     skip_superseded(task, request, lock)
-                send_task_event(task, "contended", lock=name, policy=policy, holder=lock.holder)
+                if tracked:
+                    send_task_event(task, "contended", lock=name, policy=policy, holder=lock.holder)
                 # A strategy that does not raise gives the result the run returns instead.
-                request._redlock_skip = strategy.refuse(
-                    Refusal(task, request, lock, options, eager, waits)
-                )
+                request._redlock_skip = strategy.refuse(run.refusal(lock))
                 return
             request._redlock_lock = lock
-            state.held[task_id] = lock
-            if state.send_events:
-                send_task_event(task, "acquired", lock=name, fence=lock.fence)
+            if tracked:
+                state.held[str(task_id)] = lock
+                if state.send_events:
+                    send_task_event(task, "acquired", lock=name, fence=lock.fence)
         if options.rate is not None:
-            owner = {"task_name": task.name, "task_id": task_id}
+            owner: dict[str, Any] = {"task_name": task.name}
+            if tracked:
+                owner["task_id"] = task_id
             limiter = state.make_limiter(name, options.rate, options.rate_burst, owner)
-            requeues = policy == "retry" and not eager
+            requeues = policy == "retry" and queued
             # "wait": the permit and the rate share one lock_wait_timeout.
             left = max(0.0, options.wait_timeout - (time.monotonic() - began)) if waits else None
             grant = _rate_grant(limiter, request, waits=left, requeues=requeues)
             if not grant:
                 if lock is not None:  # the permit goes back at once: a refusal takes nothing
                     release_for_request(task, lock, task_id, request)
-                send_task_event(
-                    task, "rate-limited", lock=name, policy=policy, retry_after=grant.retry_after
-                )
-                request._redlock_skip = strategy.refuse(
-                    Refusal(task, request, limiter, options, eager, waits, rate=grant)
-                )
+                if tracked:
+                    send_task_event(
+                        task,
+                        "rate-limited",
+                        lock=name,
+                        policy=policy,
+                        retry_after=grant.retry_after,
+                    )
+                request._redlock_skip = strategy.refuse(run.refusal(limiter, grant))
     except QuorumUnavailable as exc:
-        if lock is not None and state.held.get(task_id) is lock:
+        if lock is not None and lock_of(request) is lock:
             release_for_request(task, lock, task_id, request)
         if state.settings["redlock_fail_open"]:
             log.warning(
                 "Task %s[%s] runs UNLOCKED (redlock_fail_open=True): %s", task.name, task_id, exc
             )
             return
-        if eager:
+        if not queued:  # an eager or direct call: no message to re-queue
             raise
         log.warning(
             "Task %s[%s] not started, lock %r unavailable: %s", task.name, task_id, name, exc
@@ -481,39 +406,6 @@ def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def _acquire_direct(task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """A direct call (``task(...)``): take the lock (and ask the rate limit) the way
-    ``acquire_for_request`` does, without a message to re-queue or mark."""
-    state = state_for(task.app)
-    if state.disabled:
-        return
-    options = state.options_for(task)
-    strategy = options.strategy
-    name = lock_name_for(task, args, kwargs, None, options)
-    waits = strategy.waits
-    lock: Lock | None = None
-    if options.limit is not None:
-        lock = _new_lock(task, state, options, name, None, host=getattr(request, "hostname", None))
-        if not lock.acquire(blocking=waits, timeout=options.wait_timeout if waits else None):
-            request._redlock_skip = strategy.refuse(
-                Refusal(task, None, lock, options, False, waits)
-            )
-            return
-        request._redlock_lock = lock
-    if options.rate is not None:
-        limiter = state.make_limiter(
-            name, options.rate, options.rate_burst, {"task_name": task.name}
-        )
-        grant = limiter.acquire(blocking=waits, timeout=options.wait_timeout)
-        if not grant:
-            if lock is not None:
-                request._redlock_lock = None
-                lock.release()
-            request._redlock_skip = strategy.refuse(
-                Refusal(task, None, limiter, options, False, waits, rate=grant)
-            )
-
-
 # -- the body ------------------------------------------------------------------------------
 def run_locked(
     task: Any, fun: Callable[..., Any], bound: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -522,8 +414,7 @@ def run_locked(
     request = task.request
     if not getattr(request, "_redlock_checked", False):
         # Called directly (``task(...)``), not through a worker or apply(): lock here.
-        request._redlock_checked = True
-        _acquire_direct(task, request, args, kwargs)
+        acquire_for_request(task, None, args, kwargs, request)
     skip = getattr(request, "_redlock_skip", None)
     if skip is not None:
         return skip
@@ -576,108 +467,6 @@ def release_for_request(task: Any, lock: Lock, task_id: str | None, request: Any
         )
     except Exception:
         log.exception("Task %s[%s]: releasing lock %r failed", task.name, task_id, lock.name)
-
-
-def release_all_held(state: AppState) -> None:
-    """Release every lock this process holds for *state*'s app (warm shutdown)."""
-    for task_id, lock in list(state.held.items()):
-        state.held.pop(task_id, None)
-        try:
-            lock.release()
-            log_release.info("released %r held by task %s at shutdown", lock.name, task_id)
-        except RedlockError as exc:
-            log_release.warning("could not release %r at shutdown: %s", lock.name, exc)
-
-
-def release_for_gone_child(
-    task: Any, task_id: str, args: Any, kwargs: Any, headers: Any, *, why: str
-) -> None:
-    """In the worker's main process: release the acquisition of *task_id*, whose child
-    process is gone or going (in a short thread).
-
-    Timeline that makes the wait necessary: billiard calls the hard-time-limit
-    callback (which fires task_failure) *before* it kills the child, and
-    revoke(terminate=True) only sends the signal. Releasing at once would let
-    the next run start while the old one may still be writing. So: read the
-    holder record, wait (bounded by the TTL) until its pid has exited, then
-    release exactly the acquisition whose record names this task id.
-    """
-    try:
-        state = state_for(task.app)
-        options = state.options_for(task)
-        if options.limit is None:
-            return  # a rate limit alone: nothing is held while the task runs
-        name = lock_name_for(task, tuple(args or ()), dict(kwargs or {}), headers, options)
-        ttl = options.ttl
-        lock = state.make_lock(name, ttl, limit=options.limit, auto_renew=False)
-    except Exception as exc:
-        log_release.warning(
-            "task %s[%s] %s: cannot find its lock (%s)", task.name, task_id, why, exc
-        )
-        return
-
-    def release() -> None:
-        try:
-            # A semaphore has one holder per permit: find this task's.
-            mine = [h for h in lock.read_holders() if h.get("task_id") == task_id]
-            if not mine:
-                return
-            holder = mine[0]
-            pid = holder.get("pid")
-            deadline = time.monotonic() + ttl
-            while isinstance(pid, int) and _alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if isinstance(pid, int) and _alive(pid):
-                log_release.warning(
-                    "task %s[%s] %s but pid %s still runs: its lock %r expires within %ss",
-                    task.name,
-                    task_id,
-                    why,
-                    pid,
-                    name,
-                    ttl,
-                )
-                return
-            match = {"task_id": task_id} if pid is None else {"task_id": task_id, "pid": pid}
-            if lock.release_matching(**match):
-                log_release.warning(
-                    "task %s[%s] %s: released its lock %r at once (holder pid %s is gone)",
-                    task.name,
-                    task_id,
-                    why,
-                    name,
-                    pid,
-                )
-        except Exception as exc:
-            log_release.warning(
-                "task %s[%s] %s: could not release %r (%s); it expires within %ss",
-                task.name,
-                task_id,
-                why,
-                name,
-                exc,
-                ttl,
-            )
-
-    threading.Thread(target=release, name="celery-redlock-release", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    """True while *pid* runs (a zombie waiting to be reaped counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            return fh.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # -- the task_postrun safety net -------------------------------------------------------------

@@ -1,0 +1,90 @@
+"""The lock name of one call of a locked task.
+
+The name comes from, in order: a per-call key (``apply_async(lock_key=...)``, carried in
+the :data:`KEY_HEADER` message header), the task's ``lock_key``, the app's
+``redlock_default_key``, the task name. A template (``"sync:<user_id>"``) is filled from
+the call's arguments bound to the task's signature (defaults applied), each value
+rendered canonically (:func:`~celery_redlock.core.keys.render_value`), so every process
+names one call's lock alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .core import ConfigError, KeyTemplate, render_value
+from .options import TaskOptions
+from .state import state_for
+
+__all__ = ["KEY_HEADER", "lock_name_for"]
+
+#: Message header carrying a per-call key (``apply_async(lock_key=...)``).
+KEY_HEADER = "redlock_key"
+
+
+def lock_name_for(
+    task: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    headers: Any = None,
+    options: TaskOptions | None = None,
+) -> str:
+    """The rendered lock name of one call: per-call key, task key, app default, task name."""
+    if options is None:
+        options = state_for(task.app).options_for(task)
+    key = headers.get(KEY_HEADER) if isinstance(headers, dict) else None
+    if key is None:
+        key = options.key
+    elif "<" in key:
+        key = KeyTemplate(key)
+    if key is None:
+        return str(task.name)
+    if isinstance(key, str):
+        return key
+    if isinstance(key, KeyTemplate):
+        arguments = _arguments(task, options, args, kwargs)
+        try:
+            return key.render(arguments)
+        except _RENDER_ERRORS as exc:
+            raise _unrenderable(task, key.template, exc) from None
+    name = key(*args, **kwargs)
+    if not isinstance(name, str):
+        try:
+            name = render_value(name)
+        except TypeError as exc:
+            raise _unrenderable(task, key, exc) from None
+    if not name:
+        raise ConfigError(f"task {task.name!r}: lock_key callable returned an empty name")
+    return str(name)
+
+
+#: What rendering a key from one call's arguments raises when they do not fit it: a value
+#: with no canonical text (TypeError), a missing argument (ConfigError) or a missing field
+#: of one (KeyError, AttributeError for ``<a.b>``).
+_RENDER_ERRORS = (ConfigError, TypeError, KeyError, AttributeError)
+
+
+def _unrenderable(task: Any, key: Any, exc: BaseException) -> ConfigError:
+    """The error for a call whose arguments the lock key cannot be rendered from."""
+    return ConfigError(
+        f"task {task.name!r}: lock_key {key!r} cannot be rendered for this call "
+        f"({type(exc).__name__}: {exc}); pass arguments with a canonical text (str, int, "
+        "UUID, date, list, dict ...) or give lock_key a callable"
+    )
+
+
+def _arguments(
+    task: Any, options: TaskOptions, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The call's arguments by name, defaults applied (``**kwargs`` entries merged in)."""
+    signature = options.signature
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"{task.name}(): {exc}") from None
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    for param in signature.parameters.values():
+        if param.kind is param.VAR_KEYWORD:
+            arguments.update(arguments.pop(param.name, {}))
+    return arguments

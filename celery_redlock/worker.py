@@ -1,0 +1,472 @@
+"""The worker side: the bootstep and its flags, start-up checks, signal receivers, and the
+release of a run whose child process is gone.
+
+Everything here runs in a worker: :class:`RedlockStep` applies the worker flags
+(``--redlock-url``, ``--redlock-ttl``, ``--redlock-lock-on``, ``--redlock-disable``),
+checks the settings and every locked task's options at start-up (a bad one stops the
+worker with one line), refuses ``memory://`` under a prefork pool, pings the lock Redis,
+and releases everything held at warm shutdown. The receivers release in the worker's
+main process what a run can no longer release itself (a hard time limit, a lost child,
+``revoke(terminate=True)``) and give back the queued hold of a message that never runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+import click
+from celery import bootsteps, signals
+from celery.exceptions import TimeLimitExceeded, WorkerLostError
+from redis.cluster import RedisCluster
+from redis.exceptions import AuthenticationError, BusyLoadingError
+
+from .core import renewal
+from .core.connect import mask_url
+from .core.errors import ConfigError, RedlockError, no_queued_holds
+from .dedup import HOLD_HEADER, release_hold_later
+from .naming import KEY_HEADER, lock_name_for
+from .observability import drop_unscrapable_metrics
+from .options import LOCK_ON, check_store
+from .state import AppState, state_for
+from .task import LockedTask, apply_redlock_tasks
+
+__all__ = [
+    "RedlockStep",
+    "StartupConfigError",
+    "check_lock_redis",
+    "check_locked_tasks",
+    "connect_receivers",
+    "register_flags",
+    "release_all_held",
+    "release_for_gone_child",
+    "watch_app",
+]
+
+log = logging.getLogger("celery_redlock")
+log_release = logging.getLogger("celery_redlock.release")
+
+#: The installed apps' states: a pool child going away releases what each still holds.
+_states: weakref.WeakSet[AppState] = weakref.WeakSet()
+_receivers_connected = False
+_receivers_lock = threading.Lock()
+
+
+def watch_app(state: AppState) -> None:
+    """Count *state*'s app among those whose held locks a going child releases."""
+    _states.add(state)
+
+
+# -- worker flags and bootstep ---------------------------------------------------------------
+_FLAGS = [
+    click.Option(
+        ["--redlock-url"],
+        multiple=True,
+        help="Redis URL where task locks live (repeat for Redlock over independent "
+        "masters); overrides app.conf.redlock_url for this worker.",
+    ),
+    click.Option(
+        ["--redlock-ttl"],
+        type=float,
+        default=None,
+        help="Default lock lease in seconds (kept alive while tasks run); overrides "
+        "app.conf.redlock_ttl for this worker.",
+    ),
+    click.Option(
+        ["--redlock-lock-on"],
+        type=click.Choice(LOCK_ON),
+        default=None,
+        help="When locks are held, for tasks that do not set lock_on: run (default), "
+        "enqueue or enqueue+run; overrides app.conf.redlock_lock_on for this worker "
+        "(and what it publishes). Publishers must use the same setting to de-duplicate "
+        "at publish; the worker checks messages that were sent without it.",
+    ),
+    click.Option(
+        ["--redlock-disable"],
+        is_flag=True,
+        default=False,
+        help="Run locked tasks WITHOUT locks on this worker (a loud warning is logged).",
+    ),
+]
+
+
+def register_flags() -> None:
+    from celery.bin.worker import worker as worker_command  # noqa: PLC0415 - CLI only
+
+    names = {p.name for p in worker_command.params}
+    for flag in _FLAGS:
+        if flag.name not in names:
+            worker_command.params.append(flag)
+
+
+class StartupConfigError(ConfigError, click.ClickException):
+    """A bad setting found at worker start: ``celery worker`` prints one line and exits 1.
+
+    Still a :class:`ConfigError` for code that starts workers itself.
+    """
+
+    def __init__(self, message: str) -> None:
+        click.ClickException.__init__(self, message)
+
+
+class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Applies worker flags, checks settings at start-up, releases on warm shutdown."""
+
+    label = "celery-redlock"
+
+    def __init__(
+        self,
+        parent: Any,
+        redlock_url: tuple[str, ...] | list[str] | str | None = None,
+        redlock_ttl: float | None = None,
+        redlock_disable: bool = False,
+        redlock_lock_on: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(parent, **kwargs)
+        app = parent.app
+        self.state = state = state_for(app)
+        overrides: dict[str, Any] = {}
+        if redlock_url:
+            urls = [redlock_url] if isinstance(redlock_url, str) else list(redlock_url)
+            overrides["redlock_url"] = urls if len(urls) > 1 else urls[0]
+        if redlock_ttl is not None:
+            overrides["redlock_ttl"] = redlock_ttl
+        if redlock_disable:
+            overrides["redlock_disable"] = True
+        if redlock_lock_on is not None:
+            overrides["redlock_lock_on"] = redlock_lock_on
+        state.overrides.update(overrides)
+        state.send_events = bool(getattr(parent, "task_events", False))
+        state.reset()
+        try:
+            apply_redlock_tasks(app)
+            if not state.disabled:
+                settings = state.settings  # check now: a bad setting stops the worker here
+                if _forks_children(parent):
+                    settings.check_single_process(
+                        "this worker's prefork pool runs tasks in child processes"
+                    )
+                state.clients()  # and a URL no client can be made of (nothing connects yet)
+                check_locked_tasks(app, state)  # and a task's options against them
+        except ConfigError as exc:
+            raise StartupConfigError(str(exc)) from None
+
+    def start(self, parent: Any) -> None:
+        state = self.state
+        if state.disabled:
+            log.warning(
+                "celery-redlock is DISABLED on this worker (--redlock-disable or "
+                "redlock_disable=True): locked tasks run WITHOUT locks and may overlap"
+            )
+            return
+        log.info("celery-redlock: %s", state.settings.describe())
+        if state.settings.in_process:
+            return  # memory://: nothing to reach
+        clients = state.clients()
+        url = state.settings.url
+        urls = url if isinstance(url, list) else [url]
+        per_url = clients if isinstance(clients, list) else [clients]
+        for where, client in zip(urls, per_url, strict=True):
+            check_lock_redis(mask_url(where), client)
+
+    def stop(self, parent: Any) -> None:
+        release_all_held(self.state)
+
+    def shutdown(self, parent: Any) -> None:
+        renewal.shutdown(timeout=2.0)
+
+
+def _forks_children(worker: Any) -> bool:
+    """True when *worker*'s pool runs tasks in forked child processes (prefork)."""
+    from celery.concurrency import prefork  # noqa: PLC0415 - a worker's start only
+
+    pool = getattr(worker, "pool_cls", None)
+    return isinstance(pool, type) and issubclass(pool, prefork.TaskPool)
+
+
+def check_locked_tasks(app: Any, state: AppState) -> None:
+    """Resolve every locked task's options against the settings now, so a bad combination
+    (``lock_limit=None`` without a rate, a limit or a rate on Redlock masters, enqueue-time
+    holds on Redlock masters) stops the worker at start-up with one ConfigError naming
+    every such task (by name) and its option, never deep in a run."""
+    url = state.settings.url
+    masters = len(url) if isinstance(url, list) else 1
+    problems: list[str] = []
+    for name, task in sorted(app.tasks.items()):
+        if not (isinstance(task, LockedTask) and type(task).redlock_spec is not None):
+            continue
+        try:
+            options = state.options_for(task)
+            check_store(task.name, options, masters)
+            if masters > 1 and options.lock_on != "run":
+                raise ConfigError(f"task {name!r}: " + no_queued_holds(name, masters))
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def check_lock_redis(where: str, client: Any) -> None:
+    """Ping one lock Redis at start-up; say clearly (naming *where*, a masked URL) what is
+    wrong. Never raises: tasks whose lock cannot be taken are retried, never run unlocked.
+
+    A refused password and a replica are configuration errors (ERROR); a server still
+    loading its data set is transient (WARNING); anything else is "unreachable" (ERROR),
+    with a hint when the URL asks for TLS, since a TLS client talking to a plain server
+    sees only a connect timeout.
+    """
+    try:
+        client.ping()
+    except AuthenticationError as exc:
+        log.error(
+            "celery-redlock: lock Redis %s refused the credentials (%s): check the user "
+            "name and password in redlock_url; locked tasks will be retried until it "
+            "accepts them",
+            where,
+            exc,
+        )
+        return
+    except BusyLoadingError as exc:
+        log.warning(
+            "celery-redlock: lock Redis %s is loading its data set (%s); locked tasks "
+            "will be retried until it is ready",
+            where,
+            exc,
+        )
+        return
+    except Exception as exc:
+        tls = " (the URL asks for TLS: does that server accept TLS?)"
+        log.error(
+            "celery-redlock: lock Redis %s is unreachable (%s)%s; locked tasks will be "
+            "retried until it answers",
+            where,
+            exc,
+            tls if where.lower().startswith("rediss://") else "",
+        )
+        return
+    if isinstance(client, RedisCluster):
+        return
+    try:
+        role = client.execute_command("ROLE")
+    except Exception:  # an ACL may refuse ROLE: nothing to learn from that
+        return
+    kind = role[0].decode() if isinstance(role[0], bytes) else str(role[0])
+    if kind in ("slave", "replica"):
+        log.error(
+            "celery-redlock: lock Redis %s is a read-only replica: no lock can be taken "
+            "there; point redlock_url at its master. Locked tasks will be retried",
+            where,
+        )
+
+
+# -- signal receivers ----------------------------------------------------------------------------
+def connect_receivers() -> None:
+    """Connect the worker's signal receivers (once per process)."""
+    global _receivers_connected
+    with _receivers_lock:
+        if _receivers_connected:
+            return
+        signals.task_failure.connect(_on_failure, weak=False)
+        signals.task_revoked.connect(_on_revoked, weak=False)
+        signals.task_rejected.connect(_on_rejected, weak=False)
+        signals.task_unknown.connect(_on_rejected, weak=False)
+        signals.worker_process_shutdown.connect(_on_process_shutdown, weak=False)
+        signals.worker_process_init.connect(_on_process_init, weak=False)
+        _receivers_connected = True
+
+
+def _installed(task: Any) -> AppState | None:
+    app = getattr(task, "app", None)
+    if app is None or not isinstance(task, LockedTask):
+        return None
+    state = state_for(app)
+    return state if state.installed else None
+
+
+def _on_failure(
+    sender: Any = None,
+    task_id: str | None = None,
+    exception: BaseException | None = None,
+    args: Any = None,
+    kwargs: Any = None,
+    **_: Any,
+) -> None:
+    """In the worker's main process: a hard time limit or a lost child frees the lock now."""
+    if not isinstance(exception, (TimeLimitExceeded, WorkerLostError)):
+        return
+    state = _installed(sender)
+    if state is None or task_id is None or task_id in state.held:
+        return
+    headers = getattr(getattr(sender, "request", None), "headers", None)
+    release_for_gone_child(sender, task_id, args, kwargs, headers, why=type(exception).__name__)
+
+
+def _on_revoked(
+    sender: Any = None,
+    request: Any = None,
+    terminated: bool = False,
+    expired: bool = False,
+    **_: Any,
+) -> None:
+    """In the worker's main process: ``revoke(terminate=True)`` frees the lock now; a
+    message discarded before it ran (revoked, or past its ``expires``) frees its hold."""
+    if request is None:
+        return
+    if not terminated:
+        hold = _hold_of(request)
+        task_id = getattr(request, "id", None)
+        app = getattr(sender, "app", None)
+        if hold and task_id and app is not None:
+            release_hold_later(app, hold, task_id, "expired" if expired else "revoked")
+        return
+    state = _installed(sender)
+    task_id = getattr(request, "id", None)
+    if state is None or task_id is None or task_id in state.held:
+        return
+    headers = {}
+    raw_headers = getattr(request, "request_dict", None) or {}  # the message headers
+    if KEY_HEADER in raw_headers:
+        headers[KEY_HEADER] = raw_headers[KEY_HEADER]
+    release_for_gone_child(
+        sender, task_id, request.args, request.kwargs, headers, why="revoked (terminated)"
+    )
+
+
+def _hold_of(request: Any) -> str | None:
+    """The lock name whose enqueue-time hold a request's message took (its header)."""
+    headers = getattr(request, "headers", None)
+    value = headers.get(HOLD_HEADER) if isinstance(headers, dict) else None
+    if value is None:
+        value = getattr(request, HOLD_HEADER, None)
+    return value if isinstance(value, str) and value else None
+
+
+def _on_rejected(sender: Any = None, message: Any = None, **_: Any) -> None:
+    """In the worker's main process: a message rejected unread (unknown task, bad message)
+    frees its hold, read from its headers: this worker may not know the task."""
+    headers = getattr(message, "headers", None)
+    if not isinstance(headers, dict):
+        return
+    hold, task_id, app = headers.get(HOLD_HEADER), headers.get("id"), getattr(sender, "app", None)
+    if isinstance(hold, str) and hold and isinstance(task_id, str) and app is not None:
+        release_hold_later(app, hold, task_id, "rejected")
+
+
+def _on_process_init(**_: Any) -> None:
+    """A new prefork pool child: no metrics that nothing can scrape (see observability)."""
+    drop_unscrapable_metrics()
+
+
+def _on_process_shutdown(**_: Any) -> None:
+    """A pool child going away releases what it still holds and stops its renewal thread."""
+    for state in list(_states):
+        release_all_held(state)
+    renewal.shutdown(timeout=1.0)
+
+
+# -- releases from outside a run ------------------------------------------------------------
+def release_all_held(state: AppState) -> None:
+    """Release every lock this process holds for *state*'s app (warm shutdown)."""
+    for task_id, lock in list(state.held.items()):
+        state.held.pop(task_id, None)
+        try:
+            lock.release()
+            log_release.info("released %r held by task %s at shutdown", lock.name, task_id)
+        except RedlockError as exc:
+            log_release.warning("could not release %r at shutdown: %s", lock.name, exc)
+
+
+def release_for_gone_child(
+    task: Any, task_id: str, args: Any, kwargs: Any, headers: Any, *, why: str
+) -> None:
+    """In the worker's main process: release the acquisition of *task_id*, whose child
+    process is gone or going (in a short thread).
+
+    Timeline that makes the wait necessary: billiard calls the hard-time-limit
+    callback (which fires task_failure) *before* it kills the child, and
+    revoke(terminate=True) only sends the signal. Releasing at once would let
+    the next run start while the old one may still be writing. So: read the
+    holder record, wait (bounded by the TTL) until its pid has exited, then
+    release exactly the acquisition whose record names this task id.
+    """
+    try:
+        state = state_for(task.app)
+        options = state.options_for(task)
+        if options.limit is None:
+            return  # a rate limit alone: nothing is held while the task runs
+        name = lock_name_for(task, tuple(args or ()), dict(kwargs or {}), headers, options)
+        ttl = options.ttl
+        lock = state.make_lock(name, ttl, limit=options.limit, auto_renew=False)
+    except Exception as exc:
+        log_release.warning(
+            "task %s[%s] %s: cannot find its lock (%s)", task.name, task_id, why, exc
+        )
+        return
+
+    def release() -> None:
+        try:
+            # A semaphore has one holder per permit: find this task's.
+            mine = [h for h in lock.read_holders() if h.get("task_id") == task_id]
+            if not mine:
+                return
+            holder = mine[0]
+            pid = holder.get("pid")
+            deadline = time.monotonic() + ttl
+            while isinstance(pid, int) and _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if isinstance(pid, int) and _alive(pid):
+                log_release.warning(
+                    "task %s[%s] %s but pid %s still runs: its lock %r expires within %ss",
+                    task.name,
+                    task_id,
+                    why,
+                    pid,
+                    name,
+                    ttl,
+                )
+                return
+            match = {"task_id": task_id} if pid is None else {"task_id": task_id, "pid": pid}
+            if lock.release_matching(**match):
+                log_release.warning(
+                    "task %s[%s] %s: released its lock %r at once (holder pid %s is gone)",
+                    task.name,
+                    task_id,
+                    why,
+                    name,
+                    pid,
+                )
+        except Exception as exc:
+            log_release.warning(
+                "task %s[%s] %s: could not release %r (%s); it expires within %ss",
+                task.name,
+                task_id,
+                why,
+                name,
+                exc,
+                ttl,
+            )
+
+    threading.Thread(target=release, name="celery-redlock-release", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    """True while *pid* runs (a zombie waiting to be reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
