@@ -58,6 +58,11 @@ class Renewable(Protocol):
     @property
     def valid_until(self) -> float: ...
 
+    @property
+    def token(self) -> str | None:
+        """The token of the current acquisition (None once released or lost here)."""
+        ...
+
     def renewal(self) -> tuple[str, int] | None:
         """(token, lease ms) to renew this round; None to skip it."""
         ...
@@ -217,7 +222,10 @@ class RenewalManager:
             except QuorumUnavailable as exc:
                 outcomes = [exc] * len(batch)
             except Exception:  # a bug or a client-side error: said as it is, never "down"
-                log.exception("renewal: %s failed", futures[future].describe())
+                if any(lock.token == item.token for lock, item in batch):
+                    log.exception("renewal: %s failed", futures[future].describe())
+                else:  # all given back meanwhile (and the client perhaps closed after)
+                    log.debug("renewal of locks released meanwhile failed", exc_info=True)
                 continue
             for (lock, item), outcome in zip(batch, outcomes, strict=True):
                 _safely(lock.renewed, started, item.token, outcome)
