@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: test lint typecheck pytest demo bench clean venv tests bench docs examples chaos test-compat
+.PHONY: test test-fast lint typecheck pytest demo bench clean venv tests bench docs examples chaos test-compat
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ pytest: $(STAMP)
 	$(PY) -m pytest tests -p no:randomly -n 2 --dist loadfile $(PYTEST_ARGS)
 
 test: lint typecheck docs pytest
+
+# The unit half: no server, no worker process (the memory backend, freezegun for time);
+# seconds, for the edit-test loop. `make test` runs it too, with everything else.
+test-fast: $(STAMP)
+	$(PY) -m pytest tests/unit -p no:randomly -q $(PYTEST_ARGS)
 
 # The documentation site (mkdocs; the API reference from the docstrings) into build/site.
 # --strict makes a warning (a broken link, a missing page, a docstring that does not
