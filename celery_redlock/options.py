@@ -33,11 +33,13 @@ __all__ = [
     "check_combination",
     "check_declared",
     "check_enqueue_limit",
+    "check_rate_needed",
     "check_store",
     "check_task_option",
     "choice",
     "compile_key",
     "declared",
+    "field_of",
     "is_set",
     "key_option",
     "lease",
@@ -250,19 +252,12 @@ def check_declared(task_name: str, cls: type) -> None:
     for attr in list(vars(cls)):
         if attr.startswith("lock_"):
             check_task_option(task_name, attr, declared(cls, attr))
-    rate = declared(cls, "lock_rate")
-    if rate is None and is_set(cls, "lock_limit") and declared(cls, "lock_limit") is None:
-        raise ConfigError(
-            f"task {task_name!r}: lock_limit=None is not valid without a lock_rate on the "
-            "task; it must be a whole number >= 1 (runs at once), or None together with "
-            "lock_rate (e.g. lock_rate='10/m'): otherwise nothing is limited"
-        )
-    burst = declared(cls, "lock_rate_burst")
-    if rate is None and burst is not None:
-        raise ConfigError(
-            f"task {task_name!r}: lock_rate_burst={burst!r} is not valid without a lock_rate "
-            "on the task; it must be set together with lock_rate (e.g. lock_rate='10/m')"
-        )
+    check_rate_needed(
+        task_name,
+        declared(cls, "lock_rate"),
+        no_cap=is_set(cls, "lock_limit") and declared(cls, "lock_limit") is None,
+        burst=declared(cls, "lock_rate_burst"),
+    )
     if is_set(cls, "lock_limit"):
         check_enqueue_limit(task_name, declared(cls, "lock_on"), declared(cls, "lock_limit"))
     check_combination(
@@ -272,6 +267,25 @@ def check_declared(task_name: str, cls: type) -> None:
         declared(cls, "lock_debounce"),
         given=[o for o in ENQUEUE_OPTIONS if declared(cls, o) is not None],
     )
+
+
+def check_rate_needed(task_name: str, rate: Any, *, no_cap: bool, burst: Any) -> None:
+    """ConfigError for what only a ``lock_rate`` makes meaningful, set without one:
+    ``lock_limit=None`` (no cap: nothing would be limited) or a ``lock_rate_burst``.
+    Checked on the task class (its own options) and again once settings fill the rest."""
+    if rate is not None:
+        return
+    if no_cap:
+        raise ConfigError(
+            f"task {task_name!r}: lock_limit=None is not valid without a lock_rate; it must "
+            "be a whole number >= 1 (runs at once), or None together with lock_rate (e.g. "
+            "lock_rate='10/m'): otherwise nothing is limited"
+        )
+    if burst is not None:
+        raise ConfigError(
+            f"task {task_name!r}: lock_rate_burst={burst!r} is not valid without a "
+            "lock_rate; it must be set together with lock_rate (e.g. lock_rate='10/m')"
+        )
 
 
 def check_enqueue_limit(task_name: str, lock_on: Any, limit: Any) -> None:
@@ -381,43 +395,32 @@ def resolve(cls: type, spec: TaskSpec, settings: Mapping[str, Any]) -> TaskOptio
             value = settings[option.setting]
         values[name] = None if value is None else option.check(value)
     task_name = getattr(cls, "name", None) or cls.__name__
-    if values["lock_limit"] is None and values["lock_rate"] is None:
-        raise ConfigError(
-            f"task {task_name!r}: lock_limit=None (no concurrency cap) and no lock_rate: "
-            "nothing is limited; set lock_rate (e.g. '10/m'), or a lock_limit"
-        )
-    if values["lock_rate_burst"] is not None and values["lock_rate"] is None:
-        raise ConfigError(
-            f"task {task_name!r}: lock_rate_burst={values['lock_rate_burst']!r} without a "
-            "lock_rate; set lock_rate (e.g. '10/m') or drop lock_rate_burst"
-        )
+    check_rate_needed(
+        task_name,
+        values["lock_rate"],
+        no_cap=values["lock_limit"] is None,
+        burst=values["lock_rate_burst"],
+    )
     check_enqueue_limit(task_name, values["lock_on"], values["lock_limit"])
     key = spec.key
     if key is None:
         default = values["lock_key"]
         key = KeyTemplate(default) if isinstance(default, str) else default
+    fields = {field_of(name): value for name, value in values.items() if name != "lock_key"}
+    fields["rate_burst"] = fields["rate_burst"] or 1
     return TaskOptions(
         key=key,
         signature=spec.signature,
-        ttl=values["lock_ttl"],
-        on_contended=values["lock_on_contended"],
         strategy=STRATEGIES[values["lock_on_contended"]],
-        on_lost=values["lock_on_lost"],
-        max_retries=values["lock_max_retries"],
-        retry_backoff=values["lock_retry_backoff"],
-        retry_backoff_max=values["lock_retry_backoff_max"],
-        retry_jitter=values["lock_retry_jitter"],
-        wait_timeout=values["lock_wait_timeout"],
-        max_hold=values["lock_max_hold"],
-        limit=values["lock_limit"],
-        rate=values["lock_rate"],
-        rate_burst=values["lock_rate_burst"] or 1,
-        lock_on=values["lock_on"],
-        on_duplicate=values["lock_on_duplicate"],
         duplicate=DUPLICATE_POLICIES[values["lock_on_duplicate"]],
-        debounce=values["lock_debounce"],
-        enqueue_ttl=values["lock_enqueue_ttl"],
+        **fields,
     )
+
+
+def field_of(option: str) -> str:
+    """The :class:`TaskOptions` field of task option *option*: its name without ``lock_``
+    (``lock_on`` keeps its name)."""
+    return option if option == "lock_on" else option.removeprefix("lock_")
 
 
 def check_store(task_name: str, options: TaskOptions, masters: int) -> None:
