@@ -47,7 +47,7 @@ from typing import Any
 from celery.exceptions import Ignore
 
 from .contention import RETRIES_HEADER, SKIPPED
-from .core import AlreadyQueued, ConfigError, Queued, QueuedHold, QuorumUnavailable
+from .core import AlreadyQueued, Queued, QueuedHold, QuorumUnavailable
 from .naming import lock_name_for
 from .observability import send_publisher_event, send_task_event
 from .options import TaskOptions
@@ -58,10 +58,9 @@ __all__ = [
     "NO_DEDUP_HEADER",
     "attempt_of",
     "claim_at_worker",
-    "give_up_hold",
+    "give_back_hold",
     "publish",
     "publish_held",
-    "release_hold_later",
     "skip_superseded",
 ]
 
@@ -174,7 +173,7 @@ def publish_held(
         result = send(args, kwargs, **call)
     except BaseException:
         if found.outcome != "duplicate":
-            _release_quietly(hold, task_id)
+            give_back_hold(task.app, name, task_id, "was not published")
         raise
     if found.outcome == "replaced":
         log.info(
@@ -249,13 +248,6 @@ def _seconds_until(when: Any, now: datetime) -> float | None:
     return (moment - now).total_seconds()
 
 
-def _release_quietly(hold: QueuedHold, task_id: str) -> None:
-    try:
-        hold.release(task_id)
-    except Exception as exc:  # the hold then ends with its lease
-        log.warning("could not give back the hold of %r for task %s: %s", hold.name, task_id, exc)
-
-
 # -- the worker side --------------------------------------------------------------------------
 def claim_at_worker(task: Any, request: Any, name: str, options: TaskOptions) -> None:
     """A message that took no hold when it was published (sent by name where the task
@@ -321,40 +313,33 @@ def _skip(task: Any, request: Any, name: str, reason: str, *, owner: str, holder
     raise Ignore(f"skipped: {reason}")
 
 
-def give_up_hold(task: Any, name: str, task_id: str) -> None:
-    """A message that will not run (skipped, failed, refused) gives up its own hold, so the
-    next call can be queued; another id's hold is never touched."""
-    state = state_for(task.app)
-    try:
-        _release_quietly(_hold(state, task, name), task_id)
-    except ConfigError as exc:
-        log.warning("could not give back the hold of %r for task %s: %s", name, task_id, exc)
-
-
-def release_hold_later(app: Any, name: str, task_id: str, why: str) -> None:
-    """In a worker's main process: the message of *task_id* will never run (revoked,
-    expired, rejected); give up its hold in a short thread (never blocks the consumer)."""
+def give_back_hold(app: Any, name: str, task_id: str, why: str, *, later: bool = False) -> None:
+    """Give back task *task_id*'s enqueue-time hold of *name*, because its message will
+    not run (*why*: skipped, failed, revoked, expired, rejected, not published), so the
+    next call can be queued. Owner-checked: another task id's hold is never touched.
+    Never raises: a hold not given back ends with its lease. *later*: in a short thread
+    (a worker's main process never blocks its consumer on Redis)."""
+    if later:
+        args = (app, name, task_id, why)
+        threading.Thread(
+            target=give_back_hold, args=args, name="celery-redlock-dequeue", daemon=True
+        ).start()
+        return
     state = state_for(app)
     if not state.installed or state.disabled:
         return
-
-    def release() -> None:
-        try:
-            hold = QueuedHold(
-                state.backend(), name, key_prefix=state.settings["redlock_key_prefix"]
-            )
-            if hold.release(task_id):
-                log.info("task %s %s: released its queued hold of %r", task_id, why, name)
-        except Exception as exc:
-            log.warning(
-                "task %s %s: could not release its queued hold of %r (%s); it expires by itself",
-                task_id,
-                why,
-                name,
-                exc,
-            )
-
-    threading.Thread(target=release, name="celery-redlock-dequeue", daemon=True).start()
+    try:
+        hold = QueuedHold(state.backend(), name, key_prefix=state.settings["redlock_key_prefix"])
+        if hold.release(task_id):
+            log.info("task %s %s: released its queued hold of %r", task_id, why, name)
+    except Exception as exc:
+        log.warning(
+            "task %s %s: could not release its queued hold of %r (%s); it expires by itself",
+            task_id,
+            why,
+            name,
+            exc,
+        )
 
 
 def publish(

@@ -44,7 +44,7 @@ from .dedup import (
     NO_DEDUP_HEADER,
     attempt_of,
     claim_at_worker,
-    give_up_hold,
+    give_back_hold,
     skip_superseded,
 )
 from .interrupt import LockLostInterrupt, on_lost, watch
@@ -197,10 +197,10 @@ def acquire_for_request(
         raise  # re-queued under the same task id: it keeps its hold
     except BaseException:
         if handover is not None:
-            give_up_hold(task, name, handover.owner)
+            give_back_hold(task.app, name, handover.owner, "did not start")
         raise
     if handover is not None and lock_of(request) is None:
-        give_up_hold(task, name, handover.owner)  # a run that does not start (fail-open, a skip)
+        give_back_hold(task.app, name, handover.owner, "did not start")  # fail-open, a skip
 
 
 @dataclass(frozen=True)

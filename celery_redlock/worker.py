@@ -28,7 +28,7 @@ from redis.exceptions import AuthenticationError, BusyLoadingError
 from .core import renewal
 from .core.connect import mask_url
 from .core.errors import ConfigError, RedlockError, no_queued_holds
-from .dedup import HOLD_HEADER, release_hold_later
+from .dedup import HOLD_HEADER, give_back_hold
 from .naming import KEY_HEADER, lock_name_for
 from .observability import drop_unscrapable_metrics
 from .options import LOCK_ON, check_store
@@ -322,7 +322,7 @@ def _on_revoked(
         task_id = getattr(request, "id", None)
         app = getattr(sender, "app", None)
         if hold and task_id and app is not None:
-            release_hold_later(app, hold, task_id, "expired" if expired else "revoked")
+            give_back_hold(app, hold, task_id, "expired" if expired else "revoked", later=True)
         return
     state = _installed(sender)
     task_id = getattr(request, "id", None)
@@ -354,7 +354,7 @@ def _on_rejected(sender: Any = None, message: Any = None, **_: Any) -> None:
         return
     hold, task_id, app = headers.get(HOLD_HEADER), headers.get("id"), getattr(sender, "app", None)
     if isinstance(hold, str) and hold and isinstance(task_id, str) and app is not None:
-        release_hold_later(app, hold, task_id, "rejected")
+        give_back_hold(app, hold, task_id, "rejected", later=True)
 
 
 def _on_process_init(**_: Any) -> None:
