@@ -57,7 +57,7 @@ from ..keys import LockKeys
 from . import redis_admin
 from .redis_admin import fence_of, foreign_data_message
 
-__all__ = ["RedisBackend", "cannot_decide", "check_client", "server_refused"]
+__all__ = ["RedisBackend", "cannot_decide", "check_client", "is_client", "server_refused"]
 
 
 class _Script:
@@ -541,9 +541,14 @@ def _records_message(key: str, exc: Exception) -> str:
     )
 
 
+def is_client(value: Any) -> bool:
+    """True for a redis-py client: a ``redis.Redis`` (plain or Sentinel) or a cluster."""
+    return isinstance(value, (redis.Redis, RedisCluster))
+
+
 def check_client(client: Any) -> None:
     """Refuse anything that is not a redis-py client, naming what was given."""
-    if not isinstance(client, (redis.Redis, RedisCluster)):
+    if not is_client(client):
         raise ConfigError(
             f"expected a redis.Redis, a Sentinel master_for() client or a RedisCluster, "
             f"got {type(client).__module__}.{type(client).__name__}; build one with "
