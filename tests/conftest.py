@@ -134,6 +134,17 @@ def redis_server() -> Iterator[RedisServer]:
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    """One throwaway server for one test module (its broker, results, locks and records,
+    in databases the module picks), stopped after the module's last test."""
+    srv = RedisServer.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
 @pytest.fixture(scope="session")
 def shared_redis() -> Iterator[RedisServer]:
     """One throwaway server shared by the session's fast tests."""

@@ -62,6 +62,16 @@ BARE_CONNECT: dict[str, Any] = (
     else {"protocol": 2, "lib_name": None, "lib_version": None}
 )
 
+# What makes every supported redis-py re-send a command after a timeout or a broken
+# connection, as a client with a Retry object does from redis-py 6 on: redis-py 5.x
+# re-sends only the errors named in retry_on_error (the Retry object alone changes nothing
+# there). Newer versions get nothing more: the Retry object decides there.
+RESEND: dict[str, Any] = (
+    {"retry_on_error": [redis.exceptions.TimeoutError, redis.exceptions.ConnectionError]}
+    if int(redis.__version__.split(".")[0]) < 6
+    else {}
+)
+
 
 class ServerStartError(RuntimeError):
     """Raised when a server process does not come up; the message carries its log tail."""
@@ -1072,16 +1082,24 @@ def wait_child(pid: int, timeout: float = 30.0) -> int:
     pytest.fail(f"forked child {pid} did not finish within {timeout}s")
 
 
-def wait_for(check: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005) -> bool:
-    """Poll *check* until it is true; bounded in time and count."""
+def wait_for(
+    check: Callable[[], Any],
+    timeout: float = 10.0,
+    what: str = "the condition",
+    *,
+    interval: float = 0.005,
+) -> Any:
+    """Poll *check* until it returns something truthy, bounded in time and in count, and
+    return that value; on timeout, fail with an AssertionError naming *what*."""
     deadline = time.monotonic() + timeout
     for _ in range(int(timeout / interval) + 1):
-        if check():
-            return True
+        value = check()
+        if value:
+            return value
         if time.monotonic() > deadline:
             break
         time.sleep(interval)
-    return check()
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @contextlib.contextmanager

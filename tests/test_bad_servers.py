@@ -40,24 +40,13 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
-from servers import RedisServer, free_port
+from servers import RedisServer, free_port, wait_for
 from workers import Worker
 
 from celery_redlock import ConfigError, Lock, LockedTask, QuorumUnavailable, connect
 
 SECRET = "hunter2-secret"
 _apps = itertools.count(1)
-
-
-def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll *check* every 20 ms for at most *timeout* seconds; fail naming *what*."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def lines(caplog: pytest.LogCaptureFixture, words: str, level: int = logging.DEBUG) -> list[str]:

@@ -22,9 +22,9 @@ from amqp.exceptions import ChannelError
 from celery import Celery, chord, group, signals
 from celery.result import AsyncResult
 from prometheus_client import CollectorRegistry
-from servers import RedisServer
+from servers import RedisServer, wait_for
 from test_observability import EventCapture
-from test_task_inprocess import Env, forget_results, wait_for, worker
+from test_task_inprocess import Env, forget_results, worker
 
 from celery_redlock import (
     AlreadyQueued,

@@ -14,14 +14,14 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import kombu
 import pytest
 from celery import Celery
-from servers import RedisServer
+from servers import RedisServer, wait_for
 from workers import ROOT, Worker
 
 pytestmark = pytest.mark.slow
@@ -62,29 +62,9 @@ def _events(server: RedisServer, kind: str | None = None) -> list[dict[str, Any]
     return [e for e in events if kind is None or e["event"] == kind]
 
 
-def _wait_for(predicate: Callable[[], Any], timeout: float, step: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError(f"condition not met within {timeout}s")
-
-
 def _held(server: RedisServer, name: str) -> bool:
     locks = server.client(db=1)
     return bool(locks.exists(f"redlock:{{{name}}}") or locks.exists(f"redlock:{{{name}}}:queued"))
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    """One throwaway Redis for broker, results, locks and the record of these tests."""
-    srv = RedisServer.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +86,7 @@ def client(server: RedisServer, worker: Worker) -> Iterator[Celery]:
 
 
 def _start(server: RedisServer, task_id: str) -> dict[str, Any]:
-    found = _wait_for(lambda: [e for e in _events(server, "start") if e["task_id"] == task_id], 20)
+    found = wait_for(lambda: [e for e in _events(server, "start") if e["task_id"] == task_id], 20)
     return found[0]  # type: ignore[no-any-return]
 
 
@@ -129,7 +109,7 @@ def test_a_lost_run_frees_the_key_at_once(client: Celery, server: RedisServer, h
         os.kill(child, signal.SIGKILL)
     elif how == "revoke-terminate":
         client.control.revoke(first.id, terminate=True, signal="SIGKILL")
-    _wait_for(lambda: not _held(server, name), 15)
+    wait_for(lambda: not _held(server, name), 15)
     assert time.monotonic() - began < 10, "freed by the main process, well before the TTL"
     if how != "hard-time-limit":
         again = client.tasks["dd.hold"].delay(key, 0)
@@ -153,7 +133,7 @@ def test_a_killed_worker_leaves_the_key_to_expire_within_its_ttl(
         _start(server, first.id)
         w.kill()
         killed = time.monotonic()
-        _wait_for(lambda: not _held(server, "hold:killed"), 10)
+        wait_for(lambda: not _held(server, "hold:killed"), 10)
         assert time.monotonic() - killed < 2 + 1.0
     finally:
         w.stop()
@@ -196,8 +176,8 @@ def test_a_redelivered_message_does_not_start_while_its_first_delivery_runs(
         w.wait_ready()
         result = app.tasks["dd.hold"].delay("redeliver", 3.5)
         assert result.get(timeout=30) == "redeliver"
-        _wait_for(lambda: "this copy does not start" in w.text(), 10)
-        _wait_for(lambda: "dropped" in w.text(), 10)
+        wait_for(lambda: "this copy does not start" in w.text(), 10)
+        wait_for(lambda: "dropped" in w.text(), 10)
     finally:
         w.kill()  # a warm shutdown waits on the transport's restore of unacked messages
         w.stop()
@@ -229,12 +209,12 @@ def test_beat_every_half_second_never_overlaps_nor_backs_up_two_second_runs(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        _wait_for(lambda: len(_events(server, "run")) >= 2, 20)
+        wait_for(lambda: len(_events(server, "run")) >= 2, 20)
         time.sleep(6.5)  # the scenario itself: beat ticks 13 times while runs take 2 s
         beat.send_signal(signal.SIGTERM)
         beat.wait(15)
         stopped = time.time()
-        _wait_for(lambda: len(_events(server, "run")) == len(_events(server, "run-end")), 15)
+        wait_for(lambda: len(_events(server, "run")) == len(_events(server, "run-end")), 15)
         time.sleep(1.0)  # a backlog would start another run now
     finally:
         if beat is not None and beat.poll() is None:

@@ -19,24 +19,13 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from servers import RedisServer
+from servers import RedisServer, wait_for
 from workers import Worker
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-
-
-def _wait_for(what: str, predicate: Callable[[], Any], timeout: float) -> Any:
-    """Poll *predicate* until it returns something truthy (bounded)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def _run(example: str, script: str, env: dict[str, str], timeout: float = 60) -> tuple[int, str]:
@@ -151,17 +140,17 @@ def test_beat_singleton_two_beats_one_leader_runs_never_overlap(
     with _workers("beat_singleton", env, tmp_path):
         beats = [_Beat("beat_singleton", env, tmp_path / f"beat{n}.log") for n in range(2)]
         try:
-            _wait_for("a leader", lambda: any(b.leads() for b in beats), 30)
-            _wait_for("three rollups", lambda: len(rollups()) >= 3, 30)
+            wait_for(lambda: any(b.leads() for b in beats), 30, "a leader")
+            wait_for(lambda: len(rollups()) >= 3, 30, "three rollups")
             leaders = [b for b in beats if b.leads()]
             assert len(leaders) == 1, [b.text()[-2000:] for b in beats]
             leader, standby = leaders[0], next(b for b in beats if b is not leaders[0])
             killed_at = time.monotonic()
             leader.stop(signal.SIGKILL)
-            _wait_for("the standby to lead", standby.leads, 15)
+            wait_for(standby.leads, 15, "the standby to lead")
             took_over = time.monotonic() - killed_at
             before = len(rollups())
-            _wait_for("two more rollups", lambda: len(rollups()) >= before + 2, 20)
+            wait_for(lambda: len(rollups()) >= before + 2, 20, "two more rollups")
         finally:
             for beat in beats:
                 beat.stop()
@@ -211,10 +200,10 @@ def test_fenced_store_sigstopped_worker_child_cannot_overwrite(
 
     with _workers("fenced_store", env, tmp_path, concurrency=2):
         slow = client.send_task("tasks.set_price", ("sku-9", 100), {"work": 2.5})
-        pid, _, old_fence = _wait_for("the slow run to start", lambda: journal("start"), 20)[0]
+        pid, _, old_fence = wait_for(lambda: journal("start"), 20, "the slow run to start")[0]
         os.kill(pid, signal.SIGSTOP)
         try:
-            _wait_for("its lease to run out", lambda: not locks.exists("redlock:{price:sku-9}"), 5)
+            wait_for(lambda: not locks.exists("redlock:{price:sku-9}"), 5, "its lease to run out")
             fast = client.send_task("tasks.set_price", ("sku-9", 200))
             assert fast.get(timeout=20) is True
         finally:

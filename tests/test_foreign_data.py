@@ -27,7 +27,7 @@ from celery import Celery
 from celery.bin.celery import celery as celery_main
 from celery.contrib.testing.worker import start_worker
 from click.testing import CliRunner, Result
-from servers import RedisServer
+from servers import RedisServer, wait_for
 
 from celery_redlock import (
     ConfigError,
@@ -49,17 +49,6 @@ _apps = itertools.count(1)
 def text_client(server: RedisServer, db: int = 0) -> redis.Redis:
     """A plain client that decodes replies, for writing and reading foreign data."""
     return server.client(db=db, decode_responses=True)
-
-
-def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll *check* every 10 ms for at most *timeout* seconds; fail naming *what*."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def warnings_of(caplog: pytest.LogCaptureFixture, logger: str = "celery_redlock") -> list[str]:

@@ -20,6 +20,7 @@ from servers import (
     RedisServer,
     SentinelSetup,
     find_server_binary,
+    wait_for,
 )
 
 ProxyFactory = Callable[[RedisServer], FaultProxy]
@@ -28,18 +29,6 @@ ProxyFactory = Callable[[RedisServer], FaultProxy]
 def no_retry() -> Retry:
     """A redis-py retry policy that never retries, so one timeout surfaces at once."""
     return Retry(NoBackoff(), 0)
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 3.0) -> bool:
-    """Poll ``check`` every 20 ms for at most ``timeout`` seconds; return its last answer."""
-    deadline = time.monotonic() + timeout
-    for _ in range(int(timeout / 0.02) + 1):
-        if check():
-            return True
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
-    return check()
 
 
 # --------------------------------------------------------------------------- binaries

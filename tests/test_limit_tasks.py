@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import redis
 from prometheus_client import CollectorRegistry
-from servers import RedisServer
-from test_task_inprocess import Env, forget_results, wait_for, worker
+from servers import RedisServer, wait_for
+from test_task_inprocess import Env, forget_results, worker
 
 from celery_redlock import (
     ConfigError,

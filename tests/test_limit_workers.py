@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from servers import RedisServer, free_port
+from servers import RedisServer, free_port, wait_for
 from test_observability import EventCapture
 from workers import Worker, close_publisher, publisher
 
@@ -42,26 +42,6 @@ def _env(server: RedisServer, locks: str | None = None) -> dict[str, str]:
 def _events(server: RedisServer, kind: str) -> list[dict[str, Any]]:
     events = [json.loads(r) for r in server.client(db=3).lrange("events", 0, -1)]
     return [e for e in events if e["event"] == kind]
-
-
-def _wait_for(predicate: Any, timeout: float, step: float = 0.02) -> float:
-    """Poll *predicate* until true (bounded); returns seconds waited, or raises."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if predicate():
-            return time.monotonic() - start
-        time.sleep(step)
-    raise AssertionError(f"condition not met within {timeout}s")
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    """One throwaway Redis for broker, results, locks and the record of these tests."""
-    srv = RedisServer.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -131,11 +111,13 @@ def test_permit_holder_sigkilled_gets_its_permit_back_at_once(
     name = f"kill-{os.getpid()}"
     victim = client.send_task(f"{APP}.keep", args=(name, 20))
     other = client.send_task(f"{APP}.keep", args=(name, 4))
-    _wait_for(lambda: len(_events(server, "start")) == 2, 20)
+    wait_for(lambda: len(_events(server, "start")) == 2, 20)
     child = next(e["pid"] for e in _events(server, "start") if e["task_id"] == victim.id)
     assert _permits(server, f"keep:{name}") == 2
     os.kill(child, signal.SIGKILL)
-    freed = _wait_for(lambda: _permits(server, f"keep:{name}") == 1, 10)
+    began = time.monotonic()
+    wait_for(lambda: _permits(server, f"keep:{name}") == 1, 10)
+    freed = time.monotonic() - began
     assert freed < 5, "freed by the main process, not by the 30 s lease running out"
     holders = server.client(db=1).hvals(f"redlock:{{keep:{name}}}:permits")
     assert [other.id in h.decode() for h in holders] == [True]
@@ -151,21 +133,21 @@ def test_holder_paused_past_its_lease_loses_its_permit_to_a_higher_fence(
     permit with a higher fence, and the paused run, resumed, learns it lost it (LockLost)."""
     name = f"pause-{os.getpid()}"
     paused = client.send_task(f"{APP}.hold", args=(name, 4))
-    _wait_for(lambda: len(_events(server, "start")) == 1, 20)
+    wait_for(lambda: len(_events(server, "start")) == 1, 20)
     first = _events(server, "start")[0]
     busy = client.send_task(f"{APP}.hold", args=(name, 5))
-    _wait_for(lambda: len(_events(server, "start")) == 2, 20)
+    wait_for(lambda: len(_events(server, "start")) == 2, 20)
     os.kill(first["pid"], signal.SIGSTOP)
     try:
         successor = client.send_task(f"{APP}.hold", args=(name, 0.1))
-        _wait_for(lambda: len(_events(server, "start")) == 3, 10)
+        wait_for(lambda: len(_events(server, "start")) == 3, 10)
     finally:
         os.kill(first["pid"], signal.SIGCONT)
     third = _events(server, "start")[2]
     assert third["task_id"] == successor.id
     assert third["fence"] > first["fence"]
     assert successor.get(timeout=20) == name
-    _wait_for(lambda: _events(server, "lost"), 10)
+    wait_for(lambda: _events(server, "lost"), 10)
     lost = _events(server, "lost")
     assert [e["fence"] for e in lost] == [first["fence"]]
     assert paused.get(propagate=False, timeout=20) is not None
@@ -232,12 +214,12 @@ def test_permits_and_rate_refusals_are_celery_task_events(
         calls = [client.send_task(f"{APP}.call_api", args=(name, n)) for n in range(3)]
         for call in calls:
             call.get(timeout=20)
-        _wait_for(lambda: capture.of("task-lock-released", permit.id), 10)
+        wait_for(lambda: capture.of("task-lock-released", permit.id), 10)
 
         def refusals() -> list[dict[str, Any]]:
             return [e for c in calls for e in capture.of("task-lock-rate-limited", c.id)]
 
-        _wait_for(refusals, 10)
+        wait_for(refusals, 10)
         refused = refusals()
     finally:
         capture.stop()

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from lua import ACQUIRE, EXTEND, RELEASE, run_script
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from servers import BARE_CONNECT, FaultProxy, RedisServer, wait_child, wait_for
+from servers import BARE_CONNECT, RESEND, FaultProxy, RedisServer, wait_child, wait_for
 
 from celery_redlock import (
     ConfigError,
@@ -366,7 +366,7 @@ def test_acquire_resent_after_a_late_reply_ends_holding_the_lock(
     direct = redis_server.client()
     for script in (ACQUIRE, RELEASE):
         direct.script_load(script.source)
-    client = proxy.client(socket_timeout=0.2, retry=Retry(NoBackoff(), 5))
+    client = proxy.client(socket_timeout=0.2, retry=Retry(NoBackoff(), 5), **RESEND)
     assert client.ping()
     lock = Lock(client, "resend:held", ttl=10, auto_renew=False, fence_ttl=None)
     redis_server.reset_stats()
@@ -394,7 +394,9 @@ def test_acquire_whose_every_reply_is_late_leaves_no_orphaned_key(
         direct.script_load(script.source)
     # RESP2 and no CLIENT SETINFO: a reconnect needs no handshake reply, so each of
     # redis-py's re-sends reaches the server even while every reply is held back.
-    client = proxy.client(socket_timeout=0.2, retry=Retry(NoBackoff(), 3), **BARE_CONNECT)
+    client = proxy.client(
+        socket_timeout=0.2, retry=Retry(NoBackoff(), 3), **BARE_CONNECT, **RESEND
+    )
     assert client.ping()
     lock = Lock(client, "resend:gone", ttl=10, auto_renew=False, fence_ttl=None)
     redis_server.reset_stats()
@@ -420,7 +422,7 @@ def test_acquire_timing_out_until_the_network_heals_holds_or_leaves_nothing(
     direct = redis_server.client()
     for script in (ACQUIRE, RELEASE):
         direct.script_load(script.source)
-    client = proxy.client(socket_timeout=0.2, retry=Retry(NoBackoff(), 3))
+    client = proxy.client(socket_timeout=0.2, retry=Retry(NoBackoff(), 3), **RESEND)
     assert client.ping()
     lock = Lock(client, "resend:heal", ttl=10, auto_renew=False, fence_ttl=None)
     proxy.delay_replies(0.5)

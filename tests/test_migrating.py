@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from servers import RedisServer
-from test_task_inprocess import Env, forget_results, wait_for, worker
+from servers import RedisServer, wait_for
+from test_task_inprocess import Env, forget_results, worker
 
 from celery_redlock import AlreadyQueued, LockedTask
 

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from prometheus_client import CollectorRegistry
-from servers import RedisServer, logger_at_debug
+from servers import RedisServer, logger_at_debug, wait_for
 from workers import Worker
 
 import celery_redlock
@@ -30,17 +30,6 @@ from celery_redlock.core import events
 from celery_redlock.observability import disable_prometheus, enable_prometheus, logging_hook
 
 APP = "tests.apps.configapp"
-
-
-def _wait_for(predicate: Callable[[], Any], timeout: float, step: float = 0.02) -> Any:
-    """Poll *predicate* until it returns something truthy (bounded); that value."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 # -- hooks and the logging hook on an in-process worker ----------------------------------------
@@ -368,12 +357,12 @@ def test_worker_with_E_sends_task_lock_events(redis_server: RedisServer, tmp_pat
         capture.wait_live(client)
         name = f"ev-{uuid.uuid4().hex[:6]}"
         first = client.send_task(f"{APP}.held", args=(name, 1.0))
-        _wait_for(lambda: redis_server.client(db=3).llen("events"), 20)
+        wait_for(lambda: redis_server.client(db=3).llen("events"), 20)
         second = client.send_task(f"{APP}.held", args=(name, 0.0))
         with pytest.raises(LockContended):
             second.get(timeout=20)
         assert first.get(timeout=20) == name
-        _wait_for(lambda: capture is not None and capture.of("task-lock-released", first.id), 10)
+        wait_for(lambda: capture is not None and capture.of("task-lock-released", first.id), 10)
         start = json.loads(redis_server.client(db=3).lindex("events", 0))
     finally:
         if capture is not None:

@@ -31,7 +31,7 @@ import redis
 from celery import Celery, signals
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
-from servers import RedisServer
+from servers import RedisServer, wait_for
 from workers import forget_results
 
 from celery_redlock import (
@@ -137,17 +137,6 @@ def worker(app: Celery, pool: str = "threads", concurrency: int = 4) -> Iterator
         shutdown_timeout=30.0,
     ) as w:
         yield w
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, step: float = 0.01) -> Any:
-    """Poll *predicate* until it returns something truthy (bounded in time); return it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 def messages(caplog: pytest.LogCaptureFixture, level: int = logging.DEBUG) -> list[str]:

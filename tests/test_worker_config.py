@@ -15,14 +15,14 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
-from servers import RedisServer, free_port
+from servers import RedisServer, free_port, wait_for
 from workers import Worker, close_publisher, publisher
 
 from celery_redlock import is_skipped
@@ -54,17 +54,6 @@ def _records(server: RedisServer, db: int, kind: str) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == kind]
 
 
-def _wait_for(predicate: Callable[[], Any], timeout: float, step: float = 0.02) -> Any:
-    """Poll *predicate* until it returns something truthy (bounded); that value."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError(f"condition not met within {timeout}s")
-
-
 def _keys_everywhere(server: RedisServer, pattern: str, password: str | None = None) -> list[str]:
     """Keys matching *pattern* in every database of *server* (SCAN, bounded)."""
     found: list[str] = []
@@ -76,16 +65,6 @@ def _keys_everywhere(server: RedisServer, pattern: str, password: str | None = N
 
 
 # -- servers and the module's workers --------------------------------------------------------
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    """Broker, results, app.conf.redlock_url and the record of these tests."""
-    srv = RedisServer.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
 @pytest.fixture(scope="module")
 def flag_server() -> Iterator[RedisServer]:
     """A password-protected Redis that only ``--redlock-url`` points at."""
@@ -175,7 +154,7 @@ def test_redlock_url_flag_puts_locks_on_the_flag_server(
     name = f"url-{uuid.uuid4().hex[:6]}"
     try:
         result = client.send_task(f"{APP}.held", args=(name, 1.0))
-        start = _wait_for(lambda: _records(server, FLAGS_RECORD, "start"), 20)[-1]
+        start = wait_for(lambda: _records(server, FLAGS_RECORD, "start"), 20)[-1]
         assert start["name"] == name and start["locked"] is True
         key = f"redlock:{{cfg:{name}}}"
         on_flag = flag_server.client(db=1, password=SECRET)
@@ -198,7 +177,7 @@ def test_redlock_ttl_flag_sets_the_lease(
     name = f"ttl-{uuid.uuid4().hex[:6]}"
     try:
         result = client.send_task(f"{APP}.held", args=(name, 1.0))
-        _wait_for(lambda: _records(server, FLAGS_RECORD, "start"), 20)
+        wait_for(lambda: _records(server, FLAGS_RECORD, "start"), 20)
         pttl = flag_server.client(db=1, password=SECRET).pttl(f"redlock:{{cfg:{name}}}")
         assert 5000 < pttl <= 7000, pttl
         assert result.get(timeout=20) == name
@@ -233,7 +212,7 @@ def test_redlock_disable_flag_runs_unlocked_with_a_loud_warning(
             starts = _records(server, DISABLED_RECORD, "start")
             return starts if len(starts) == 2 else []
 
-        starts = _wait_for(both_started, 20)
+        starts = wait_for(both_started, 20)
         assert [s["locked"] for s in starts] == [False, False]
         assert _keys_everywhere(server, f"*{name}*") == []
         assert _keys_everywhere(flag_server, f"*{name}*", password=SECRET) == []
@@ -257,7 +236,7 @@ def test_redlock_tasks_locks_a_plain_shared_task_on_prefork(
     client = _client(_env(server, PLAIN_BROKER, PLAIN_RECORD))
     try:
         first = client.send_task(f"{PLAIN}.plain_hold", args=(5, 2.0))
-        _wait_for(lambda: _records(server, PLAIN_RECORD, "plain"), 20)
+        wait_for(lambda: _records(server, PLAIN_RECORD, "plain"), 20)
         assert server.client(db=1).exists("redlock:{plain:5}")
         second = client.send_task(f"{PLAIN}.plain_hold", args=(5, 0.0))
         skipped = second.get(timeout=20)

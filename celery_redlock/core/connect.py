@@ -121,12 +121,16 @@ def _connect_one(url: str, options: dict[str, Any]) -> Client:
             continue  # a TCP option: UnixDomainSocketConnection refuses it
         options.setdefault(key, value)
     options.setdefault("retry", lock_retry())
+    # redis-py < 6 re-sends only the errors named here (the Retry object alone does
+    # nothing there); newer ones add them to the Retry object's own.
+    options.setdefault("retry_on_error", [RedisConnectionError])
     if scheme == "sentinel":
         return _sentinel(url, options)
     if scheme in ("redis", "rediss"):
         _check_db(url)
     if cluster:
         options.pop("health_check_interval", None)
+        options.pop("retry_on_error", None)  # a cluster client retries by its own rules
         return RedisCluster.from_url(url, **options)
     try:
         return redis.Redis.from_url(url, **options)
