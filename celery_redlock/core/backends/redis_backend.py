@@ -22,10 +22,11 @@ import hashlib
 import inspect
 import re
 import threading
+import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from functools import partial
 from importlib import resources
 from typing import Any
@@ -34,7 +35,7 @@ import redis
 from redis import exceptions as rx
 from redis.cluster import RedisCluster
 
-from .. import process
+from .. import process, threads
 from ..backend import (
     Claim,
     ForceRelease,
@@ -58,6 +59,11 @@ from . import redis_admin
 from .redis_admin import fence_of, foreign_data_message
 
 __all__ = ["RedisBackend", "cannot_decide", "check_client", "is_client", "server_refused"]
+
+
+#: How many more times an unclear acquire is given back from the pool (after 0.1, 0.2,
+#: 0.4 and 0.8 s) when the attempt right after it did not get through.
+ABANDON_TRIES = 4
 
 
 class _Script:
@@ -206,10 +212,8 @@ class RedisBackend:
             if not foreign and not cannot_decide(exc):
                 raise  # never sent, or a bug: nothing to take back
             # The script may have run (a lost reply), or stopped at foreign data after
-            # writing: take back whatever this token may hold, here, so the call that
-            # undoes it is bounded as the call itself is (at most one more socket
-            # timeout) and no thread is left behind on a server that stopped answering.
-            # A copy that reaches the server after this release lives out its lease.
+            # writing: take back whatever this token may hold (see _abandon). A copy that
+            # reaches the server after the last give-back lives out its lease.
             self._abandon(slot, token, ttl_ms)
             if foreign:
                 raise ConfigError(foreign_data_message(self.client, keys, exc)) from exc
@@ -217,9 +221,27 @@ class RedisBackend:
         return _grant(reply, permits=slot.permits)
 
     def _abandon(self, slot: Slot, token: str, notice_ms: int) -> None:
-        # Best effort, never raises: what is not taken back expires with its lease.
-        with suppress(Exception):
+        """Take back what *token* may hold, best effort, never raising: here once, and
+        when that does not get through (the server still does not answer), again from
+        the process's pool after a short pause, a few times within the lease. What is
+        not taken back expires with its lease."""
+        try:
             self.release(slot, token, notice_ms)
+        except Exception:
+            threads.submit(self._abandon_later, slot, token, notice_ms)
+
+    def _abandon_later(self, slot: Slot, token: str, notice_ms: int) -> None:
+        pause = 0.1
+        deadline = time.monotonic() + notice_ms / 1000
+        for _ in range(ABANDON_TRIES):
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            if time.monotonic() >= deadline:
+                return
+            try:
+                self.release(slot, token, notice_ms)
+                return
+            except Exception:
+                pause *= 2
 
     def release(
         self, slot: Slot, token: str, notice_ms: int, done: tuple[str, int] | None = None
