@@ -145,6 +145,18 @@ def server() -> Iterator[RedisServer]:
         srv.stop()
 
 
+@pytest.fixture(scope="module")
+def three_servers() -> Iterator[list[RedisServer]]:
+    """Three independent throwaway servers for one test module (a Redlock's masters),
+    stopped after the module's last test; nothing else connects to them."""
+    started = start_servers(3)
+    try:
+        yield started
+    finally:
+        for srv in started:
+            srv.stop()
+
+
 @pytest.fixture(scope="session")
 def shared_redis() -> Iterator[RedisServer]:
     """One throwaway server shared by the session's fast tests."""

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from servers import ClusterSetup, RedisServer, SentinelSetup, start_servers, wait_child, wait_for
+from servers import ClusterSetup, RedisServer, SentinelSetup, wait_child, wait_for
 
 from celery_redlock.core import (
     ConfigError,
@@ -83,17 +83,6 @@ def cluster_once() -> Iterator[ClusterSetup]:
         cluster.stop()
 
 
-@pytest.fixture(scope="module")
-def quorum_servers() -> Iterator[list[RedisServer]]:
-    """Three independent Redis servers: the masters of a Redlock quorum."""
-    servers = start_servers(3)
-    try:
-        yield servers
-    finally:
-        for server in servers:
-            server.stop()
-
-
 def _healthy(server: RedisServer) -> RedisServer:
     """The session's shared server as other tests may have left it: running."""
     if server.paused:
@@ -123,7 +112,7 @@ def target(request: pytest.FixtureRequest) -> Iterator[Any]:
     elif kind == "cluster":
         clients = [request.getfixturevalue("cluster_once").client()]
     elif kind == "quorum":
-        clients = [server.client() for server in request.getfixturevalue("quorum_servers")]
+        clients = [server.client() for server in request.getfixturevalue("three_servers")]
     else:  # pragma: no cover - a name in BACKENDS without a branch here
         raise AssertionError(f"no target for backend {kind!r}")
     try:
@@ -144,7 +133,7 @@ def nodes(request: pytest.FixtureRequest, target: Any) -> list[RedisServer]:
     if kind == "cluster":
         return list(request.getfixturevalue("cluster_once").nodes)
     if kind == "quorum":
-        return list(request.getfixturevalue("quorum_servers"))
+        return list(request.getfixturevalue("three_servers"))
     return []
 
 

@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from servers import RedisServer, start_servers, wait_for
+from servers import RedisServer, wait_for
 
 from celery_redlock.core import (
     Lock,
@@ -49,17 +49,6 @@ PREFIX = "redlock:"
 TTL = 60.0  # long: nothing expires unless the machine says so
 WAIT = 0.02  # a waiter's timeout (seconds)
 OBJECTS = st.integers(min_value=0, max_value=2)
-
-
-@pytest.fixture(scope="module")
-def model_quorum_servers() -> Iterator[list[RedisServer]]:
-    """Three independent Redis servers for the quorum machine."""
-    servers = start_servers(3)
-    try:
-        yield servers
-    finally:
-        for server in servers:
-            server.stop()
 
 
 class LockModel(RuleBasedStateMachine):
@@ -323,5 +312,5 @@ def _model_tests(backend: str, examples: int, servers: str | None) -> type:
 
 TestMemoryModel = _model_tests("memory", 100, None)
 TestRedisModel = _model_tests("redis", 40, "shared_redis")
-TestQuorumModel = _model_tests("quorum", 25, "model_quorum_servers")
+TestQuorumModel = _model_tests("quorum", 25, "three_servers")
 TestMemoryQuorumModel = _model_tests("memory-quorum", 25, None)

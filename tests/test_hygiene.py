@@ -41,7 +41,7 @@ import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from servers import RESEND, FaultProxy, RedisServer, start_servers, wait_child, wait_for
+from servers import RESEND, FaultProxy, RedisServer, wait_child, wait_for
 
 from celery_redlock.core import (
     ConfigError,
@@ -71,23 +71,11 @@ _RENEWAL_THREAD = "celery-redlock-renewal"
 
 
 # -- servers and targets ------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def servers() -> Iterator[list[RedisServer]]:
-    """Three throwaway servers for this module: [0] serves the one-Redis cases, all three
-    a Redlock; nothing else connects to them, so their client lists are this module's."""
-    started = start_servers(3)
-    try:
-        yield started
-    finally:
-        for server in started:
-            server.stop()
-
-
 @pytest.fixture
-def admins(servers: list[RedisServer]) -> Iterator[list[redis.Redis]]:
+def admins(three_servers: list[RedisServer]) -> Iterator[list[redis.Redis]]:
     """One admin client per server (one connection each, counted in every baseline),
     after FLUSHALL."""
-    clients = [server.client() for server in servers]
+    clients = [server.client() for server in three_servers]
     for client in clients:
         client.flushall()
     try:
@@ -102,15 +90,15 @@ def memory() -> Any:
     return connect(f"memory://hygiene-{uuid.uuid4().hex}")
 
 
-def target_of(kind: str, servers: Sequence[RedisServer], **client_options: Any) -> Any:
+def target_of(kind: str, three_servers: Sequence[RedisServer], **client_options: Any) -> Any:
     """What a user passes to a primitive for *kind*: a memory store, a client of one Redis,
     or a list of three masters (memory stores or clients)."""
     if kind == "memory":
         return memory()
     if kind == "redis":
-        return servers[0].client(**client_options)
+        return three_servers[0].client(**client_options)
     if kind == "redlock":
-        return [server.client(**client_options) for server in servers]
+        return [server.client(**client_options) for server in three_servers]
     if kind == "redlock-memory":
         return [memory() for _ in range(3)]
     raise AssertionError(kind)
@@ -277,12 +265,12 @@ PRIMITIVES: dict[str, Callable[[Any], Callable[[int], None]]] = {
     ],
 )
 def test_function_scoped_primitive_on_one_shared_client(
-    primitive: str, kind: str, servers: list[RedisServer], admins: list[redis.Redis]
+    primitive: str, kind: str, three_servers: list[RedisServer], admins: list[redis.Redis]
 ) -> None:
     """10,000 function-scoped primitives on one shared client all succeed and leave fds,
     threads and CLIENT LIST flat (the old core failed at call 101 of a ``with Lock`` in a
     function: each dropped Lock kept a connection of the client's 100-connection pool)."""
-    target = target_of(kind, servers)
+    target = target_of(kind, three_servers)
     try:
         hygiene(
             f"{CALLS} x {primitive} on {kind}",
@@ -299,7 +287,7 @@ def test_function_scoped_primitive_on_one_shared_client(
 @pytest.mark.parametrize("closed", [True, False], ids=["closed", "dropped"])
 @pytest.mark.parametrize("kind", ["redis", "redlock"])
 def test_fresh_client_per_call(
-    kind: str, closed: bool, servers: list[RedisServer], admins: list[redis.Redis]
+    kind: str, closed: bool, three_servers: list[RedisServer], admins: list[redis.Redis]
 ) -> None:
     """A fresh ``redis.Redis`` (or three, for a Redlock) made per call, locked with and then
     closed or just dropped, leaves no socket, thread or server connection behind: nothing
@@ -307,7 +295,7 @@ def test_fresh_client_per_call(
     n = SMALL_CALLS if kind == "redis" else SMALL_CALLS // 4  # three clients per call
 
     def call(i: int) -> None:
-        target = target_of(kind, servers)
+        target = target_of(kind, three_servers)
         primitive = Lock if kind == "redis" else Redlock
         with primitive(target, f"fresh:{i}", ttl=10):
             pass
@@ -350,13 +338,13 @@ def run_threads(call: Callable[[int], object], per_thread: int, first: int) -> N
 
 @pytest.mark.parametrize("kind", ["memory", "redis", "redlock"])
 def test_threads_on_one_client(
-    kind: str, servers: list[RedisServer], admins: list[redis.Redis]
+    kind: str, three_servers: list[RedisServer], admins: list[redis.Redis]
 ) -> None:
     """16 threads each doing 500 lock cycles on one shared client (one set of masters) all
     succeed, and leave fds, threads and CLIENT LIST flat: a busy client is not reported
     as an unavailable Redis or quorum. The warm-up runs on the 16 threads too: the
     client's pool keeps up to one connection per thread that used it at once."""
-    target = target_of(kind, servers)
+    target = target_of(kind, three_servers)
     watch = watched(kind, admins)
     try:
         export = lock_call(target)
@@ -378,15 +366,15 @@ def blocking_pool(host: str, port: int, timeout: float = 20) -> redis.Redis:
 def tiny_target(
     kind: str,
     pool: str,
-    servers: list[RedisServer],
+    three_servers: list[RedisServer],
     fault_proxy: Callable[[RedisServer], FaultProxy],
     timeout: float = 20,
 ) -> Any:
     """*kind*'s target on clients whose pools allow 2 connections; "redlock, one master
     5 ms away" puts a proxy that delays each chunk by 5 ms before the third master."""
-    places = [(s.host, s.port) for s in servers]
+    places = [(s.host, s.port) for s in three_servers]
     if kind == "redlock, one master 5 ms away":
-        proxy = fault_proxy(servers[2])
+        proxy = fault_proxy(three_servers[2])
         proxy.delay(0.005)
         places[2] = (proxy.host, proxy.port)
     elif kind == "redis":
@@ -416,7 +404,7 @@ def test_tiny_pool(
     primitive: str,
     kind: str,
     pool: str,
-    servers: list[RedisServer],
+    three_servers: list[RedisServer],
     admins: list[redis.Redis],
     fault_proxy: Callable[[RedisServer], FaultProxy],
 ) -> None:
@@ -424,7 +412,7 @@ def test_tiny_pool(
     too, one of them farther away than the others) all succeed and leave everything flat:
     a primitive takes at most what one call needs and gives it back (the old core failed
     a Lock on a pool of 2 at call 3, a Redlock at call 9 on pools of 8)."""
-    target = tiny_target(kind, pool, servers, fault_proxy)
+    target = tiny_target(kind, pool, three_servers, fault_proxy)
     watch = admins[:1] if kind == "redis" else admins
     try:
         case = f"{SMALL_CALLS} x {primitive} on {kind}, {pool}"
@@ -476,13 +464,13 @@ def _child(target: Any, held: Lock, out: int) -> None:
 
 @pytest.mark.parametrize("kind", ["memory", "redis", "redlock"])
 def test_forked_child_locks_on_inherited_client(
-    kind: str, servers: list[RedisServer], admins: list[redis.Redis]
+    kind: str, three_servers: list[RedisServer], admins: list[redis.Redis]
 ) -> None:
     """A forked child locks 300 times on a client inherited from its parent while the
     parent holds a lock and keeps locking: both succeed, the child cannot release the
     parent's lock, sees it held on a shared server (not in its own memory store), and
     neither process's fds, threads or CLIENT LIST grow."""
-    target = target_of(kind, servers)
+    target = target_of(kind, three_servers)
     watch = watched(kind, admins)
     export = lock_call(target)
     try:
@@ -545,7 +533,7 @@ def pool_exhausted(exc: BaseException) -> bool:
 def test_exhausted_pool_is_not_unavailable(
     primitive: str,
     pool: str,
-    servers: list[RedisServer],
+    three_servers: list[RedisServer],
     admins: list[redis.Redis],
     fault_proxy: Callable[[RedisServer], FaultProxy],
 ) -> None:
@@ -554,7 +542,7 @@ def test_exhausted_pool_is_not_unavailable(
     QuorumUnavailable, leaves no lock behind, and works once the connections are back
     (the old core said "Redis unavailable", so LockedTask retried forever)."""
     kind = "redlock" if primitive == "Redlock" else "redis"
-    target = tiny_target(kind, pool, servers, fault_proxy, timeout=0.2)
+    target = tiny_target(kind, pool, three_servers, fault_proxy, timeout=0.2)
     clients = target if isinstance(target, list) else [target]
     taken = [(c, checkout(c.connection_pool)) for c in clients for _ in range(2)]
 
@@ -611,7 +599,7 @@ _ONE_STORE_ONLY = ("Semaphore", "RateLimiter")  # refused on a quorum before the
 @pytest.mark.parametrize("kind", ["memory", "redis", "redlock"])
 @pytest.mark.parametrize("case", list(WRONG_ARGUMENTS))
 def test_wrong_argument_type_is_named(
-    case: str, kind: str, servers: list[RedisServer], admins: list[redis.Redis]
+    case: str, kind: str, three_servers: list[RedisServer], admins: list[redis.Redis]
 ) -> None:
     """A wrong argument type raises ConfigError or TypeError naming the argument, never
     QuorumUnavailable, and takes nothing on the backend."""
@@ -620,7 +608,7 @@ def test_wrong_argument_type_is_named(
     if case.startswith("Redlock") and kind != "redlock":
         pytest.skip("Redlock takes a list of masters")
     make, word = WRONG_ARGUMENTS[case]
-    target = target_of(kind, servers)
+    target = target_of(kind, three_servers)
     try:
         with pytest.raises((ConfigError, TypeError)) as caught:
             make(target)
@@ -643,14 +631,14 @@ def evalsha_calls(admin: redis.Redis) -> int:
 @pytest.mark.parametrize("how", ["reply past socket_timeout", "connection reset"])
 def test_release_whose_reply_is_lost_counts_as_released(
     how: str,
-    servers: list[RedisServer],
+    three_servers: list[RedisServer],
     admins: list[redis.Redis],
     fault_proxy: Callable[[RedisServer], FaultProxy],
 ) -> None:
     """``Lock.release()`` whose reply is lost after the server ran it is re-sent by redis-py
     (Retry(NoBackoff(), 3)); the copy finds its token remembered as released: no
     LockLost, the key is gone (a release that read "gone" as lost would raise here)."""
-    proxy = fault_proxy(servers[0])
+    proxy = fault_proxy(three_servers[0])
     timeout = 0.3 if how == "reply past socket_timeout" else 5.0
     client = proxy.client(socket_timeout=timeout, retry=Retry(NoBackoff(), 3), **RESEND)
     admin = admins[0]
@@ -688,12 +676,12 @@ def test_release_whose_reply_is_lost_counts_as_released(
 
 @pytest.mark.parametrize("kind", ["memory", "redis", "redlock"])
 def test_release_after_takeover_raises_lock_lost(
-    kind: str, servers: list[RedisServer], admins: list[redis.Redis]
+    kind: str, three_servers: list[RedisServer], admins: list[redis.Redis]
 ) -> None:
     """A holder whose key was removed (a restart without persistence, a forced release)
     and then taken by another Lock gets LockLost from release() although its local lease
     still looks valid, and the new holder keeps the lock."""
-    target = target_of(kind, servers)
+    target = target_of(kind, three_servers)
     try:
         first = Lock(target, "taken", ttl=30)
         assert first.acquire(blocking=False)

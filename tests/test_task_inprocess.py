@@ -1132,7 +1132,7 @@ def test_redis_down_retries_then_fails_without_running(
     )
     with worker(app):
         result = counted.delay(1)
-        wait_for(lambda: result.state == "RETRY", timeout=10, step=0.005)
+        wait_for(lambda: result.state == "RETRY", timeout=10, interval=0.005)
         exc = result.get(timeout=15, propagate=False)
     assert result.state == "FAILURE"
     assert isinstance(exc, QuorumUnavailable)

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import queue
 import re
 import threading
 import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import partial
 from importlib import resources
 from typing import Any
@@ -35,7 +36,7 @@ import redis
 from redis import exceptions as rx
 from redis.cluster import RedisCluster
 
-from .. import process, threads
+from .. import process
 from ..backend import (
     Claim,
     ForceRelease,
@@ -61,9 +62,47 @@ from .redis_admin import fence_of, foreign_data_message
 __all__ = ["RedisBackend", "cannot_decide", "check_client", "is_client", "server_refused"]
 
 
-#: How many more times an unclear acquire is given back from the pool (after 0.1, 0.2,
-#: 0.4 and 0.8 s) when the attempt right after it did not get through.
-ABANDON_TRIES = 4
+class _GiveBacks:
+    """One thread per process for the give-backs that did not get through at once: each
+    is tried again :data:`GIVE_BACK_AFTER` seconds later, in order, and dropped when it
+    fails again (its lease ends by itself). At most :data:`GIVE_BACK_QUEUE` wait; more
+    are dropped. One thread however many fail: a silent server delays the others, never
+    multiplies threads."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[tuple[float, Callable[[], object]]] = queue.Queue(GIVE_BACK_QUEUE)
+        self._started = False
+        self._mutex = threading.Lock()
+
+    def later(self, give_back: Callable[[], object]) -> None:
+        with self._mutex:
+            if not self._started:
+                self._started = True
+                threading.Thread(
+                    target=self._run, name="celery-redlock-giveback", daemon=True
+                ).start()
+        with suppress(queue.Full):
+            self._queue.put_nowait((time.monotonic() + GIVE_BACK_AFTER, give_back))
+
+    def _run(self) -> None:
+        while True:
+            when, give_back = self._queue.get()
+            time.sleep(max(when - time.monotonic(), 0.0))
+            with suppress(Exception):
+                give_back()
+
+
+#: How long after a failed give-back of an unclear acquire it is tried once more.
+GIVE_BACK_AFTER = 0.5
+#: Give-backs waiting for their second try at most (more are dropped).
+GIVE_BACK_QUEUE = 256
+_give_backs = _GiveBacks()
+
+
+@process.on_fork
+def _new_give_backs() -> None:
+    global _give_backs
+    _give_backs = _GiveBacks()  # the parent's thread does not exist in a child
 
 
 class _Script:
@@ -222,26 +261,13 @@ class RedisBackend:
 
     def _abandon(self, slot: Slot, token: str, notice_ms: int) -> None:
         """Take back what *token* may hold, best effort, never raising: here once, and
-        when that does not get through (the server still does not answer), again from
-        the process's pool after a short pause, a few times within the lease. What is
+        when that does not get through (the server still does not answer), once more a
+        little later from the process's give-back thread (:class:`_GiveBacks`). What is
         not taken back expires with its lease."""
         try:
             self.release(slot, token, notice_ms)
         except Exception:
-            threads.submit(self._abandon_later, slot, token, notice_ms)
-
-    def _abandon_later(self, slot: Slot, token: str, notice_ms: int) -> None:
-        pause = 0.1
-        deadline = time.monotonic() + notice_ms / 1000
-        for _ in range(ABANDON_TRIES):
-            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
-            if time.monotonic() >= deadline:
-                return
-            try:
-                self.release(slot, token, notice_ms)
-                return
-            except Exception:
-                pause *= 2
+            _give_backs.later(lambda: self.release(slot, token, notice_ms))
 
     def release(
         self, slot: Slot, token: str, notice_ms: int, done: tuple[str, int] | None = None
