@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .contention import DUPLICATE_POLICIES, STRATEGIES, Duplicate, Strategy
+from .contention import DUPLICATE_POLICIES, STRATEGIES, Duplicate
 from .core import ConfigError, KeyTemplate
 from .core.lock import MAX_TTL_MS, MIN_TTL, ttl_to_ms
 from .core.ratelimit import parse_rate
@@ -362,7 +362,6 @@ class TaskOptions:
     signature: inspect.Signature
     ttl: float
     on_contended: str
-    strategy: Strategy
     on_lost: str
     max_retries: int
     retry_backoff: float
@@ -411,7 +410,6 @@ def resolve(cls: type, spec: TaskSpec, settings: Mapping[str, Any]) -> TaskOptio
     return TaskOptions(
         key=key,
         signature=spec.signature,
-        strategy=STRATEGIES[values["lock_on_contended"]],
         duplicate=DUPLICATE_POLICIES[values["lock_on_duplicate"]],
         **fields,
     )
