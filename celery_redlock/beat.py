@@ -65,11 +65,11 @@ from celery.beat import Scheduler
 from celery.utils.time import maybe_make_aware
 from redis.exceptions import RedisError
 
+from .config import Settings
 from .core.connect import mask_url
 from .core.errors import ConfigError, RedlockError, one_line
 from .core.lock import Lock
 from .core.records import LockRecords
-from .settings import Settings
 from .state import state_for
 
 __all__ = ["LeaderScheduler"]
@@ -86,13 +86,13 @@ _STORE_ERRORS: tuple[type[Exception], ...] = (RedlockError, RedisError)
 
 def _beat_ttl(settings: Settings) -> float:
     """The leader lease: ``redlock_beat_ttl``, else ``redlock_ttl``."""
-    ttl = settings["redlock_beat_ttl"]
-    return float(settings["redlock_ttl"] if ttl is None else ttl)
+    ttl = settings.beat_ttl
+    return float(settings.ttl if ttl is None else ttl)
 
 
 def _beat_lock_name(settings: Settings, app: Any) -> str:
     """The leader lock's name: ``redlock_beat_lock_name``, else ``beat:leader:<app.main>``."""
-    name = settings["redlock_beat_lock_name"]
+    name = settings.beat_lock_name
     return str(name) if name else f"beat:leader:{app.main or 'celery'}"
 
 
@@ -117,7 +117,7 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
         #: The leader lock's name and lease (seconds).
         self.lock_name = _beat_lock_name(settings, app)
         self.ttl = _beat_ttl(settings)
-        url = settings.url
+        url = settings.urls
         self._where = ", ".join(mask_url(u) for u in (url if isinstance(url, list) else [url]))
         self.retry_interval = max(0.05, self.ttl * self.retry_fraction)
         self._leader_lock: Lock | None = None

@@ -34,6 +34,7 @@ from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 from celery.exceptions import CeleryCommandException
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
+from .config import Settings, load_settings
 from .core import Backend, connect, mask_url, open_backend
 from .core.admin import (
     LockInfo,
@@ -47,7 +48,6 @@ from .core.admin import (
 )
 from .core.errors import ConfigError, QuorumUnavailable, describe_holder, one_line
 from .core.keys import lock_keys
-from .settings import Settings, load_settings
 from .state import state_for
 
 __all__ = ["EXIT_NOT_HELD", "EXIT_UNREACHABLE", "LockRow", "locks"]
@@ -160,8 +160,8 @@ class _Session:
         app = ctx.obj.app
         try:
             self.settings: Settings = load_settings(app.conf, state_for(app).overrides)
-            options = self.settings["redlock_client_options"]
-            url = self.settings.url
+            options = self.settings.client_options
+            url = self.settings.urls
             self.is_redlock = isinstance(url, list)
             urls = url if isinstance(url, list) else [url]
             #: (masked url, backend) per master: one for a single Redis, N for Redlock.
@@ -170,7 +170,7 @@ class _Session:
             ]
         except ConfigError as exc:
             raise CeleryCommandException(str(exc), EXIT_USAGE) from None
-        self.prefix: str = self.settings["redlock_key_prefix"]
+        self.prefix: str = self.settings.key_prefix
         self.unreachable: list[_Unreachable] = []
 
     def master_of(self, backend: Backend) -> str | None:
@@ -341,7 +341,7 @@ def release(ctx: click.Context, name: str, force: bool) -> None:
             "next owner",
             abort=True,
         )
-    notice_ttl: float = session.settings["redlock_ttl"]
+    notice_ttl: float = session.settings.ttl
     released = 0
     for url, client in session.clients:
         master = session.master_of(client)

@@ -1,14 +1,15 @@
 """What a call does when its key is held: the ``lock_on_contended`` strategies of a run,
-and the ``lock_on_duplicate`` policies of a publish.
+and the ``lock_on_duplicate`` policies of a publish. Both are tables of named strategies;
+the option accepts every name in its table, so a new one is one entry and its functions.
 
-:data:`STRATEGIES` is the one table of the first. An entry names a function that decides
-the fate of a refused run (:class:`Refusal`) and says whether the run first waits for
-the holder's release. ``lock_on_contended`` accepts every name in the table, so a new
-strategy is one entry and one function.
-
-A strategy's function either raises (``Retry``, ``Ignore``, ``LockContended``: the
-tracer records the outcome) or returns the result the run gets instead of running its
-body (a skip in an eager or direct call).
+* :data:`STRATEGIES`: an entry names a function that decides the fate of a refused run
+  (:class:`Refusal`) and says whether the run first waits for the holder's release. It
+  either raises (``Retry``, ``Ignore``, ``LockContended``: the tracer records the
+  outcome) or returns the result the run gets instead of its body (a skip in an eager
+  or direct call).
+* :data:`DUPLICATE_POLICIES`: an entry names how a call takes its key's enqueue-time hold
+  (``claim``) and what a call that finds it taken gets (``answer``, given a
+  :class:`Duplicate`): it raises, or returns what ``apply_async`` returns.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from typing import Any, NoReturn, Protocol
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from .core.backend import RateGrant
-from .core.errors import LockContended, RateLimited, describe_holder
+from .core.backend import Queued, RateGrant
+from .core.errors import AlreadyQueued, LockContended, RateLimited, describe_holder
+from .core.queued import QueuedHold
 
 __all__ = [
     "DUPLICATE_POLICIES",
@@ -31,6 +33,7 @@ __all__ = [
     "SKIPPED",
     "STRATEGIES",
     "Duplicate",
+    "PublishPolicy",
     "Refusal",
     "RetryOptions",
     "Strategy",
@@ -38,6 +41,7 @@ __all__ = [
     "is_skipped",
     "rate_delay",
     "requeue",
+    "skip_message",
 ]
 
 log = logging.getLogger("celery_redlock.task")
@@ -62,28 +66,6 @@ class RetryOptions(Protocol):
     def retry_backoff_max(self) -> float: ...
     @property
     def retry_jitter(self) -> bool: ...
-
-
-@dataclass(frozen=True)
-class Duplicate:
-    """One ``lock_on_duplicate`` value: what a publish does that finds the key held."""
-
-    #: The newest call takes the queued message's place (that message is skipped).
-    replace: bool
-    #: Under "enqueue+run", a call while the key's run holds the lock is a duplicate of
-    #: that run (else it is queued behind it).
-    running_is_duplicate: bool
-    #: A duplicate raises AlreadyQueued (else the call returns the existing AsyncResult).
-    raises: bool
-
-
-#: ``lock_on_duplicate`` name -> what it does (the order is the one error messages list).
-DUPLICATE_POLICIES: dict[str, Duplicate] = {
-    "return": Duplicate(replace=False, running_is_duplicate=True, raises=False),
-    "raise": Duplicate(replace=False, running_is_duplicate=True, raises=True),
-    "replace": Duplicate(replace=True, running_is_duplicate=False, raises=False),
-    "queue_one": Duplicate(replace=False, running_is_duplicate=False, raises=False),
-}
 
 
 def is_skipped(result: Any) -> bool:
@@ -303,3 +285,97 @@ def requeue(
         when=delay,
         sig=sig,
     )
+
+
+# -- lock_on_duplicate: a publish that finds its key queued or running -----------------------
+@dataclass(frozen=True)
+class Duplicate:
+    """A call that found its key's enqueue-time hold taken, as a publish policy sees it."""
+
+    task: Any
+    #: The lock name.
+    name: str
+    #: The call's task id.
+    task_id: str
+    #: What the hold said: the holder's task id (``owner``), ``state`` ("queued" or
+    #: "running"), ``ttl_ms`` left on its hold and its record (``holder``).
+    found: Queued
+    #: At a worker, the request of a message sent without a hold (by name, where the
+    #: task class is unknown); None at publish.
+    request: Any = None
+
+    @property
+    def ttl(self) -> float | None:
+        """Seconds left on the holder's hold (None when unknown)."""
+        ms = self.found.ttl_ms
+        return None if ms is None or ms < 0 else ms / 1000
+
+
+@dataclass(frozen=True)
+class PublishPolicy:
+    """One ``lock_on_duplicate`` value."""
+
+    #: Takes the hold for a new call: ``claim(hold, task_id, ttl, lock_on)``; a call that
+    #: finds the hold taken (and not given to it) is a duplicate.
+    claim: Callable[[QueuedHold, str, float, str], Queued]
+    #: Decides a duplicate: raises, or returns what the call gets instead of being sent.
+    answer: Callable[[Duplicate], Any]
+
+
+def keep_first(hold: QueuedHold, task_id: str, ttl: float, lock_on: str) -> Queued:
+    """The call already queued keeps the key; under ``"enqueue+run"`` so does a running
+    run: the new call is a duplicate of either."""
+    return hold.claim(task_id, ttl, running_blocks=lock_on == "enqueue+run")
+
+
+def take_place(hold: QueuedHold, task_id: str, ttl: float, lock_on: str) -> Queued:
+    """The newest call takes the queued call's place (that message is skipped when it
+    arrives); while a run holds the lock, the call is queued behind it."""
+    return hold.claim(task_id, ttl, replace=True)
+
+
+def one_behind(hold: QueuedHold, task_id: str, ttl: float, lock_on: str) -> Queued:
+    """While one runs, one more call is queued behind it; later calls are duplicates of
+    that one."""
+    return hold.claim(task_id, ttl)
+
+
+def answer_with_holder(dup: Duplicate) -> Any:
+    """The call gets the holder's ``AsyncResult`` and nothing is sent; a message that
+    reached its worker without a hold is skipped visibly, naming the holder."""
+    if dup.request is None:
+        return dup.task.AsyncResult(dup.found.owner)
+    found = dup.found
+    skip_message(
+        dup.task,
+        dup.request,
+        dup.name,
+        f"duplicate of task {found.owner} ({found.state})",
+        owner=found.owner,
+        holder=found.holder,
+    )
+
+
+def refuse_duplicate(dup: Duplicate) -> NoReturn:
+    """The call raises :class:`AlreadyQueued` naming the holder and its time left."""
+    found = dup.found
+    raise AlreadyQueued(dup.name, found.owner, dup.ttl, found.state, found.holder)
+
+
+#: ``lock_on_duplicate`` name -> policy (the order is the one error messages list).
+DUPLICATE_POLICIES: dict[str, PublishPolicy] = {
+    "return": PublishPolicy(keep_first, answer_with_holder),
+    "raise": PublishPolicy(keep_first, refuse_duplicate),
+    "replace": PublishPolicy(take_place, answer_with_holder),
+    "queue_one": PublishPolicy(one_behind, answer_with_holder),
+}
+
+
+def skip_message(
+    task: Any, request: Any, name: str, reason: str, *, owner: str, holder: Any
+) -> NoReturn:
+    """The message does not run: its result is a skip marker naming *owner*; raises
+    ``Ignore``."""
+    marker = {SKIPPED: True, "reason": reason, "lock": name, "task_id": owner, "holder": holder}
+    task.backend.mark_as_done(request.id, marker, request=request)
+    raise Ignore(f"skipped: {reason}")

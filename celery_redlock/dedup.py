@@ -46,11 +46,11 @@ from typing import Any
 
 from celery.exceptions import Ignore
 
-from .contention import RETRIES_HEADER, SKIPPED
-from .core import AlreadyQueued, Queued, QueuedHold, QuorumUnavailable
+from .config import TaskOptions
+from .contention import RETRIES_HEADER, Duplicate, skip_message
+from .core import Queued, QueuedHold, QuorumUnavailable
 from .naming import lock_name_for
 from .observability import send_publisher_event, send_task_event
-from .options import TaskOptions
 from .state import AppState, state_for
 
 __all__ = [
@@ -91,7 +91,7 @@ def _hold(state: AppState, task: Any, name: str) -> QueuedHold:
     return QueuedHold(
         state.backend(),
         name,
-        key_prefix=state.settings["redlock_key_prefix"],
+        key_prefix=state.settings.key_prefix,
         owner_info={"task_name": task.name},
     )
 
@@ -120,22 +120,16 @@ def publish_held(
     if options.debounce and not republish and call.get("eta") is None:
         call["countdown"] = max(float(call.get("countdown") or 0), options.debounce)
     ttl = _hold_ttl(options.enqueue_ttl, call)
-    policy = options.duplicate
     hold = _hold(state, task, name)
     try:
         if republish:
             found = hold.claim(task_id, ttl, report=False)
         else:
-            found = hold.claim(
-                task_id,
-                ttl,
-                replace=policy.replace,
-                running_blocks=policy.running_is_duplicate and options.lock_on == "enqueue+run",
-            )
+            found = options.duplicate.claim(hold, task_id, ttl, options.lock_on)
             if found.outcome == "duplicate" and not found.owner:
                 # The lock is held by something that is no task message (a direct call,
                 # user code): nothing to return; this call is queued behind it.
-                found = hold.claim(task_id, ttl, replace=policy.replace)
+                found = hold.claim(task_id, ttl)
     except QuorumUnavailable as exc:
         log.warning(
             "%s[%s]: could not check lock %r for a queued duplicate (%s); sent anyway, "
@@ -197,8 +191,8 @@ def _running_id(task: Any) -> str | None:
 
 
 def _duplicate(task: Any, name: str, options: TaskOptions, found: Queued, task_id: str) -> Any:
-    """A call not sent: log it, tell event consumers, and return (or raise) the holder."""
-    ttl = None if found.ttl_ms is None or found.ttl_ms < 0 else found.ttl_ms / 1000
+    """A call not sent: log it, tell event consumers, and let the policy answer."""
+    dup = Duplicate(task, name, task_id, found)
     log.info(
         "%s[%s] not sent: lock %r is held by task %s, %s%s (lock_on_duplicate=%r)",
         task.name,
@@ -206,15 +200,13 @@ def _duplicate(task: Any, name: str, options: TaskOptions, found: Queued, task_i
         name,
         found.owner,
         found.state,
-        "" if ttl is None else f", {ttl:.1f} s left on its hold",
+        "" if dup.ttl is None else f", {dup.ttl:.1f} s left on its hold",
         options.on_duplicate,
     )
     send_publisher_event(
         task.app, "duplicate", lock=name, task_name=task.name, holder=found.owner, state=found.state
     )
-    if options.duplicate.raises:
-        raise AlreadyQueued(name, found.owner, ttl, found.state, found.holder)
-    return task.AsyncResult(found.owner)
+    return options.duplicate.answer(dup)
 
 
 def _hold_ttl(enqueue_ttl: float, call: dict[str, Any]) -> float:
@@ -254,16 +246,10 @@ def claim_at_worker(task: Any, request: Any, name: str, options: TaskOptions) ->
     class is unknown): take it now; a duplicate does not run (skipped visibly, or
     ``AlreadyQueued`` with ``lock_on_duplicate="raise"``)."""
     state = state_for(task.app)
-    policy = options.duplicate
-    found = _hold(state, task, name).claim(
-        request.id,
-        options.enqueue_ttl,
-        replace=policy.replace,
-        running_blocks=policy.running_is_duplicate and options.lock_on == "enqueue+run",
-    )
+    hold = _hold(state, task, name)
+    found = options.duplicate.claim(hold, request.id, options.enqueue_ttl, options.lock_on)
     if found.outcome != "duplicate" or not found.owner or found.owner == request.id:
         return
-    ttl = None if found.ttl_ms is None or found.ttl_ms < 0 else found.ttl_ms / 1000
     log.info(
         "Task %s[%s] not started: a duplicate, lock %r is held by task %s, %s "
         "(this message was sent without the task class, so its worker checked; "
@@ -276,16 +262,7 @@ def claim_at_worker(task: Any, request: Any, name: str, options: TaskOptions) ->
         options.on_duplicate,
     )
     send_task_event(task, "duplicate", lock=name, holder=found.owner, state=found.state)
-    if policy.raises:
-        raise AlreadyQueued(name, found.owner, ttl, found.state, found.holder)
-    _skip(
-        task,
-        request,
-        name,
-        f"duplicate of task {found.owner} ({found.state})",
-        owner=found.owner,
-        holder=found.holder,
-    )
+    options.duplicate.answer(Duplicate(task, name, request.id, found, request))
 
 
 def skip_superseded(task: Any, request: Any, lock: Any) -> None:
@@ -304,13 +281,9 @@ def skip_superseded(task: Any, request: Any, lock: Any) -> None:
     if delivery.get("redelivered") and task.AsyncResult(request.id).ready():
         # A late copy of a message that already ran: keep the result it stored.
         raise Ignore(f"superseded by task {owner}; this task id already has its result")
-    _skip(task, request, lock.name, f"superseded by task {owner}", owner=owner, holder=lock.holder)
-
-
-def _skip(task: Any, request: Any, name: str, reason: str, *, owner: str, holder: Any) -> None:
-    marker = {SKIPPED: True, "reason": reason, "lock": name, "task_id": owner, "holder": holder}
-    task.backend.mark_as_done(request.id, marker, request=request)
-    raise Ignore(f"skipped: {reason}")
+    skip_message(
+        task, request, lock.name, f"superseded by task {owner}", owner=owner, holder=lock.holder
+    )
 
 
 def give_back_hold(app: Any, name: str, task_id: str, why: str, *, later: bool = False) -> None:
@@ -329,7 +302,7 @@ def give_back_hold(app: Any, name: str, task_id: str, why: str, *, later: bool =
     if not state.installed or state.disabled:
         return
     try:
-        hold = QueuedHold(state.backend(), name, key_prefix=state.settings["redlock_key_prefix"])
+        hold = QueuedHold(state.backend(), name, key_prefix=state.settings.key_prefix)
         if hold.release(task_id):
             log.info("task %s %s: released its queued hold of %r", task_id, why, name)
     except Exception as exc:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .config import TaskOptions
 from .core import ConfigError, KeyTemplate, render_value
-from .options import TaskOptions
 from .state import state_for
 
 __all__ = ["KEY_HEADER", "lock_name_for"]

@@ -26,6 +26,7 @@ from typing import Any
 from celery import signals
 from celery.exceptions import Ignore, Retry
 
+from .config import TaskOptions
 from .contention import RATE_SLOT_HEADER, STRATEGIES, Refusal, Strategy, requeue
 from .core import (
     Handover,
@@ -50,7 +51,6 @@ from .dedup import (
 from .interrupt import LockLostInterrupt, on_lost, watch
 from .naming import lock_name_for
 from .observability import send_task_event
-from .options import TaskOptions
 from .state import AppState, state_for
 
 __all__ = [
@@ -316,7 +316,7 @@ def _acquire(run: _Run, state: AppState, handover: Handover | None) -> None:
     except QuorumUnavailable as exc:
         if lock is not None and lock_of(request) is lock:
             release_for_request(task, lock, task_id, request)
-        if state.settings["redlock_fail_open"]:
+        if state.settings.fail_open:
             log.warning(
                 "Task %s[%s] runs UNLOCKED (redlock_fail_open=True): %s", task.name, task_id, exc
             )

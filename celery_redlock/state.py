@@ -11,9 +11,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from .config import Settings, TaskOptions, load_settings, resolve
 from .core import Backend, Lock, RateLimiter, Semaphore, connect, open_backend, process
-from .options import TaskOptions, resolve
-from .settings import Settings, load_settings
 
 __all__ = ["AppState", "state_for"]
 
@@ -78,7 +77,7 @@ class AppState:
         cls = type(task)
         found = self.task_options.get(cls)
         if found is None:
-            found = self.task_options[cls] = resolve(cls, cls.redlock_spec, self.settings.values)
+            found = self.task_options[cls] = resolve(cls, cls.redlock_spec, self.settings)
         return found
 
     def clients(self) -> Any:
@@ -86,8 +85,8 @@ class AppState:
         if self._clients is None:
             with self._lock:
                 if self._clients is None:
-                    options: Mapping[str, Any] = self.settings["redlock_client_options"]
-                    self._clients = connect(self.settings.url, **options)
+                    options: Mapping[str, Any] = self.settings.client_options
+                    self._clients = connect(self.settings.urls, **options)
         return self._clients
 
     def backend(self) -> Backend:
@@ -102,8 +101,8 @@ class AppState:
     def make_lock(self, name: str, ttl: float, *, limit: int = 1, **options: Any) -> Lock:
         """A core lock on this app's Redis (held by a majority when several URLs are set),
         or with *limit* > 1 a :class:`Semaphore` of that many permits (one Redis only)."""
-        prefix = self.settings["redlock_key_prefix"]
-        options.setdefault("fence_ttl", self.settings["redlock_fence_ttl"])
+        prefix = self.settings.key_prefix
+        options.setdefault("fence_ttl", self.settings.fence_ttl)
         if limit > 1:
             return Semaphore(self.backend(), name, limit, ttl, key_prefix=prefix, **options)
         return Lock(self.backend(), name, ttl, key_prefix=prefix, **options)
@@ -117,7 +116,7 @@ class AppState:
             name,
             rate,
             burst=burst,
-            key_prefix=self.settings["redlock_key_prefix"],
+            key_prefix=self.settings.key_prefix,
             owner_info=owner_info,
         )
 

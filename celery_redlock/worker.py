@@ -25,13 +25,13 @@ from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from redis.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, BusyLoadingError
 
+from .config import LOCK_ON, check_store
 from .core import renewal
 from .core.connect import mask_url
 from .core.errors import ConfigError, RedlockError, no_queued_holds
 from .dedup import HOLD_HEADER, give_back_hold
 from .naming import KEY_HEADER, lock_name_for
 from .observability import drop_unscrapable_metrics
-from .options import LOCK_ON, check_store
 from .state import AppState, state_for
 from .task import LockedTask, apply_redlock_tasks
 
@@ -168,7 +168,7 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if state.settings.in_process:
             return  # memory://: nothing to reach
         clients = state.clients()
-        url = state.settings.url
+        url = state.settings.urls
         urls = url if isinstance(url, list) else [url]
         per_url = clients if isinstance(clients, list) else [clients]
         for where, client in zip(urls, per_url, strict=True):
@@ -194,7 +194,7 @@ def check_locked_tasks(app: Any, state: AppState) -> None:
     (``lock_limit=None`` without a rate, a limit or a rate on Redlock masters, enqueue-time
     holds on Redlock masters) stops the worker at start-up with one ConfigError naming
     every such task (by name) and its option, never deep in a run."""
-    url = state.settings.url
+    url = state.settings.urls
     masters = len(url) if isinstance(url, list) else 1
     problems: list[str] = []
     for name, task in sorted(app.tasks.items()):

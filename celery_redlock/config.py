@@ -1,25 +1,45 @@
-"""The ``lock_*`` task options: what each accepts and which app setting gives its default.
+"""Configuration: the ``lock_*`` task options, the ``redlock_*`` app settings, and the
+policy tables they accept, checked in one pass each.
 
-:data:`OPTIONS` is the one table of them. A task class's options are checked when the
-class is made (:func:`check_declared`: an unknown ``lock_*`` name or a bad value is a
-:class:`ConfigError` naming the task and the fix), and resolved against its app's
-``redlock_*`` settings once (:func:`resolve`, cached per app by
-``AppState.options_for`` until the settings are reloaded).
+* :data:`OPTIONS` is the one table of task options: what each accepts and which setting
+  gives its default. A task class's options are checked when the class is made
+  (:func:`check_declared`) and resolved against its app's settings once
+  (:func:`resolve`, cached per app by ``AppState.options_for``).
+* :class:`Settings` is the one table of settings: a field each, whose metadata holds its
+  check and its meaning. :func:`load_settings` reads them from ``app.conf`` (worker flags
+  override), and lists every problem in one :class:`ConfigError`.
+
+Settings belong to the app: two apps in one process keep their own values, clients and
+defaults.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
-import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from .contention import DUPLICATE_POLICIES, STRATEGIES, Duplicate
+from .checks import (
+    boolean,
+    choice,
+    key_option,
+    lease,
+    limit_option,
+    mapping,
+    positive_number,
+    rate_option,
+    seconds,
+    text,
+    url_option,
+    whole_number,
+)
+from .contention import DUPLICATE_POLICIES, STRATEGIES, PublishPolicy
 from .core import ConfigError, KeyTemplate
-from .core.lock import MAX_TTL_MS, MIN_TTL, ttl_to_ms
-from .core.ratelimit import parse_rate
+from .core.connect import mask_url
+from .core.lock import DEFAULT_FENCE_TTL
 from .core.semaphore import REDLOCK_REFUSAL
 
 __all__ = [
@@ -27,28 +47,16 @@ __all__ = [
     "LOST_POLICIES",
     "OPTIONS",
     "Option",
+    "Settings",
     "TaskOptions",
     "TaskSpec",
-    "boolean",
-    "check_combination",
     "check_declared",
-    "check_enqueue_limit",
-    "check_rate_needed",
     "check_store",
     "check_task_option",
-    "choice",
     "compile_key",
     "declared",
-    "field_of",
-    "is_set",
-    "key_option",
-    "lease",
-    "limit_option",
-    "positive_number",
-    "rate_option",
+    "load_settings",
     "resolve",
-    "seconds",
-    "whole_number",
 ]
 
 
@@ -60,145 +68,35 @@ LOST_POLICIES = ("raise", "warn")
 LOCK_ON = ("run", "enqueue", "enqueue+run")
 
 
-# -- value checks (shared with the redlock_* settings): each returns the value to use or
-# -- raises TypeError/ValueError whose text completes "... must be <text>"
-def seconds(
-    minimum: float, *, allow_none: bool = False, strict: bool = False
-) -> Callable[[Any], Any]:
-    """A check for a number of seconds >= *minimum* (> with *strict*; None if allowed)."""
-
-    def check(value: Any) -> Any:
-        if value is None and allow_none:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError("a number of seconds")
-        if not math.isfinite(value):  # NaN passes every comparison below
-            raise ValueError("a finite number of seconds")
-        if value < minimum or (strict and value == minimum):
-            raise ValueError(f"{'>' if strict else '>='} {minimum}")
-        return float(value)
-
-    return check
-
-
-def lease(*, allow_none: bool = False, minimum: float = MIN_TTL) -> Callable[[Any], Any]:
-    """A check for a lease Redis keeps: seconds in whole milliseconds, from *minimum* (a
-    lock's TTL: ``core.lock.MIN_TTL``) up to ``core.lock.MAX_TTL_MS`` (None if allowed)."""
-    number = seconds(0, allow_none=allow_none, strict=True)
-
-    def check(value: Any) -> Any:
-        checked = number(value)
-        if checked is not None:
-            try:
-                ms = ttl_to_ms(checked)
-            except ConfigError:
-                ms = 0
-            if not minimum * 1000 <= ms <= MAX_TTL_MS:
-                raise ValueError(
-                    f"from {minimum:g} to {MAX_TTL_MS // 1000} seconds (Redis keeps "
-                    "milliseconds, and a lock's lease must outlast its drift allowance)"
-                )
-        return checked
-
-    return check
-
-
-def whole_number(value: Any) -> int:
-    """A whole number >= 0."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise TypeError("a whole number >= 0")
-    return value
-
-
-def boolean(value: Any) -> bool:
-    """True or False."""
-    if not isinstance(value, bool):
-        raise TypeError("True or False")
-    return value
-
-
-def choice(*choices: str) -> Callable[[Any], str]:
-    """A check for one of *choices*."""
-
-    def check(value: Any) -> str:
-        if value not in choices:
-            raise ValueError("one of " + ", ".join(repr(c) for c in choices))
-        return str(value)
-
-    return check
-
-
-def positive_number(value: Any) -> int | None:
-    """A whole number >= 1 (or None: not set)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise TypeError("a whole number >= 1")
-    return value
-
-
-def limit_option(value: Any) -> int | None:
-    """``lock_limit``: a whole number >= 1 (1 a mutex, N a semaphore), or None (no cap)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise TypeError(
-            "a whole number >= 1 (1: one run at a time, N: N at once), or None for no "
-            "concurrency cap (a rate limit alone)"
-        )
-    return value
-
-
-def rate_option(value: Any) -> str | None:
-    """``lock_rate``: ``"N/s"``, ``"N/m"``, ``"N/h"`` or ``"N/d"`` (or None)."""
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise TypeError('a string such as "10/m" (runs per second, minute, hour or day)')
-    try:
-        parse_rate(value)
-    except ConfigError:
-        raise ValueError(
-            'like "10/s", "10/m", "10/h" or "10/d" (run starts per second, minute, hour or day)'
-        ) from None
-    return value.strip().replace(" ", "")
-
-
-def key_option(value: Any) -> Any:
-    """A lock key: a template, a callable, or None (the task name)."""
-    if value is None or callable(value) or (isinstance(value, str) and value):
-        return value
-    raise TypeError('a template such as "sync:<user_id>", or a callable (*args, **kwargs) -> str')
-
-
+# -- task options -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Option:
     """One task option."""
 
     check: Callable[[Any], Any]
-    #: The app setting that gives its default (None: no default).
+    #: The :class:`Settings` field that gives its default (None: no default).
     setting: str | None
 
 
 #: task option -> what it accepts and the setting it defaults from.
 OPTIONS: dict[str, Option] = {
-    "lock_key": Option(key_option, "redlock_default_key"),
-    "lock_ttl": Option(lease(), "redlock_ttl"),
-    "lock_on_contended": Option(choice(*STRATEGIES), "redlock_on_contended"),
-    "lock_on_lost": Option(choice(*LOST_POLICIES), "redlock_on_lost"),
-    "lock_max_retries": Option(whole_number, "redlock_max_retries"),
-    "lock_retry_backoff": Option(seconds(0), "redlock_retry_backoff"),
-    "lock_retry_backoff_max": Option(seconds(0), "redlock_retry_backoff_max"),
-    "lock_retry_jitter": Option(boolean, "redlock_retry_jitter"),
-    "lock_wait_timeout": Option(seconds(0), "redlock_wait_timeout"),
+    "lock_key": Option(key_option, "default_key"),
+    "lock_ttl": Option(lease(), "ttl"),
+    "lock_on_contended": Option(choice(*STRATEGIES), "on_contended"),
+    "lock_on_lost": Option(choice(*LOST_POLICIES), "on_lost"),
+    "lock_max_retries": Option(whole_number, "max_retries"),
+    "lock_retry_backoff": Option(seconds(0), "retry_backoff"),
+    "lock_retry_backoff_max": Option(seconds(0), "retry_backoff_max"),
+    "lock_retry_jitter": Option(boolean, "retry_jitter"),
+    "lock_wait_timeout": Option(seconds(0), "wait_timeout"),
     "lock_max_hold": Option(lease(allow_none=True, minimum=0.001), None),
-    "lock_limit": Option(limit_option, "redlock_limit"),
-    "lock_rate": Option(rate_option, "redlock_rate"),
+    "lock_limit": Option(limit_option, "limit"),
+    "lock_rate": Option(rate_option, "rate"),
     "lock_rate_burst": Option(positive_number, None),
-    "lock_on": Option(choice(*LOCK_ON), "redlock_lock_on"),
-    "lock_on_duplicate": Option(choice(*DUPLICATE_POLICIES), "redlock_lock_on_duplicate"),
+    "lock_on": Option(choice(*LOCK_ON), "lock_on"),
+    "lock_on_duplicate": Option(choice(*DUPLICATE_POLICIES), "lock_on_duplicate"),
     "lock_debounce": Option(seconds(0, allow_none=True, strict=True), None),
-    "lock_enqueue_ttl": Option(lease(minimum=0.001), "redlock_lock_enqueue_ttl"),
+    "lock_enqueue_ttl": Option(lease(minimum=0.001), "lock_enqueue_ttl"),
 }
 
 #: Options for which None, set by the task, means something (no cap), not "not set".
@@ -210,6 +108,175 @@ DEFAULTS_MARK = "redlock_option_defaults"
 ENQUEUE_OPTIONS = ("lock_on_duplicate", "lock_debounce", "lock_enqueue_ttl")
 
 
+# -- app settings -----------------------------------------------------------------------------
+def _setting(check: Callable[[Any], Any], default: Any, doc: str) -> Any:
+    """A :class:`Settings` field: its check and meaning ride in its metadata."""
+    meta = {"check": check, "doc": doc}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _like(option: str) -> Callable[[Any], Any]:
+    """The check of the setting that gives task option *option* its default: the option's."""
+    return OPTIONS[option].check
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The ``redlock_*`` settings of one app, checked (worker flags applied): the field
+    ``ttl`` is the setting ``redlock_ttl``. A new setting is one field here."""
+
+    url: str | list[str] | None = _setting(
+        url_option, None, "where locks live; default: the broker URL when it is redis://"
+    )
+    ttl: float = _setting(_like("lock_ttl"), 30.0, "lease length in seconds")
+    default_key: Any = _setting(_like("lock_key"), None, "key when a task sets none (task name)")
+    on_contended: str = _setting(_like("lock_on_contended"), "retry", "policy when held")
+    on_lost: str = _setting(_like("lock_on_lost"), "raise", "what a task gets on loss")
+    max_retries: int = _setting(_like("lock_max_retries"), 50, "contention retries before failing")
+    retry_backoff: float = _setting(
+        _like("lock_retry_backoff"), 1.0, "first contention retry delay"
+    )
+    retry_backoff_max: float = _setting(
+        _like("lock_retry_backoff_max"), 60.0, "longest contention retry delay"
+    )
+    retry_jitter: bool = _setting(
+        _like("lock_retry_jitter"), True, "randomise contention retry delays"
+    )
+    wait_timeout: float = _setting(_like("lock_wait_timeout"), 30.0, "how long 'wait' blocks")
+    limit: int | None = _setting(_like("lock_limit"), 1, "runs of one key at once (1: a mutex)")
+    rate: str | None = _setting(_like("lock_rate"), None, "run starts of one key per period")
+    lock_on: str = _setting(_like("lock_on"), "run", "when the lock is held (run, enqueue, ...)")
+    lock_on_duplicate: str = _setting(
+        _like("lock_on_duplicate"),
+        "return",
+        "what a publish that finds the key queued or running does",
+    )
+    lock_enqueue_ttl: float = _setting(
+        _like("lock_enqueue_ttl"),
+        3600.0,
+        "longest life of the hold of a message that never runs (+ its ETA)",
+    )
+    fail_open: bool = _setting(boolean, False, "run unlocked when Redis is down (not advised)")
+    key_prefix: str = _setting(text, "redlock:", "prefix of every lock key")
+    fence_ttl: float | None = _setting(
+        lease(allow_none=True, minimum=0.001),
+        DEFAULT_FENCE_TTL,
+        "a lock's fence counter expires after this long unused (None: never)",
+    )
+    tasks: dict[str, Any] = _setting(
+        mapping, {}, "task-name patterns -> lock options, for tasks without base"
+    )
+    disable: bool = _setting(boolean, False, "run every task unlocked (tests)")
+    beat_ttl: float | None = _setting(lease(allow_none=True), None, "beat leader lease")
+    beat_lock_name: str | None = _setting(text, None, "name of the beat leader lock")
+    client_options: dict[str, Any] = _setting(mapping, {}, "extra redis-py client options")
+
+    @property
+    def urls(self) -> str | list[str]:
+        """Where locks live: a URL, or a list of URLs for Redlock (ConfigError if unset:
+        only a disabled app may leave it unset)."""
+        if self.url is None:
+            raise ConfigError(
+                "redlock_url is not set and the broker is not Redis: set "
+                "app.conf.redlock_url = 'redis://host:6379/1' (or pass --redlock-url)"
+            )
+        return self.url
+
+    @property
+    def in_process(self) -> bool:
+        """True when every lock lives in this process (``memory://``): for tests and
+        single-process tools, never shared with a forked child or another process."""
+        url = self.urls
+        return all(
+            u.lower().startswith("memory://") for u in (url if isinstance(url, list) else [url])
+        )
+
+    def check_single_process(self, who: str) -> None:
+        """A ConfigError when locks live in this process (``memory://``) but *who* (a
+        prefork worker, a beat) runs in several processes that would not share them."""
+        if self.in_process:
+            raise ConfigError(
+                f"redlock_url={self.url!r} keeps locks in this process, "
+                f"but {who}: its locks would not be shared, so two runs of one key could "
+                "overlap. memory:// is for tests and single-process tools (eager calls, "
+                "direct calls, a solo or threads worker); point redlock_url at Redis"
+            )
+
+    def describe(self) -> str:
+        """One line for the worker's start-up log (passwords masked)."""
+        url = self.urls
+        where = ", ".join(mask_url(u) for u in url) if isinstance(url, list) else mask_url(url)
+        return (
+            f"locks at {where} (ttl={self.ttl}s, on_contended={self.on_contended}, "
+            f"on_lost={self.on_lost}, max_retries={self.max_retries}, "
+            f"prefix={self.key_prefix!r})"
+        )
+
+
+#: ``redlock_*`` setting name -> its :class:`Settings` field.
+SETTINGS: dict[str, dataclasses.Field[Any]] = {
+    f"redlock_{f.name}": f for f in dataclasses.fields(Settings)
+}
+
+
+def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> Settings:
+    """Read, check and complete the ``redlock_*`` settings from a Celery ``app.conf``.
+
+    Unknown ``redlock_*`` names (likely typos) and wrong types raise one
+    :class:`ConfigError` that lists every problem.
+    """
+    problems: list[str] = []
+    values: dict[str, Any] = {}
+    given = {k: conf.get(k) for k in _conf_keys(conf) if k.lower().startswith("redlock_")}
+    given.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    for name in given:
+        if name not in SETTINGS:
+            guess = difflib.get_close_matches(name, SETTINGS, n=1)
+            problems.append(
+                f"unknown setting {name!r}" + (f" (did you mean {guess[0]!r}?)" if guess else "")
+            )
+    for name, spec in SETTINGS.items():
+        raw = given.get(name)
+        if raw is None:
+            continue
+        try:
+            values[spec.name] = spec.metadata["check"](raw)
+        except (TypeError, ValueError) as exc:
+            shown = mask_url(str(raw)) if name == "redlock_url" else repr(raw)
+            problems.append(f"{name}={shown} must be {exc}")
+    if values.get("url") is None:
+        broker = conf.get("broker_url") or ""
+        if isinstance(broker, str) and broker.split("://", 1)[0] in ("redis", "rediss", "unix"):
+            values["url"] = broker.split(";", 1)[0]
+        elif not values.get("disable"):
+            problems.append(
+                "redlock_url is not set and the broker is not Redis: set "
+                "app.conf.redlock_url = 'redis://host:6379/1' (or pass --redlock-url)"
+            )
+    for name, options in (values.get("tasks") or {}).items():
+        if not isinstance(options, Mapping):
+            problems.append(f"redlock_tasks[{name!r}] must be a dict of lock options")
+            continue
+        for option, value in options.items():
+            try:
+                check_task_option(name, option, value)
+            except ConfigError as exc:
+                problems.append(str(exc))
+    if problems:
+        raise ConfigError("celery-redlock settings: " + "; ".join(problems))
+    return Settings(**values)
+
+
+def _conf_keys(conf: Mapping[str, Any]) -> list[str]:
+    try:
+        return [k for k in conf if isinstance(k, str)]
+    except TypeError:
+        return []
+
+
+# -- checking and resolving task options ------------------------------------------------------
 def check_task_option(task_name: str, option: str, value: Any) -> Any:
     """Validate one task option; ConfigError names the task, the option and the fix."""
     spec = OPTIONS.get(option)
@@ -332,12 +399,12 @@ def compile_key(task_name: str, key: Any, signature: inspect.Signature) -> Any:
         raise ConfigError(f"task {task_name!r}: {exc}") from None
     params = signature.parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    for field in template.fields:
-        if field not in params and not takes_any:
-            guess = difflib.get_close_matches(field, list(params), n=1)
+    for name in template.fields:
+        if name not in params and not takes_any:
+            guess = difflib.get_close_matches(name, list(params), n=1)
             hint = f"; did you mean <{guess[0]}>?" if guess else ""
             raise ConfigError(
-                f"task {task_name!r}: lock_key {key!r} names <{field}>, but the task takes "
+                f"task {task_name!r}: lock_key {key!r} names <{name}>, but the task takes "
                 f"({', '.join(params) or 'no arguments'}){hint}"
             )
     return template
@@ -377,21 +444,21 @@ class TaskOptions:
     #: "run", "enqueue" or "enqueue+run".
     lock_on: str = "run"
     on_duplicate: str = "return"
-    duplicate: Duplicate = DUPLICATE_POLICIES["return"]
+    duplicate: PublishPolicy = DUPLICATE_POLICIES["return"]
     #: With "replace": seconds without a new call before the newest one runs.
     debounce: float | None = None
     #: How long the hold of a message that never runs may live (+ its ETA/countdown).
     enqueue_ttl: float = 3600.0
 
 
-def resolve(cls: type, spec: TaskSpec, settings: Mapping[str, Any]) -> TaskOptions:
+def resolve(cls: type, spec: TaskSpec, settings: Settings) -> TaskOptions:
     """*cls*'s options: the value it sets, else its setting's (both checked already)."""
     values: dict[str, Any] = {}
     for name, option in OPTIONS.items():
         value = declared(cls, name)
         unset = value is None and not (name in NONE_MEANS_SOMETHING and is_set(cls, name))
         if unset and option.setting is not None:
-            value = settings[option.setting]
+            value = getattr(settings, option.setting)
         values[name] = None if value is None else option.check(value)
     task_name = getattr(cls, "name", None) or cls.__name__
     check_rate_needed(
