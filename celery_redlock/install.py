@@ -105,10 +105,13 @@ def _locked_task(app: Any, name: Any) -> Any:
 # The one place that changes Celery when this package is imported, and why each is needed:
 #
 # * the worker flags go on Celery's ``worker`` command itself, not on
-#   ``app.user_options["worker"]``: Celery reads ``user_options`` right after importing
-#   the ``-A`` module, before lazily defined tasks (``@app.task(base=LockedTask)``) are
-#   evaluated, so an app installed on its first task's evaluation would add them too
-#   late to parse. The flags act only through the bootstep, which installed apps have;
+#   ``app.user_options["worker"]``: Celery reads ``user_options`` once, right after
+#   importing the ``-A`` module, and at that moment an app whose tasks are defined the
+#   usual way (``@app.task(base=LockedTask)``, evaluated lazily at finalize) or only by
+#   ``redlock_tasks`` is not installed yet. ``user_options`` would reach only an app that
+#   calls ``install(app)`` at import, and the flags cannot be on the command twice, so
+#   this is their one place. The flags act only through the bootstep, which installed
+#   apps have;
 # * ``worker_init`` installs an app that sets ``redlock_tasks`` but never imported this
 #   package itself (Celery loads it through the ``celery.commands`` entry point, and
 #   ``worker_init`` fires before the worker builds its bootsteps);
@@ -128,9 +131,6 @@ def _install_configured(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if app is not None and app.conf.get("redlock_tasks"):
         install(app)
-
-
-signals.worker_init.connect(_install_configured, weak=False)
 
 
 signals.worker_init.connect(_install_configured, weak=False)
