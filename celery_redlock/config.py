@@ -53,7 +53,6 @@ __all__ = [
     "check_declared",
     "check_store",
     "check_task_option",
-    "compile_key",
     "declared",
     "load_settings",
     "resolve",
@@ -386,28 +385,6 @@ def check_combination(
             "once the calls stop); "
             + ("it sets none" if on_duplicate is None else f"it sets {on_duplicate!r}")
         )
-
-
-def compile_key(task_name: str, key: Any, signature: inspect.Signature) -> Any:
-    """A ``lock_key`` ready to render: None, a callable, or a KeyTemplate whose every
-    placeholder is an argument of *signature* (ConfigError with a did-you-mean if not)."""
-    if key is None or callable(key):
-        return key
-    try:
-        template = KeyTemplate(key)
-    except ConfigError as exc:
-        raise ConfigError(f"task {task_name!r}: {exc}") from None
-    params = signature.parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    for name in template.fields:
-        if name not in params and not takes_any:
-            guess = difflib.get_close_matches(name, list(params), n=1)
-            hint = f"; did you mean <{guess[0]}>?" if guess else ""
-            raise ConfigError(
-                f"task {task_name!r}: lock_key {key!r} names <{name}>, but the task takes "
-                f"({', '.join(params) or 'no arguments'}){hint}"
-            )
-    return template
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,15 @@ names one call's lock alike.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from typing import Any
 
 from .config import TaskOptions
 from .core import ConfigError, KeyTemplate, render_value
 from .state import state_for
 
-__all__ = ["KEY_HEADER", "lock_name_for"]
+__all__ = ["KEY_HEADER", "compile_key", "lock_name_for"]
 
 #: Message header carrying a per-call key (``apply_async(lock_key=...)``).
 KEY_HEADER = "redlock_key"
@@ -88,3 +90,25 @@ def _arguments(
         if param.kind is param.VAR_KEYWORD:
             arguments.update(arguments.pop(param.name, {}))
     return arguments
+
+
+def compile_key(task_name: str, key: Any, signature: inspect.Signature) -> Any:
+    """A ``lock_key`` ready to render: None, a callable, or a KeyTemplate whose every
+    placeholder is an argument of *signature* (ConfigError with a did-you-mean if not)."""
+    if key is None or callable(key):
+        return key
+    try:
+        template = KeyTemplate(key)
+    except ConfigError as exc:
+        raise ConfigError(f"task {task_name!r}: {exc}") from None
+    params = signature.parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for name in template.fields:
+        if name not in params and not takes_any:
+            guess = difflib.get_close_matches(name, list(params), n=1)
+            hint = f"; did you mean <{guess[0]}>?" if guess else ""
+            raise ConfigError(
+                f"task {task_name!r}: lock_key {key!r} names <{name}>, but the task takes "
+                f"({', '.join(params) or 'no arguments'}){hint}"
+            )
+    return template

@@ -37,11 +37,11 @@ from typing import Any, ClassVar
 
 from celery import Task
 
-from .config import OPTIONS, TaskSpec, check_declared, check_task_option, compile_key, declared
+from .config import OPTIONS, TaskSpec, check_declared, check_task_option, declared
 from .contention import SKIPPED, is_skipped
 from .core import ConfigError, Lock, LockContended, QuorumUnavailable
 from .dedup import publish
-from .naming import KEY_HEADER, lock_name_for
+from .naming import KEY_HEADER, compile_key, lock_name_for
 from .run import acquire_for_request, lock_of, release_for_request, run_locked, use_postrun_net
 from .state import state_for
 
