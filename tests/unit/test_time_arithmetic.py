@@ -1,25 +1,35 @@
 """Time arithmetic under freezegun, on the memory backend: no server, no sleeping.
 
-The memory backend and the lock's local deadline read ``time.monotonic()``, and the
-publish side reads ``datetime.now()``: freezegun moves both at once, so each test
-steps time by exactly what it is about.
+The memory backend and the lock's local deadline read ``time.monotonic()`` (its fence
+counter starts from ``time.time_ns()``), and the publish side reads ``datetime.now()``:
+freezegun moves them all at once, so each test steps time by exactly what it is about.
+
+Beat's leader lease is tested through the pieces ``LeaderScheduler`` uses (a core
+``Lock`` with beat's lease, ``LockRecords`` with beat's suffix, the renewal round's
+``renewal()``/``renew``/``renewed()`` steps): the scheduler itself refuses ``memory://``
+at start-up, and its standby waits block on real time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from celery import Celery
+from celery.signals import before_task_publish
 from freezegun import freeze_time
 
 from celery_redlock import Lock, LockedTask, LockLost, RateLimiter, connect
+from celery_redlock.beat import RECORDS_SUFFIX, LeaderScheduler
 from celery_redlock.contention import backoff_delay, rate_delay
-from celery_redlock.core import RateGrant
+from celery_redlock.core import ConfigError, LockRecords, RateGrant
 from celery_redlock.core.admin import read_lock
+from celery_redlock.core.backend import Renewal
 
 START = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.timezone.utc)
 
@@ -145,3 +155,269 @@ def test_an_eta_or_countdown_lengthens_the_enqueue_hold_by_exactly_that(clock: A
         assert _hold_ttl(store, "job:2") == pytest.approx(3630 - 105, abs=0.002)
     finally:
         app.close()
+
+
+# -- debounce deadlines (lock_debounce with lock_on_duplicate="replace") -----------------------
+def _debounced(name: str, lock_on: str) -> tuple[Celery, Any, Any]:
+    """An eager-off app on Celery's memory broker whose task debounces 30 s on one key."""
+    app = Celery(name, broker="memory://")
+    url = f"memory://{name}"
+    app.conf.update(redlock_url=url, redlock_lock_on=lock_on, redlock_lock_enqueue_ttl=3600)
+
+    @app.task(
+        base=LockedTask,
+        shared=False,
+        name=f"{name}.job",
+        lock_key="job",
+        lock_on_duplicate="replace",
+        lock_debounce=30,
+    )
+    def job(n: int) -> int:
+        return n
+
+    return app, job, connect(url)
+
+
+@contextlib.contextmanager
+def _sent(task_name: str) -> Iterator[dict[str, tuple[Any, Any]]]:
+    """Task id -> (eta, expires) headers of each message of *task_name* as it is sent."""
+    seen: dict[str, tuple[Any, Any]] = {}
+
+    def record(headers: Any = None, **_: Any) -> None:
+        if headers and headers.get("task") == task_name:
+            seen[headers["id"]] = (headers.get("eta"), headers.get("expires"))
+
+    before_task_publish.connect(record, weak=False)
+    try:
+        yield seen
+    finally:
+        before_task_publish.disconnect(record)
+
+
+def _queued(store: Any, name: str) -> tuple[Any, Any]:
+    """(task id, seconds left) of the enqueue-time hold of *name*."""
+    [hold] = [info for info in read_lock(store, "redlock:", name) if info.state == "queued"]
+    return hold.record["task_id"], hold.ttl_ms / 1000
+
+
+def _at(seconds: float) -> str:
+    return (START + dt.timedelta(seconds=seconds)).isoformat()
+
+
+@pytest.mark.parametrize("lock_on", ["enqueue", "enqueue+run"])
+def test_debounce_sends_each_call_at_its_deadline_and_holds_its_key_that_much_longer(
+    clock: Any, lock_on: str
+) -> None:
+    """lock_debounce=30, lock_enqueue_ttl=3600: a call is sent with countdown max(its
+    countdown, 30) (ETA now+30 s; countdown=5 -> +30; countdown=100 -> +100), each newer
+    call takes the hold (3600 s + that delay); an explicit eta is sent as given (2 s ahead:
+    hold 3602 s); expires 10 s ahead cuts the hold to 15 s, which ends exactly then."""
+    app, job, store = _debounced(f"debounce-{uuid.uuid4().hex[:8]}", lock_on)
+    try:
+        with _sent(job.name) as sent:
+            first = job.delay(1)
+            assert sent[first.id] == (_at(30), None)
+            assert _queued(store, "job") == (first.id, pytest.approx(3630, abs=0.002))
+            clock.tick(10)
+            short = job.apply_async((2,), countdown=5)
+            assert sent[short.id] == (_at(40), None)
+            assert _queued(store, "job") == (short.id, pytest.approx(3630, abs=0.002))
+            long = job.apply_async((3,), countdown=100)
+            assert sent[long.id] == (_at(110), None)
+            assert _queued(store, "job") == (long.id, pytest.approx(3700, abs=0.002))
+            timed = job.apply_async((4,), eta=START + dt.timedelta(seconds=12))
+            assert sent[timed.id] == (_at(12), None)
+            assert _queued(store, "job") == (timed.id, pytest.approx(3602, abs=0.002))
+            expiring = job.apply_async((5,), expires=START + dt.timedelta(seconds=20))
+            assert sent[expiring.id] == (_at(40), _at(20))
+            assert _queued(store, "job") == (expiring.id, pytest.approx(15, abs=0.002))
+            clock.tick(14.999)
+            assert _queued(store, "job") == (expiring.id, pytest.approx(0.001, abs=0.0005))
+            clock.tick(0.001)
+            assert not [i for i in read_lock(store, "redlock:", "job") if i.state == "queued"]
+    finally:
+        app.close()
+
+
+@pytest.mark.parametrize("lock_on", ["enqueue", "enqueue+run"])
+def test_a_republish_of_the_running_request_is_not_debounced(clock: Any, lock_on: str) -> None:
+    """Sent with the 30 s debounce, then run at +30 s: re-published under its own task id
+    from its run (self.retry() with countdown=2; then with none), it is sent at +32 s and
+    then at once, keeping its hold for 3602 s and then 3600 s: no debounce added."""
+    app, job, store = _debounced(f"republish-{uuid.uuid4().hex[:8]}", lock_on)
+    try:
+        with _sent(job.name) as sent:
+            first = job.delay(1)
+            assert sent.pop(first.id) == (_at(30), None)
+            clock.tick(30)
+            job.push_request(id=first.id, args=(1,), kwargs={})  # as the worker runs it
+            try:
+                job.apply_async((1,), task_id=first.id, countdown=2)
+                assert sent.pop(first.id) == (_at(32), None)
+                assert _queued(store, "job") == (first.id, pytest.approx(3602, abs=0.002))
+                job.apply_async((1,), task_id=first.id)
+                assert sent.pop(first.id) == (None, None)
+                assert _queued(store, "job") == (first.id, pytest.approx(3600, abs=0.002))
+            finally:
+                job.pop_request()
+    finally:
+        app.close()
+
+
+# -- beat's leader lease -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("conf", "ttl", "retry"),
+    [
+        ({"redlock_beat_ttl": 12}, 12.0, 4.0),
+        ({"redlock_ttl": 45}, 45.0, 15.0),
+        ({"redlock_ttl": 45, "redlock_beat_ttl": 9}, 9.0, 3.0),
+        ({}, 30.0, 10.0),
+        ({"redlock_beat_ttl": 0.12}, 0.12, 0.05),
+    ],
+)
+def test_beat_lease_is_redlock_beat_ttl_else_redlock_ttl(
+    conf: dict[str, Any], ttl: float, retry: float
+) -> None:
+    """The leader lease is redlock_beat_ttl, else redlock_ttl (default 30 s), in the leader
+    lock's TTL and beat's banner; standbys retry every third of it, never under 50 ms.
+    (The scheduler is built on a Redis URL it never contacts: its lock connects lazily,
+    and memory:// is refused at start-up, checked last.)"""
+    app = Celery(f"beat{uuid.uuid4().hex[:6]}", broker="memory://")
+    app.conf.update(redlock_url="redis://127.0.0.1:1/0", **conf)
+    scheduler = LeaderScheduler(app)
+    try:
+        assert scheduler.ttl == ttl
+        assert scheduler.retry_interval == pytest.approx(retry)
+        assert scheduler.leader_lock.ttl_ms == round(ttl * 1000)
+        assert f"(ttl {ttl:g}s)" in scheduler.info
+        assert scheduler.records_key == f"redlock:{{{scheduler.lock_name}}}:{RECORDS_SUFFIX}"
+    finally:
+        scheduler.close()
+    in_process = Celery(f"beat{uuid.uuid4().hex[:6]}", broker="memory://")
+    in_process.conf.update(redlock_url="memory://beat", **conf)
+    with pytest.raises(ConfigError, match="beat's leader election"):
+        LeaderScheduler(in_process)
+
+
+BEAT_TTL = 30.0  # drift 1% + 2 ms = 0.302 s: the local deadline is 29.698 s after acquiring
+
+
+def _beats(store: Any, lost: list[Any]) -> tuple[Lock, Lock]:
+    """A leader and a standby lock as beat builds them (renewal driven by the test)."""
+    info = {"role": "beat-leader", "app": "t"}
+    leader = Lock(
+        store, "beat:leader:t", BEAT_TTL, auto_renew=False, owner_info=info, on_lost=lost.append
+    )
+    standby = Lock(store, "beat:leader:t", BEAT_TTL, auto_renew=False, owner_info=info)
+    return leader, standby
+
+
+def _renewal_round(lock: Lock) -> None:
+    """One round of the renewal thread for *lock*, as ``RenewalManager._round`` runs it."""
+    started = time.monotonic()
+    lock.expire_if_past(started)
+    due = lock.renewal()
+    if due is not None:
+        token, ms = due
+        [outcome] = lock.backend.renew([Renewal(lock.slot, token, ms)])
+        lock.renewed(started, token, outcome)
+
+
+def test_a_beat_leader_claims_ticks_until_its_local_deadline_and_a_standby_takes_over_at_expiry(
+    memory: Any, clock: Any
+) -> None:
+    """A 30 s leader lease: the standby is told the exact lease left (26 s at +4 s: its
+    wait); the leader's tick claims go through at +29.697 s and are refused from +29.698 s
+    (ttl - drift) although the key lives on; the standby is refused at +29.999 s (1 ms
+    left), takes over at +30 s with the next fence, and loads the last tick claimed."""
+    lost: list[Any] = []
+    leader, standby = _beats(memory, lost)
+    began = time.monotonic()
+    assert leader.acquire(blocking=False)
+    assert leader.valid_until - began == pytest.approx(29.698, abs=1e-6)
+    ticks = LockRecords(leader, RECORDS_SUFFIX)
+    clock.tick(4)
+    assert not standby.acquire(blocking=False) and standby.holder_ttl_ms == 26_000
+    clock.tick(25.697)
+    assert ticks.claim("heartbeat", {"at": 29.697}, 1).outcome == "claimed"
+    clock.tick(0.001)
+    refused = ticks.claim("heartbeat", {"at": 29.698}, 2)
+    assert (refused.outcome, refused.detail) == (
+        "lost",
+        "the lease ran out before a confirmed renewal",
+    )
+    clock.tick(0.301)
+    assert not standby.acquire(blocking=False) and standby.holder_ttl_ms == 1
+    clock.tick(0.001)
+    assert standby.acquire(blocking=False)
+    assert leader.fence is not None and standby.fence == leader.fence + 1
+    [(field, record)] = LockRecords(standby, RECORDS_SUFFIX).load().items()
+    assert field == "heartbeat" and '"at":29.697' in record and '"n":1' in record
+    assert ticks.claim("heartbeat", {"at": 30.0}, 2).outcome == "lost"
+    with pytest.raises(LockLost):
+        leader.release()
+    standby.release()
+
+
+def test_a_renewal_round_restarts_the_beat_lease_from_when_the_round_began(
+    memory: Any, clock: Any
+) -> None:
+    """Renewal rounds come every ttl/3 (10 s): the round at +10 s sets the key to a full
+    30 s again and the local deadline to +10 + 29.698 s; claims hold until +39.697 s and
+    are refused at +39.698 s; the standby gets the lock at +40 s, not before."""
+    lost: list[Any] = []
+    leader, standby = _beats(memory, lost)
+    began = time.monotonic()
+    assert leader.acquire(blocking=False)
+    ticks = LockRecords(leader, RECORDS_SUFFIX)
+    clock.tick(BEAT_TTL / 3)
+    _renewal_round(leader)
+    assert leader.valid_until - began == pytest.approx(39.698, abs=1e-6)
+    assert not standby.acquire(blocking=False) and standby.holder_ttl_ms == 30_000
+    clock.tick(29.697)
+    assert ticks.claim("heartbeat", {"at": 39.697}, 1).outcome == "claimed"
+    clock.tick(0.001)
+    assert ticks.claim("heartbeat", {"at": 39.698}, 2).outcome == "lost"
+    clock.tick(0.301)
+    assert not standby.acquire(blocking=False) and standby.holder_ttl_ms == 1
+    clock.tick(0.001)
+    assert standby.acquire(blocking=False)
+    assert not lost  # the leader was never told: its lease ended, nobody took it early
+    standby.release()
+
+
+def test_a_paused_beat_leader_is_never_renewed_past_its_deadline_and_cannot_claim_after(
+    memory: Any, clock: Any
+) -> None:
+    """A leader paused through its renewal rounds wakes at +29.698 s, its key still alive:
+    the round marks it lost (on_lost once) and does not renew it. The standby takes over at
+    +30 s with the next fence and continues from tick n=42; the old leader's n=43 is
+    refused, the new leader's n=43 claimed, a re-claim of n=43 is stale (returning the
+    stored record) and n=44 goes through; a release hands over at the same instant."""
+    lost: list[Any] = []
+    leader, standby = _beats(memory, lost)
+    assert leader.acquire(blocking=False)
+    old = LockRecords(leader, RECORDS_SUFFIX)
+    assert old.claim("heartbeat", {"at": 0}, 42).outcome == "claimed"
+    clock.tick(29.698)
+    _renewal_round(leader)
+    assert leader.lost and leader.lost_reason == "the lease ran out before a confirmed renewal"
+    assert lost == [leader]
+    assert not standby.acquire(blocking=False) and standby.holder_ttl_ms == 302
+    clock.tick(0.302)
+    assert standby.acquire(blocking=False)
+    assert leader.fence is not None and standby.fence == leader.fence + 1
+    new = LockRecords(standby, RECORDS_SUFFIX)
+    assert '"n":42' in new.load()["heartbeat"]
+    assert old.claim("heartbeat", {"at": 30}, 43).outcome == "lost"
+    claimed = new.claim("heartbeat", {"at": 30}, 43)
+    assert claimed.outcome == "claimed"
+    again = new.claim("heartbeat", {"at": 30.5}, 43)
+    assert (again.outcome, again.record) == ("stale", claimed.record)
+    assert new.claim("heartbeat", {"at": 40}, 44).outcome == "claimed"
+    assert lost == [leader]
+    handed = standby.fence
+    standby.release()
+    successor = Lock(memory, "beat:leader:t", BEAT_TTL, auto_renew=False)
+    assert successor.acquire(blocking=False) and successor.fence == handed + 1
+    successor.release()
