@@ -28,6 +28,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
+# Both halves, tests/unit and tests/integration (real servers, worker processes, chaos).
 # Two test processes (pytest-xdist), a test file each at a time: most tests wait on
 # servers and workers, so two share the CI machine's two cores; a file's module fixtures
 # (one chaos scenario run checked by several tests) stay in one process.
@@ -48,14 +49,15 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # Fault injection for longer than `make test` does: CHAOS_MINUTES (default 10) of rounds of
-# tests/chaos with longer fault phases; CHAOS_SEED replays a run (the seed is printed first).
+# tests/integration/chaos with longer fault phases; CHAOS_SEED replays a run (the seed is
+# printed first).
 chaos: $(STAMP)
-	$(PY) tests/chaos/run_chaos.py
+	$(PY) tests/integration/chaos/run_chaos.py
 
 # The suite on every supported combination (oldest, newest, hiredis, valkey), one venv each
 # under .compat/; by hand, not in CI. COMPAT=oldest (or "oldest,valkey") runs only those,
-# COMPAT_PYTEST_ARGS="-x tests/test_lock.py" replaces the default pytest arguments (two
-# processes, a file each, as `make pytest`).
+# COMPAT_PYTEST_ARGS="-x tests/integration/test_lock.py" replaces the default pytest
+# arguments (two processes, a file each, as `make pytest`).
 COMPAT_PYTEST_ARGS ?= -n 2 --dist loadfile
 test-compat:
 	COMPAT_PYTEST_ARGS="$(COMPAT_PYTEST_ARGS)" nice -n 10 $(PYTHON) tools/compat.py $(COMPAT)

@@ -17,7 +17,7 @@ Usage::
     python3 tools/compat.py oldest valkey   # only these
     python3 tools/compat.py --list          # what each combination installs and proves
     python3 tools/compat.py --report        # the table of the last run of each combination
-    python3 tools/compat.py oldest -- -x tests/test_lock.py   # extra pytest arguments
+    python3 tools/compat.py oldest -- -x tests/integration/test_lock.py   # extra pytest arguments
     python3 tools/compat.py oldest --with 'celery[redis]==5.3.6'   # a variant, in its own venv
 
 Standard library only: it runs before any venv exists.

@@ -27,7 +27,7 @@ from workers import Worker, close_publisher, publisher
 
 from celery_redlock import is_skipped
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 APP = "tests.apps.configapp"
 PLAIN = "tests.apps.configplain"
 SECRET = f"pw-{uuid.uuid4().hex}"

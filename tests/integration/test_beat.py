@@ -25,7 +25,7 @@ import pytest
 import redis
 from servers import RedisServer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CELERY = str(Path(sys.executable).parent / "celery")
 TTL = 2.0  # redlock_beat_ttl of the beats under test
 LEADER_KEY = "redlock:{beat:leader:beatapp}"

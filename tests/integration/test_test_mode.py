@@ -21,7 +21,7 @@ from celery_redlock.testing import MEMORY_URL
 
 pytest_plugins = ["pytester"]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_testing_page_runs_as_written(pytester: pytest.Pytester) -> None:
@@ -135,7 +135,7 @@ def test_a_beat_on_memory_stops_at_start_up(tmp_path: Path) -> None:
 
 def test_check_single_process_names_the_url_and_the_way_out() -> None:
     """The start-up refusal is a ConfigError that names the URL and says what to use."""
-    from celery_redlock.settings import load_settings  # noqa: PLC0415
+    from celery_redlock.config import load_settings  # noqa: PLC0415
 
     settings = load_settings({"redlock_url": "memory://x"})
     with pytest.raises(ConfigError, match=r"memory://x.*point redlock_url at Redis"):

@@ -2,7 +2,7 @@
 
 A scenario starts a throwaway "infra" Redis (broker db 0, results db 1, fenced store
 and run records db 2: never faulted), the lock servers it is about, and two
-``celery -A tests.chaos.chaosapp worker`` subprocesses with concurrency 2. A feeder
+``celery -A tests.integration.chaos.chaosapp worker`` subprocesses with concurrency 2. A feeder
 thread keeps a few read-modify-write tasks over a handful of keys in flight while the
 scenario injects its faults; then the feeder stops once the system has made progress
 after the last fault, the queue drains, and :func:`analyse` checks the invariants on
@@ -51,7 +51,7 @@ from workers import Worker
 
 from celery_redlock import Lock, connect
 
-APP = "tests.chaos.chaosapp"
+APP = "tests.integration.chaos.chaosapp"
 #: ``make chaos`` sets CHAOS_LONG=1: longer chaos phases, more faults, more tasks.
 LONG = os.environ.get("CHAOS_LONG", "") not in ("", "0")
 #: Seed of this session; ``CHAOS_SEED`` replays one (timings still vary from run to run).

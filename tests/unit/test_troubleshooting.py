@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "celery_redlock"
 PAGE = ROOT / "docs" / "troubleshooting.md"
 #: Logger methods that log at WARNING or above (``exception`` logs at ERROR).

@@ -18,7 +18,7 @@ So, as long as the lock hands out a unique fence per acquisition, ``value`` alwa
 equals the number of accepted writes; a duplicate fence, or one that goes backwards,
 shows up as a lost update or as refusals in the log.
 
-Used by the workers (``tests.chaos.chaosapp``) and by the tests that check the log.
+Used by the workers (``tests.integration.chaos.chaosapp``) and by the tests that check the log.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from celery import Celery, Task
 from celery.signals import task_received
 
 from celery_redlock import LockedTask, LockEvent, add_hook
-from tests.chaos.fenced_store import FencedStore
+from tests.integration.chaos.fenced_store import FencedStore
 
 _locks = os.environ.get("CHAOS_LOCKS", "redis://127.0.0.1:1/0")
 

@@ -26,7 +26,7 @@ celery_once = pytest.importorskip("celery_once")
 celery_singleton = pytest.importorskip("celery_singleton")
 from celery_singleton.exceptions import DuplicateTaskError  # noqa: E402
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "migrating.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "migrating.md"
 
 
 @pytest.fixture

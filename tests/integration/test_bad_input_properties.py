@@ -45,16 +45,16 @@ from kombu.utils.json import loads as kombu_loads
 from servers import RedisServer, free_port
 
 from celery_redlock import ConfigError, Lock, LockedTask, QuorumUnavailable, connect
+from celery_redlock.config import OPTIONS as TASK_OPTIONS
+from celery_redlock.config import load_settings
 from celery_redlock.contention import backoff_delay
 from celery_redlock.core.connect import mask_url
 from celery_redlock.core.keys import MAX_NAME_LENGTH, lock_keys
-from celery_redlock.options import OPTIONS as TASK_OPTIONS
-from celery_redlock.settings import load_settings
 from celery_redlock.state import state_for
 from celery_redlock.task import lock_name_for
 from tests.apps import keysapp
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FAST = settings(max_examples=150, deadline=None, derandomize=True)
 ON_REDIS = settings(
     max_examples=120,

@@ -1207,8 +1207,8 @@ def test_two_apps_keep_their_own_settings_and_clients(
         assert exists == [int(i == home) for i in range(2)]
         assert [5000, 7000][home] - 1000 < pttl[home] <= [5000, 7000][home]
     assert state_for(apps[0]).clients() is not state_for(apps[1]).clients()
-    assert state_for(apps[0]).settings["redlock_ttl"] == 5.0
-    assert state_for(apps[1]).settings["redlock_ttl"] == 7.0
+    assert state_for(apps[0]).settings.ttl == 5.0
+    assert state_for(apps[1]).settings.ttl == 7.0
 
 
 def test_a_forked_child_makes_its_own_lock_clients_and_takes_locks(env: Env) -> None:

@@ -25,7 +25,7 @@ from celery_redlock import Lock, QueuedHold
 from celery_redlock.core.connect import address_of
 from tests.apps import locksapp
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CELERY = str(Path(sys.executable).parent / "celery")
 APP = "tests.apps.locksapp"
 JSON_FIELDS = {"kind", "name", "key", "state", "holder", "acquired_at", "ttl_ms", "fence"}

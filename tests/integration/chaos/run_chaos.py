@@ -1,6 +1,6 @@
 """``make chaos``: the chaos scenarios again and again, longer, for CHAOS_MINUTES.
 
-Prints the seed first. Each round runs ``pytest tests/chaos`` with ``CHAOS_LONG=1``
+Prints the seed first. Each round runs ``pytest tests/integration/chaos`` with ``CHAOS_LONG=1``
 (longer fault phases, more faults) and its own seed drawn from that one, so the same
 ``CHAOS_SEED`` replays the same schedule of rounds and faults (timings still vary:
 the faults strike real processes). Stops at the first failing round and says how to
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MAX_ROUNDS = 1000
 
 
@@ -36,8 +36,8 @@ def main() -> int:
         round_seed = rng.randrange(2**32)
         print(f"\nchaos round {rounds}: round seed {round_seed}", flush=True)
         argv = [
-            sys.executable, "-m", "pytest", "tests/chaos", "-p", "no:randomly", "-x", "-q",
-            "-m", "slow", "--timeout", "900", *extra,
+            sys.executable, "-m", "pytest", "tests/integration/chaos", "-p", "no:randomly",
+            "-x", "-q", "-m", "slow", "--timeout", "900", *extra,
         ]  # fmt: skip
         env = {**os.environ, "CHAOS_SEED": str(round_seed), "CHAOS_LONG": "1"}
         code = subprocess.call(argv, cwd=ROOT, env=env)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo"
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo"
 
 
 @pytest.fixture(scope="module")
