@@ -129,6 +129,7 @@ def make_app(shared_redis: RedisServer, runs: Runs) -> Iterator[Callable[..., tu
             app.close()
 
 
+# start_worker, not redlock_worker: the start is under test (a ConfigError, start-up lines).
 @contextlib.contextmanager
 def worker(app: Celery) -> Iterator[Any]:
     """An in-process worker (threads pool) for *app*."""

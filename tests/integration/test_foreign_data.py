@@ -25,7 +25,6 @@ import pytest
 import redis
 from celery import Celery
 from celery.bin.celery import celery as celery_main
-from celery.contrib.testing.worker import start_worker
 from click.testing import CliRunner, Result
 from servers import RedisServer, wait_for
 
@@ -325,72 +324,76 @@ def test_redlock_with_foreign_data_on_a_minority_still_locks_and_on_a_majority_s
 
 
 # ------------------------------------------------------------------ LockedTask on a worker
+# pytest-celery's celery_app (the settings below) with the task of the test, then the
+# plugin's redlock_worker: an in-process worker, threads pool.
 
 
 @pytest.fixture
-def app(shared_redis: RedisServer, redis_client: redis.Redis) -> Iterator[Celery]:
-    """A fresh app on the shared server: broker db 0, locks db 1, results db 2."""
+def celery_config(shared_redis: RedisServer, redis_client: redis.Redis) -> dict[str, Any]:
+    """celery_app on the (flushed) shared server: broker db 0, locks db 1, results db 2,
+    a queue of its own."""
     base = f"redis://{shared_redis.host}:{shared_redis.port}"
-    number = next(_apps)
-    celery_app = Celery(
-        f"foreign{number}", broker=f"{base}/0", backend=f"{base}/2", set_as_current=False
-    )
-    celery_app.conf.update(
-        redlock_url=f"{base}/1",
-        task_default_queue=f"foreign{number}-{uuid.uuid4().hex[:6]}",
-        worker_hijack_root_logger=False,
-        broker_connection_retry_on_startup=True,
-        broker_transport_options={"polling_interval": 0.1},
-        worker_prefetch_multiplier=1,
-    )
-    try:
-        yield celery_app
-    finally:
-        celery_app.close()
+    return {
+        "broker_url": f"{base}/0",
+        "result_backend": f"{base}/2",
+        "redlock_url": f"{base}/1",
+        "task_default_queue": f"foreign{next(_apps)}-{uuid.uuid4().hex[:6]}",
+        "worker_hijack_root_logger": False,
+        "broker_connection_retry_on_startup": True,
+        "broker_transport_options": {"polling_interval": 0.1},
+        "worker_prefetch_multiplier": 1,
+    }
 
 
-@contextlib.contextmanager
-def worker(app: Celery) -> Iterator[Any]:
-    """An in-process worker (threads pool) for *app*."""
-    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False) as w:
-        yield w
+@pytest.fixture(scope="session")
+def celery_worker_pool() -> str:
+    return "threads"
 
 
-def test_a_task_whose_lock_key_holds_foreign_data_fails_clearly_and_never_runs(
-    app: Celery, shared_redis: RedisServer
-) -> None:
-    """A run whose lock key holds a string fails with a ConfigError naming the key; its body
-    never runs; the worker goes on and runs the next call (another key) under its lock."""
+@pytest.fixture(scope="session")
+def celery_worker_parameters() -> dict[str, Any]:
+    return {"concurrency": 2, "perform_ping_check": False}
+
+
+@pytest.fixture
+def sync(celery_app: Celery) -> Any:
+    """``sync(uid)`` under the lock sync:<uid>; ``sync.ran`` lists the uids whose body ran."""
     ran: list[int] = []
 
-    @app.task(base=LockedTask, lock_key="sync:<uid>", shared=False)
+    @celery_app.task(base=LockedTask, lock_key="sync:<uid>", shared=False)
     def sync(uid: int) -> int:
         ran.append(uid)
         return uid
 
+    sync.ran = ran  # type: ignore[attr-defined]
+    return sync
+
+
+def test_a_task_whose_lock_key_holds_foreign_data_fails_clearly_and_never_runs(
+    sync: Any, redlock_worker: Any, shared_redis: RedisServer
+) -> None:
+    """A run whose lock key holds a string fails with a ConfigError naming the key; its body
+    never runs; the worker goes on and runs the next call (another key) under its lock."""
     locks = text_client(shared_redis, db=1)
     locks.set("redlock:{sync:1}", "foreign")
-    with worker(app):
-        bad = sync.delay(1)
-        with pytest.raises(ConfigError) as caught:
-            bad.get(timeout=20, propagate=True)
-        assert "'redlock:{sync:1}' holds a string" in str(caught.value)
-        assert sync.delay(2).get(timeout=20) == 2
-    assert ran == [2]
+    bad = sync.delay(1)
+    with pytest.raises(ConfigError) as caught:
+        bad.get(timeout=20, propagate=True)
+    assert "'redlock:{sync:1}' holds a string" in str(caught.value)
+    assert sync.delay(2).get(timeout=20) == 2
+    assert sync.ran == [2]
     assert locks.get("redlock:{sync:1}") == "foreign"
     assert not locks.exists("redlock:{sync:2}")
 
 
-def test_a_running_task_whose_key_is_overwritten_gets_lock_lost_and_the_worker_goes_on(
-    app: Celery, shared_redis: RedisServer
-) -> None:
-    """A key overwritten while its task runs: the renewal thread finds foreign data, the
-    body is interrupted with LockLost (lock_on_lost="raise"), and the worker runs the
-    next task under a fresh lock."""
+@pytest.fixture
+def job(celery_app: Celery) -> Any:
+    """``job(n, wait)`` under the lock job:<n> (0.6 s lease, renewed) for *wait* seconds;
+    ``job.started`` is set when a body starts, ``job.outcome`` says how each ended."""
     started = threading.Event()
     outcome: list[str] = []
 
-    @app.task(base=LockedTask, lock_key="job:<n>", lock_ttl=0.6, shared=False)
+    @celery_app.task(base=LockedTask, lock_key="job:<n>", lock_ttl=0.6, shared=False)
     def job(n: int, wait: float) -> int:
         started.set()
         try:
@@ -403,17 +406,27 @@ def test_a_running_task_whose_key_is_overwritten_gets_lock_lost_and_the_worker_g
         outcome.append("finished")
         return n
 
+    job.started, job.outcome = started, outcome  # type: ignore[attr-defined]
+    return job
+
+
+def test_a_running_task_whose_key_is_overwritten_gets_lock_lost_and_the_worker_goes_on(
+    job: Any, redlock_worker: Any, shared_redis: RedisServer
+) -> None:
+    """A key overwritten while its task runs: the renewal thread finds foreign data, the
+    body is interrupted with LockLost (lock_on_lost="raise"), and the worker runs the
+    next task under a fresh lock."""
+    outcome: list[str] = job.outcome
     locks = text_client(shared_redis, db=1)
-    with worker(app):
-        running = job.delay(1, 10.0)
-        assert started.wait(20)
-        locks.delete("redlock:{job:1}")
-        locks.set("redlock:{job:1}", "foreign")
-        with pytest.raises(LockLost) as caught:
-            running.get(timeout=20, propagate=True)
-        assert FOREIGN_WORDS in str(caught.value) and "job:1" in str(caught.value)
-        assert len(outcome) == 1  # the body was interrupted
-        assert job.delay(2, 0.0).get(timeout=20) == 2
+    running = job.delay(1, 10.0)
+    assert job.started.wait(20)
+    locks.delete("redlock:{job:1}")
+    locks.set("redlock:{job:1}", "foreign")
+    with pytest.raises(LockLost) as caught:
+        running.get(timeout=20, propagate=True)
+    assert FOREIGN_WORDS in str(caught.value) and "job:1" in str(caught.value)
+    assert len(outcome) == 1  # the body was interrupted
+    assert job.delay(2, 0.0).get(timeout=20) == 2
     assert outcome[-1] == "finished"
     assert locks.get("redlock:{job:1}") == "foreign"
 

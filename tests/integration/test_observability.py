@@ -1,6 +1,8 @@
 """Observability: LockEvent hooks, the logging hook, Prometheus metrics and task-lock-* events.
 
-Hooks and logs are checked on an in-process worker (threads pool) against a real Redis;
+Hooks and logs are checked on an in-process worker (threads pool) against a real Redis:
+pytest-celery's ``celery_app`` and the plugin's ``redlock_worker``, configured by this
+module's ``celery_config``, ``celery_worker_pool`` and ``celery_worker_parameters``.
 Celery events on a real `celery worker -E` subprocess with an event receiver.
 """
 
@@ -19,7 +21,6 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery.contrib.testing.worker import start_worker
 from prometheus_client import CollectorRegistry
 from servers import RedisServer, logger_at_debug, wait_for
 from workers import Worker
@@ -42,13 +43,32 @@ class _Run:
         self.fence: int | None = None
 
 
-@pytest.fixture
-def obs_app(shared_redis: RedisServer) -> Iterator[tuple[Celery, dict[str, Any]]]:
-    """A fresh app with two locked tasks (skip on contention; a 0.9 s lease that warns on loss)."""
+@pytest.fixture(scope="session")
+def celery_config(shared_redis: RedisServer) -> dict[str, Any]:
+    """celery_app's settings: broker, results and locks in dbs 13-15 of the shared server."""
     base = f"redis://127.0.0.1:{shared_redis.port}"
-    app = Celery("obs", broker=f"{base}/13", backend=f"{base}/14")
-    app.conf.redlock_url = f"{base}/15"
-    app.conf.worker_hijack_root_logger = False
+    return {
+        "broker_url": f"{base}/13",
+        "result_backend": f"{base}/14",
+        "redlock_url": f"{base}/15",
+        "worker_hijack_root_logger": False,
+    }
+
+
+@pytest.fixture(scope="session")
+def celery_worker_pool() -> str:
+    return "threads"
+
+
+@pytest.fixture(scope="session")
+def celery_worker_parameters() -> dict[str, Any]:
+    return {"concurrency": 2, "perform_ping_check": False}
+
+
+@pytest.fixture
+def obs_app(celery_app: Celery, shared_redis: RedisServer) -> tuple[Celery, dict[str, Any]]:
+    """celery_app with two locked tasks (skip on contention; a 0.9 s lease that warns on loss)."""
+    app = celery_app
     shared_redis.client(db=15).flushdb()
     runs: dict[int, _Run] = {}
 
@@ -83,36 +103,41 @@ def obs_app(shared_redis: RedisServer) -> Iterator[tuple[Celery, dict[str, Any]]
             time.sleep(0.02)
         return bool(self.lock.lost)
 
+    return app, {"work": work, "lossy": lossy, "runs": runs}
+
+
+@pytest.fixture
+def obs_worker(obs_app: tuple[Celery, dict[str, Any]], redlock_worker: Any) -> Iterator[Any]:
+    """redlock_worker on obs_app's app, started once its tasks exist; a body still waiting
+    (a failed test) is let go before the worker stops."""
     try:
-        yield app, {"work": work, "lossy": lossy, "runs": runs}
+        yield redlock_worker
     finally:
-        for run in runs.values():
+        for run in obs_app[1]["runs"].values():
             run.finish.set()
-        app.close()
 
 
 def test_hook_gets_frozen_events_for_acquire_contend_release_and_loss(
-    obs_app: tuple[Celery, dict[str, Any]], shared_redis: RedisServer
+    obs_app: tuple[Celery, dict[str, Any]], obs_worker: Any, shared_redis: RedisServer
 ) -> None:
     """add_hook gets one frozen LockEvent per acquire/contend/release/loss, fields filled."""
-    app, tasks = obs_app
+    _, tasks = obs_app
     runs: dict[int, _Run] = tasks["runs"]
     runs[1], runs[2] = _Run(), _Run()
     seen: list[LockEvent] = []
     hook = celery_redlock.add_hook(seen.append)
     try:
-        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
-            first = tasks["work"].delay(1)
-            assert runs[1].started.wait(10)
-            second = tasks["work"].delay(1)
-            assert is_skipped(second.get(timeout=10))
-            runs[1].finish.set()
-            assert first.get(timeout=10) == 1
+        first = tasks["work"].delay(1)
+        assert runs[1].started.wait(10)
+        second = tasks["work"].delay(1)
+        assert is_skipped(second.get(timeout=10))
+        runs[1].finish.set()
+        assert first.get(timeout=10) == 1
 
-            lossy = tasks["lossy"].delay(2)
-            assert runs[2].started.wait(10)
-            shared_redis.client(db=15).delete("redlock:{obs:2}")
-            assert lossy.get(timeout=10) is True
+        lossy = tasks["lossy"].delay(2)
+        assert runs[2].started.wait(10)
+        shared_redis.client(db=15).delete("redlock:{obs:2}")
+        assert lossy.get(timeout=10) is True
     finally:
         celery_redlock.remove_hook(hook)
 
@@ -234,18 +259,15 @@ class _ListHandler(logging.Handler):
 
 
 def test_logging_hook_writes_one_line_per_event_on_celery_redlock_events(
-    obs_app: tuple[Celery, dict[str, Any]],
+    obs_app: tuple[Celery, dict[str, Any]], obs_worker: Any
 ) -> None:
     """The logging hook logs lock-acquired/-released with task, fence, wait and hold times."""
-    app, tasks = obs_app
+    _, tasks = obs_app
     runs: dict[int, _Run] = tasks["runs"]
     runs[3] = _Run()
     runs[3].finish.set()
     handler = _ListHandler()
-    with (
-        logger_at_debug("celery_redlock.events", handler),
-        start_worker(app, pool="threads", concurrency=1, perform_ping_check=False),
-    ):
+    with logger_at_debug("celery_redlock.events", handler):
         result = tasks["work"].delay(3)
         assert result.get(timeout=10) == 3
     lines = [r.getMessage() for r in handler.records if "name='obs:3'" in r.getMessage()]

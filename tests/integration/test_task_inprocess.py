@@ -126,6 +126,7 @@ def env(shared_redis: RedisServer, redis_client: redis.Redis) -> Iterator[Env]:
         e.rec.close()
 
 
+# start_worker, not redlock_worker: tests start it mid-test (after publishing), on per-test apps.
 @contextlib.contextmanager
 def worker(app: Celery, pool: str = "threads", concurrency: int = 4) -> Iterator[Any]:
     """An in-process worker (a background thread of this process) for *app*."""

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +36,30 @@ def test_the_testing_page_runs_as_written(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=3)
 
 
-def _memory_app(name: str) -> tuple[Celery, Any]:
-    app = Celery(name, broker="memory://", backend="cache+memory://")
-    app.conf.update(
-        redlock_url=f"memory://{name}",
-        broker_transport_options={"polling_interval": 0.01},
-    )
+# The in-process worker below is the user's: pytest-celery's celery_app on the plugin's
+# redlock_celery_config (memory:// broker, results and locks), and redlock_worker.
+@pytest.fixture(scope="session")
+def celery_config(redlock_celery_config: dict[str, Any]) -> dict[str, Any]:
+    return redlock_celery_config
+
+
+@pytest.fixture(scope="session")
+def celery_worker_pool() -> str:
+    return "threads"
+
+
+@pytest.fixture(scope="session")
+def celery_worker_parameters() -> dict[str, Any]:
+    return {"concurrency": 2, "perform_ping_check": False}
+
+
+@pytest.fixture
+def slow(celery_app: Celery) -> Iterator[Any]:
+    """A locked task that holds k:<n> until ``slow.release`` is set (set after the test)."""
     started, release = threading.Event(), threading.Event()
 
-    @app.task(base=LockedTask, bind=True, shared=False, name=f"{name}.slow",
-              lock_key="k:<n>", lock_on_contended="skip")  # fmt: skip
+    @celery_app.task(base=LockedTask, bind=True, shared=False, name="tm-threads.slow",
+                     lock_key="k:<n>", lock_on_contended="skip")  # fmt: skip
     def slow(self: Any, n: int) -> int:
         started.set()
         assert release.wait(10)
@@ -52,26 +67,23 @@ def _memory_app(name: str) -> tuple[Celery, Any]:
         return int(self.lock.fence)
 
     slow.started, slow.release = started, release  # type: ignore[attr-defined]
-    return app, slow
+    try:
+        yield slow
+    finally:
+        release.set()
 
 
-def test_a_threads_worker_on_memory_skips_a_second_run_of_one_key() -> None:
+def test_a_threads_worker_on_memory_skips_a_second_run_of_one_key(
+    slow: Any, redlock_store: Any, redlock_worker: Any
+) -> None:
     """An in-process worker with the threads pool on memory:// (broker and locks): while one
     run of k:1 holds its lock, a second is skipped; afterwards the key is free again."""
-    from celery.contrib.testing.worker import start_worker  # noqa: PLC0415
-
-    app, slow = _memory_app("tm-threads")
-    try:
-        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
-            first = slow.delay(1)
-            assert slow.started.wait(10)
-            assert is_skipped(slow.delay(1).get(timeout=10))
-            slow.release.set()
-            assert isinstance(first.get(timeout=10), int)
-            assert Lock(connect("memory://tm-threads"), "k:1").acquire(blocking=False)
-    finally:
-        slow.release.set()
-        app.close()
+    first = slow.delay(1)
+    assert slow.started.wait(10)
+    assert is_skipped(slow.delay(1).get(timeout=10))
+    slow.release.set()
+    assert isinstance(first.get(timeout=10), int)
+    assert Lock(connect(MEMORY_URL), "k:1").acquire(blocking=False)
 
 
 def test_eager_and_direct_calls_lock_on_memory_with_a_non_redis_broker() -> None:

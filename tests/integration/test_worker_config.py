@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery.contrib.testing.worker import start_worker
 from servers import RedisServer, free_port, wait_for
 from workers import Worker, close_publisher, publisher
 
@@ -253,34 +252,62 @@ def test_redlock_tasks_locks_a_plain_shared_task_on_prefork(
         close_publisher(client)
 
 
-def test_redlock_tasks_locks_a_plain_task_in_process(shared_redis: RedisServer) -> None:
-    """In-process worker: redlock_tasks locks a plain task (same key skipped), no install()."""
+# -- the in-process worker: pytest-celery's celery_app, the plugin's redlock_worker -----------
+@pytest.fixture(scope="session")
+def celery_config(shared_redis: RedisServer) -> dict[str, Any]:
+    """celery_app: broker, results and locks in dbs 10-12 of the shared server; its tasks
+    named inproc.* are locked by redlock_tasks."""
     base = f"redis://127.0.0.1:{shared_redis.port}"
-    app = Celery("inproc", broker=f"{base}/10", backend=f"{base}/11")
-    app.conf.redlock_url = f"{base}/12"
-    app.conf.worker_hijack_root_logger = False
-    app.conf.redlock_tasks = {"inproc.*": {"lock_key": "ip:<n>", "lock_on_contended": "skip"}}
+    return {
+        "broker_url": f"{base}/10",
+        "result_backend": f"{base}/11",
+        "redlock_url": f"{base}/12",
+        "worker_hijack_root_logger": False,
+        "redlock_tasks": {"inproc.*": {"lock_key": "ip:<n>", "lock_on_contended": "skip"}},
+    }
+
+
+@pytest.fixture(scope="session")
+def celery_worker_pool() -> str:
+    return "threads"
+
+
+@pytest.fixture(scope="session")
+def celery_worker_parameters() -> dict[str, Any]:
+    return {"concurrency": 2, "perform_ping_check": False}
+
+
+@pytest.fixture
+def slow(celery_app: Celery) -> Iterator[Any]:
+    """A plain task (no LockedTask) that runs until ``slow.release`` is set (after the test
+    at the latest); ``slow.started`` is set when a body starts."""
     started = threading.Event()
     release = threading.Event()
 
-    @app.task(name="inproc.slow", shared=False)
+    @celery_app.task(name="inproc.slow", shared=False)
     def slow(n: int) -> int:
         started.set()
         release.wait(10)
         return n
 
+    slow.started, slow.release = started, release  # type: ignore[attr-defined]
     try:
-        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
-            first = slow.delay(1)
-            assert started.wait(10)
-            assert shared_redis.client(db=12).exists("redlock:{ip:1}")
-            assert is_skipped(slow.delay(1).get(timeout=10))
-            release.set()
-            assert first.get(timeout=10) == 1
-        assert not shared_redis.client(db=12).exists("redlock:{ip:1}")
+        yield slow
     finally:
         release.set()
-        app.close()
+
+
+def test_redlock_tasks_locks_a_plain_task_in_process(
+    slow: Any, redlock_worker: Any, shared_redis: RedisServer
+) -> None:
+    """In-process worker: redlock_tasks locks a plain task (same key skipped), no install()."""
+    first = slow.delay(1)
+    assert slow.started.wait(10)
+    assert shared_redis.client(db=12).exists("redlock:{ip:1}")
+    assert is_skipped(slow.delay(1).get(timeout=10))
+    slow.release.set()
+    assert first.get(timeout=10) == 1
+    assert not shared_redis.client(db=12).exists("redlock:{ip:1}")
 
 
 # -- settings checked at start-up -------------------------------------------------------------
