@@ -9,7 +9,8 @@ from ..backend import Backend
 from ..errors import ConfigError
 from .memory import MemoryBackend
 from .quorum import QuorumBackend
-from .redis_backend import RedisBackend, is_client
+from .redis_backend import RedisBackend
+from .redis_client import is_client
 
 __all__ = ["MemoryBackend", "QuorumBackend", "RedisBackend", "open_backend"]
 

@@ -14,7 +14,7 @@ Also here: :func:`foreign_data_message`, the reads that explain why Redis refuse
 script (which key holds what), and :func:`fence_of`.
 
 Errors are raised as redis-py raises them; the backend's verbs report them (see
-:func:`~.redis_backend.cannot_decide`).
+:func:`~.redis_client.cannot_decide`).
 """
 
 from __future__ import annotations

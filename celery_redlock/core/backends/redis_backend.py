@@ -3,36 +3,30 @@
 One Redis is a plain server (``redis.Redis``), a Sentinel master (``master_for()``) or a
 Redis Cluster (``RedisCluster``, whose client routes each call to the node that owns the
 key's slot and follows ``MOVED``/``ASK``). Every mutation is one owner-checked Lua script
-(``core/lua/*.lua``, one per file, each with a header saying its KEYS, ARGV and replies),
-run with redis-py's public ``evalsha`` (``eval`` once, after ``NOSCRIPT``).
+(:mod:`.redis_scripts`: ``core/lua/*.lua``, run with ``evalsha``). The operator reads are
+:mod:`.redis_admin`; an unclear acquire's give-back that did not get through is tried
+again by :mod:`.redis_giveback`.
 
 Nothing is held past a call: the backend keeps the client, its address and whether it is
 a cluster. Each verb takes a connection from the client's pool through redis-py's own
 ``execute_command`` (or a pipeline), which gives it back on every path; :meth:`wait`,
 which needs a read deadline of its own, takes one and gives it back itself.
 
-Errors: see :func:`cannot_decide` for what is reported as
+Errors: see :func:`~.redis_client.cannot_decide` for what is reported as
 :class:`~celery_redlock.core.errors.QuorumUnavailable`; data at a lock's keys that is not
 ours is a :class:`~celery_redlock.core.errors.ConfigError`; anything else is raised as it is.
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-import queue
-import re
 import threading
-import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from functools import partial
-from importlib import resources
 from typing import Any
 
-import redis
 from redis import exceptions as rx
 from redis.cluster import RedisCluster
 
@@ -56,89 +50,30 @@ from ..backend import (
 from ..connect import address_of
 from ..errors import ConfigError, QuorumUnavailable
 from ..keys import LockKeys
-from . import redis_admin
+from . import redis_admin, redis_giveback
 from .redis_admin import fence_of, foreign_data_message
+from .redis_client import cannot_decide, check_client, checkout, is_client, server_refused
+from .redis_scripts import (
+    ACQUIRE,
+    CLAIM_FIELD,
+    DEQUEUE,
+    ENQUEUE,
+    EXTEND,
+    EXTEND_NODE,
+    FORCE_RELEASE,
+    PERMIT_ACQUIRE,
+    PERMIT_EXTEND,
+    PERMIT_RELEASE,
+    PERMITS,
+    RAISE_FENCE,
+    RATE,
+    RELEASE,
+    extend_many,
+    grant_of,
+    permit_holders,
+)
 
 __all__ = ["RedisBackend", "cannot_decide", "check_client", "is_client", "server_refused"]
-
-
-class _GiveBacks:
-    """One thread per process for the give-backs that did not get through at once: each
-    is tried again :data:`GIVE_BACK_AFTER` seconds later, in order, and dropped when it
-    fails again (its lease ends by itself). At most :data:`GIVE_BACK_QUEUE` wait; more
-    are dropped. One thread however many fail: a silent server delays the others, never
-    multiplies threads."""
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue[tuple[float, Callable[[], object]]] = queue.Queue(GIVE_BACK_QUEUE)
-        self._started = False
-        self._mutex = threading.Lock()
-
-    def later(self, give_back: Callable[[], object]) -> None:
-        with self._mutex:
-            if not self._started:
-                self._started = True
-                threading.Thread(
-                    target=self._run, name="celery-redlock-giveback", daemon=True
-                ).start()
-        with suppress(queue.Full):
-            self._queue.put_nowait((time.monotonic() + GIVE_BACK_AFTER, give_back))
-
-    def _run(self) -> None:
-        while True:
-            when, give_back = self._queue.get()
-            time.sleep(max(when - time.monotonic(), 0.0))
-            with suppress(Exception):
-                give_back()
-
-
-#: How long after a failed give-back of an unclear acquire it is tried once more.
-GIVE_BACK_AFTER = 0.5
-#: Give-backs waiting for their second try at most (more are dropped).
-GIVE_BACK_QUEUE = 256
-_give_backs = _GiveBacks()
-
-
-@process.on_fork
-def _new_give_backs() -> None:
-    global _give_backs
-    _give_backs = _GiveBacks()  # the parent's thread does not exist in a child
-
-
-class _Script:
-    """A Lua script of this package (the file, then any shared parts appended to it)."""
-
-    __slots__ = ("name", "sha", "source")
-
-    def __init__(self, filename: str, *parts: str) -> None:
-        folder = resources.files("celery_redlock.core").joinpath("lua")
-        self.name = filename
-        self.source = "".join(folder.joinpath(f).read_text("utf-8") for f in (filename, *parts))
-        self.sha = hashlib.sha1(self.source.encode("utf-8"), usedforsecurity=False).hexdigest()
-
-    def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """Run on *client* (``EVALSHA``; ``EVAL`` when the server has not cached it yet)."""
-        try:
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-        except rx.NoScriptError:
-            return client.eval(self.source, len(keys), *keys, *args)
-
-
-_ACQUIRE = _Script("acquire.lua")
-_RELEASE = _Script("release.lua")
-_EXTEND = _Script("extend.lua")
-_EXTEND_MANY = _Script("extend_many.lua", "extend_items.lua")
-_EXTEND_NODE = _Script("extend_node.lua", "extend_items.lua")  # a cluster node, across slots
-_RAISE_FENCE = _Script("raise_fence.lua")
-_FORCE_RELEASE = _Script("force_release.lua")
-_CLAIM_FIELD = _Script("claim_field.lua")
-_PERMIT_ACQUIRE = _Script("permit_acquire.lua")
-_PERMIT_RELEASE = _Script("permit_release.lua")
-_PERMIT_EXTEND = _Script("permit_extend.lua")
-_PERMITS = _Script("permits.lua")
-_RATE = _Script("rate.lua")
-_ENQUEUE = _Script("enqueue.lua")
-_DEQUEUE = _Script("dequeue.lua")
 
 
 class RedisBackend:
@@ -237,12 +172,12 @@ class RedisBackend:
         if slot.permits:
             if handover is not None:
                 raise ConfigError(f"lock {slot.name!r}: a hand-over takes a mutex, not a permit")
-            script, names = _PERMIT_ACQUIRE, [keys.lock, keys.fence, keys.waiting]
+            script, names = PERMIT_ACQUIRE, [keys.lock, keys.fence, keys.waiting]
             args.append(slot.limit)
         elif handover is None:
-            script, names = _ACQUIRE, [keys.lock, keys.fence, keys.waiting]
+            script, names = ACQUIRE, [keys.lock, keys.fence, keys.waiting]
         else:
-            script, names = _ACQUIRE, [keys.lock, keys.fence, keys.waiting, keys.queued]
+            script, names = ACQUIRE, [keys.lock, keys.fence, keys.waiting, keys.queued]
             args += [handover.owner, "1" if handover.strict else "0"]
         try:
             reply = script(self.client, names, args)
@@ -257,17 +192,17 @@ class RedisBackend:
             if foreign:
                 raise ConfigError(foreign_data_message(self.client, keys, exc)) from exc
             raise self.unavailable(slot.name, exc) from exc
-        return _grant(reply, permits=slot.permits)
+        return grant_of(reply, permits=slot.permits)
 
     def _abandon(self, slot: Slot, token: str, notice_ms: int) -> None:
         """Take back what *token* may hold, best effort, never raising: here once, and
         when that does not get through (the server still does not answer), once more a
-        little later from the process's give-back thread (:class:`_GiveBacks`). What is
+        little later from the process's give-back thread (:func:`.redis_giveback.later`). What is
         not taken back expires with its lease."""
         try:
             self.release(slot, token, notice_ms)
         except Exception:
-            _give_backs.later(lambda: self.release(slot, token, notice_ms))
+            redis_giveback.later(lambda: self.release(slot, token, notice_ms))
 
     def release(
         self, slot: Slot, token: str, notice_ms: int, done: tuple[str, int] | None = None
@@ -276,10 +211,10 @@ class RedisBackend:
         names = [keys.lock, keys.notify, keys.waiting, keys.released]
         args: list[Any] = [token, notice_ms]
         if slot.permits:
-            script = _PERMIT_RELEASE
+            script = PERMIT_RELEASE
             args.append(slot.limit)
         else:
-            script = _RELEASE
+            script = RELEASE
             if done is not None:
                 names.append(keys.done)
                 args += [done[0], done[1]]
@@ -287,7 +222,7 @@ class RedisBackend:
             return Status.of(script(self.client, names, args))
 
     def extend(self, slot: Slot, token: str, ms: int, *, replace: bool) -> int | Status:
-        script = _PERMIT_EXTEND if slot.permits else _EXTEND
+        script = PERMIT_EXTEND if slot.permits else EXTEND
         with self._guard(slot):
             code = int(script(self.client, [slot.keys.lock], [token, ms, "1" if replace else "0"]))
         return code if code > 0 else Status.of(code)
@@ -301,7 +236,7 @@ class RedisBackend:
             return []
         if not self.cluster:
             with self._errors(items[0].slot.name):
-                return [*_extend_many(self.client, items)]
+                return [*extend_many(self.client, items)]
         by_node: dict[str, list[int]] = defaultdict(list)
         nodes: dict[str, Any] = {}
         for i, item in enumerate(items):
@@ -332,7 +267,7 @@ class RedisBackend:
         for item in items:
             args += [item.slot.keys.lock, item.token, item.ms]
         try:
-            reply = _EXTEND_NODE(self.client.get_redis_connection(node), [], args)
+            reply = EXTEND_NODE(self.client.get_redis_connection(node), [], args)
             return [Status.of(code) for code in reply]
         except rx.ResponseError as exc:
             if server_refused(exc):
@@ -342,7 +277,7 @@ class RedisBackend:
             by_slot[self.client.keyslot(item.slot.keys.lock)].append(i)
         statuses = [Status.GONE] * len(items)
         for indexes in by_slot.values():
-            found = _extend_many(self.client, [items[i] for i in indexes])
+            found = extend_many(self.client, [items[i] for i in indexes])
             for i, status in zip(indexes, found, strict=True):
                 statuses[i] = status
         return statuses
@@ -357,7 +292,7 @@ class RedisBackend:
         seconds = round(max(seconds, 0.001), 3)
         pool = client.connection_pool
         with self._guard(slot):
-            conn = _checkout(pool)
+            conn = checkout(pool)
             try:
                 conn.send_command("BLPOP", key, f"{seconds:.3f}")
                 if conn.can_read(timeout=seconds + 1.0):
@@ -372,13 +307,13 @@ class RedisBackend:
 
     def raise_fence(self, slot: Slot, fence: int, fence_ttl_ms: int) -> int:
         with self._guard(slot):
-            return int(_RAISE_FENCE(self.client, [slot.keys.fence], [fence, fence_ttl_ms]))
+            return int(RAISE_FENCE(self.client, [slot.keys.fence], [fence, fence_ttl_ms]))
 
     # -- reads ------------------------------------------------------------------------
     def holders(self, slot: Slot) -> list[Holder]:
         with self._guard(slot):
             if slot.permits:
-                return _permit_holders(_PERMITS(self.client, [slot.keys.lock], []))
+                return permit_holders(PERMITS(self.client, [slot.keys.lock], []))
             pipe = self.client.pipeline(transaction=False)
             pipe.hmget(slot.keys.lock, "token", "fence", "info")
             pipe.pttl(slot.keys.lock)
@@ -390,7 +325,7 @@ class RedisBackend:
     def locked(self, slot: Slot) -> bool:
         with self._guard(slot):
             if slot.permits:
-                return len(_PERMITS(self.client, [slot.keys.lock], [])) // 4 >= slot.limit
+                return len(PERMITS(self.client, [slot.keys.lock], [])) // 4 >= slot.limit
             return bool(self.client.exists(slot.keys.lock))
 
     def was_done(self, slot: Slot, mark: str) -> bool:
@@ -413,7 +348,7 @@ class RedisBackend:
         keys = _queued_keys(slot)
         args = [owner, ttl_ms, record, "1" if replace else "0", "1" if running_blocks else "0"]
         with self._guard(slot):
-            reply = _ENQUEUE(self.client, [keys.queued, keys.lock], args)
+            reply = ENQUEUE(self.client, [keys.queued, keys.lock], args)
         code = int(reply[0])
         if code == 1:
             return Queued("queued")
@@ -426,7 +361,7 @@ class RedisBackend:
     def dequeue(self, slot: Slot, owner: str) -> Status:
         keys = _queued_keys(slot)
         with self._guard(slot):
-            return Status.of(_DEQUEUE(self.client, [keys.queued], [owner]))
+            return Status.of(DEQUEUE(self.client, [keys.queued], [owner]))
 
     # -- rate grants --------------------------------------------------------------------
     def rate(
@@ -440,7 +375,7 @@ class RedisBackend:
             )
 
         with self._errors(name, foreign):
-            granted, wait_us, free = _RATE(self.client, [key], [interval_us, burst, mode, most_us])
+            granted, wait_us, free = RATE(self.client, [key], [interval_us, burst, mode, most_us])
         return RateGrant(int(granted) == 1, max(0, int(wait_us)) / 1e6, int(free))
 
     # -- records beside a lock ------------------------------------------------------------
@@ -465,7 +400,7 @@ class RedisBackend:
         key = f"{slot.keys.lock}:{suffix}"
         args = [token, name, value, version[0], version[1]]
         with self._errors(slot.name, partial(_records_message, key)):
-            reply = _CLAIM_FIELD(self.client, [slot.keys.lock, key], args)
+            reply = CLAIM_FIELD(self.client, [slot.keys.lock, key], args)
         code = int(reply[0])
         if code == 1:
             return Claim("claimed", value)
@@ -496,7 +431,7 @@ class RedisBackend:
         keys = slot.keys
         args = [notice_ms, "" if fence is None else str(fence)]
         with self._guard(slot):
-            reply = _FORCE_RELEASE(self.client, [keys.lock, keys.notify], args)
+            reply = FORCE_RELEASE(self.client, [keys.lock, keys.notify], args)
         code = int(reply[0])
         if code == 0:
             return ForceRelease("gone")
@@ -513,73 +448,10 @@ class RedisBackend:
             record.setdefault("task_id", text(found))
             if owner is not None and text(found) != owner:
                 return ForceRelease("refused", record)
-            code = Status.of(_DEQUEUE(self.client, [keys.queued], [text(found)]))
+            code = Status.of(DEQUEUE(self.client, [keys.queued], [text(found)]))
         if code is Status.OK:
             return ForceRelease("released", record)
         return ForceRelease("gone" if code is Status.GONE else "refused", record)
-
-
-# -- what a failure means ---------------------------------------------------------------
-#: What redis-py's pools say when they have no connection to give: ``ConnectionPool`` on
-#: redis-py < 5.3 (later ones raise ``MaxConnectionsError``), ``BlockingConnectionPool``.
-_POOL_EXHAUSTED = frozenset(("Too many connections", "No connection available."))
-#: Words of a cluster client's own errors that mean it cannot reach or route to the nodes
-#: (the others, "Missing key", "all keys must map to the same key slot", are bugs).
-_CLUSTER_TROUBLE = ("cannot be connected", "not covered", "could not agree", "No targets")
-#: Error codes of a server that cannot serve right now, whatever the data: out of memory,
-#: a read-only replica, a busy script, a failed save, no replicas, a master down, loading,
-#: a cluster slot moving.
-_SERVER_STATE = re.compile(
-    r"(?:^|-|caused error: )(?:OOM|READONLY|BUSY|MISCONF|NOREPLICAS|MASTERDOWN|LOADING|TRYAGAIN)"
-    r"(?: |$)"
-)
-_SERVER_STATE_ERRORS = (
-    rx.OutOfMemoryError,
-    rx.ReadOnlyError,
-    rx.BusyLoadingError,
-    rx.TryAgainError,
-)
-
-
-def cannot_decide(exc: BaseException) -> bool:
-    """True when *exc* means the server could not decide the call (report it as
-    unavailable: a later attempt may succeed), False for what a retry cannot mend.
-
-    - A connection error or timeout (redis-py's, or an ``OSError`` from the socket):
-      the server is down or did not answer in time, and may have run the call. A failed
-      ``AUTH`` is one too (as the server is, for this client, unusable right now).
-    - A pool with no connection to give (``MaxConnectionsError``; redis-py < 5.3 and
-      ``BlockingConnectionPool`` raise a plain ``ConnectionError`` that says so) is not:
-      the client is exhausted, nothing was sent, and the server was never asked.
-    - A cluster that is down, a slot moving (``TRYAGAIN``), or a cluster client that
-      cannot reach or agree on its nodes: unavailable. Its usage errors are bugs: not.
-    - An error reply is unavailable only when it is about the server's state
-      (:func:`server_refused`); one about the data is foreign data (a ConfigError).
-    - ``DataError`` (an argument of a wrong type), any other Redis error and any other
-      exception are bugs: raised as they are.
-    """
-    if isinstance(exc, rx.MaxConnectionsError):
-        return False
-    if isinstance(exc, rx.ConnectionError):
-        return str(exc) not in _POOL_EXHAUSTED
-    if isinstance(exc, (rx.TimeoutError, OSError, rx.ClusterError, rx.SlotNotCoveredError)):
-        return True
-    if isinstance(exc, rx.RedisClusterException):
-        return any(words in str(exc) for words in _CLUSTER_TROUBLE)
-    return isinstance(exc, rx.ResponseError) and server_refused(exc)
-
-
-def server_refused(exc: BaseException) -> bool:
-    """True when a Redis error reply says the server cannot serve now (see _SERVER_STATE).
-
-    redis-py strips the code of the replies it has a class for (``OutOfMemoryError``,
-    ``ReadOnlyError``, ...) and keeps the others' (``MISCONF ...``); Redis < 7 reports an
-    error inside a script as ``Error running script ...: -OOM ...``, and a pipeline puts
-    ``Command # n (...) of pipeline caused error:`` before it.
-    """
-    if isinstance(exc, (*_SERVER_STATE_ERRORS, rx.ClusterError)):
-        return True
-    return isinstance(exc, rx.RedisError) and _SERVER_STATE.search(str(exc)) is not None
 
 
 def _records_message(key: str, exc: Exception) -> str:
@@ -589,82 +461,10 @@ def _records_message(key: str, exc: Exception) -> str:
     )
 
 
-def is_client(value: Any) -> bool:
-    """True for a redis-py client: a ``redis.Redis`` (plain or Sentinel) or a cluster."""
-    return isinstance(value, (redis.Redis, RedisCluster))
-
-
-def check_client(client: Any) -> None:
-    """Refuse anything that is not a redis-py client, naming what was given."""
-    if not is_client(client):
-        raise ConfigError(
-            f"expected a redis.Redis, a Sentinel master_for() client or a RedisCluster, "
-            f"got {type(client).__module__}.{type(client).__name__}; build one with "
-            "celery_redlock.connect(url)"
-        )
-
-
-# -- replies ------------------------------------------------------------------------------
-def _grant(reply: Any, *, permits: bool) -> Grant:
-    """An acquire script's reply (acquire.lua, or permit_acquire.lua) as a Grant."""
-    code = int(reply[0])
-    if code == 1:
-        return Grant(True, fence=int(reply[1]))
-    holder, left = parse_holder(reply[1]), int(reply[2])
-    # A hand-over (acquire.lua with KEYS[4]) adds the queued hold's owner.
-    queued = text(reply[3]) if len(reply) > 3 and not permits else None
-    if code == -1:  # a hand-over whose queued hold belongs to another task id
-        return Grant(False, holder=holder, holder_ttl_ms=left, superseded=True, queued_owner=queued)
-    return Grant(False, holder=holder, holder_ttl_ms=left, wait_ms=left, queued_owner=queued)
-
-
-def _permit_holders(reply: Any) -> list[Holder]:
-    """A ``permits.lua`` reply (four entries per live permit), first to expire first."""
-    found = [
-        Holder(
-            text(reply[i]), parse_holder(reply[i + 3]), fence_of(reply[i + 2]), int(reply[i + 1])
-        )
-        for i in range(0, len(reply) - 3, 4)
-    ]
-    return sorted(found, key=lambda h: h.ttl_ms or 0)
-
-
-def _extend_many(client: Any, items: Sequence[Renewal]) -> list[Status]:
-    args: list[Any] = []
-    for item in items:
-        args += [item.token, item.ms]
-    reply = _EXTEND_MANY(client, [item.slot.keys.lock for item in items], args)
-    return [Status.of(code) for code in reply]
-
-
 def _queued_keys(slot: Slot) -> LockKeys:
     if slot.permits or not slot.keys.queued:
         raise ConfigError(f"lock {slot.name!r}: enqueue-time holds take a mutex, not permits")
     return slot.keys
-
-
-#: Pool classes whose ``get_connection`` needs a command name (redis-py < 5.3), by type.
-_needs_name: dict[type, bool] = {}
-
-
-def _checkout(pool: Any) -> Any:
-    """A connection from *pool*, connected (redis-py's pools connect what they hand out).
-    redis-py < 5.3 requires a command name (unused since); newer versions warn when given
-    one. Which one a pool class wants is read once from its signature."""
-    kind = type(pool)
-    needs = _needs_name.get(kind)
-    if needs is None:
-        try:
-            params = list(inspect.signature(pool.get_connection).parameters.values())
-        except (TypeError, ValueError):  # no signature: assume the new API
-            params = []
-        first = params[0] if params else None
-        needs = _needs_name[kind] = (
-            first is not None
-            and first.kind in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD)
-            and first.default is first.empty
-        )
-    return pool.get_connection("BLPOP") if needs else pool.get_connection()
 
 
 #: Each client's backend, by id(client): weak, so a backend (and the client it keeps)

@@ -1,0 +1,109 @@
+"""The Lua scripts of the Redis backend (``core/lua/*.lua``, one per file, each with a
+header saying its KEYS, ARGV and replies): each read once, run with redis-py's public
+``evalsha`` (``eval`` once, after ``NOSCRIPT``), and the replies the verbs share read into
+typed results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any
+
+from redis import exceptions as rx
+
+from ..backend import Grant, Holder, Renewal, Status, parse_holder, text
+from .redis_admin import fence_of
+
+__all__ = [
+    "ACQUIRE",
+    "CLAIM_FIELD",
+    "DEQUEUE",
+    "ENQUEUE",
+    "EXTEND",
+    "EXTEND_MANY",
+    "EXTEND_NODE",
+    "FORCE_RELEASE",
+    "PERMITS",
+    "PERMIT_ACQUIRE",
+    "PERMIT_EXTEND",
+    "PERMIT_RELEASE",
+    "RAISE_FENCE",
+    "RATE",
+    "RELEASE",
+    "Script",
+    "extend_many",
+    "grant_of",
+    "permit_holders",
+]
+
+
+class Script:
+    """A Lua script of this package (the file, then any shared parts appended to it)."""
+
+    __slots__ = ("name", "sha", "source")
+
+    def __init__(self, filename: str, *parts: str) -> None:
+        folder = resources.files("celery_redlock.core").joinpath("lua")
+        self.name = filename
+        self.source = "".join(folder.joinpath(f).read_text("utf-8") for f in (filename, *parts))
+        self.sha = hashlib.sha1(self.source.encode("utf-8"), usedforsecurity=False).hexdigest()
+
+    def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run on *client* (``EVALSHA``; ``EVAL`` when the server has not cached it yet)."""
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except rx.NoScriptError:
+            return client.eval(self.source, len(keys), *keys, *args)
+
+
+ACQUIRE = Script("acquire.lua")
+RELEASE = Script("release.lua")
+EXTEND = Script("extend.lua")
+EXTEND_MANY = Script("extend_many.lua", "extend_items.lua")
+EXTEND_NODE = Script("extend_node.lua", "extend_items.lua")  # a cluster node, across slots
+RAISE_FENCE = Script("raise_fence.lua")
+FORCE_RELEASE = Script("force_release.lua")
+CLAIM_FIELD = Script("claim_field.lua")
+PERMIT_ACQUIRE = Script("permit_acquire.lua")
+PERMIT_RELEASE = Script("permit_release.lua")
+PERMIT_EXTEND = Script("permit_extend.lua")
+PERMITS = Script("permits.lua")
+RATE = Script("rate.lua")
+ENQUEUE = Script("enqueue.lua")
+DEQUEUE = Script("dequeue.lua")
+
+
+def grant_of(reply: Any, *, permits: bool) -> Grant:
+    """An acquire script's reply (acquire.lua, or permit_acquire.lua) as a Grant."""
+    code = int(reply[0])
+    if code == 1:
+        return Grant(True, fence=int(reply[1]))
+    holder, left = parse_holder(reply[1]), int(reply[2])
+    # A hand-over (acquire.lua with KEYS[4]) adds the queued hold's owner.
+    queued = text(reply[3]) if len(reply) > 3 and not permits else None
+    if code == -1:  # a hand-over whose queued hold belongs to another task id
+        return Grant(False, holder=holder, holder_ttl_ms=left, superseded=True, queued_owner=queued)
+    return Grant(False, holder=holder, holder_ttl_ms=left, wait_ms=left, queued_owner=queued)
+
+
+def permit_holders(reply: Any) -> list[Holder]:
+    """A ``permits.lua`` reply (four entries per live permit), first to expire first."""
+    found = [
+        Holder(
+            text(reply[i]), parse_holder(reply[i + 3]), fence_of(reply[i + 2]), int(reply[i + 1])
+        )
+        for i in range(0, len(reply) - 3, 4)
+    ]
+    return sorted(found, key=lambda h: h.ttl_ms or 0)
+
+
+def extend_many(client: Any, items: Sequence[Renewal]) -> list[Status]:
+    """Set each item's lease to its ``ms`` where its token still holds it, on one node in
+    one ``extend_many.lua`` (every key in one slot on a cluster): a status per item."""
+    args: list[Any] = []
+    for item in items:
+        args += [item.token, item.ms]
+    reply = EXTEND_MANY(client, [item.slot.keys.lock for item in items], args)
+    return [Status.of(code) for code in reply]
