@@ -1,17 +1,13 @@
-"""``Lock`` and ``Redlock``: the state of one acquisition, over a backend that does the I/O.
+"""``Lock`` and ``Redlock``: one acquisition at a time, over a backend that does the I/O.
 
 ``acquire``, ``release``, ``extend`` and ``owned`` check and change the local
-state of an acquisition (token, fence, local deadline, reentrancy count, lost);
-the backend (:mod:`celery_redlock.core.backend`) keeps the lock. A ``Lock`` on one
-client uses a Redis backend; on a list of clients, or as ``Redlock``, a quorum of
-independent masters; on ``connect("memory://")``, the in-process memory backend.
+state of an acquisition (token, fence, local deadline, reentrancy count, lost:
+:class:`~celery_redlock.core.lease.Lease`); the backend
+(:mod:`celery_redlock.core.backend`) keeps the lock. A ``Lock`` on one client uses a
+Redis backend; on a list of clients, or as ``Redlock``, a quorum of independent masters;
+on ``connect("memory://")``, the in-process memory backend.
 
-Why the local deadline is authoritative: validity is ``ttl - elapsed - drift``
-(drift = 1% of the TTL + 2 ms) counted with ``time.monotonic()`` from *before*
-the first request was sent. Redis may keep the key a little longer, never
-shorter, so while ``monotonic() < valid_until`` no one else can hold the lock.
-Past it, without a confirmed renewal, the lock counts as lost, whatever the
-process still believes.
+How long a lease is valid here, and why the local deadline decides: :mod:`.lease`.
 
 Why ``release()`` asks the backend, not the clock, whether the lock was lost (a
 timeline)::
@@ -33,20 +29,19 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-from . import events, process
-from .backend import Backend, Grant, Handover, Slot, Status
+from . import process
+from .backend import Backend, Handover, Slot, Status
 from .backends import open_backend
 from .errors import ConfigError, LockContended, LockLost, NotOwned, QuorumUnavailable, RedlockError
 from .keys import LockKeys, lock_keys
+from .lease import DEFAULT_FENCE_TTL, MAX_TTL_MS, MIN_TTL, Lease, drift, ttl_to_ms
 from .renewal import get_manager
 
 __all__ = [
@@ -61,36 +56,11 @@ __all__ = [
 
 log_acquire = logging.getLogger("celery_redlock.acquire")
 log_release = logging.getLogger("celery_redlock.release")
-log_renew = logging.getLogger("celery_redlock.renew")
 
 TOKEN_BYTES = 20  # 160 random bits per acquisition
-#: How long an unused fence counter lives, in seconds (see docs/redlock.md, "Fences"):
-#: long enough to ride out any backward step of the server's clock seen in practice,
-#: short enough that a name used once does not cost memory for more than an hour.
-DEFAULT_FENCE_TTL: float | None = 3600.0
 _HOSTNAME = socket.gethostname()
 
 _L = TypeVar("_L", bound="Lock")
-
-
-#: The shortest lease (seconds): one that ends within its drift allowance (1% + 2 ms) plus
-#: a round trip could never be confirmed valid: every acquire would answer "too late".
-MIN_TTL = 0.01
-#: The longest lease in milliseconds (about 142,000 years): the scripts add leases as Lua
-#: numbers (doubles, exact to 2**53), and Redis refuses an expiry past 2**63 ms.
-MAX_TTL_MS = 2**52
-
-
-def ttl_to_ms(ttl: float, what: str = "ttl") -> int:
-    """Seconds (float) to whole milliseconds, refusing what Redis cannot store."""
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl):
-        raise ConfigError(f"{what} must be a finite number of seconds, got {ttl!r}")
-    ms = round(ttl * 1000)
-    if not ms >= 1:
-        raise ConfigError(f"{what} must be at least 0.001 seconds, got {ttl!r}")
-    if ms > MAX_TTL_MS:
-        raise ConfigError(f"{what} must be at most {MAX_TTL_MS // 1000} seconds, got {ttl!r}")
-    return int(ms)
 
 
 def _seconds(value: Any) -> bool:
@@ -98,12 +68,7 @@ def _seconds(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def drift(ttl: float) -> float:
-    """Clock drift allowance for a lease of *ttl* seconds: 1% + 2 ms."""
-    return 0.01 * ttl + 0.002
-
-
-class Lock:
+class Lock(Lease):
     """A lease on Redis, kept alive by the per-process renewal thread.
 
     >>> lock = Lock(redis.Redis(), "report:2024-06", ttl=30)
@@ -194,50 +159,7 @@ class Lock:
         self.holder_ttl_ms: int | None = None
         #: What each master answered in the last attempt (a quorum).
         self.masters: dict[str, str] = {}
-        self._state = threading.RLock()
-        self._token: str | None = None
-        self._pid = 0
-        self._fence: int | None = None
-        self._valid_until = 0.0
-        self._acquired_at = 0.0
-        self._count = 0
-        self._lost = False
-        self._lost_reason = ""
-        self._max_hold_logged = False
-
-    # -- state ------------------------------------------------------------------------
-    def _held_here(self) -> bool:
-        return self._token is not None and self._pid == process.pid()
-
-    @property
-    def fence(self) -> int | None:
-        """The fencing token of the current acquisition (strictly increasing per key)."""
-        return self._fence if self._held_here() else None
-
-    @property
-    def token(self) -> str | None:
-        """The random token of the current acquisition (None when not held here)."""
-        return self._token if self._held_here() else None
-
-    @property
-    def valid_until(self) -> float:
-        """``time.monotonic()`` deadline of the lease (0.0 when not held)."""
-        return self._valid_until if self._held_here() else 0.0
-
-    @property
-    def lost(self) -> bool:
-        """True once the current acquisition was lost (expired, taken, or past deadline)."""
-        return self._lost
-
-    @property
-    def lost_reason(self) -> str:
-        """Why the current acquisition was lost ("" while it is not)."""
-        return self._lost_reason if self._lost else ""
-
-    @property
-    def held_for(self) -> float:
-        """Seconds since the current acquisition (0.0 when not held)."""
-        return time.monotonic() - self._acquired_at if self._held_here() else 0.0
+        super().__init__()
 
     def _holder_record(self) -> str:
         """The JSON holder record stored with the lock: host, pid, when, and owner_info."""
@@ -346,20 +268,6 @@ class Lock:
             self.backend.release(self.slot, token, self._notice_ms)
         except QuorumUnavailable:
             log_acquire.debug("give-back of a late acquire of %r did not get through", self.name)
-
-    def _take(self, token: str, grant: Grant, started: float, valid_until: float) -> None:
-        with self._state:
-            self._token = token
-            self._pid = process.pid()
-            self._fence = grant.fence
-            self._valid_until = valid_until
-            self._acquired_at = started
-            self._count = 1
-            self._lost = False
-            self._lost_reason = ""
-            self._max_hold_logged = False
-        if self.auto_renew:
-            get_manager().register(self)
 
     def release(self) -> None:
         """Give the lock back (owner-checked) and wake one waiter.
@@ -493,84 +401,6 @@ class Lock:
         """True when an earlier release of this name carried this lock's ``done_as`` mark
         (among the 16 most recent, within ``done_ttl`` of the last one)."""
         return self.done_as is not None and self.backend.was_done(self.slot, self.done_as)
-
-    # -- renewal (the renewal thread calls these) -----------------------------------------
-    def renewal(self) -> tuple[str, int] | None:
-        """(token, lease ms) to renew this round, or None to skip (not held, lost, or
-        past ``max_hold``)."""
-        with self._state:
-            if not self._held_here() or self._lost or self._token is None:
-                return None
-            if self.max_hold is not None and self.held_for >= self.max_hold:
-                if not self._max_hold_logged:
-                    self._max_hold_logged = True
-                    log_renew.warning(
-                        "lock %r reached max_hold=%ss: no longer renewed, expires within %ss",
-                        self.name,
-                        self.max_hold,
-                        self.ttl,
-                    )
-                return None
-            return self._token, self.ttl_ms
-
-    def renewed(self, started: float, token: str, outcome: Status | QuorumUnavailable) -> None:
-        """Take the outcome of a renewal round for the acquisition *token*."""
-        if token != self._token:
-            return  # released (or re-acquired) while the round was in flight
-        if isinstance(outcome, QuorumUnavailable):
-            left = self._valid_until - time.monotonic()
-            log_renew.warning(
-                "renewal of %r failed (%s); the lease runs out in %.2f s unless a "
-                "later round gets through",
-                self.name,
-                outcome,
-                left,
-            )
-            self._event("renew_failed", error=str(outcome))
-            return
-        if outcome is Status.OK:
-            with self._state:
-                if self._token == token and not self._lost:
-                    self._valid_until = max(self._valid_until, started + self.ttl - drift(self.ttl))
-            return
-        self._mark_lost(outcome.describe())
-
-    def expire_if_past(self, now: float) -> None:
-        """Mark the lock lost if *now* is past its local deadline."""
-        if self._held_here() and not self._lost and now >= self._valid_until:
-            self._mark_lost("the lease ran out before a confirmed renewal")
-
-    def _mark_lost(self, reason: str) -> None:
-        with self._state:
-            if not self._held_here() or self._lost:
-                return
-            self._lost = True
-            self._lost_reason = reason
-            held = self.held_for
-        get_manager().unregister(self)
-        log_renew.warning(
-            "lock %r LOST after %.3f s (fence %s): %s", self.name, held, self._fence, reason
-        )
-        self._event("lost", held=held, error=reason)
-        if self.on_lost is not None:
-            try:
-                self.on_lost(self)
-            except Exception:
-                log_renew.exception("on_lost callback for %r failed", self.name)
-
-    def _not_held_reason(self) -> str:
-        if self._token is not None and self._pid != process.pid():
-            return f"acquired in process {self._pid}; a forked child holds none of its locks"
-        return "not acquired by this lock object"
-
-    def _event(self, kind: events.EventKind, **fields: Any) -> None:
-        if not events.wanted(kind):
-            return
-        fields.setdefault("fence", self._fence)
-        fields.setdefault("holder", self.owner_info)
-        events.emit(
-            events.LockEvent(kind=kind, name=self.name, key=self.keys.lock, ttl=self.ttl, **fields)
-        )
 
     # -- context manager ----------------------------------------------------------------
     def __enter__(self: _L) -> _L:

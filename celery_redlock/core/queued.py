@@ -38,7 +38,7 @@ from .backend import Backend, Queued, Slot, Status
 from .backends import open_backend
 from .errors import ConfigError
 from .keys import LockKeys, lock_keys
-from .lock import ttl_to_ms
+from .lease import ttl_to_ms
 
 __all__ = ["QueuedHold"]
 

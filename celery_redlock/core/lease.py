@@ -1,0 +1,220 @@
+"""A lease as this process counts it: the arithmetic of its length and validity, and
+:class:`Lease`, the local state of one acquisition (token, fence, local deadline,
+reentrancy count, lost), which :class:`~celery_redlock.core.lock.Lock` extends with the
+calls to its backend.
+
+Why the local deadline is authoritative: validity is ``ttl - elapsed - drift``
+(drift = 1% of the TTL + 2 ms) counted with ``time.monotonic()`` from *before*
+the first request was sent. Redis may keep the key a little longer, never
+shorter, so while ``monotonic() < valid_until`` no one else can hold the lock.
+Past it, without a confirmed renewal, the lock counts as lost, whatever the
+process still believes.
+
+The renewal thread (:mod:`~celery_redlock.core.renewal`) moves the local deadline on
+through :meth:`Lease.renewal` and :meth:`Lease.renewed`, and marks a lease lost once it
+is past (:meth:`Lease.expire_if_past`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import events, process
+from .backend import Backend, Grant, Slot, Status
+from .errors import ConfigError, QuorumUnavailable
+from .keys import LockKeys
+from .renewal import get_manager
+
+__all__ = ["DEFAULT_FENCE_TTL", "MAX_TTL_MS", "MIN_TTL", "Lease", "drift", "ttl_to_ms"]
+
+log_renew = logging.getLogger("celery_redlock.renew")
+
+#: How long an unused fence counter lives, in seconds (see docs/redlock.md, "Fences"):
+#: long enough to ride out any backward step of the server's clock seen in practice,
+#: short enough that a name used once does not cost memory for more than an hour.
+DEFAULT_FENCE_TTL: float | None = 3600.0
+
+#: The shortest lease (seconds): one that ends within its drift allowance (1% + 2 ms) plus
+#: a round trip could never be confirmed valid: every acquire would answer "too late".
+MIN_TTL = 0.01
+#: The longest lease in milliseconds (about 142,000 years): the scripts add leases as Lua
+#: numbers (doubles, exact to 2**53), and Redis refuses an expiry past 2**63 ms.
+MAX_TTL_MS = 2**52
+
+
+def ttl_to_ms(ttl: float, what: str = "ttl") -> int:
+    """Seconds (float) to whole milliseconds, refusing what Redis cannot store."""
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl):
+        raise ConfigError(f"{what} must be a finite number of seconds, got {ttl!r}")
+    ms = round(ttl * 1000)
+    if not ms >= 1:
+        raise ConfigError(f"{what} must be at least 0.001 seconds, got {ttl!r}")
+    if ms > MAX_TTL_MS:
+        raise ConfigError(f"{what} must be at most {MAX_TTL_MS // 1000} seconds, got {ttl!r}")
+    return int(ms)
+
+
+def drift(ttl: float) -> float:
+    """Clock drift allowance for a lease of *ttl* seconds: 1% + 2 ms."""
+    return 0.01 * ttl + 0.002
+
+
+class Lease:
+    """The local state of one acquisition and its validity; what
+    :class:`~celery_redlock.core.lock.Lock` adds is the backend's part. Reads and
+    changes of the state hold ``_state``.
+    """
+
+    name: str
+    keys: LockKeys
+    slot: Slot
+    backend: Backend
+    ttl: float
+    ttl_ms: int
+    max_hold: float | None
+    auto_renew: bool
+    owner_info: dict[str, Any]
+    on_lost: Callable[[Any], object] | None  # called with the Lock itself
+
+    def __init__(self) -> None:
+        self._state = threading.RLock()
+        self._token: str | None = None
+        self._pid = 0
+        self._fence: int | None = None
+        self._valid_until = 0.0
+        self._acquired_at = 0.0
+        self._count = 0
+        self._lost = False
+        self._lost_reason = ""
+        self._max_hold_logged = False
+
+    # -- state ------------------------------------------------------------------------
+    def _held_here(self) -> bool:
+        return self._token is not None and self._pid == process.pid()
+
+    @property
+    def fence(self) -> int | None:
+        """The fencing token of the current acquisition (strictly increasing per key)."""
+        return self._fence if self._held_here() else None
+
+    @property
+    def token(self) -> str | None:
+        """The random token of the current acquisition (None when not held here)."""
+        return self._token if self._held_here() else None
+
+    @property
+    def valid_until(self) -> float:
+        """``time.monotonic()`` deadline of the lease (0.0 when not held)."""
+        return self._valid_until if self._held_here() else 0.0
+
+    @property
+    def lost(self) -> bool:
+        """True once the current acquisition was lost (expired, taken, or past deadline)."""
+        return self._lost
+
+    @property
+    def lost_reason(self) -> str:
+        """Why the current acquisition was lost ("" while it is not)."""
+        return self._lost_reason if self._lost else ""
+
+    @property
+    def held_for(self) -> float:
+        """Seconds since the current acquisition (0.0 when not held)."""
+        return time.monotonic() - self._acquired_at if self._held_here() else 0.0
+
+    def _take(self, token: str, grant: Grant, started: float, valid_until: float) -> None:
+        with self._state:
+            self._token = token
+            self._pid = process.pid()
+            self._fence = grant.fence
+            self._valid_until = valid_until
+            self._acquired_at = started
+            self._count = 1
+            self._lost = False
+            self._lost_reason = ""
+            self._max_hold_logged = False
+        if self.auto_renew:
+            get_manager().register(self)
+
+    # -- renewal (the renewal thread calls these) -----------------------------------------
+    def renewal(self) -> tuple[str, int] | None:
+        """(token, lease ms) to renew this round, or None to skip (not held, lost, or
+        past ``max_hold``)."""
+        with self._state:
+            if not self._held_here() or self._lost or self._token is None:
+                return None
+            if self.max_hold is not None and self.held_for >= self.max_hold:
+                if not self._max_hold_logged:
+                    self._max_hold_logged = True
+                    log_renew.warning(
+                        "lock %r reached max_hold=%ss: no longer renewed, expires within %ss",
+                        self.name,
+                        self.max_hold,
+                        self.ttl,
+                    )
+                return None
+            return self._token, self.ttl_ms
+
+    def renewed(self, started: float, token: str, outcome: Status | QuorumUnavailable) -> None:
+        """Take the outcome of a renewal round for the acquisition *token*."""
+        if token != self._token:
+            return  # released (or re-acquired) while the round was in flight
+        if isinstance(outcome, QuorumUnavailable):
+            left = self._valid_until - time.monotonic()
+            log_renew.warning(
+                "renewal of %r failed (%s); the lease runs out in %.2f s unless a "
+                "later round gets through",
+                self.name,
+                outcome,
+                left,
+            )
+            self._event("renew_failed", error=str(outcome))
+            return
+        if outcome is Status.OK:
+            with self._state:
+                if self._token == token and not self._lost:
+                    self._valid_until = max(self._valid_until, started + self.ttl - drift(self.ttl))
+            return
+        self._mark_lost(outcome.describe())
+
+    def expire_if_past(self, now: float) -> None:
+        """Mark the lock lost if *now* is past its local deadline."""
+        if self._held_here() and not self._lost and now >= self._valid_until:
+            self._mark_lost("the lease ran out before a confirmed renewal")
+
+    def _mark_lost(self, reason: str) -> None:
+        with self._state:
+            if not self._held_here() or self._lost:
+                return
+            self._lost = True
+            self._lost_reason = reason
+            held = self.held_for
+        get_manager().unregister(self)
+        log_renew.warning(
+            "lock %r LOST after %.3f s (fence %s): %s", self.name, held, self._fence, reason
+        )
+        self._event("lost", held=held, error=reason)
+        if self.on_lost is not None:
+            try:
+                self.on_lost(self)
+            except Exception:
+                log_renew.exception("on_lost callback for %r failed", self.name)
+
+    def _not_held_reason(self) -> str:
+        if self._token is not None and self._pid != process.pid():
+            return f"acquired in process {self._pid}; a forked child holds none of its locks"
+        return "not acquired by this lock object"
+
+    def _event(self, kind: events.EventKind, **fields: Any) -> None:
+        if not events.wanted(kind):
+            return
+        fields.setdefault("fence", self._fence)
+        fields.setdefault("holder", self.owner_info)
+        events.emit(
+            events.LockEvent(kind=kind, name=self.name, key=self.keys.lock, ttl=self.ttl, **fields)
+        )
