@@ -1,0 +1,334 @@
+"""The values of the backend seam (:class:`~celery_redlock.core.backend.Backend`): what its
+verbs take (:class:`Slot`, :class:`Handover`, :class:`Renewal`) and their typed results
+(:class:`Status`, :class:`Grant`, :class:`Holder`, :class:`Queued`, :class:`RateGrant`,
+:class:`Claim`, :class:`LockInfo`, :class:`RateInfo`, :class:`ForceRelease`), and how a
+backend reads a stored value into them (:func:`parse_holder`, :func:`text`,
+:func:`record_version`, :func:`newest_records`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Literal
+
+from .keys import LockKeys
+
+__all__ = [
+    "MAX_RECORD",
+    "Claim",
+    "ForceRelease",
+    "Grant",
+    "Handover",
+    "Holder",
+    "LockInfo",
+    "Queued",
+    "RateGrant",
+    "RateInfo",
+    "Renewal",
+    "Slot",
+    "Status",
+    "newest_records",
+    "parse_holder",
+    "record_version",
+    "text",
+]
+
+
+class Status(IntEnum):
+    """What a release, extend, dequeue or renewal found for one acquisition."""
+
+    OK = 1
+    #: No such acquisition: it expired or was removed (and this token did not release it).
+    GONE = 0
+    #: Another acquisition holds the key now.
+    TAKEN = -1
+    #: The key holds something that is not a lock (foreign data under our prefix).
+    FOREIGN = -2
+
+    @classmethod
+    def of(cls, code: Any) -> Status:
+        """The status a backend returned; a code no backend returns is an error, not a
+        guess."""
+        value = int(code)
+        if value > 0:
+            return cls.OK  # an extend returns the new lease in ms
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"unexpected status code {code!r} from a celery-redlock backend"
+            ) from None
+
+    def describe(self) -> str:
+        """The status in words, for log lines and errors."""
+        return _WORDS[self]
+
+
+_WORDS = {
+    Status.OK: "ok",
+    Status.GONE: "the key is gone (expired or removed)",
+    Status.TAKEN: "another owner holds it now",
+    Status.FOREIGN: (
+        "the key now holds data that is not a celery-redlock lock: something else "
+        "writes under the lock key prefix"
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """What an acquisition holds: the mutex of a name (``limit == 1``, ``keys`` from
+    :func:`~.keys.lock_keys`) or one of ``limit`` permits of it (``limit > 1``, ``keys``
+    from :func:`~.keys.permit_keys`). A ``Semaphore(limit=1)`` is the mutex."""
+
+    keys: LockKeys
+    limit: int = 1
+
+    @property
+    def name(self) -> str:
+        """The lock name as stored (normalised)."""
+        return self.keys.name
+
+    @property
+    def permits(self) -> bool:
+        """True for one of several permits, False for the mutex."""
+        return self.limit > 1
+
+
+@dataclass(frozen=True, slots=True)
+class Handover:
+    """What an acquire takes over in the same step: the enqueue-time hold of task *owner*
+    (see :meth:`~celery_redlock.core.backend.Backend.enqueue`)."""
+
+    #: The task id whose queued hold becomes this lock.
+    owner: str
+    #: Refuse (``Grant.superseded``) when the queued hold belongs to another task id.
+    strict: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """What one acquire attempt found."""
+
+    acquired: bool
+    #: The fence of this acquisition (acquired).
+    fence: int | None = None
+    #: The other owner's record (not acquired).
+    holder: Mapping[str, Any] = field(default_factory=dict)
+    #: The other owner's lease left, in ms (not acquired; None when unknown, -1 when the
+    #: key has no expiry: not written by celery-redlock).
+    holder_ttl_ms: int | None = None
+    #: How long a blocking caller may wait for a release notice before trying again (ms).
+    wait_ms: int | None = None
+    #: Which member to wait on for that notice (a quorum: one the holder has).
+    wait_on: int = 0
+    #: What each master answered, by address (a quorum; shown in errors).
+    masters: Mapping[str, str] = field(default_factory=dict)
+    #: A hand-over refused because the enqueue-time hold belongs to another task id
+    #: (``queued_owner``); ``holder`` and ``holder_ttl_ms`` are then that hold's.
+    superseded: bool = False
+    #: A hand-over's view of the enqueue-time hold: its owner's task id ("" when there is
+    #: none; None when the attempt was no hand-over, or it was acquired).
+    queued_owner: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """One current acquisition of a slot: its token, holder record, fence and lease left."""
+
+    token: str
+    record: Mapping[str, Any]
+    fence: int | None = None
+    #: Lease left in ms when it was read (None when not read).
+    ttl_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Renewal:
+    """One acquisition to renew: set its lease to ``ms`` if ``token`` still holds it."""
+
+    slot: Slot
+    token: str
+    ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """What an attempt to take the enqueue-time hold found."""
+
+    #: ``"queued"``: held for the caller now (new, or its own hold renewed);
+    #: ``"replaced"``: held for the caller, in place of ``owner``'s hold;
+    #: ``"duplicate"``: ``owner``'s message is queued, or its run holds the lock (``state``).
+    outcome: Literal["queued", "replaced", "duplicate"]
+    #: The other task id: the one replaced, or the one this call duplicates.
+    owner: str = ""
+    #: That task's holder record.
+    holder: Mapping[str, Any] = field(default_factory=dict)
+    #: Its hold's lease left in ms (duplicate; None when unknown).
+    ttl_ms: int | None = None
+    #: ``"queued"`` or ``"running"`` (duplicate).
+    state: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RateGrant:
+    """What a rate limiter answered: granted or not, and when the next grant can be.
+
+    True in a boolean context when granted (``if limiter.acquire(): ...``).
+    """
+
+    granted: bool
+    #: Seconds until a grant is possible: refused, until the next free slot (for a caller
+    #: that joined the line, until its own slot); granted, until the next one after this.
+    retry_after: float
+    #: Grants still possible right now (0 when refused).
+    remaining: int = 0
+
+    def __bool__(self) -> bool:
+        return self.granted
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a claim of a record beside a lock found
+    (:meth:`~celery_redlock.core.backend.Backend.claim`)."""
+
+    #: ``"claimed"``: written (on a majority of a quorum).
+    #: ``"lost"``: the lock is gone or held by another acquisition (on too many masters),
+    #: or the lease ran out first: stop acting as the holder.
+    #: ``"stale"``: a newer record of this acquisition is stored (see ``record``).
+    #: ``"unavailable"``: too few masters answered; nothing is known to be written.
+    outcome: Literal["claimed", "lost", "stale", "unavailable"]
+    #: The record written (claimed), or the newest stored one (stale), as JSON text.
+    record: str = ""
+    #: Why, for a log line (lost, unavailable): per master when there are several.
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """One held lock, permit or queued hold as one backend stores it (operator reads)."""
+
+    #: The rendered lock name (``sync:42``), not the key.
+    name: str
+    #: The key of the lock (``redlock:{sync:42}``), of the permits (``...:permits``) or of
+    #: the queued hold (``...:queued``).
+    key: str
+    #: The fencing token of the acquisition (None if unreadable, or a queued hold).
+    fence: int | None
+    #: Lease left in milliseconds (-1 no expiry, -2 gone since it was found).
+    ttl_ms: int
+    #: The holder's record: ``hostname``, ``pid``, ``acquired_at`` (``queued_at`` for a
+    #: queued hold) and its ``owner_info`` (``task_name``, ``task_id``, ``role``, ...).
+    record: dict[str, Any] = field(default_factory=dict)
+    #: ``"lock"``, or ``"permit"``: one permit of a semaphore.
+    kind: str = "lock"
+    #: ``"running"`` (a task's run holds it), ``"held"`` (another holder: a ``Lock`` of
+    #: user code, beat's leader), or ``"queued"`` (the enqueue-time hold of a message not
+    #: started yet).
+    state: Literal["running", "held", "queued"] = "held"
+
+    @property
+    def acquired_at(self) -> float | None:
+        """Wall-clock time of the acquisition, as the holder recorded it."""
+        value = self.record.get("acquired_at")
+        return float(value) if isinstance(value, (int, float)) else None
+
+
+@dataclass(frozen=True)
+class RateInfo:
+    """A rate limiter's state as one backend stores it (operator reads)."""
+
+    name: str
+    key: str
+    #: Microseconds between grants at the steady rate, and the burst (as last used).
+    interval_us: int
+    burst: int
+    #: Grants possible right now.
+    free: int
+    #: Milliseconds until the next grant is possible (0 when one is possible now).
+    next_ms: int
+    #: Runs promised a slot that is still due (re-queued, coming back).
+    queued: int
+    #: Lifetime left of the state: when the limiter is idle again.
+    ttl_ms: int
+
+    @property
+    def rate(self) -> str:
+        """The steady rate in words, per second or per minute, hour or day."""
+        if self.interval_us <= 0:
+            return "-"
+        for suffix, seconds in (("s", 1), ("m", 60), ("h", 3600), ("d", 86400)):
+            grants = seconds * 1e6 / self.interval_us
+            if grants >= 1 or suffix == "d":
+                return f"{grants:.4g}/{suffix}"
+        return "-"  # pragma: no cover - the loop returns at "d"
+
+
+@dataclass(frozen=True)
+class ForceRelease:
+    """What a forced release (an operator's) did."""
+
+    #: ``"released"``: removed; ``"gone"``: nobody held it; ``"refused"``: another
+    #: acquisition than the confirmed fence (or task id) holds it, left alone.
+    outcome: Literal["released", "gone", "refused"]
+    #: The record of the acquisition removed (released) or left alone (refused).
+    record: dict[str, Any] = field(default_factory=dict)
+    #: Its fence (None when gone, or a queued hold).
+    fence: int | None = None
+
+
+#: Holder records longer than this (ours are a few hundred bytes) are not decoded: they are
+#: foreign data, and would otherwise travel whole into errors, logs and task results.
+MAX_RECORD = 65536
+_RAW_HEAD = 200
+
+
+def parse_holder(raw: Any) -> dict[str, Any]:
+    """Decode a holder record as stored with a lock; an unreadable one becomes
+    ``{"raw": <its text>}`` (its first 200 characters when over :data:`MAX_RECORD`), an
+    empty or missing one ``{}``."""
+    if raw is None:
+        return {}
+    value_text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+    if not value_text:
+        return {}
+    if len(value_text) > MAX_RECORD:
+        return {"raw": f"{value_text[:_RAW_HEAD]}... ({len(value_text)} characters)"}
+    try:
+        value = json.loads(value_text)
+    except ValueError:
+        return {"raw": value_text}
+    return value if isinstance(value, dict) else {"raw": value_text}
+
+
+def text(value: Any) -> str:
+    """A stored value as text: bytes decoded (invalid bytes replaced), None as ``""``."""
+    if value is None:
+        return ""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
+def record_version(value: str) -> tuple[int, int]:
+    """The ``(fence, n)`` of a stored record; ``(-1, -1)`` for one that cannot be read."""
+    try:
+        decoded = json.loads(value)
+        return int(decoded["fence"]), int(decoded["n"])
+    except (ValueError, TypeError, KeyError):
+        return -1, -1
+
+
+def newest_records(answers: Sequence[Mapping[str, str]]) -> dict[str, str]:
+    """Each field's newest record (by :func:`record_version`) across *answers*."""
+    newest: dict[str, tuple[tuple[int, int], str]] = {}
+    for answer in answers:
+        for name, value in answer.items():
+            version = record_version(value)
+            if name not in newest or version > newest[name][0]:
+                newest[name] = (version, value)
+    return {name: value for name, (_, value) in newest.items()}
