@@ -626,6 +626,9 @@ class FaultProxy:
         self._delay_to_server = 0.0
         self._delay_to_client = 0.0
         self._blackholed = False
+        #: Server->client chunks held back by a delay so far (a test waits for one before
+        #: healing: a chunk read after the heal goes straight through).
+        self.replies_held = 0
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name=f"fault-proxy-{self.port}", daemon=True
         )
@@ -793,6 +796,8 @@ class FaultProxy:
                     self._send_all(link, dst, chunk)
                 else:
                     pending.append((time.monotonic() + delay, chunk))
+                    if not towards_server:
+                        self.replies_held += 1
         except (OSError, ValueError):
             link.close(abrupt=True)
 

@@ -647,11 +647,14 @@ def test_release_whose_reply_is_lost_counts_as_released(
         with lock:  # the server has the lock's scripts: a release is one EVALSHA
             pass
         assert lock.acquire(blocking=False)
-        sent = evalsha_calls(admin)
+        sent, held = evalsha_calls(admin), proxy.replies_held
         proxy.delay_replies(10)  # the release's reply is held back...
 
         def lose_the_reply() -> None:
             assert wait_for(lambda: not admin.exists(lock.keys.lock), timeout=5)
+            # The proxy has read the reply and holds it: a heal before that would let it
+            # through (a loaded machine schedules the proxy's thread late).
+            assert wait_for(lambda: proxy.replies_held > held, timeout=5)
             proxy.heal()  # ...the re-sent copy goes straight through
             if how == "connection reset":
                 proxy.drop()  # the held-back reply is lost with its connection
