@@ -366,6 +366,32 @@ def test_release_reports(flaky: list[Flaky]) -> None:
         quorum.release(slot, "t2", TTL)
 
 
+def test_release_with_a_granting_member_down_is_not_a_loss(flaky: list[Flaky]) -> None:
+    """Granted on members 0 and 1 (2 was held by another then), and 1 goes down: the
+    release hears OK from 0 and "gone" from 2, which never had it. Within Redlock's
+    model (a minority fails) the lock was held to the end: OK, not a loss. Once a
+    member that answers and says "gone" leaves no majority possible, it is GONE."""
+    quorum = quorum_of(flaky)
+    slot = mutex("half-heard")
+    flaky[2].inner.acquire(slot, "other", TTL, RECORD, wait=False, fence_ttl_ms=0)
+    assert quorum.acquire(slot, "t1", TTL, RECORD, wait=False, fence_ttl_ms=0).acquired
+    flaky[2].inner.release(slot, "other", TTL)
+    flaky[1].fail("down")
+    assert quorum.release(slot, "t1", TTL) is Status.OK
+    assert flaky[0].inner.holders(slot) == [] and flaky[2].inner.holders(slot) == []
+    flaky[1].heal()
+    take(quorum, slot, "t2")
+    flaky[0].inner.force_release(slot, None, TTL)  # removed there, by no release of t2
+    flaky[1].fail("down")
+    assert quorum.release(slot, "t2", TTL) is Status.OK  # 2 says OK, 1 may hold it
+    flaky[1].heal()
+    take(quorum, slot, "t3")
+    flaky[0].inner.force_release(slot, None, TTL)
+    flaky[2].inner.force_release(slot, None, TTL)
+    flaky[1].fail("down")
+    assert quorum.release(slot, "t3", TTL) is Status.GONE  # only 1 could still hold it
+
+
 def test_extend_is_the_quorum_th_longest_lease(flaky: list[Flaky]) -> None:
     """The lock lives while a majority holds it: the q-th longest new lease; GONE when
     a majority no longer holds it."""

@@ -230,7 +230,13 @@ class QuorumBackend(QuorumCalls):
     def release(
         self, slot: Slot, token: str, notice_ms: int, done: tuple[str, int] | None = None
     ) -> Status:
-        """OK when a quorum released; TAKEN/FOREIGN when no majority can be OK."""
+        """OK when a quorum released, or when the members that did not answer complete
+        one; TAKEN/FOREIGN/GONE when no majority can have held it to the end.
+
+        Redlock's model lets a minority fail: with a member down, another that says
+        "gone" is one that never granted this token (a split vote's leftover), so the
+        OKs plus the silent members may still be the majority that held it.
+        """
         q = self.quorum
         results = self.ask(
             lambda m: m.release(slot, token, notice_ms, done),
@@ -241,11 +247,12 @@ class QuorumBackend(QuorumCalls):
         ok = codes.count(Status.OK)
         if ok >= q:
             return Status.OK
-        if min(codes, default=Status.OK) < Status.GONE and ok + self.masters - len(codes) < q:
+        possible = ok + self.masters - len(codes) >= q  # counting the silent as OK
+        if min(codes, default=Status.OK) < Status.GONE and not possible:
             return min(codes)  # another owner (TAKEN), or foreign data (FOREIGN)
         if len(codes) < q:
             self.fail(slot.name, results)
-        return Status.GONE
+        return Status.OK if possible and ok else Status.GONE
 
     def extend(self, slot: Slot, token: str, ms: int, *, replace: bool) -> int | Status:
         """The q-th longest new lease: the lock lives while a majority holds it."""
