@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .core.errors import ConfigError
-from .core.lock import MAX_TTL_MS, MIN_TTL, ttl_to_ms
+from .core.lease import MAX_TTL_MS, MIN_TTL, ttl_to_ms
 from .core.ratelimit import parse_rate
 
 __all__ = [
@@ -52,7 +52,7 @@ def seconds(
 
 def lease(*, allow_none: bool = False, minimum: float = MIN_TTL) -> Callable[[Any], Any]:
     """A check for a lease Redis keeps: seconds in whole milliseconds, from *minimum* (a
-    lock's TTL: ``core.lock.MIN_TTL``) up to ``core.lock.MAX_TTL_MS`` (None if allowed)."""
+    lock's TTL: ``core.lease.MIN_TTL``) up to ``core.lease.MAX_TTL_MS`` (None if allowed)."""
     number = seconds(0, allow_none=allow_none, strict=True)
 
     def check(value: Any) -> Any:

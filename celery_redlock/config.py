@@ -39,7 +39,7 @@ from .checks import (
 from .contention import DUPLICATE_POLICIES, STRATEGIES, PublishPolicy
 from .core import ConfigError, KeyTemplate
 from .core.connect import mask_url
-from .core.lock import DEFAULT_FENCE_TTL
+from .core.lease import DEFAULT_FENCE_TTL
 from .core.semaphore import REDLOCK_REFUSAL
 
 __all__ = [

@@ -39,7 +39,7 @@ from .core import (
     Semaphore,
 )
 from .core.errors import describe_holder
-from .core.lock import drift
+from .core.lease import drift
 from .dedup import (
     HOLD_HEADER,
     NO_DEDUP_HEADER,

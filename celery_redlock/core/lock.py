@@ -41,18 +41,10 @@ from .backend import Backend, Handover, Slot, Status
 from .backends import open_backend
 from .errors import ConfigError, LockContended, LockLost, NotOwned, QuorumUnavailable, RedlockError
 from .keys import LockKeys, lock_keys
-from .lease import DEFAULT_FENCE_TTL, MAX_TTL_MS, MIN_TTL, Lease, drift, ttl_to_ms
+from .lease import DEFAULT_FENCE_TTL, MIN_TTL, Lease, drift, ttl_to_ms
 from .renewal import get_manager
 
-__all__ = [
-    "DEFAULT_FENCE_TTL",
-    "MAX_TTL_MS",
-    "MIN_TTL",
-    "Lock",
-    "Redlock",
-    "drift",
-    "ttl_to_ms",
-]
+__all__ = ["Lock", "Redlock"]
 
 log_acquire = logging.getLogger("celery_redlock.acquire")
 log_release = logging.getLogger("celery_redlock.release")

@@ -41,7 +41,7 @@ from celery_redlock import (
 )
 from celery_redlock.core import process
 from celery_redlock.core.errors import describe_holder
-from celery_redlock.core.lock import DEFAULT_FENCE_TTL
+from celery_redlock.core.lease import DEFAULT_FENCE_TTL
 from celery_redlock.core.renewal import get_manager
 
 ProxyFactory = Callable[[RedisServer], FaultProxy]
