@@ -25,6 +25,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from .core.backend import Queued, RateGrant
 from .core.errors import AlreadyQueued, LockContended, RateLimited, describe_holder
 from .core.queued import QueuedHold
+from .core.ratelimit import slot_lead
 
 __all__ = [
     "DUPLICATE_POLICIES",
@@ -216,12 +217,12 @@ def backoff_delay(options: RetryOptions, attempt: int) -> float:
 
 def rate_delay(options: RetryOptions, grant: RateGrant, interval: float) -> float:
     """The countdown of a run refused by its rate limit: the time until its slot, less a
-    small lead (a quarter of the interval, at most 50 ms), jittered within the first half of
-    that lead (``lock_retry_jitter``). The run is back in a worker just before its slot
+    small lead (:func:`~celery_redlock.core.ratelimit.slot_lead`), jittered within the first
+    half of that lead (``lock_retry_jitter``). The run is back in a worker just before its slot
     and waits the last milliseconds there, so it starts at its slot: with the limiter's
     strict spacing, a run that came back after its slot would push every later slot back.
     """
-    lead = min(interval / 4, 0.05)
+    lead = slot_lead(interval)
     delay = grant.retry_after - lead
     if options.retry_jitter:
         delay += random.uniform(0, lead / 2)

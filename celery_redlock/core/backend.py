@@ -194,13 +194,22 @@ class Backend(Protocol):
 
     # -- rate grants --------------------------------------------------------------------
     def rate(
-        self, name: str, key: str, interval_us: int, burst: int, *, mode: str, most_us: int = 0
+        self,
+        name: str,
+        key: str,
+        interval_us: int,
+        burst: int,
+        *,
+        mode: str,
+        most_us: int = 0,
+        grace_us: int = 0,
     ) -> RateGrant:
         """One GCRA decision of rate limiter *name* stored at *key* (see
         :mod:`~celery_redlock.core.ratelimit`). *mode*: ``"take"`` grants if possible now
         (a refusal writes nothing); ``"queue"`` as take, but refused while promised slots
         are due, and a refused caller is promised the next unpromised slot (no further
-        than *most_us* away, 0: any); ``"peek"`` writes nothing."""
+        than *most_us* away, 0: any); a grant possible for *grace_us* that no promised
+        caller claimed lapses to a ``"queue"`` caller; ``"peek"`` writes nothing."""
         ...
 
     # -- records beside a lock, written only by its holder ------------------------------

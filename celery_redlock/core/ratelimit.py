@@ -22,8 +22,13 @@ A refused caller that will come back later (a Celery task re-queued with a count
 may *join the line* (``acquire(queue=True)``): it is promised the next slot no other
 returning caller was promised, and told to come back exactly then. Returning callers
 are spread one per slot instead of all coming back at the next free slot and all but
-one being refused again. The line is a hint, not a grant: grants are decided only by
-``tat``, so it can never let more through than the rate.
+one being refused again. A returning caller is told to come back a little early
+(:func:`slot_lead`: a quarter interval, at most 50 ms) and is expected at its slot within
+that lead; a grant that has been possible that long with no promised caller claiming it
+lapses to whoever asks. Callers stuck behind a backlog (200 re-queued messages behind the
+rest of a burst) then cost the rate nothing: the grant goes to one that is here. The line
+is a hint, not a grant: grants are decided only by ``tat``, so it can never let more
+through than the rate.
 
 Not on a list of Redlock masters: a grant counted on a majority of masters does not
 bound the grants (three masters: grants counted on {1,2}, {2,3}, {1,3} are three
@@ -46,11 +51,17 @@ from .errors import RATE_ON_QUORUM as REDLOCK_REFUSAL
 from .errors import ConfigError
 from .keys import rate_key
 
-__all__ = ["PERIODS", "REDLOCK_REFUSAL", "RateGrant", "RateLimiter", "parse_rate"]
+__all__ = ["PERIODS", "REDLOCK_REFUSAL", "RateGrant", "RateLimiter", "parse_rate", "slot_lead"]
 
 #: Rate suffixes and their periods in seconds.
 PERIODS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*([smhd])\s*$")
+
+
+def slot_lead(interval: float) -> float:
+    """How early a caller promised a slot comes back, and how long after its slot its
+    grant waits for it before it lapses: a quarter of the interval, at most 50 ms."""
+    return min(interval / 4, 0.05)
 
 
 def parse_rate(rate: Any) -> tuple[float, float, str]:
@@ -120,6 +131,8 @@ class RateLimiter:
         self.owner_info: dict[str, Any] = dict(owner_info or {})
         #: Microseconds between grants at the steady rate (``T``).
         self.interval_us = max(1, round(self.period * 1e6 / self.grants))
+        #: Microseconds a possible grant waits for a promised caller (:func:`slot_lead`).
+        self.grace_us = round(slot_lead(self.interval_us / 1e6) * 1e6)
 
     @property
     def interval(self) -> float:
@@ -160,6 +173,7 @@ class RateLimiter:
             self.burst,
             mode="take" if queue is False else "queue",
             most_us=most,
+            grace_us=self.grace_us,
         )
         if not grant.granted:
             self._refused(grant)
@@ -180,7 +194,9 @@ class RateLimiter:
         return self.backend.rate(self.name, self.key, self.interval_us, self.burst, mode="peek")
 
     def _decide(self, mode: str) -> RateGrant:
-        grant = self.backend.rate(self.name, self.key, self.interval_us, self.burst, mode=mode)
+        grant = self.backend.rate(
+            self.name, self.key, self.interval_us, self.burst, mode=mode, grace_us=self.grace_us
+        )
         if not grant.granted:
             self._refused(grant)
         return grant

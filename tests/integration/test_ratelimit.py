@@ -125,6 +125,26 @@ def test_callers_that_join_the_line_are_promised_one_slot_each(redis_client: red
     assert not newcomer and newcomer.retry_after > 0
 
 
+def test_a_slot_whose_caller_does_not_come_back_goes_to_the_next_caller(
+    redis_client: redis.Redis,
+) -> None:
+    """At 2/s (grace 50 ms): a caller promised the next slot never comes back; a newcomer
+    asking with queue=True after that slot plus its grace is granted it instead of being
+    put behind a line of no one, and the rate still holds (the next grant is an interval
+    later)."""
+    limiter = RateLimiter(redis_client, "rate:lapse", "2/s")
+    assert limiter.grace_us == 50_000
+    assert limiter.acquire(queue=True)
+    began = time.monotonic()
+    promised = limiter.acquire(queue=True)
+    assert not promised and 0.4 < promised.retry_after <= 0.5
+    time.sleep(promised.retry_after + 0.2)  # past the slot and its grace, before the next
+    newcomer = limiter.acquire(queue=True)
+    assert newcomer, f"refused {time.monotonic() - began:.3f} s after the first grant"
+    after = limiter.acquire()
+    assert not after and 0.4 < after.retry_after <= 0.5
+
+
 def test_blocking_acquire_waits_the_computed_time_and_honours_its_timeout(
     redis_client: redis.Redis,
 ) -> None:

@@ -248,6 +248,28 @@ def test_queue_mode_promises_one_slot_per_caller(store: MemoryBackend) -> None:
         assert info is not None and info.queued == 3 and info.rate == "10/s"
 
 
+def test_a_promised_slot_unclaimed_past_its_grace_lapses_to_a_newcomer(
+    store: MemoryBackend,
+) -> None:
+    """A slot promised to a caller that does not come: a queue-mode newcomer is put behind
+    the line until the grant has been possible for the grace, and takes it after; the
+    late caller then finds its slot gone and the next one a whole interval later."""
+    key = rate_key("lapse")
+    step, grace = 100_000, 25_000
+    with freeze_time("2024-01-01") as clock:
+        assert store.rate("lapse", key, step, 1, mode="queue", grace_us=grace).granted
+        promised = store.rate("lapse", key, step, 1, mode="queue", grace_us=grace)
+        assert not promised.granted and promised.retry_after == pytest.approx(0.1)
+        clock.tick(timedelta(milliseconds=110))  # the slot is free, for 10 ms only
+        early = store.rate("lapse", key, step, 1, mode="queue", grace_us=grace)
+        assert not early.granted and early.retry_after == pytest.approx(0.09)
+        clock.tick(timedelta(milliseconds=20))  # free for 30 ms: past the grace
+        newcomer = store.rate("lapse", key, step, 1, mode="queue", grace_us=grace)
+        assert newcomer.granted
+        late = store.rate("lapse", key, step, 1, mode="take", grace_us=grace)
+        assert not late.granted and late.retry_after == pytest.approx(0.1)
+
+
 def test_each_url_is_one_store() -> None:
     """The same URL gives the same store, another URL another one; other URLs are refused."""
     a, b = MemoryBackend.for_url("memory://a"), MemoryBackend.for_url("memory://b")

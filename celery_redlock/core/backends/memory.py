@@ -343,17 +343,27 @@ class MemoryBackend(MemoryStore):
     # -- rate grants ------------------------------------------------------------------------
     @atomic
     def rate(
-        self, name: str, key: str, interval_us: int, burst: int, *, mode: str, most_us: int = 0
+        self,
+        name: str,
+        key: str,
+        interval_us: int,
+        burst: int,
+        *,
+        mode: str,
+        most_us: int = 0,
+        grace_us: int = 0,
     ) -> RateGrant:
         """One GCRA decision (rate.lua): *mode* ``take``, ``queue`` or ``peek``."""
         if mode not in ("take", "queue", "peek"):
             raise ValueError(f"rate limiter {name!r}: unknown mode {mode!r}")
         now, step = round(self.now * 1000), interval_us  # microseconds
         state: dict[str, str] = self.get(key, "hash") or {}
-        tat, line = max(stored_int(state.get("tat")) or 0, now), stored_int(state.get("line")) or 0
+        tat, line = stored_int(state.get("tat")) or 0, stored_int(state.get("line")) or 0
         tolerance = (burst - 1) * step
+        due = mode == "queue" and line > now and tat - tolerance > now - grace_us
+        tat = max(tat, now)
         next_at = tat - tolerance
-        if next_at <= now and not (mode == "queue" and line > now):
+        if next_at <= now and not due:
             if mode == "peek":
                 return RateGrant(True, 0.0, (now - next_at) // step + 1)
             tat += step

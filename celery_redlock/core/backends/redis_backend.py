@@ -365,7 +365,15 @@ class RedisBackend:
 
     # -- rate grants --------------------------------------------------------------------
     def rate(
-        self, name: str, key: str, interval_us: int, burst: int, *, mode: str, most_us: int = 0
+        self,
+        name: str,
+        key: str,
+        interval_us: int,
+        burst: int,
+        *,
+        mode: str,
+        most_us: int = 0,
+        grace_us: int = 0,
     ) -> RateGrant:
         def foreign(exc: Exception) -> str:
             return (
@@ -375,7 +383,8 @@ class RedisBackend:
             )
 
         with self._errors(name, foreign):
-            granted, wait_us, free = RATE(self.client, [key], [interval_us, burst, mode, most_us])
+            args = [interval_us, burst, mode, most_us, grace_us]
+            granted, wait_us, free = RATE(self.client, [key], args)
         return RateGrant(int(granted) == 1, max(0, int(wait_us)) / 1e6, int(free))
 
     # -- records beside a lock ------------------------------------------------------------

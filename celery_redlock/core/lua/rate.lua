@@ -11,9 +11,14 @@
 --                  (the line is ahead of now), and a refused caller is promised the
 --                  next slot not yet promised (the line moves on by T): it comes back
 --                  then and asks with 'take'. Spreads re-queued callers one per slot.
+--                  A free grant that no promised caller claimed within ARGV[5] of
+--                  becoming possible lapses: the next caller takes it, so a line whose
+--                  callers are late (stuck behind a backlog) does not leave the rate idle.
 --          'peek'  never writes: whether 'take' would grant now
 -- ARGV[4]  'queue' only: promise no slot further than this many microseconds away
 --          (0 or absent: any); a caller that would not wait that long is not promised one
+-- ARGV[5]  'queue' only: the grace in microseconds after which an unclaimed free grant
+--          lapses to whoever asks (0 or absent: at once)
 -- Returns  {granted (1 or 0), wait_us, free}
 --          granted: wait_us until the next grant is possible, free: grants possible now
 --          refused: wait_us until the caller's slot ('queue') or the next possible grant
@@ -29,12 +34,15 @@ local mode = ARGV[3]
 local cur = redis.call('HMGET', KEYS[1], 'tat', 'line')
 local tat = tonumber(cur[1] or '0') or 0
 local line = tonumber(cur[2] or '0') or 0
+local tol = (b - 1) * T
+local grace = tonumber(ARGV[5] or '0') or 0
+-- promised callers are due and the next grant became possible less than grace ago
+local due = mode == 'queue' and line > now and tat - tol > now - grace
 if tat < now then
   tat = now
 end
-local tol = (b - 1) * T
 local next_at = tat - tol
-if next_at <= now and not (mode == 'queue' and line > now) then
+if next_at <= now and not due then
   if mode == 'peek' then
     return {1, 0, math.floor((now - next_at) / T) + 1}
   end
