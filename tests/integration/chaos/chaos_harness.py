@@ -107,6 +107,26 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str, step: float
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def last_message_gone(
+    events: list[dict[str, Any]], task_ids: list[str], worker_kills: list[float]
+) -> set[str]:
+    """Of *task_ids*, those whose last message nobody received: never received, or
+    retried (the new message published) with no delivery after the retry and a whole
+    worker SIGKILLed (at one of *worker_kills*, monotonic) after it."""
+    last: dict[str, dict[str, Any]] = {}
+    for e in events:
+        if e["event"] in ("received", "retried"):
+            last[e["task_id"]] = e
+    gone = set()
+    for task_id in task_ids:
+        event = last.get(task_id)
+        if event is None or (
+            event["event"] == "retried" and any(k > event["t"] for k in worker_kills)
+        ):
+            gone.add(task_id)
+    return gone
+
+
 class ChaosWorker:
     """A prefork ``celery worker`` (concurrency 2) of the chaos app, with the pids it had."""
 
@@ -665,8 +685,10 @@ class Scenario:
 
         A message a worker had popped from the queue but not yet written to its unacked
         set when the whole worker was SIGKILLed is gone (kombu's Redis transport moves it
-        in two steps): such a task, received by nobody, with the broker empty, counts as
-        vanished (a figure), not as unsettled."""
+        in two steps). With the broker empty, a task whose last message is such a one
+        counts as vanished (a figure), not as unsettled: received by nobody, or retried
+        (its new message published) and not received again before a whole worker's kill.
+        """
         broker = self.infra.client(db=0)
         vanished: set[str] = set()
 
@@ -674,8 +696,7 @@ class Scenario:
             queued, unacked = broker.llen("celery"), broker.hlen("unacked")
             unsettled = self.unsettled()
             if unsettled and not queued and not unacked and self.whole_worker_killed():
-                received = {e["task_id"] for e in self.events() if e["event"] == "received"}
-                vanished.update(t for t in unsettled if t not in received)
+                vanished.update(self.last_message_gone(unsettled))
             return {
                 "unsettled": {t: self.results[t].state for t in unsettled if t not in vanished},
                 "queued": queued,
@@ -707,6 +728,11 @@ class Scenario:
             ) from None
         finally:
             broker.close()
+
+    def last_message_gone(self, task_ids: list[str]) -> set[str]:
+        """See :func:`last_message_gone`, with this scenario's records and worker kills."""
+        kills = [self.killed[w.pid] for w in self.workers if w.killed and w.pid in self.killed]
+        return last_message_gone(self.events(), task_ids, kills)
 
     def quiet_since(self) -> float:
         """The last moment anything happened: a run ended, a fault was healed, a kill."""

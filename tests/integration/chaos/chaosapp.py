@@ -27,7 +27,7 @@ from typing import Any
 
 import redis
 from celery import Celery, Task
-from celery.signals import task_received
+from celery.signals import task_received, task_retry
 
 from celery_redlock import LockedTask, LockEvent, add_hook
 from tests.integration.chaos.fenced_store import FencedStore
@@ -92,6 +92,15 @@ def _received(request: Any = None, **_: Any) -> None:
         delivery = getattr(request, "delivery_info", None) or {}
         redelivered = bool(delivery.get("redelivered"))
         record("received", task_id=task_id, t=time.monotonic(), redelivered=redelivered)
+
+
+@task_retry.connect
+def _retried(request: Any = None, **_: Any) -> None:
+    """The process that ran the attempt: the task's retry message is published (Celery
+    marks RETRY only after the publish)."""
+    task_id = getattr(request, "id", None)
+    if task_id is not None:
+        record("retried", task_id=task_id, t=time.monotonic())
 
 
 def _body(task: Task, key: str, work: float) -> str:

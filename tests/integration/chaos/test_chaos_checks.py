@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from chaos_harness import analyse
+from chaos_harness import analyse, last_message_gone
 from fenced_store import KeyState, Operation
 
 
@@ -118,3 +118,21 @@ def test_a_scenario_can_excuse_only_violations_its_documented_limit_explains() -
     assert during.excuse(died_at(0.5)) and not during.violations
     later = analyse(events, {}, {})
     assert not later.excuse(died_at(2.0)) and later.violations
+
+
+def test_only_a_last_message_nobody_received_before_a_whole_worker_kill_counts_as_gone() -> None:
+    """A task never received, or retried and not received again before a whole worker was
+    killed, lost its last message in the broker; a retry received again, or one published
+    after the last kill, did not (the drain keeps waiting for it)."""
+    events = [
+        {"event": "received", "task_id": "again", "t": 1.0},
+        {"event": "retried", "task_id": "again", "t": 2.0},
+        {"event": "received", "task_id": "again", "t": 2.5},
+        {"event": "received", "task_id": "popped", "t": 1.0},
+        {"event": "retried", "task_id": "popped", "t": 2.0},
+        {"event": "received", "task_id": "late", "t": 3.5},
+        {"event": "retried", "task_id": "late", "t": 4.0},
+    ]
+    tasks = ["again", "popped", "late", "never"]
+    assert last_message_gone(events, tasks, worker_kills=[3.0]) == {"popped", "never"}
+    assert last_message_gone(events, tasks, worker_kills=[]) == {"never"}
