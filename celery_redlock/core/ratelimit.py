@@ -25,10 +25,10 @@ are spread one per slot instead of all coming back at the next free slot and all
 one being refused again. A returning caller is told to come back a little early
 (:func:`slot_lead`: a quarter interval, at most 50 ms) and is expected at its slot within
 that lead; a grant that has been possible that long with no promised caller claiming it
-lapses to whoever asks. Callers stuck behind a backlog (200 re-queued messages behind the
-rest of a burst) then cost the rate nothing: the grant goes to one that is here. The line
-is a hint, not a grant: grants are decided only by ``tat``, so it can never let more
-through than the rate.
+lapses to whoever asks. Callers stuck behind a backlog (a re-queued message behind the
+rest of a burst of 200) then cost the rate nothing: the grant goes to one that is here.
+The line is a hint, not a grant: grants are decided only by ``tat``, so it can never let
+more through than the rate.
 
 Not on a list of Redlock masters: a grant counted on a majority of masters does not
 bound the grants (three masters: grants counted on {1,2}, {2,3}, {1,3} are three
