@@ -13,6 +13,8 @@ from datetime import timedelta
 
 import pytest
 from freezegun import freeze_time
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from celery_redlock.core.backend import Handover, Renewal, Slot, Status
 from celery_redlock.core.backends.memory import MemoryBackend
@@ -233,6 +235,38 @@ def test_gcra_grants_at_most_rate_plus_burst_minus_one_per_period(store: MemoryB
     for first in grants:
         assert sum(1 for t in grants if first <= t < first + 1.0) <= 5 + 3 - 1
     assert len(grants) >= 3 * 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    burst=st.integers(1, 3),
+    steps=st.lists(
+        st.tuples(st.integers(0, 60), st.sampled_from(["take", "queue"])), min_size=50, max_size=200
+    ),
+)
+def test_the_line_and_its_grace_never_let_more_through_than_the_rate(
+    burst: int, steps: list[tuple[int, str]]
+) -> None:
+    """Any mix of take and queue calls, at any spacing, with promised slots claimed or
+    lapsing: at 10/s with burst b, any one-second window holds at most 10 + b - 1 grants,
+    and a refusal's wait is never negative."""
+    store = MemoryBackend("memory://rate-property")
+    key, interval = rate_key("prop"), 100_000
+    grants: list[int] = []
+    try:
+        with freeze_time("2024-01-01") as clock:
+            now_ms = 0
+            for pause_ms, mode in steps:
+                clock.tick(timedelta(milliseconds=pause_ms))
+                now_ms += pause_ms
+                grant = store.rate("prop", key, interval, burst, mode=mode, grace_us=25_000)
+                assert grant.retry_after >= 0
+                if grant:
+                    grants.append(now_ms)
+    finally:
+        store.clear()
+    for first in grants:
+        assert sum(1 for t in grants if first <= t < first + 1000) <= 10 + burst - 1
 
 
 def test_queue_mode_promises_one_slot_per_caller(store: MemoryBackend) -> None:
