@@ -22,7 +22,7 @@ import pytest
 from celery import Celery
 from servers import RedisServer, free_port, wait_for
 from test_observability import EventCapture
-from workers import Worker, close_publisher, publisher
+from workers import Worker, close_publisher, publisher, values_of
 
 pytestmark = pytest.mark.slow
 
@@ -86,8 +86,7 @@ def test_sixty_runs_with_three_permits_never_overlap_more_than_three_and_reach_t
     """60 runs of one key with lock_limit=3 on two workers (8 processes): at most 3 run at
     once, 3 do, every fence differs, and nothing is left held."""
     results = [client.send_task(f"{APP}.imports", args=(7, 0.1)) for _ in range(60)]
-    for r in results:
-        assert r.get(timeout=90) == 7
+    assert values_of(results, 90) == [7] * 60
     runs = _events(server, "interval")
     assert len(runs) == 60
     edges = sorted(
@@ -166,10 +165,8 @@ def test_twenty_a_second_over_two_workers_hold_and_are_reached_other_keys_run_at
     time.sleep(2.0)  # the backlog of acme is re-queued by now
     sent = time.time()
     others = [client.send_task(f"{APP}.call_api", args=("other", n)) for n in range(10)]
-    for r in others:
-        r.get(timeout=30)
-    for r in results:
-        r.get(timeout=60)
+    values_of(others, 30)
+    values_of(results, 60)
     calls = _events(server, "call")
     acme = sorted(e["t"] for e in calls if e["partner"] == "acme")
     assert len(acme) == 200
