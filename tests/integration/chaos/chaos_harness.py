@@ -36,7 +36,7 @@ import signal
 import threading
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,24 +107,19 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str, step: float
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def last_message_gone(
-    events: list[dict[str, Any]], task_ids: list[str], worker_kills: list[float]
-) -> set[str]:
-    """Of *task_ids*, those whose last message nobody received: never received, or
-    retried (the new message published) with no delivery after the retry and a whole
-    worker SIGKILLed (at one of *worker_kills*, monotonic) after it."""
-    last: dict[str, dict[str, Any]] = {}
+def last_message_gone(events: list[dict[str, Any]], task_ids: list[str]) -> set[str]:
+    """Of *task_ids*, those with a message nobody received: fewer first deliveries
+    (``received``, not redelivered) than messages published, the first one and one per
+    ``retried`` (recorded after the retry's publish). Counts, not order: a retry's
+    message may be received elsewhere before its ``retried`` record is written."""
+    published: Counter[str] = Counter()
+    delivered: Counter[str] = Counter()
     for e in events:
-        if e["event"] in ("received", "retried"):
-            last[e["task_id"]] = e
-    gone = set()
-    for task_id in task_ids:
-        event = last.get(task_id)
-        if event is None or (
-            event["event"] == "retried" and any(k > event["t"] for k in worker_kills)
-        ):
-            gone.add(task_id)
-    return gone
+        if e["event"] == "retried":
+            published[e["task_id"]] += 1
+        elif e["event"] == "received" and not e.get("redelivered"):
+            delivered[e["task_id"]] += 1
+    return {t for t in task_ids if delivered[t] < 1 + published[t]}
 
 
 class ChaosWorker:
@@ -685,9 +680,8 @@ class Scenario:
 
         A message a worker had popped from the queue but not yet written to its unacked
         set when the whole worker was SIGKILLed is gone (kombu's Redis transport moves it
-        in two steps). With the broker empty, a task whose last message is such a one
-        counts as vanished (a figure), not as unsettled: received by nobody, or retried
-        (its new message published) and not received again before a whole worker's kill.
+        in two steps). With the broker empty, a task one of whose messages (the first, or
+        a retry's) nobody received counts as vanished (a figure), not as unsettled.
         """
         broker = self.infra.client(db=0)
         vanished: set[str] = set()
@@ -696,7 +690,7 @@ class Scenario:
             queued, unacked = broker.llen("celery"), broker.hlen("unacked")
             unsettled = self.unsettled()
             if unsettled and not queued and not unacked and self.whole_worker_killed():
-                vanished.update(self.last_message_gone(unsettled))
+                vanished.update(last_message_gone(self.events(), unsettled))
             return {
                 "unsettled": {t: self.results[t].state for t in unsettled if t not in vanished},
                 "queued": queued,
@@ -728,11 +722,6 @@ class Scenario:
             ) from None
         finally:
             broker.close()
-
-    def last_message_gone(self, task_ids: list[str]) -> set[str]:
-        """See :func:`last_message_gone`, with this scenario's records and worker kills."""
-        kills = [self.killed[w.pid] for w in self.workers if w.killed and w.pid in self.killed]
-        return last_message_gone(self.events(), task_ids, kills)
 
     def quiet_since(self) -> float:
         """The last moment anything happened: a run ended, a fault was healed, a kill."""

@@ -120,19 +120,22 @@ def test_a_scenario_can_excuse_only_violations_its_documented_limit_explains() -
     assert not later.excuse(died_at(2.0)) and later.violations
 
 
-def test_only_a_last_message_nobody_received_before_a_whole_worker_kill_counts_as_gone() -> None:
-    """A task never received, or retried and not received again before a whole worker was
-    killed, lost its last message in the broker; a retry received again, or one published
-    after the last kill, did not (the drain keeps waiting for it)."""
+def test_only_a_message_nobody_received_counts_as_gone() -> None:
+    """A task never received, or retried with its retry's message never received, lost a
+    message in the broker; a retry received (even before its ``retried`` record) did not,
+    and a redelivery does not stand in for a first delivery."""
+    def received(task: str, redelivered: bool = False) -> dict[str, Any]:
+        return {"event": "received", "task_id": task, "redelivered": redelivered}
+
+    def retried(task: str) -> dict[str, Any]:
+        return {"event": "retried", "task_id": task}
+
     events = [
-        {"event": "received", "task_id": "again", "t": 1.0},
-        {"event": "retried", "task_id": "again", "t": 2.0},
-        {"event": "received", "task_id": "again", "t": 2.5},
-        {"event": "received", "task_id": "popped", "t": 1.0},
-        {"event": "retried", "task_id": "popped", "t": 2.0},
-        {"event": "received", "task_id": "late", "t": 3.5},
-        {"event": "retried", "task_id": "late", "t": 4.0},
-    ]
-    tasks = ["again", "popped", "late", "never"]
-    assert last_message_gone(events, tasks, worker_kills=[3.0]) == {"popped", "never"}
-    assert last_message_gone(events, tasks, worker_kills=[]) == {"never"}
+        received("again"), retried("again"), received("again"),
+        received("early"), received("early"), retried("early"),
+        received("popped"), retried("popped"),
+        received("restored"), received("restored", redelivered=True), retried("restored"),
+        received("done"),
+    ]  # fmt: skip
+    tasks = ["again", "early", "popped", "restored", "done", "never"]
+    assert last_message_gone(events, tasks) == {"popped", "restored", "never"}
