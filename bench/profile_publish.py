@@ -200,31 +200,35 @@ def ablations(app: Any, enq: Any) -> dict[str, tuple[Callable[[], None], Callabl
     # constant part serialised once per task class; conf read from its maps; lean EVALSHA).
     prefixes: dict[type, str] = {}
 
-    def fast_publish(task: Any, args: Any, kwargs: Any, call: dict[str, Any], send: Any) -> Any:
-        app_ = task.app
-        st = state_mod.state_for(app_)
-        conf = app_.conf
+    def common_path(
+        task: Any, args: Any, kwargs: Any, call: dict[str, Any], send: Any
+    ) -> tuple[bool, Any]:
+        """What both prototypes leave to the library: ``(True, sent)`` for a call sent as
+        it is or through ``publish_held``; else ``(False, (state, options, lock name))``."""
+        st = state_mod.state_for(task.app)
+        conf = task.app.conf
         if (
             st.overrides.get("redlock_disable")
             or conf_direct(conf, "redlock_disable")
             or conf_direct(conf, "task_always_eager")
         ):
-            return send(args, kwargs, **call)
+            return True, send(args, kwargs, **call)
         options = st.options_for(task)
         if options.lock_on == "run":
-            return send(args, kwargs, **call)
+            return True, send(args, kwargs, **call)
         name = dedup.lock_name_for(
             task, tuple(args or ()), dict(kwargs or {}), call.get("headers"), options
         )
-        if (
-            call.get("task_id")
-            or call.get("eta")
-            or call.get("countdown")
-            or call.get("expires")
-            or options.debounce
-            or dedup._running_id(task) is not None
-        ):
-            return dedup.publish_held(task, name, options, args, kwargs, call=call, send=send)
+        if any(call.get(k) for k in _SLOW_PATH) or options.debounce or dedup._running_id(task):
+            held = dedup.publish_held(task, name, options, args, kwargs, call=call, send=send)
+            return True, held
+        return False, (st, options, name)
+
+    def fast_publish(task: Any, args: Any, kwargs: Any, call: dict[str, Any], send: Any) -> Any:
+        done, found = common_path(task, args, kwargs, call, send)
+        if done:
+            return found
+        st, options, name = found
         task_id = call["task_id"] = uuid4_str()
         cls = type(task)
         head = prefixes.get(cls)
@@ -306,23 +310,10 @@ def ablations(app: Any, enq: Any) -> dict[str, tuple[Callable[[], None], Callabl
         return original_send_message(producer, name, message, **kw)
 
     def overlap_publish(task: Any, args: Any, kwargs: Any, call: dict[str, Any], send: Any) -> Any:
-        app_ = task.app
-        st = state_mod.state_for(app_)
-        conf = app_.conf
-        if (
-            st.overrides.get("redlock_disable")
-            or conf_direct(conf, "redlock_disable")
-            or conf_direct(conf, "task_always_eager")
-        ):
-            return send(args, kwargs, **call)
-        options = st.options_for(task)
-        if options.lock_on == "run":
-            return send(args, kwargs, **call)
-        name = dedup.lock_name_for(
-            task, tuple(args or ()), dict(kwargs or {}), call.get("headers"), options
-        )
-        if any(call.get(k) for k in _SLOW_PATH) or options.debounce or dedup._running_id(task):
-            return dedup.publish_held(task, name, options, args, kwargs, call=call, send=send)
+        done, found = common_path(task, args, kwargs, call, send)
+        if done:
+            return found
+        st, options, name = found
         task_id = call["task_id"] = uuid4_str()
         cls = type(task)
         head = prefixes.get(cls)
@@ -363,7 +354,7 @@ def ablations(app: Any, enq: Any) -> dict[str, tuple[Callable[[], None], Callabl
             entry = pending.pop(task_id, None)
             # the send failed before the message went out: give back a hold it took
             if entry is not None and read_reply(entry).outcome != "duplicate":
-                dedup.give_back_hold(app_, name, task_id, "was not published")
+                dedup.give_back_hold(task.app, name, task_id, "was not published")
 
     _SLOW_PATH = ("task_id", "eta", "countdown", "expires", "chain", "link", "link_error",
                   "chord", "group_id")  # fmt: skip
