@@ -27,15 +27,26 @@ after the warm-up), the worker is then told to consume it again, and the clock r
 from the first body (which stamps the time) to the last: that times the worker
 draining a full queue, with no publisher on the CPUs (in production the publishers
 are usually other machines); celery-once's and celery-singleton's publish-side
-locking is then outside the clock. Variants are
+locking is then outside the clock. ``--publish before`` is the default: the budgets of
+issue 29 are set on a worker draining a full queue. Variants are
 interleaved ``--reps`` times, each rep starting one variant later than the one
 before (plain, locked, ..., rt2, then locked, once, ..., rt2, plain, ...), so no
-variant always runs first; ``--order fixed`` keeps one order. Three are
-references, not libraries: ``floor`` is a plain task that calls LockedTask's two
-Lua scripts directly (the same Redis round trips without any celery-redlock
-Python), ``core`` takes and releases a core ``Lock`` around its body (LockedTask
-without the Celery adapter), and ``rt2`` makes two bare round trips (a PING on a
-raw socket) around its body: no lock held while a task runs can cost less.
+variant always runs first; ``--order fixed`` keeps one order. Four are
+references, not libraries. ``floor`` is the floor of issue 29, a lock written by hand:
+a plain task whose body is preceded by ``SET floor:k:<i> <token> NX PX 30000`` and
+followed by an owner-checked delete (EVALSHA of the textbook compare-and-delete,
+SCRIPT LOAD once per process), on a module-level redis-py client of the lock server
+(this variant was "plain + LockedTask's two Lua scripts" before issue 29; that one is
+now ``lua``). ``lua`` is a plain task that calls LockedTask's two Lua scripts directly
+(the same Redis round trips without any celery-redlock Python), ``core`` takes and
+releases a core ``Lock`` around its body (LockedTask without the Celery adapter), and
+``rt2`` makes two bare round trips (a PING on a raw socket) around its body: no lock
+held while a task runs can cost less.
+
+The summary ends with the budgets of issue 29, each against rows of the same run:
+LockedTask at least 0.95x plain's tasks/s (the floor's ratio to plain beside it), and
+LockedTask's CPU per task in the pool children (main thread and threads, the worker's
+main process and the publisher apart) at most 1.3x the floor's.
 
 After each run it checks that the queue is empty, that every lock of the run was
 released and that exactly ``--tasks`` bodies ran, and it records the Redis
@@ -74,13 +85,14 @@ import redis
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parent.parent
 APP_MODULE = "bench.taskapp"
-VARIANTS = ("plain", "locked", "once", "singleton", "floor", "core", "rt2")
+VARIANTS = ("plain", "locked", "once", "singleton", "floor", "lua", "core", "rt2")
 LABELS = {
     "plain": "plain `@app.task`",
     "locked": 'celery-redlock `LockedTask` (`lock_key="k:<i>"`)',
     "once": 'celery-once `QueueOnce` (`keys=["i"]`)',
     "singleton": "celery-singleton `Singleton`",
-    "floor": "reference: plain + the same two Lua scripts, no adapter code",
+    "floor": "floor: plain + `SET NX PX` before the body, owner-checked delete after it",
+    "lua": "reference: plain + LockedTask's two Lua scripts, no adapter code",
     "core": "reference: plain + the core `Lock` (acquire/release), no adapter code",
     "rt2": "reference: plain + two bare round trips (raw-socket PING), no lock at all",
 }
@@ -91,7 +103,8 @@ LOCK_PATTERNS = {
     "locked": "redlock:{k:*}",
     "once": "qo_bench.once_*",
     "singleton": "SINGLETONLOCK_*",
-    "floor": "floor:{k:*}",
+    "floor": "floor:k:*",
+    "lua": "lua:{k:*}",
     "core": "redlock:{c:*}",
     "rt2": None,
 }
@@ -102,6 +115,7 @@ KEY_PATTERNS = {
     "once": "qo_*",
     "singleton": "SINGLETONLOCK_*",
     "floor": "floor:*",
+    "lua": "lua:*",
     "core": "redlock:{c:*",
     "rt2": None,
 }
@@ -615,6 +629,108 @@ def cpu_table(runs: list[Run], variants: list[str]) -> str:
     return "\n".join(lines)
 
 
+#: Issue 29: LockedTask's tasks/s against plain's, and its pool children's CPU per task
+#: against the floor's.
+RATE_BUDGET = 0.95
+CHILD_CPU_BUDGET = 1.3
+
+
+def child_cpu(runs: list[Run], variant: str) -> float:
+    """Median over *variant*'s runs of the CPU per task in the pool children (main thread
+    and threads), in microseconds: the worker's main process and the publisher apart."""
+    return statistics.median(
+        1e6 * (r.cpu["children: main thread"][0] + r.cpu["children: threads"][0]) / r.tasks
+        for r in runs
+        if r.variant == variant
+    )
+
+
+def child_cpu_table(runs: list[Run], variants: list[str]) -> str:
+    lines = [
+        "CPU per task in the pool children (main thread + threads; the worker's main process "
+        "and the publisher apart), median over runs:"
+    ]
+    floor = child_cpu(runs, "floor") if "floor" in variants else None
+    for v in variants:
+        mine = child_cpu(runs, v)
+        vs = f"  {mine / floor:.2f}x the floor's" if floor else ""
+        lines.append(f"  {v:<10} {mine:7.0f} us{vs}")
+    return "\n".join(lines)
+
+
+def rate_ratios(runs: list[Run], variants: list[str]) -> list[str]:
+    """LockedTask / plain tasks/s, with a bootstrap interval and rep by rep."""
+    if "plain" not in variants or "locked" not in variants:
+        return []
+    plain_rates = [r.rate for r in runs if r.variant == "plain"]
+    locked_rates = [r.rate for r in runs if r.variant == "locked"]
+    plain = statistics.median(plain_rates)
+    locked = statistics.median(locked_rates)
+    low, high = ratio_interval(locked_rates, plain_rates)
+    # The same, rep by rep: each LockedTask slot against the plain slot of its rep
+    # (run minutes apart at most), which the machine's drift between reps moves less.
+    by_rep = {(r.variant, r.rep): r.rate for r in runs}
+    paired = [
+        by_rep[("locked", rep)] / by_rep[("plain", rep)]
+        for rep in sorted({r.rep for r in runs})
+        if ("locked", rep) in by_rep and ("plain", rep) in by_rep
+    ]
+    return [
+        f"LockedTask / plain = {locked / plain:.3f} (issue 29: >= {RATE_BUDGET}); "
+        f"90% bootstrap interval {low:.3f}-{high:.3f}",
+        "rep by rep: "
+        + ", ".join(f"{x:.3f}" for x in paired)
+        + f"; median {statistics.median(paired):.3f}, "
+        + f"{sum(x >= RATE_BUDGET for x in paired)} of {len(paired)} at {RATE_BUDGET} or more",
+    ]
+
+
+def budgets(runs: list[Run], variants: list[str], publish: str) -> list[str]:
+    """The budgets of issue 29, met or MISSED, against rows of this run."""
+
+    def mark(ok: bool) -> str:
+        return "met" if ok else "MISSED"
+
+    def median_rate(v: str) -> float:
+        return statistics.median(r.rate for r in runs if r.variant == v)
+
+    have = set(variants)
+    lines = ["Budgets (issue 29):", ""]
+    if publish != "before":
+        lines += [
+            "(measured with --publish during; the budgets are set on a worker draining a "
+            "full queue: --publish before)",
+            "",
+        ]
+    if {"plain", "locked"} <= have:
+        ratio = median_rate("locked") / median_rate("plain")
+        floor = (
+            f"; the floor / plain = {median_rate('floor') / median_rate('plain'):.3f}x"
+            if "floor" in have
+            else ""
+        )
+        lines.append(
+            f"- LockedTask tasks/s >= {RATE_BUDGET}x plain: {ratio:.3f}x "
+            f"({median_rate('locked'):.0f} / {median_rate('plain'):.0f} tasks/s), "
+            f"{mark(ratio >= RATE_BUDGET)}{floor}"
+        )
+    else:
+        lines.append("- LockedTask tasks/s vs plain: not measured (needs plain,locked)")
+    if {"plain", "floor", "locked"} <= have:
+        plain, floor, locked = (child_cpu(runs, v) for v in ("plain", "floor", "locked"))
+        ratio = locked / floor
+        lines.append(
+            f"- LockedTask child CPU per task <= {CHILD_CPU_BUDGET}x the floor's: "
+            f"{ratio:.2f}x ({locked:.0f} us / {floor:.0f} us; plain {plain:.0f} us), "
+            f"{mark(ratio <= CHILD_CPU_BUDGET)}"
+        )
+    else:
+        lines.append(
+            "- LockedTask child CPU vs the floor's: not measured (needs plain,floor,locked)"
+        )
+    return lines
+
+
 def print_profile(profile_dir: Path, limit: int = 35) -> None:
     files = sorted(profile_dir.glob("child-*.prof"))
     if not files:
@@ -663,10 +779,11 @@ def main() -> int:
     parser.add_argument(
         "--publish",
         choices=("during", "before"),
-        default="during",
-        help="during: the clock runs while one client publishes the tasks and the worker "
-        "consumes them (every run before the sixth round); before: all tasks are queued "
-        "first and the clock times the worker draining them, with no publisher on the CPUs",
+        default="before",
+        help="before (default; what the budgets of issue 29 are set on): all tasks are "
+        "queued first and the clock times the worker draining them, with no publisher on "
+        "the CPUs; during: the clock runs while one client publishes the tasks and the "
+        "worker consumes them (every run before the sixth round)",
     )
     parser.add_argument(
         "--budget",
@@ -754,34 +871,17 @@ def main() -> int:
                 runs.append(run)
         print()
         print(summarize(runs, variants))
-        if "plain" in variants and "locked" in variants:
-            plain_rates = [r.rate for r in runs if r.variant == "plain"]
-            locked_rates = [r.rate for r in runs if r.variant == "locked"]
-            plain = statistics.median(plain_rates)
-            locked = statistics.median(locked_rates)
-            low, high = ratio_interval(locked_rates, plain_rates)
-            print(
-                f"\nLockedTask / plain = {locked / plain:.3f} (target >= 0.9); "
-                f"90% bootstrap interval {low:.3f}-{high:.3f}"
-            )
-            # The same, rep by rep: each LockedTask slot against the plain slot of its rep
-            # (run minutes apart at most), which the machine's drift between reps moves less.
-            by_rep = {(r.variant, r.rep): r.rate for r in runs}
-            paired = [
-                by_rep[("locked", rep)] / by_rep[("plain", rep)]
-                for rep in sorted({r.rep for r in runs})
-                if ("locked", rep) in by_rep and ("plain", rep) in by_rep
-            ]
-            print(
-                "rep by rep: "
-                + ", ".join(f"{x:.3f}" for x in paired)
-                + f"; median {statistics.median(paired):.3f}, "
-                + f"{sum(x >= 0.9 for x in paired)} of {len(paired)} at 0.9 or more"
-            )
+        ratios = rate_ratios(runs, variants)
+        if ratios:
+            print("\n" + "\n".join(ratios))
         print()
         print(commands_table(runs, variants))
         print()
         print(cpu_table(runs, variants))
+        print()
+        print(child_cpu_table(runs, variants))
+        print()
+        print("\n".join(budgets(runs, variants, args.publish)))
         print(f"\nwhole benchmark: {time.monotonic() - began:.0f} s")
         return 0
     finally:

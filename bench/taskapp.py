@@ -5,7 +5,7 @@ Configured only through the environment (the benchmark sets these):
 BENCH_BROKER    broker URL (the benchmark's throwaway Redis, db 0)
 BENCH_LOCKS     Redis URL for every lock library (db 1)
 BENCH_COUNTER   Redis URL where each task INCRs ``done`` (db 3)
-BENCH_VARIANT   plain | locked | once | singleton | floor | core | rt2: define only that
+BENCH_VARIANT   plain | locked | once | singleton | floor | lua | core | rt2: define only that
                 task and import only the library it needs, so the plain worker carries no lock
                 library at all. Unset (the benchmark's own publishing process):
                 every variant.
@@ -27,7 +27,7 @@ from typing import Any
 import redis
 from celery import Celery, signals
 
-VARIANTS = ("plain", "locked", "once", "singleton", "floor", "core", "rt2")
+VARIANTS = ("plain", "locked", "once", "singleton", "floor", "lua", "core", "rt2")
 VARIANT = os.environ.get("BENCH_VARIANT", "")
 if VARIANT and VARIANT not in VARIANTS:
     raise SystemExit(f"BENCH_VARIANT must be one of {VARIANTS}, got {VARIANT!r}")
@@ -119,6 +119,39 @@ if wanted("singleton"):
 
 if wanted("floor"):
     import secrets
+
+    #: The textbook owner-checked delete, loaded once per process (SCRIPT LOAD).
+    _COMPARE_AND_DELETE = (
+        "if redis.call('get',KEYS[1])==ARGV[1] then return redis.call('del',KEYS[1]) "
+        "else return 0 end"
+    )
+    #: A module-level client of the lock server, as a hand-written task would keep one
+    #: (redis-py starts its pool afresh in each forked child).
+    _hand = redis.Redis.from_url(LOCKS_URL)
+    _hand_sha: dict[int, str] = {}  # pid -> SHA of the script, loaded in that process
+
+    @app.task(name="bench.floor", ignore_result=True)
+    def floor(i: int) -> None:
+        """The floor (issue 29): a lock by hand, ``SET NX PX`` before the body and an
+        owner-checked delete (EVALSHA compare-and-delete) after it, key per argument as
+        LockedTask's ``k:<i>``, a 160-bit token as ours."""
+        sha = _hand_sha.get(os.getpid())
+        if sha is None:
+            sha = _hand_sha[os.getpid()] = _hand.script_load(_COMPARE_AND_DELETE)
+        key = f"floor:k:{i}"
+        token = secrets.token_hex(20)
+        if not _hand.set(key, token, nx=True, px=30000):
+            raise RuntimeError(f"floor: {key} was held")
+        try:
+            bump()
+        finally:
+            _hand.evalsha(sha, 1, key, token)
+
+    TASKS["floor"] = floor
+
+
+if wanted("lua"):
+    import secrets
     from importlib import resources
 
     _LUA = resources.files("celery_redlock.core").joinpath("lua")
@@ -128,8 +161,8 @@ if wanted("floor"):
     _locks_pid = 0
     _shas: dict[str, str] = {}
 
-    @app.task(name="bench.floor", ignore_result=True)
-    def floor(i: int) -> None:
+    @app.task(name="bench.lua", ignore_result=True)
+    def lua(i: int) -> None:
         """Reference: plain + LockedTask's two Lua scripts called directly, no adapter code.
 
         The same acquire and release round trips (same scripts, same key shapes,
@@ -142,18 +175,18 @@ if wanted("floor"):
             _shas["acquire"] = _locks.script_load(_ACQUIRE)
             _shas["release"] = _locks.script_load(_RELEASE)
             _locks_pid = os.getpid()
-        key = f"floor:{{k:{i}}}"
+        key = f"lua:{{k:{i}}}"
         token = secrets.token_hex(20)
         record = f'{{"pid":{os.getpid()}}}'
         keys = [key, key + ":fence", key + ":waiting"]
         got = _locks.evalsha(_shas["acquire"], 3, *keys, token, 30000, record, "0", 0)
         if int(got[0]) != 1:
-            raise RuntimeError(f"floor: {key} was held")
+            raise RuntimeError(f"lua: {key} was held")
         bump()
         released = (key + ":notify", key + ":waiting", key + ":released")
         _locks.evalsha(_shas["release"], 4, key, *released, token, 30000)
 
-    TASKS["floor"] = floor
+    TASKS["lua"] = lua
 
 
 if wanted("core"):
