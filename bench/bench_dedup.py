@@ -14,6 +14,10 @@ new argument per call (every call is sent: the enqueue-time lock is taken, never
 refused), then its queue and its locks are deleted (outside the clock). The variants:
 
 * ``plain``        a plain ``@app.task``: Celery's own publish;
+* ``floor``        the floor of issue 29, a de-duplicating publish by hand: one
+                   ``SET b:<n> <task id> NX PX 3600000`` on the lock server (db 1, a plain
+                   redis-py client), then the plain task's ``apply_async`` with that task
+                   id, sent only when the SET succeeded;
 * ``enqueue``      ``base=LockedTask, lock_on="enqueue"``: one enqueue script per call;
 * ``enqueue+run``  the same with ``lock_on="enqueue+run"`` (the script also looks at the
                    lock itself, which is free);
@@ -25,8 +29,9 @@ refused), then its queue and its locks are deleted (outside the clock). The vari
 
 Variants are interleaved ``--reps`` times, each rep starting one variant later than
 the one before, so no variant always runs first; the median rate of each is printed
-with its ratio to ``plain``. Targets: ``enqueue`` at least 0.8x ``plain`` and at least
-celery-once's and celery-singleton's rate.
+with its ratio to ``plain`` and to ``floor``. Budgets (issue 29), against rows of the
+same run: ``enqueue`` within 3% of the floor (at least 0.97x its calls/s) and ahead of
+both celery-once and celery-singleton.
 """
 
 from __future__ import annotations
@@ -46,11 +51,25 @@ sys.path.insert(0, str(ROOT))
 
 from bench import _servers  # noqa: E402
 
-VARIANTS = ("plain", "enqueue", "enqueue+run", "celery-once", "singleton", "duplicate")
+VARIANTS = ("plain", "floor", "enqueue", "enqueue+run", "celery-once", "singleton", "duplicate")
+#: Each variant's queue (the floor publishes a plain task on its own queue).
+QUEUES = {
+    "plain": "q-plain",
+    "floor": "q-floor",
+    "enqueue": "q-enqueue",
+    "enqueue+run": "q-enqueue-run",
+    "celery-once": "q-once",
+    "singleton": "q-singleton",
+    "duplicate": "q-duplicate",
+}
+#: Issue 29: ``enqueue`` at least this fraction of the floor's calls/s.
+FLOOR_BUDGET = 0.97
 
 
-def build(port: int) -> dict[str, Callable[..., Any]]:
-    """One Celery app with one task per variant (each on its own queue)."""
+def build(port: int) -> dict[str, Callable[[int], Any]]:
+    """One Celery app with one task per variant (each on its own queue): for each variant,
+    the call that publishes one call of it with argument *n*."""
+    import redis  # noqa: PLC0415
     from celery import Celery  # noqa: PLC0415 - after sys.path is set
     from celery_once import QueueOnce  # noqa: PLC0415
     from celery_singleton import Singleton  # noqa: PLC0415
@@ -106,16 +125,32 @@ def build(port: int) -> dict[str, Callable[..., Any]]:
             lock_on="enqueue+run",
         )(body),
     }
+    tasks["floor"] = app.task(name="b.floor", shared=False, queue="q-floor")(body)
     app.finalize()
-    return tasks
+    from kombu.utils.uuid import uuid  # noqa: PLC0415 - the task ids Celery makes itself
+
+    hand = redis.Redis.from_url(f"{base}/1")  # the lock server, as a hand-written one
+
+    def floor(n: int) -> Any:
+        """The floor: one SET NX PX, then the publish (only when the SET succeeded)."""
+        task_id = uuid()
+        if hand.set(f"bf:{n}", task_id, nx=True, px=3_600_000):
+            return tasks["floor"].apply_async((n,), task_id=task_id)
+        return None
+
+    publish: dict[str, Callable[[int], Any]] = {
+        v: (lambda n, task=task: task.apply_async((n,))) for v, task in tasks.items()
+    }
+    publish["floor"] = floor
+    return publish
 
 
-def one_run(task: Any, variant: str, calls: int, offset: int) -> float:
-    """Publish *calls* calls of *task*; calls per second."""
-    args = [(0,)] * calls if variant == "duplicate" else [(offset + i,) for i in range(calls)]
+def one_run(publish: Callable[[int], Any], variant: str, calls: int, offset: int) -> float:
+    """Publish *calls* calls with *publish*; calls per second."""
+    args = [0] * calls if variant == "duplicate" else [offset + i for i in range(calls)]
     started = time.perf_counter()
-    for call in args:
-        task.apply_async(call)
+    for n in args:
+        publish(n)
     return calls / (time.perf_counter() - started)
 
 
@@ -129,7 +164,7 @@ def main() -> None:
     warnings.simplefilter("ignore")
     rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
     with _servers.running() as server:
-        tasks = build(server.port)
+        publish = build(server.port)
         client = server.client()
 
         def reset() -> None:
@@ -138,31 +173,57 @@ def main() -> None:
 
         offset = 0
         for variant in VARIANTS:  # connections made, scripts loaded, classes resolved
-            one_run(tasks[variant], variant, options.warmup, offset)
+            one_run(publish[variant], variant, options.warmup, offset)
             offset += options.warmup
         reset()
         for rep in range(options.reps):
             order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
             for variant in order:
-                rates[variant].append(one_run(tasks[variant], variant, options.calls, offset))
+                rates[variant].append(one_run(publish[variant], variant, options.calls, offset))
                 offset += options.calls
-                sent = sum(client.llen(f"q-{q}") for q in ("plain", "enqueue", "enqueue-run"))
-                sent += sum(client.llen(f"q-{q}") for q in ("once", "singleton", "duplicate"))
+                sent = sum(client.llen(queue) for queue in QUEUES.values())
                 expected = 1 if variant == "duplicate" else options.calls
                 if sent != expected:
                     raise SystemExit(f"{variant}: {sent} messages queued, expected {expected}")
                 reset()
             print(f"rep {rep + 1}/{options.reps} done", file=sys.stderr)
         version = server.version()
-    plain = statistics.median(rates["plain"])
+    median = {v: statistics.median(rates[v]) for v in VARIANTS}
+    plain, floor = median["plain"], median["floor"]
     print(
         f"apply_async publish rate, {options.calls} calls x {options.reps} reps, "
-        f"redis-server {version}, one process (median calls/s, ratio to plain):"
+        f"redis-server {version}, one process (median calls/s, ratio to plain, ratio to "
+        "the by-hand floor):"
     )
     for variant in VARIANTS:
-        median = statistics.median(rates[variant])
         spread = ", ".join(f"{r:,.0f}" for r in rates[variant])
-        print(f"  {variant:12s} {median:9,.0f}/s  {median / plain:5.2f}x   ({spread})")
+        print(
+            f"  {variant:12s} {median[variant]:9,.0f}/s  {median[variant] / plain:5.2f}x plain"
+            f"  {median[variant] / floor:5.2f}x floor   ({spread})"
+        )
+    print()
+    print("\n".join(budgets(median)))
+
+
+def budgets(median: dict[str, float]) -> list[str]:
+    """The budgets of issue 29, met or MISSED, against rows of the same run."""
+
+    def mark(ok: bool) -> str:
+        return "met" if ok else "MISSED"
+
+    ours, floor = median["enqueue"], median["floor"]
+    once, singleton = median["celery-once"], median["singleton"]
+    return [
+        "Budgets (issue 29):",
+        "",
+        f'- `lock_on="enqueue"` >= {FLOOR_BUDGET}x the by-hand floor (SET NX PX, then the '
+        f"publish): {ours / floor:.3f}x ({ours:,.0f} / {floor:,.0f} calls/s), "
+        f"{mark(ours >= FLOOR_BUDGET * floor)}",
+        f'- `lock_on="enqueue"` ahead of celery-once: {ours / once:.2f}x ({once:,.0f} calls/s), '
+        f"{mark(ours > once)}",
+        f'- `lock_on="enqueue"` ahead of celery-singleton: {ours / singleton:.2f}x '
+        f"({singleton:,.0f} calls/s), {mark(ours > singleton)}",
+    ]
 
 
 if __name__ == "__main__":
