@@ -40,7 +40,6 @@ from .contention import DUPLICATE_POLICIES, STRATEGIES, PublishPolicy
 from .core import ConfigError, KeyTemplate
 from .core.connect import mask_url
 from .core.lease import DEFAULT_FENCE_TTL
-from .core.semaphore import REDLOCK_REFUSAL
 
 __all__ = [
     "LOCK_ON",
@@ -51,7 +50,6 @@ __all__ = [
     "TaskOptions",
     "TaskSpec",
     "check_declared",
-    "check_store",
     "check_task_option",
     "declared",
     "load_settings",
@@ -463,23 +461,3 @@ def field_of(option: str) -> str:
     """The :class:`TaskOptions` field of task option *option*: its name without ``lock_``
     (``lock_on`` keeps its name)."""
     return option if option == "lock_on" else option.removeprefix("lock_")
-
-
-def check_store(task_name: str, options: TaskOptions, masters: int) -> None:
-    """Refuse a limit above one or a rate on a list of Redlock masters (*masters* > 1):
-    a ConfigError naming the task, the option and why (see docs/limits.md)."""
-    if masters <= 1:
-        return
-    if options.limit is not None and options.limit > 1:
-        raise ConfigError(
-            f"task {task_name!r}: lock_limit={options.limit} with redlock_url a list of "
-            f"{masters} Redlock masters: {REDLOCK_REFUSAL}"
-        )
-    if options.rate is not None:
-        raise ConfigError(
-            f"task {task_name!r}: lock_rate={options.rate!r} with redlock_url a list of "
-            f"{masters} Redlock masters: majorities count different grants (3 masters: "
-            "grants counted on masters 1 and 2, 2 and 3, 1 and 3 are three grants while "
-            "each master counted two), so a rate cannot be kept there; point redlock_url "
-            "at one Redis (a plain server, a Sentinel-managed master or a Cluster)"
-        )

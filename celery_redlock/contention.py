@@ -22,7 +22,7 @@ from typing import Any, NoReturn, Protocol
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from .core.backend import Queued, RateGrant
+from .core.backend_types import Queued, RateGrant
 from .core.errors import AlreadyQueued, LockContended, RateLimited, describe_holder
 from .core.queued import QueuedHold
 from .core.ratelimit import slot_lead

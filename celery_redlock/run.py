@@ -36,8 +36,10 @@ from .core import (
     RateGrant,
     RateLimiter,
     RedlockError,
+    RunLock,
     Semaphore,
 )
+from .core.backend import Permits, QueuedHolds, Rates
 from .core.errors import describe_holder
 from .core.lease import drift
 from .dedup import (
@@ -55,6 +57,7 @@ from .state import AppState, state_for
 
 __all__ = [
     "acquire_for_request",
+    "capabilities_needed",
     "lock_of",
     "on_postrun",
     "release_for_request",
@@ -115,6 +118,19 @@ def _new_lock(
         on_lost=on_lost,
         **extra,
     )
+
+
+def capabilities_needed(options: TaskOptions) -> list[tuple[str, type]]:
+    """What the lock store must be able to keep for a task with *options* (each as the
+    option that needs it, and the capability): checked at worker start."""
+    needed: list[tuple[str, type]] = []
+    if options.limit is not None and options.limit > 1:
+        needed.append((f"lock_limit={options.limit}", Permits))
+    if options.rate is not None:
+        needed.append((f"lock_rate={options.rate!r}", Rates))
+    if options.lock_on != "run":
+        needed.append((f"lock_on={options.lock_on!r}", QueuedHolds))
+    return needed
 
 
 def _held_by_this_task(lock: Lock, task_id: str) -> bool:
@@ -259,7 +275,8 @@ def _acquire(run: _Run, state: AppState, handover: Handover | None) -> None:
                 done_as=done_as,
             )
             acquired = lock.acquire(blocking=False)
-            if not acquired and not lock.superseded:
+            superseded = isinstance(lock, RunLock) and lock.superseded
+            if not acquired and not superseded:
                 if queued and mutex and lock.holder.get("task_id") == task_id:
                     copy = True
                     acquired = _own_task_holds(task, request, lock, run.attempt)
@@ -280,7 +297,7 @@ def _acquire(run: _Run, state: AppState, handover: Handover | None) -> None:
                 )
                 raise Ignore(f"already ran (lock {name!r})")
             if not acquired:
-                if lock.superseded:
+                if isinstance(lock, RunLock) and lock.superseded:
                     skip_superseded(task, request, lock)
                 if tracked:
                     send_task_event(task, "contended", lock=name, policy=policy, holder=lock.holder)
@@ -393,7 +410,7 @@ def _renewed_by(lock: Lock, task_id: str, lease_end: float) -> bool:
 
 def _ran_already(lock: Lock) -> bool:
     """True when the lock's done mark says this very run (task id and attempt) finished."""
-    if lock.done_as is None:
+    if not isinstance(lock, RunLock) or lock.done_as is None:
         return False
     try:
         return lock.ran_before()

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .config import Settings, TaskOptions, load_settings, resolve
-from .core import Backend, Lock, RateLimiter, Semaphore, connect, open_backend, process
+from .core import Backend, Lock, RateLimiter, RunLock, Semaphore, connect, open_backend, process
 
 __all__ = ["AppState", "state_for"]
 
@@ -100,11 +100,14 @@ class AppState:
 
     def make_lock(self, name: str, ttl: float, *, limit: int = 1, **options: Any) -> Lock:
         """A core lock on this app's Redis (held by a majority when several URLs are set),
-        or with *limit* > 1 a :class:`Semaphore` of that many permits (one Redis only)."""
+        with *limit* > 1 a :class:`Semaphore` of that many permits (one Redis only), and
+        with ``handover`` or ``done_as`` a :class:`RunLock` (a queued message's run)."""
         prefix = self.settings.key_prefix
         options.setdefault("fence_ttl", self.settings.fence_ttl)
         if limit > 1:
             return Semaphore(self.backend(), name, limit, ttl, key_prefix=prefix, **options)
+        if "handover" in options or "done_as" in options:
+            return RunLock(self.backend(), name, ttl, key_prefix=prefix, **options)
         return Lock(self.backend(), name, ttl, key_prefix=prefix, **options)
 
     def make_limiter(

@@ -187,19 +187,20 @@ def redlock_celery_config() -> dict[str, Any]:
 def redlock_store(celery_app: Any) -> Iterator[Any]:
     """The memory backend where ``celery_app`` keeps its locks, empty at the start and at
     the end of the test (so no test sees another's locks)."""
-    from .core.backends.memory import MemoryBackend  # noqa: PLC0415
+    from .core.backend import InProcess, has, need  # noqa: PLC0415
     from .state import state_for  # noqa: PLC0415
 
     backend = state_for(celery_app).backend()
-    if not isinstance(backend, MemoryBackend):
+    if not has(backend, InProcess):
         raise RuntimeError(
             f"redlock_store needs celery_app's redlock_url to be memory://, got "
             f"{celery_app.conf.get('redlock_url')!r}: return redlock_celery_config from "
             "your celery_config fixture"
         )
-    backend.clear()
-    yield backend
-    backend.clear()
+    store = need(backend, InProcess)
+    store.clear()
+    yield store
+    store.clear()
 
 
 @_fixture()

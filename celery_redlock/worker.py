@@ -25,13 +25,15 @@ from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from redis.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, BusyLoadingError
 
-from .config import LOCK_ON, check_store
+from .config import LOCK_ON
 from .core import renewal
+from .core.backend import has, lacks
 from .core.connect import mask_url
-from .core.errors import ConfigError, RedlockError, no_queued_holds
+from .core.errors import ConfigError, RedlockError
 from .dedup import HOLD_HEADER, give_back_hold
 from .naming import KEY_HEADER, lock_name_for
 from .observability import drop_unscrapable_metrics
+from .run import capabilities_needed
 from .state import AppState, state_for
 from .task import LockedTask, apply_redlock_tasks
 
@@ -191,22 +193,23 @@ def _forks_children(worker: Any) -> bool:
 
 def check_locked_tasks(app: Any, state: AppState) -> None:
     """Resolve every locked task's options against the settings now, so a bad combination
-    (``lock_limit=None`` without a rate, a limit or a rate on Redlock masters, enqueue-time
-    holds on Redlock masters) stops the worker at start-up with one ConfigError naming
-    every such task (by name) and its option, never deep in a run."""
-    url = state.settings.urls
-    masters = len(url) if isinstance(url, list) else 1
+    (``lock_limit=None`` without a rate) or an option the lock store cannot keep (a limit
+    above one, a rate or enqueue-time holds on Redlock masters: see
+    :func:`~celery_redlock.run.capabilities_needed`) stops the worker at start-up with one
+    ConfigError naming every such task (by name) and its option, never deep in a run."""
+    backend = state.backend()
     problems: list[str] = []
     for name, task in sorted(app.tasks.items()):
         if not (isinstance(task, LockedTask) and type(task).redlock_spec is not None):
             continue
         try:
             options = state.options_for(task)
-            check_store(task.name, options, masters)
-            if masters > 1 and options.lock_on != "run":
-                raise ConfigError(f"task {name!r}: " + no_queued_holds(name, masters))
         except ConfigError as exc:
             problems.append(str(exc))
+            continue
+        for option, capability in capabilities_needed(options):
+            if not has(backend, capability):
+                problems.append(f"task {name!r}: {option}: {lacks(backend, capability)}")
     if problems:
         raise ConfigError("; ".join(problems))
 

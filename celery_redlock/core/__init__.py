@@ -10,7 +10,8 @@ process's memory (:mod:`.backends`).
 
 from __future__ import annotations
 
-from .backend import Backend, Grant, Handover, Holder, Queued, RateGrant, Slot, Status
+from .backend import Backend, need
+from .backend_types import Grant, Handover, Holder, Queued, RateGrant, Slot, Status
 from .backends import open_backend
 from .connect import connect, mask_url
 from .errors import (
@@ -26,7 +27,7 @@ from .errors import (
 from .events import LockEvent, add_hook, remove_hook
 from .keys import KeyTemplate, lock_keys, render_value
 from .lock import Lock, Redlock
-from .queued import QueuedHold
+from .queued import QueuedHold, RunLock
 from .ratelimit import RateLimiter
 from .records import LockRecords
 from .renewal import get_manager
@@ -54,6 +55,7 @@ __all__ = [
     "RateLimiter",
     "Redlock",
     "RedlockError",
+    "RunLock",
     "Semaphore",
     "Slot",
     "Status",
@@ -62,6 +64,7 @@ __all__ = [
     "get_manager",
     "lock_keys",
     "mask_url",
+    "need",
     "open_backend",
     "remove_hook",
     "render_value",

@@ -1,10 +1,10 @@
 """What ``celery locks`` (and any operator tool) reads and removes, by lock name.
 
-Each function takes one backend (or what :func:`~celery_redlock.core.backends.open_backend`
-takes: a client, a list of clients) and a key prefix, turns names into slots and calls
-the backend's operator verbs (:meth:`~celery_redlock.core.backend.Backend.scan` and the
-others). For Redlock, call them once per master to see each master's view: that is
-what the CLI does.
+Each function takes one store (or what :func:`~celery_redlock.core.backends.open_backend`
+takes: a client) and a key prefix, turns names into slots and calls the store's
+operator verbs (the :class:`~celery_redlock.core.backend.Admin` capability). For
+Redlock, call them once per master to see each master's view, as the CLI does: a
+quorum has no operator verbs of its own (a ConfigError says so).
 
 Errors are the backend's: :class:`~celery_redlock.core.errors.QuorumUnavailable` when it
 cannot answer, :class:`~celery_redlock.core.errors.ConfigError` for a name no lock can
@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .backend import ForceRelease, LockInfo, RateInfo, Slot
+from .backend import Admin, need
+from .backend_types import ForceRelease, LockInfo, RateInfo, Slot
 from .backends import open_backend
 from .keys import lock_keys
 
@@ -35,22 +36,22 @@ __all__ = [
 def scan_locks(target: Any, prefix: str, pattern: str = "*") -> list[LockInfo]:
     """Every held lock, live permit and queued hold whose rendered name matches the glob
     *pattern* (``sync:*``; ``*``, ``?`` and ``[abc]``), sorted by name."""
-    return open_backend(target).scan(prefix, pattern)
+    return _admin(target).scan(prefix, pattern)
 
 
 def read_lock(target: Any, prefix: str, name: str) -> list[LockInfo]:
     """Lock *name*'s holder, queued hold and live permits (empty when there are none)."""
-    return open_backend(target).read(prefix, name)
+    return _admin(target).read(prefix, name)
 
 
 def scan_rates(target: Any, prefix: str, pattern: str = "*") -> list[RateInfo]:
     """The state of every rate limiter whose name matches *pattern*."""
-    return open_backend(target).scan_rates(prefix, pattern)
+    return _admin(target).scan_rates(prefix, pattern)
 
 
 def read_rate(target: Any, prefix: str, name: str) -> RateInfo | None:
     """The state of rate limiter *name*, or None when it is idle."""
-    return open_backend(target).read_rate(prefix, name)
+    return _admin(target).read_rate(prefix, name)
 
 
 def force_release(
@@ -70,11 +71,15 @@ def force_release(
     """
     confirmed = None if fence is None else int(fence)
     notice_ms = max(1, round(notice_ttl * 1000))
-    return open_backend(target).force_release(Slot(lock_keys(name, prefix)), confirmed, notice_ms)
+    return _admin(target).force_release(Slot(lock_keys(name, prefix)), confirmed, notice_ms)
 
 
 def force_dequeue(target: Any, prefix: str, name: str, task_id: str | None = None) -> ForceRelease:
     """Remove the enqueue-time hold of lock *name*: the one of *task_id* only
     (``"refused"`` when another task id holds it now), or whoever's with None. The
     message itself stays queued; when it starts, it takes the lock as usual."""
-    return open_backend(target).force_dequeue(Slot(lock_keys(name, prefix)), task_id)
+    return _admin(target).force_dequeue(Slot(lock_keys(name, prefix)), task_id)
+
+
+def _admin(target: Any) -> Admin:
+    return need(open_backend(target), Admin)

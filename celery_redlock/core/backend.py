@@ -1,31 +1,42 @@
-"""The seam between the lock primitives and where locks live: verbs and typed results.
+"""The seam between the lock primitives and where locks live, split by capability.
 
-A :class:`Backend` speaks lock semantics, not storage commands. The primitives
-(:class:`~celery_redlock.core.lock.Lock`, ``Semaphore``, ``RateLimiter``, ``QueuedHold``,
-``LockRecords``), the renewal thread and the operator reads call only the verbs below
-and read only their results (:mod:`.backend_types`). Three backends implement them, one
-module each:
+Every backend has the lock verbs (:class:`Backend`: acquire, release, extend, renew,
+wait, holders, locked). Everything else is a capability of its own, a protocol a backend
+implements or does not:
 
-- :mod:`~celery_redlock.core.backends.redis_backend`: one Redis (a plain server, a
-  Sentinel master, or a Cluster); every mutation is one owner-checked Lua script;
-- :mod:`~celery_redlock.core.backends.quorum`: a majority of independent backends
-  (Redlock over Redis backends; over memory backends in tests);
-- :mod:`~celery_redlock.core.backends.memory`: the same semantics in this process, for
-  tests and single-process tools (``connect("memory://")``).
+========================= =================================================================
+:class:`Permits`          up to N holders of one name in one place (``Semaphore``, limit > 1)
+:class:`QueuedHolds`      the enqueue-time hold of a queued message, and its hand-over to the
+                          run's lock (``QueuedHold``, ``RunLock``, ``lock_on="enqueue"``)
+:class:`DoneMarks`        a release that records which run finished (``RunLock``)
+:class:`Rates`            GCRA rate decisions (``RateLimiter``, ``lock_rate``)
+:class:`Records`          records only a lock's holder may write (``LockRecords``: beat)
+:class:`Admin`            operator reads and forced removals (``celery locks``)
+:class:`InProcess`        a store in this process that a test may empty
+========================= =================================================================
 
-What every verb promises (the behaviour suite in ``tests/backends`` checks each backend):
+A primitive asks for the capability it needs once, when it is built: :func:`need` gives
+the backend as that protocol, or raises the one :class:`~.errors.ConfigError` that names
+the backend and what it lacks (with the backend's own reason, :meth:`why_not`). Three
+backends implement the verbs, one module each: :mod:`~.backends.redis_backend` (one
+Redis: every capability), :mod:`~.backends.memory` (this process: every capability) and
+:mod:`~.backends.quorum` (Redlock over members: the lock verbs, done marks and records).
+
+What every verb promises (the behaviour suite ``tests/integration/test_backends.py``
+checks each backend):
 
 - *Errors.* A verb raises :class:`~.errors.QuorumUnavailable` when the backend cannot
   decide (a server down, not answering in time, loading, out of memory, read-only, or
   too few masters of a quorum), and :class:`~.errors.ConfigError` when the data at a
-  lock's keys is not ours or the backend cannot do what was asked (a queued hold on a
-  quorum). Anything else (a client whose pool is exhausted, a wrong argument type, a
-  bug) is raised as it is, with its traceback: it is never reported as unavailable.
+  lock's keys is not ours. Anything else (a client whose pool is exhausted, a wrong
+  argument type, a bug) is raised as it is, with its traceback: it is never reported as
+  unavailable.
 - *Owner checks.* Every mutation of an acquisition names its token and changes nothing
   when another token holds it. A verb sent twice (a client re-sending after a lost
   reply) has the effect of sending it once: a re-sent acquire finds its own token and
   reports success with the same fence; a re-sent release finds the token it released
-  (the backend remembers it for ``notice_ms``) and reports :attr:`Status.OK`.
+  (the backend remembers the most recent ones for ``notice_ms``) and reports
+  :attr:`Status.OK`.
 - *Time.* Leases are whole milliseconds and expire on the backend's clock.
 - *Nothing held.* A verb takes what it needs (a connection from the client's pool) and
   gives it back before it returns, on every path.
@@ -33,11 +44,10 @@ What every verb promises (the behaviour suite in ``tests/backends`` checks each 
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from .backend_types import (
-    MAX_RECORD,
     Claim,
     ForceRelease,
     Grant,
@@ -50,38 +60,82 @@ from .backend_types import (
     Renewal,
     Slot,
     Status,
-    newest_records,
-    parse_holder,
-    record_version,
-    text,
 )
-from .errors import QuorumUnavailable
+from .errors import ConfigError, QuorumUnavailable
 
 __all__ = [
-    "MAX_RECORD",
+    "Admin",
     "Backend",
-    "Claim",
-    "ForceRelease",
-    "Grant",
-    "Handover",
-    "Holder",
-    "LockInfo",
-    "Queued",
-    "RateGrant",
-    "RateInfo",
-    "Renewal",
-    "Slot",
-    "Status",
-    "newest_records",
-    "parse_holder",
-    "record_version",
-    "text",
+    "DoneMarks",
+    "InProcess",
+    "Permits",
+    "QueuedHolds",
+    "Rates",
+    "Records",
+    "capability",
+    "has",
+    "lacks",
+    "need",
 ]
+
+_P = TypeVar("_P")
+_T = TypeVar("_T", bound=type)
+
+#: Each capability in words, for the error that says a backend lacks it.
+_WORDS: dict[type, str] = {}
+#: (backend type, capability) -> whether that type implements it: a structural check once
+#: per type, never per call.
+_HAS: dict[tuple[type, type], bool] = {}
+
+
+def capability(words: str) -> Callable[[_T], _T]:
+    """Make a protocol a capability: checkable at run time, and named in errors as
+    *words* ("semaphores (a limit above 1)")."""
+
+    def mark(cls: _T) -> _T:
+        checked: _T = runtime_checkable(cls)
+        _WORDS[checked] = words
+        return checked
+
+    return mark
+
+
+def lacks(backend: Any, what: type) -> str:
+    """Why *backend* cannot be used as capability *what*: the one message for every place
+    that asks (a primitive being built, a task option at worker start)."""
+    why = getattr(backend, "why_not", None)
+    reason = why(what) if callable(why) else ""
+    where = backend.describe() if hasattr(backend, "describe") else type(backend).__name__
+    return f"{_WORDS.get(what, what.__name__)} are not available on {where}" + (
+        f": {reason}" if reason else ""
+    )
+
+
+def need(backend: Any, what: type[_P]) -> _P:
+    """*backend* as capability *what*, or a ConfigError naming the backend and what it
+    lacks (:func:`lacks`). A primitive calls it once, when it is built."""
+    key = (type(backend), what)
+    has = _HAS.get(key)
+    if has is None:
+        has = _HAS[key] = isinstance(backend, what)
+    if not has:
+        raise ConfigError(lacks(backend, what))
+    return backend  # type: ignore[no-any-return]
+
+
+def has(backend: Any, what: type) -> bool:
+    """True when *backend* implements capability *what* (checked once per type)."""
+    key = (type(backend), what)
+    found = _HAS.get(key)
+    if found is None:
+        found = _HAS[key] = isinstance(backend, what)
+    return found
 
 
 @runtime_checkable
 class Backend(Protocol):
-    """Where locks live. See the module docstring for what every verb promises.
+    """Where locks live: the lock verbs every backend has. See the module docstring for
+    what every verb promises.
 
     Equal backends share one renewal batch: a Redis backend is equal to another of the
     same client object, a quorum to another of equal members.
@@ -94,40 +148,23 @@ class Backend(Protocol):
         """The password-free address(es), for log lines and errors."""
         ...
 
-    def identity(self) -> Hashable:
-        """What makes two backends the same server (a quorum refuses a master listed
-        twice): finer than :meth:`describe`."""
-        ...
-
-    # -- an acquisition's life --------------------------------------------------------
     def acquire(
-        self,
-        slot: Slot,
-        token: str,
-        ttl_ms: int,
-        record: str,
-        *,
-        wait: bool,
-        fence_ttl_ms: int,
-        handover: Handover | None = None,
+        self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
     ) -> Grant:
         """One attempt to take *slot* for *token* for *ttl_ms*, storing *record* (JSON)
         as the holder record. Acquired: the fence, strictly greater than every earlier
         fence of the name (its counter lives *fence_ttl_ms* after its last use, 0:
         forever; a counter that is gone restarts above any value it could have
         reached). Refused: the holder's record and lease left. *wait*: the caller will
-        block for a release notice (:meth:`wait`), so a release must send one.
-        *handover*: take over that task id's enqueue-time hold in the same step."""
+        block for a release notice (:meth:`wait`), so a release must send one."""
         ...
 
-    def release(
-        self, slot: Slot, token: str, notice_ms: int, done: tuple[str, int] | None = None
-    ) -> Status:
+    def release(self, slot: Slot, token: str, notice_ms: int) -> Status:
         """Give back *token*'s acquisition and wake one waiter; remember *token* as
-        released for *notice_ms*. OK: released now, or already released by this token
-        (a re-sent copy); GONE: expired or removed by someone else; TAKEN: another token
-        holds it; FOREIGN: not a lock. With *done* (mark, ms): add that mark to the
-        name's done marks in the same step (see :meth:`was_done`)."""
+        released for *notice_ms* (the most recent tokens of a name, a bounded number).
+        OK: released now, or already released by this token (a re-sent copy); GONE:
+        expired or removed by someone else; TAKEN: another token holds it; FOREIGN: not
+        a lock."""
         ...
 
     def extend(self, slot: Slot, token: str, ms: int, *, replace: bool) -> int | Status:
@@ -150,12 +187,6 @@ class Backend(Protocol):
         commands per call, never a poll loop."""
         ...
 
-    def raise_fence(self, slot: Slot, fence: int, fence_ttl_ms: int) -> int:
-        """Lift the name's fence counter to at least *fence*; returns the counter after
-        the call (a quorum writes its chosen fence back to a majority with this)."""
-        ...
-
-    # -- reads ------------------------------------------------------------------------
     def holders(self, slot: Slot) -> list[Holder]:
         """Every current acquisition of *slot* (a mutex: at most one; a quorum: the one
         a majority holds), first to expire first."""
@@ -166,12 +197,21 @@ class Backend(Protocol):
         majority; permits: every one is held)."""
         ...
 
-    def was_done(self, slot: Slot, mark: str) -> bool:
-        """True when a release added *mark* to the name's done marks (the 16 most recent
-        are kept, for the *done* ms of the last one)."""
-        ...
 
-    # -- enqueue-time holds -------------------------------------------------------------
+@capability("semaphores (a limit above 1: Semaphore, lock_limit)")
+class Permits(Protocol):
+    """Up to ``slot.limit`` holders of one name in one place: the lock verbs take a
+    permit slot (``Slot.limit > 1``; see :mod:`~celery_redlock.core.semaphore`)."""
+
+    #: True: the lock verbs take permit slots.
+    holds_permits: Literal[True]
+
+
+@capability("enqueue-time holds (QueuedHold, lock_on='enqueue' or 'enqueue+run')")
+class QueuedHolds(Protocol):
+    """The enqueue-time hold of one queued message per name, and its hand-over to the
+    run's lock in one step (see :mod:`~celery_redlock.core.queued`)."""
+
     def enqueue(
         self,
         slot: Slot,
@@ -192,7 +232,44 @@ class Backend(Protocol):
         id's, FOREIGN not a hold."""
         ...
 
-    # -- rate grants --------------------------------------------------------------------
+    def take_over(
+        self,
+        slot: Slot,
+        token: str,
+        ttl_ms: int,
+        record: str,
+        handover: Handover,
+        *,
+        wait: bool,
+        fence_ttl_ms: int,
+    ) -> Grant:
+        """:meth:`Backend.acquire` of a mutex that takes over task ``handover.owner``'s
+        enqueue-time hold in the same step. Refused with ``Grant.superseded`` when the
+        hold belongs to another task id and ``handover.strict``; a refusal says the
+        hold's owner (``Grant.queued_owner``, "" when there is none)."""
+        ...
+
+
+@capability("done marks (acks_late runs that tell a redelivered copy it ran)")
+class DoneMarks(Protocol):
+    """A release that records which run finished, and the check of that record."""
+
+    def release_done(
+        self, slot: Slot, token: str, notice_ms: int, mark: str, mark_ms: int
+    ) -> Status:
+        """:meth:`Backend.release` that also adds *mark* to the name's done marks (the 16
+        most recent are kept, for *mark_ms* after the last one), in the same step."""
+        ...
+
+    def was_done(self, slot: Slot, mark: str) -> bool:
+        """True when a release added *mark* to the name's done marks."""
+        ...
+
+
+@capability("rate limits (RateLimiter, lock_rate)")
+class Rates(Protocol):
+    """GCRA decisions (see :mod:`~celery_redlock.core.ratelimit`)."""
+
     def rate(
         self,
         name: str,
@@ -204,18 +281,22 @@ class Backend(Protocol):
         most_us: int = 0,
         grace_us: int = 0,
     ) -> RateGrant:
-        """One GCRA decision of rate limiter *name* stored at *key* (see
-        :mod:`~celery_redlock.core.ratelimit`). *mode*: ``"take"`` grants if possible now
-        (a refusal writes nothing); ``"queue"`` as take, but refused while promised slots
-        are due, and a refused caller is promised the next unpromised slot (no further
-        than *most_us* away, 0: any); a grant possible for *grace_us* that no promised
-        caller claimed lapses to a ``"queue"`` caller; ``"peek"`` writes nothing."""
+        """One GCRA decision of rate limiter *name* stored at *key*. *mode*: ``"take"``
+        grants if possible now (a refusal writes nothing); ``"queue"`` as take, but
+        refused while promised slots are due, and a refused caller is promised the next
+        unpromised slot (no further than *most_us* away, 0: any); a grant possible for
+        *grace_us* that no promised caller claimed lapses to a ``"queue"`` caller;
+        ``"peek"`` writes nothing."""
         ...
 
-    # -- records beside a lock, written only by its holder ------------------------------
+
+@capability("records beside a lock (LockRecords: beat's ticks)")
+class Records(Protocol):
+    """Records only the lock's holder may write (see :mod:`~celery_redlock.core.records`)."""
+
     def load_records(self, slot: Slot, suffix: str) -> dict[str, str]:
         """Every field of the records hash ``<lock key>:<suffix>``, the newest by
-        :func:`record_version` where masters differ."""
+        :func:`~.backend_types.record_version` where masters differ."""
         ...
 
     def claim(  # noqa: PLR0917 - a record claim names slot, token, field, value and version
@@ -236,7 +317,11 @@ class Backend(Protocol):
         (``time.monotonic()``) bounds the wait for a quorum's answers."""
         ...
 
-    # -- operator reads and forced release ----------------------------------------------
+
+@capability("operator reads and removals (celery locks; on Redlock, per master)")
+class Admin(Protocol):
+    """What ``celery locks`` reads and removes on one store (see :mod:`~.admin`)."""
+
     def scan(self, prefix: str, pattern: str = "*") -> list[LockInfo]:
         """Every held lock, live permit and queued hold under *prefix* whose name matches
         the glob *pattern*, sorted by name (``SCAN`` on Redis, never ``KEYS``)."""
@@ -263,4 +348,13 @@ class Backend(Protocol):
 
     def force_dequeue(self, slot: Slot, owner: str | None) -> ForceRelease:
         """Remove the enqueue-time hold (only task *owner*'s, when given)."""
+        ...
+
+
+@capability("an in-process store (memory://)")
+class InProcess(Protocol):
+    """A store that lives in this process (``connect("memory://...")``)."""
+
+    def clear(self) -> None:
+        """Forget every key (for tests)."""
         ...

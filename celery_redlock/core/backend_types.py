@@ -18,6 +18,7 @@ from .keys import LockKeys
 
 __all__ = [
     "MAX_RECORD",
+    "RECENT_BYTES",
     "Claim",
     "ForceRelease",
     "Grant",
@@ -35,6 +36,12 @@ __all__ = [
     "record_version",
     "text",
 ]
+
+
+#: The most bytes of recently released tokens one name keeps (``' t1 t2 ... '``: about 17
+#: of ours, 40 hex characters and a space each), whatever the release rate. A re-sent copy
+#: of a release comes within moments of the first, before that many others of the name.
+RECENT_BYTES = 700
 
 
 class Status(IntEnum):

@@ -10,8 +10,6 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
-    "RATE_ON_QUORUM",
-    "SEMAPHORE_ON_QUORUM",
     "AlreadyQueued",
     "ConfigError",
     "LockContended",
@@ -20,38 +18,8 @@ __all__ = [
     "QuorumUnavailable",
     "RedlockError",
     "describe_holder",
-    "no_queued_holds",
     "one_line",
 ]
-
-#: Why a semaphore with a limit above 1 is refused on a list of Redlock masters.
-SEMAPHORE_ON_QUORUM = (
-    "a Semaphore with limit > 1 cannot run on a list of Redlock masters: a permit held "
-    "on a majority of masters does not bound the holders (3 masters, limit 2: A holds "
-    "permits on masters 1 and 2, B on 2 and 3, C on 1 and 3; each holds a majority and "
-    "no master holds more than 2 permits, yet three run at once). Use one Redis (a "
-    "plain server, a Sentinel-managed master or a Cluster) for it, or limit=1 (a "
-    "Redlock mutex)"
-)
-
-#: Why a rate limiter is refused on a list of Redlock masters.
-RATE_ON_QUORUM = (
-    "a RateLimiter cannot run on a list of Redlock masters: a grant counted on a majority "
-    "of masters does not bound the grants (3 masters: grants counted on masters 1 and 2, "
-    "2 and 3, 1 and 3 are three grants while each master counted two). Use one Redis (a "
-    "plain server, a Sentinel-managed master or a Cluster) for rate limits"
-)
-
-
-def no_queued_holds(name: str, masters: int) -> str:
-    """Why a quorum of masters refuses enqueue-time holds."""
-    return (
-        f"lock {name!r}: enqueue-time holds (lock_on='enqueue' or 'enqueue+run') need one "
-        f"Redis (a plain server, a Sentinel master or a Cluster), not a Redlock quorum of "
-        f"{masters} masters: the hand-over from the queued hold to the lock could not be one "
-        "atomic step on a majority. Use lock_on='run' with these masters, or point "
-        "redlock_url at one Redis"
-    )
 
 
 class RedlockError(Exception):

@@ -53,9 +53,9 @@ class LockKeys:
     #: Who last released the lock after finishing (a run's task id and attempt), for locks
     #: that ask for it: a redelivered copy of that message then knows it already ran.
     done: str = ""
-    #: The tokens given back by their own release in the last lease (each kept for one
-    #: lease): a re-sent copy of a release finds its token there and counts as released,
-    #: while a key taken or removed by someone else does not.
+    #: The tokens most recently given back by their own release (a bounded string, kept
+    #: one lease after the last release): a re-sent copy of a release finds its token
+    #: there and counts as released, while a key taken or removed by someone else does not.
     released: str = ""
 
 
@@ -105,7 +105,7 @@ def lock_keys(name: str, prefix: str = "redlock:") -> LockKeys:
         waiting=f"{base}:waiting",
         queued=f"{base}:queued",
         done=f"{base}:done",
-        released=f"{base}:released",
+        released=f"{base}:recent",
     )
 
 

@@ -25,7 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from . import events, process
-from .backend import Backend, Grant, Slot, Status
+from .backend import Backend
+from .backend_types import Grant, Slot, Status
 from .errors import ConfigError, QuorumUnavailable
 from .keys import LockKeys
 from .renewal import get_manager

@@ -37,7 +37,8 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from . import process
-from .backend import Backend, Handover, Slot, Status
+from .backend import Backend
+from .backend_types import Grant, Slot, Status
 from .backends import open_backend
 from .errors import ConfigError, LockContended, LockLost, NotOwned, QuorumUnavailable, RedlockError
 from .keys import LockKeys, lock_keys
@@ -91,9 +92,6 @@ class Lock(Lease):
         timeout: float | None = None,
         on_lost: Callable[[Lock], object] | None = None,
         fence_ttl: float | None = DEFAULT_FENCE_TTL,
-        handover: Handover | None = None,
-        done_as: str | None = None,
-        done_ttl: float = 3600.0,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"lock name must be a non-empty string, got {name!r}")
@@ -133,18 +131,6 @@ class Lock(Lease):
         self.blocking = blocking
         self.timeout = timeout
         self.on_lost = on_lost
-        #: The enqueue-time hold an acquisition takes over in the same step (None: none).
-        self.handover = handover
-        #: What a release records as the lock's done mark for *done_ttl* seconds (None:
-        #: nothing): a task run's id and attempt, so a redelivered copy of that message
-        #: that gets the lock afterwards can tell it already ran (:meth:`ran_before`).
-        self.done_as = done_as
-        self.done_ms = ttl_to_ms(done_ttl, "done_ttl")
-        #: The last attempt was a hand-over refused because the queued hold belongs to
-        #: another task id (``queued_owner``); ``holder`` is then that hold's record.
-        self.superseded = False
-        #: Owner of the queued hold as the last refused hand-over saw it ("" none).
-        self.queued_owner: str | None = None
         #: The other owner's record, from the last contended attempt.
         self.holder: dict[str, Any] = {}
         #: The other owner's remaining lease (ms) at the last contended attempt.
@@ -189,21 +175,11 @@ class Lock(Lease):
         begin = time.monotonic()
         deadline = None if timeout is None else begin + timeout
         record = self._holder_record()
-        self.superseded = False
-        self.queued_owner = None
         while True:
             token = os.urandom(TOKEN_BYTES).hex()  # 160 fresh CSPRNG bits per attempt
             will_wait = blocking and (deadline is None or time.monotonic() < deadline)
             started = time.monotonic()
-            grant = self.backend.acquire(
-                self.slot,
-                token,
-                self.ttl_ms,
-                record,
-                wait=will_wait,
-                fence_ttl_ms=self.fence_ttl_ms,
-                handover=self.handover,
-            )  # raises QuorumUnavailable
+            grant = self._attempt(token, record, will_wait)  # raises QuorumUnavailable
             self.masters = dict(grant.masters)
             if grant.acquired:
                 valid_until = started + self.ttl - drift(self.ttl)
@@ -222,8 +198,6 @@ class Lock(Lease):
             else:
                 self.holder = dict(grant.holder)
                 self.holder_ttl_ms = grant.holder_ttl_ms
-                self.superseded = grant.superseded
-                self.queued_owner = grant.queued_owner
                 if grant.superseded:  # nothing to wait for: another message has its place
                     self._event("superseded", holder=self.holder, waited=time.monotonic() - begin)
                     return False
@@ -244,6 +218,16 @@ class Lock(Lease):
             if left is not None:
                 wait = min(wait, left)
             self.backend.wait(self.slot, max(wait, 0.001), grant)
+
+    def _attempt(self, token: str, record: str, wait: bool) -> Grant:
+        """One attempt at the backend (a subclass may take something over with it)."""
+        return self.backend.acquire(
+            self.slot, token, self.ttl_ms, record, wait=wait, fence_ttl_ms=self.fence_ttl_ms
+        )
+
+    def _give_back(self, token: str) -> Status:
+        """The backend's owner-checked release of *token* (a subclass may record more)."""
+        return self.backend.release(self.slot, token, self._notice_ms)
 
     @property
     def _notice_ms(self) -> int:
@@ -289,8 +273,7 @@ class Lock(Lease):
             self._count = 0
             self._valid_until = 0.0
         get_manager().unregister(self)
-        done = None if self.done_as is None else (self.done_as, self.done_ms)
-        status = self.backend.release(self.slot, token, self._notice_ms, done)
+        status = self._give_back(token)
         if status is Status.OK:
             log_release.debug("released %r fence=%s after %.3f s", self.name, fence, held)
             self._event("released", held=held, fence=fence)
@@ -388,11 +371,6 @@ class Lock(Lease):
         """True when the lock cannot be taken now (a mutex: anyone holds it; a semaphore:
         every permit is held)."""
         return self.backend.locked(self.slot)
-
-    def ran_before(self) -> bool:
-        """True when an earlier release of this name carried this lock's ``done_as`` mark
-        (among the 16 most recent, within ``done_ttl`` of the last one)."""
-        return self.done_as is not None and self.backend.was_done(self.slot, self.done_as)
 
     # -- context manager ----------------------------------------------------------------
     def __enter__(self: _L) -> _L:

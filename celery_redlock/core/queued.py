@@ -3,11 +3,13 @@
 A publisher takes the hold for the task id of the message it is about to send
 (:meth:`QueuedHold.claim`); a second call finds it and is a duplicate, unless it
 replaces the hold (the newest call wins). The worker that starts the message turns
-the hold into the lock itself in one atomic, owner-checked step: a
-:class:`~celery_redlock.core.lock.Lock` made with ``handover=Handover(task_id)``
-(on Redis ``acquire.lua`` with the hold's key). The hold lives at ``<lock key>:queued`` (same
-hash tag), a hash of ``owner`` (the task id) and ``info`` (its record), with a lease
-of its own: a message that never runs (lost, purged) frees its name when it ends.
+the hold into the lock itself in one atomic, owner-checked step: a :class:`RunLock`
+made with ``handover=Handover(task_id)`` (on Redis ``acquire.lua`` with the hold's key).
+A ``RunLock`` may also leave a *done mark* when it is released (``done_as``): a
+redelivered copy of a message that already ran then knows it ran. The hold lives at
+``<lock key>:queued`` (same hash tag), a hash of ``owner`` (the task id) and ``info``
+(its record), with a lease of its own: a message that never runs (lost, purged) frees
+its name when it ends.
 
 Why the hand-over is one step (a timeline, ``lock_on="enqueue+run"``)::
 
@@ -21,8 +23,10 @@ A hold belongs to a task id, not to a process, so any process can give it back
 for that id (:meth:`QueuedHold.release`: a message revoked, expired or rejected
 before it ran) and nobody can give back another id's hold.
 
-Needs one Redis (a plain server, a Sentinel master or a Cluster) or the memory
-backend: a quorum refuses with :class:`~celery_redlock.core.errors.ConfigError`.
+Queued holds need one Redis (a plain server, a Sentinel master or a Cluster) or the
+memory backend (the :class:`~.backend.QueuedHolds` capability): on a quorum, building
+one raises :class:`~celery_redlock.core.errors.ConfigError`. Done marks
+(:class:`~.backend.DoneMarks`) work on a quorum too.
 """
 
 from __future__ import annotations
@@ -34,13 +38,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import events, process
-from .backend import Backend, Queued, Slot, Status
+from .backend import DoneMarks, QueuedHolds, need
+from .backend_types import Grant, Handover, Queued, Slot, Status
 from .backends import open_backend
 from .errors import ConfigError
 from .keys import LockKeys, lock_keys
 from .lease import ttl_to_ms
+from .lock import Lock
 
-__all__ = ["QueuedHold"]
+__all__ = ["Handover", "QueuedHold", "RunLock"]
 
 _HOSTNAME = socket.gethostname()
 
@@ -65,7 +71,7 @@ class QueuedHold:
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"lock name must be a non-empty string, got {name!r}")
-        self.backend: Backend = open_backend(target)
+        self.backend: QueuedHolds = need(open_backend(target), QueuedHolds)
         self.keys: LockKeys = lock_keys(name, key_prefix)
         self.slot = Slot(self.keys)
         self.name = self.keys.name
@@ -120,3 +126,68 @@ class QueuedHold:
 
     def __repr__(self) -> str:
         return f"<QueuedHold {self.name!r}>"
+
+
+class RunLock(Lock):
+    """The lock of one run of a queued message: a :class:`Lock` that takes over the
+    message's enqueue-time hold in its acquire, and leaves a done mark when released.
+
+    *handover*: the task id whose queued hold becomes this lock in the same step (a
+    hold of another task id refuses it: :attr:`superseded`, unless not ``strict``).
+    *done_as*: the mark a release adds to the name's done marks, kept *done_ttl* seconds
+    (a run's task id and attempt): a redelivered copy of the message that gets the lock
+    afterwards asks :meth:`ran_before`. The rest is :class:`Lock`'s.
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        name: str,
+        ttl: float = 30.0,
+        *,
+        handover: Handover | None = None,
+        done_as: str | None = None,
+        done_ttl: float = 3600.0,
+        **options: Any,
+    ) -> None:
+        super().__init__(target, name, ttl, **options)
+        self.handover = handover
+        self._holds = None if handover is None else need(self.backend, QueuedHolds)
+        self.done_as = done_as
+        self.done_ms = ttl_to_ms(done_ttl, "done_ttl")
+        self._marks = None if done_as is None else need(self.backend, DoneMarks)
+        #: The last attempt was a hand-over refused because the queued hold belongs to
+        #: another task id (``queued_owner``); ``holder`` is then that hold's record.
+        self.superseded = False
+        #: Owner of the queued hold as the last hand-over saw it ("" none; None: no
+        #: hand-over was refused).
+        self.queued_owner: str | None = None
+
+    def _attempt(self, token: str, record: str, wait: bool) -> Grant:
+        if self._holds is None or self.handover is None:
+            return super()._attempt(token, record, wait)
+        grant = self._holds.take_over(
+            self.slot,
+            token,
+            self.ttl_ms,
+            record,
+            self.handover,
+            wait=wait,
+            fence_ttl_ms=self.fence_ttl_ms,
+        )
+        self.superseded, self.queued_owner = grant.superseded, grant.queued_owner
+        return grant
+
+    def _give_back(self, token: str) -> Status:
+        if self._marks is None or self.done_as is None:
+            return super()._give_back(token)
+        return self._marks.release_done(
+            self.slot, token, self._notice_ms, self.done_as, self.done_ms
+        )
+
+    def ran_before(self) -> bool:
+        """True when an earlier release of this name carried this lock's ``done_as`` mark
+        (among the 16 most recent, within ``done_ttl`` of the last one)."""
+        if self._marks is None or self.done_as is None:
+            return False
+        return self._marks.was_done(self.slot, self.done_as)

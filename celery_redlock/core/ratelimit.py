@@ -32,7 +32,8 @@ more through than the rate.
 
 Not on a list of Redlock masters: a grant counted on a majority of masters does not
 bound the grants (three masters: grants counted on {1,2}, {2,3}, {1,3} are three
-grants, each master counting two), see :data:`REDLOCK_REFUSAL`.
+grants, each master counting two): a backend decides rates when it has the
+:class:`~.backend.Rates` capability; a quorum has not.
 """
 
 from __future__ import annotations
@@ -45,13 +46,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import events
-from .backend import Backend, RateGrant
+from .backend import Rates, need
+from .backend_types import RateGrant
 from .backends import open_backend
-from .errors import RATE_ON_QUORUM as REDLOCK_REFUSAL
 from .errors import ConfigError
 from .keys import rate_key
 
-__all__ = ["PERIODS", "REDLOCK_REFUSAL", "RateGrant", "RateLimiter", "parse_rate", "slot_lead"]
+__all__ = ["PERIODS", "RateGrant", "RateLimiter", "parse_rate", "slot_lead"]
 
 #: Rate suffixes and their periods in seconds.
 PERIODS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -101,7 +102,7 @@ class RateLimiter:
 
     *rate* is ``"N/s"``, ``"N/m"``, ``"N/h"``, ``"N/d"`` or a number per second.
     *target* is one Redis (a client, a Sentinel ``master_for()`` client, a
-    ``RedisCluster``); a list of Redlock masters is refused (:data:`REDLOCK_REFUSAL`).
+    ``RedisCluster``); a list of Redlock masters is refused (a ConfigError).
     The key ``<prefix>{<name>}:rate`` shares the hash tag of the lock of that name.
     *owner_info* (``task_name``, ...) is the ``holder`` of its ``rate_limited`` events.
     """
@@ -122,9 +123,7 @@ class RateLimiter:
         if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
             raise ConfigError(f"burst must be a whole number >= 1, got {burst!r}")
         self.burst = burst
-        self.backend: Backend = open_backend(target)
-        if self.backend.masters > 1:
-            raise ConfigError(f"rate limiter {name!r}: {REDLOCK_REFUSAL}")
+        self.backend: Rates = need(open_backend(target), Rates)
         self.name = name
         self.key = rate_key(name, key_prefix)
         #: Who asks (``task_name``, ``task_id``, ...): the ``holder`` of its events.

@@ -49,7 +49,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from .backend import Claim, record_version
+from .backend import Records, need
+from .backend_types import Claim, record_version
 from .errors import ConfigError, QuorumUnavailable
 from .lock import Lock
 
@@ -74,6 +75,7 @@ class LockRecords:
         if not isinstance(suffix, str) or not suffix:
             raise ConfigError(f"records suffix must be a non-empty string, got {suffix!r}")
         self.lock = lock
+        self.backend: Records = need(lock.backend, Records)
         self.suffix = suffix
         #: The key of the hash (same hash tag as the lock).
         self.key = f"{lock.keys.lock}:{suffix}"
@@ -85,7 +87,7 @@ class LockRecords:
         read from a minority could miss what the last holder claimed; :class:`ConfigError`
         when the key holds something that is not a hash (foreign data).
         """
-        return self.lock.backend.load_records(self.lock.slot, self.suffix)
+        return self.backend.load_records(self.lock.slot, self.suffix)
 
     def claim(self, name: str, record: Mapping[str, Any], n: int) -> Claim:
         """Write *record* as field *name* if this process still holds the lock.
@@ -104,7 +106,7 @@ class LockRecords:
             return Claim("lost", detail="the lease ran out before a confirmed renewal")
         value = json.dumps({**record, "fence": fence, "n": n}, separators=(",", ":"), default=str)
         try:
-            found = lock.backend.claim(
+            found = self.backend.claim(
                 lock.slot, self.suffix, token, name, value, (fence, n), deadline
             )
         except QuorumUnavailable as exc:

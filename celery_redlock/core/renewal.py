@@ -33,7 +33,8 @@ from functools import partial
 from typing import Any, Protocol
 
 from . import process, threads
-from .backend import Backend, Renewal, Slot, Status
+from .backend import Backend
+from .backend_types import Renewal, Slot, Status
 from .errors import QuorumUnavailable
 
 __all__ = ["Renewable", "RenewalManager", "get_manager", "shutdown"]

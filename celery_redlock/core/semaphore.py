@@ -21,20 +21,21 @@ itself expires with its longest permit, so nothing outlives its holders.
 Why not on a list of Redlock masters (limit > 1): a permit held on a majority of
 masters does not bound the holders. Three masters, limit 2: A holds permits on
 masters 1 and 2, B on 2 and 3, C on 1 and 3. Each holds a majority, and no master
-holds more than 2 permits, yet three run at once. See :data:`REDLOCK_REFUSAL`.
+holds more than 2 permits, yet three run at once. A backend holds permits when it has
+the :class:`~.backend.Permits` capability; a quorum has not.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .backend import Slot
-from .errors import SEMAPHORE_ON_QUORUM as REDLOCK_REFUSAL
+from .backend import Permits, need
+from .backend_types import Slot
 from .errors import ConfigError
 from .keys import permit_keys
 from .lock import Lock
 
-__all__ = ["REDLOCK_REFUSAL", "Semaphore", "check_limit"]
+__all__ = ["Semaphore", "check_limit"]
 
 
 def check_limit(limit: Any) -> int:
@@ -61,7 +62,7 @@ class Semaphore(Lock):
 
     *target* is one Redis (a client, a Sentinel ``master_for()`` client, a
     ``RedisCluster``) or a backend; a list of Redlock masters is refused for
-    ``limit > 1`` (:data:`REDLOCK_REFUSAL`).
+    ``limit > 1`` (a ConfigError: see the module docstring).
     """
 
     def __init__(
@@ -76,8 +77,7 @@ class Semaphore(Lock):
         super().__init__(target, name, ttl, **options)
         self.limit = limit
         if limit > 1:
-            if self.backend.masters > 1:
-                raise ConfigError(f"semaphore {name!r}: {REDLOCK_REFUSAL}")
+            need(self.backend, Permits)
             self.keys = permit_keys(name, self.key_prefix)
             self.slot = Slot(self.keys, limit)
 

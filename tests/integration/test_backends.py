@@ -41,14 +41,16 @@ from celery_redlock.core import (
     QueuedHold,
     RateLimiter,
     RedlockError,
+    RunLock,
     Semaphore,
     Slot,
     Status,
+    admin,
     connect,
     lock_keys,
     open_backend,
 )
-from celery_redlock.core.admin import force_release, read_lock
+from celery_redlock.core.admin import ForceRelease, LockInfo
 from celery_redlock.core.backends.memory import MemoryBackend
 
 #: Every backend the suite runs on; a new backend is done when it passes with its name here.
@@ -146,6 +148,28 @@ def name() -> str:
 def _quorum(target: Any) -> bool:
     """True for a Redlock quorum: it refuses permits above 1, rate limits and queued holds."""
     return open_backend(target).masters > 1
+
+
+def _stores(target: Any) -> list[Any]:
+    """Where the operator verbs go: each master of a quorum (as ``celery locks`` reads
+    them), else the target itself."""
+    return list(target) if isinstance(target, list) else [target]
+
+
+def read_lock(target: Any, prefix: str, name: str) -> list[LockInfo]:
+    """``admin.read_lock`` on every store of *target* (each master's copy)."""
+    return [info for store in _stores(target) for info in admin.read_lock(store, prefix, name)]
+
+
+def force_release(target: Any, prefix: str, name: str) -> ForceRelease:
+    """``admin.force_release`` on every store: released where any master released it
+    (with the highest fence removed), else gone."""
+    done = [admin.force_release(store, prefix, name) for store in _stores(target)]
+    removed = [f for f in done if f.outcome == "released"]
+    if not removed:
+        return ForceRelease("gone")
+    fences = [f.fence for f in removed if f.fence is not None]
+    return ForceRelease("released", removed[0].record, max(fences) if fences else None)
 
 
 def _commands(servers: list[RedisServer]) -> list[int]:
@@ -624,13 +648,14 @@ def test_a_rate_limiter_grants_at_most_rate_plus_burst_minus_one_per_period(
 # -- queued holds ----------------------------------------------------------------------------
 def test_queued_hold_claim_duplicate_replace_release_and_hand_over(target: Any, name: str) -> None:
     """QueuedHold claims, duplicates, replaces, releases, hands over to a Lock (quorum: refused)."""
-    hold = QueuedHold(target, name)
     if _quorum(target):
-        with pytest.raises(ConfigError, match="enqueue-time holds"):
-            hold.claim("t1", 60)
-        with pytest.raises(ConfigError):
-            Lock(target, name, handover=Handover("t1"), auto_renew=False).acquire(False)
+        with pytest.raises(ConfigError, match="enqueue-time holds") as refused:
+            QueuedHold(target, name)
+        with pytest.raises(ConfigError) as refused_run:
+            RunLock(target, name, handover=Handover("t1"), auto_renew=False)
+        assert str(refused.value) == str(refused_run.value)
         return
+    hold = QueuedHold(target, name)
     assert hold.claim("t1", 60).outcome == "queued"
     assert hold.claim("t1", 60).outcome == "queued"  # its own hold, renewed
     duplicate = hold.claim("t2", 60)
@@ -638,10 +663,10 @@ def test_queued_hold_claim_duplicate_replace_release_and_hand_over(target: Any, 
     replaced = hold.claim("t3", 60, replace=True)
     assert (replaced.outcome, replaced.owner) == ("replaced", "t1")
     assert hold.release("t1") is False  # not t1's any more
-    stale = Lock(target, name, handover=Handover("t1"), auto_renew=False)
+    stale = RunLock(target, name, handover=Handover("t1"), auto_renew=False)
     assert stale.acquire(blocking=False) is False
     assert stale.superseded and stale.queued_owner == "t3"
-    run = Lock(target, name, handover=Handover("t3"), auto_renew=False)
+    run = RunLock(target, name, handover=Handover("t3"), auto_renew=False)
     assert run.acquire(blocking=False)
     assert hold.release("t3") is False  # the hold became the lock
     running = hold.claim("t4", 60, running_blocks=True)

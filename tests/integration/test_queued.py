@@ -1,5 +1,5 @@
 """The enqueue-time hold (core.queued.QueuedHold) and its hand-over to the lock
-(Lock(handover=...)), against a real redis-server."""
+(RunLock(handover=...)), against a real redis-server."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import redis
 from servers import RedisServer
 
 from celery_redlock import AlreadyQueued, ConfigError, Lock, LockEvent, QueuedHold, add_hook
-from celery_redlock.core import Handover, remove_hook
+from celery_redlock.core import Handover, RunLock, remove_hook
 from celery_redlock.core.admin import force_dequeue, read_lock, scan_locks
 
 
@@ -42,7 +42,7 @@ def test_a_running_holder_blocks_only_when_asked(redis_client: redis.Redis) -> N
     """running_blocks=True: while another task id's run holds the lock, a claim is a
     duplicate of that run; False: it is queued behind it; the running id itself (a
     retry) is queued either way."""
-    lock = Lock(redis_client, "k", ttl=30, handover=Handover("run-1"), auto_renew=False)
+    lock = RunLock(redis_client, "k", ttl=30, handover=Handover("run-1"), auto_renew=False)
     assert lock.acquire(blocking=False)
     hold = QueuedHold(redis_client, "k")
     dup = hold.claim("b", ttl=60, running_blocks=True)
@@ -68,12 +68,12 @@ def test_hand_over_turns_the_hold_into_the_lock(redis_client: redis.Redis) -> No
     a hand-over by a superseded id is refused and changes nothing."""
     hold = QueuedHold(redis_client, "k")
     hold.claim("a", ttl=60)
-    stale = Lock(redis_client, "k", handover=Handover("old"), auto_renew=False)
+    stale = RunLock(redis_client, "k", handover=Handover("old"), auto_renew=False)
     assert not stale.acquire(blocking=True, timeout=5)  # refused at once, no waiting
     assert stale.superseded and stale.queued_owner == "a"
     assert stale.holder["task_id"] == "a"
     assert not redis_client.exists("redlock:{k}")
-    lock = Lock(redis_client, "k", handover=Handover("a"), auto_renew=False)
+    lock = RunLock(redis_client, "k", handover=Handover("a"), auto_renew=False)
     assert lock.acquire(blocking=False)
     assert not redis_client.exists("redlock:{k}:queued")
     assert redis_client.hget("redlock:{k}", "owner") == b"a"
@@ -85,7 +85,7 @@ def test_lenient_hand_over_keeps_a_retry_in_place(redis_client: redis.Redis) -> 
     newer call holds the queued slot, and that call's hold is left alone."""
     hold = QueuedHold(redis_client, "k")
     hold.claim("b", ttl=60)
-    lock = Lock(redis_client, "k", handover=Handover("a", strict=False), auto_renew=False)
+    lock = RunLock(redis_client, "k", handover=Handover("a", strict=False), auto_renew=False)
     assert lock.acquire(blocking=False)
     assert redis_client.hget("redlock:{k}:queued", "owner") == b"b"
     lock.release()
@@ -96,10 +96,10 @@ def test_contended_hand_over_keeps_the_hold_and_reports_its_owner(
 ) -> None:
     """The lock held by another run: the hand-over is refused as contention, the hold stays
     with its owner (its place in line), and the reply says whose it is."""
-    runner = Lock(redis_client, "k", owner_info={"task_id": "r"}, auto_renew=False)
+    runner = RunLock(redis_client, "k", owner_info={"task_id": "r"}, auto_renew=False)
     assert runner.acquire()
     QueuedHold(redis_client, "k").claim("a", ttl=60)
-    lock = Lock(redis_client, "k", handover=Handover("a"), auto_renew=False)
+    lock = RunLock(redis_client, "k", handover=Handover("a"), auto_renew=False)
     assert not lock.acquire(blocking=False)
     assert not lock.superseded and lock.queued_owner == "a"
     assert lock.holder["task_id"] == "r"
@@ -127,7 +127,7 @@ def test_no_duplicate_slips_in_during_the_hand_over(redis_client: redis.Redis) -
     thread = threading.Thread(target=claims)
     thread.start()
     start.set()
-    lock = Lock(redis_client, "race", handover=Handover("first"), auto_renew=False)
+    lock = RunLock(redis_client, "race", handover=Handover("first"), auto_renew=False)
     assert lock.acquire(blocking=False)
     thread.join(10)
     assert set(outcomes) <= {"duplicate:first"}
@@ -156,10 +156,11 @@ def test_quorum_refuses_enqueue_holds_clearly(
 ) -> None:
     """A Redlock quorum cannot hand over atomically: ConfigError saying what to do."""
     clients = [s.client() for s in redis_servers(3)]
-    with pytest.raises(ConfigError, match="lock_on='run'"):
-        QueuedHold(clients, "k").claim("a", ttl=60)
-    with pytest.raises(ConfigError, match="Redlock quorum"):
-        Lock(clients, "k", handover=Handover("a")).acquire(blocking=False)
+    with pytest.raises(ConfigError, match="lock_on='run'") as refused:
+        QueuedHold(clients, "k")
+    with pytest.raises(ConfigError, match="Redlock masters") as refused_run:
+        RunLock(clients, "k", handover=Handover("a"))
+    assert str(refused.value) == str(refused_run.value)
 
 
 def test_foreign_data_at_the_hold_is_a_config_error(redis_client: redis.Redis) -> None:
@@ -172,7 +173,7 @@ def test_foreign_data_at_the_hold_is_a_config_error(redis_client: redis.Redis) -
 def test_inspect_shows_queued_and_running(redis_client: redis.Redis) -> None:
     """scan_locks lists the run's lock as running and the queued hold as queued, each with
     its task id; force_dequeue removes only the task id it is given."""
-    lock = Lock(redis_client, "k", owner_info={"task_name": "t", "task_id": "r"}, auto_renew=False)
+    lock = RunLock(redis_client, "k", owner_info={"task_name": "t", "task_id": "r"}, auto_renew=False)
     lock.acquire()
     QueuedHold(redis_client, "k", owner_info={"task_name": "t"}).claim("q", ttl=60)
     rows = scan_locks(redis_client, "redlock:")

@@ -14,17 +14,21 @@ from typing import Any, cast
 import pytest
 from servers import RedisServer
 
-from celery_redlock.core.backend import Backend, Grant, Handover, Renewal, Slot, Status
+from celery_redlock.core.backend import (
+    Admin,
+    Backend,
+    Permits,
+    QueuedHolds,
+    Rates,
+    has,
+    lacks,
+)
+from celery_redlock.core.backend_types import Grant, Renewal, Slot, Status
 from celery_redlock.core.backends.memory import MemoryBackend
 from celery_redlock.core.backends.quorum import QuorumBackend
 from celery_redlock.core.backends.redis_backend import RedisBackend
-from celery_redlock.core.errors import (
-    RATE_ON_QUORUM,
-    SEMAPHORE_ON_QUORUM,
-    ConfigError,
-    QuorumUnavailable,
-)
-from celery_redlock.core.keys import lock_keys, permit_keys
+from celery_redlock.core.errors import ConfigError, QuorumUnavailable
+from celery_redlock.core.keys import lock_keys
 
 RECORD = json.dumps({"hostname": "test", "pid": 1})
 TTL = 10_000
@@ -146,13 +150,12 @@ def test_construction_refuses_bad_member_lists() -> None:
 
 
 def test_shape_equality_and_timeouts() -> None:
-    """masters, quorum, describe and identity come from the members; equal members make
-    equal quorums; the per-member timeout follows the lease unless set."""
+    """masters, quorum and describe come from the members; equal members make equal
+    quorums; the per-member timeout follows the lease unless set."""
     members = [MemoryBackend(f"memory://q-shape-{i}") for i in range(5)]
     quorum = QuorumBackend(members)
     assert (quorum.masters, quorum.quorum) == (5, 3)
     assert quorum.describe() == ", ".join(m.describe() for m in members)
-    assert quorum.identity() == tuple(m.identity() for m in members)
     assert quorum == QuorumBackend(list(members)) and hash(quorum) == hash(QuorumBackend(members))
     assert quorum != QuorumBackend(members[:3])
     assert isinstance(quorum, Backend)
@@ -275,7 +278,7 @@ def test_fences_increase_across_different_majorities(flaky: list[Flaky]) -> None
     flaky[0].fail("down")
     c = take(quorum, slot, "C")
     assert c.fence == 102
-    assert quorum.raise_fence(slot, 0, 0) == 102
+    assert max(member.inner.raise_fence(slot, 0, 0) for member in flaky) == 102
 
 
 def test_contention_waits_on_a_member_of_the_holder(flaky: list[Flaky]) -> None:
@@ -445,7 +448,7 @@ def test_holders_locked_and_was_done(flaky: list[Flaky]) -> None:
     assert holder.token == "t1" and holder.fence == grant.fence
     assert holder.record == {"hostname": "test", "pid": 1}
     assert quorum.locked(slot)
-    flaky[0].inner.release(slot, "t1", TTL, done=("run-1", 60_000))
+    flaky[0].inner.release_done(slot, "t1", TTL, "run-1", 60_000)
     assert quorum.was_done(slot, "run-1") and not quorum.was_done(slot, "run-2")
     flaky[1].inner.release(slot, "t1", TTL)
     assert quorum.holders(slot) == [] and not quorum.locked(slot)
@@ -509,53 +512,20 @@ def test_records_need_a_majority(flaky: list[Flaky]) -> None:
         quorum.claim(slot, "ticks", "t1", "beat", record, (grant.fence or 0, 4))
 
 
-# -- refusals, operator reads -------------------------------------------------------------
-def test_what_a_quorum_refuses(flaky: list[Flaky]) -> None:
-    """Queued holds, hand-overs, rate limits and permits are ConfigErrors with the texts
-    that say why."""
+# -- what a quorum lacks -------------------------------------------------------------------
+def test_what_a_quorum_lacks(flaky: list[Flaky]) -> None:
+    """A quorum has the lock verbs, done marks and records, and none of queued holds,
+    rates, permits or operator verbs (celery locks reads each master); each lack has the
+    reason that says why."""
     quorum = quorum_of(flaky)
-    slot = mutex("refused")
-    with pytest.raises(ConfigError, match="not a Redlock quorum of 3 masters"):
-        quorum.enqueue(slot, "task", TTL, RECORD, replace=False, running_blocks=False)
-    with pytest.raises(ConfigError, match="enqueue-time holds"):
-        quorum.dequeue(slot, "task")
-    with pytest.raises(ConfigError, match="enqueue-time holds"):
-        quorum.acquire(
-            slot, "t", TTL, RECORD, wait=False, fence_ttl_ms=0, handover=Handover("task")
-        )
-    with pytest.raises(ConfigError) as rate:
-        quorum.rate("api", "redlock:{api}:rate", 1000, 1, mode="take")
-    assert RATE_ON_QUORUM in str(rate.value)
-    with pytest.raises(ConfigError) as permits:
-        take(quorum, Slot(permit_keys("pool"), limit=2), "t")
-    assert SEMAPHORE_ON_QUORUM in str(permits.value)
-
-
-def test_operator_reads_and_forced_release(flaky: list[Flaky]) -> None:
-    """scan and read list each member's copy (a member down is skipped while a majority
-    answers); a forced release with the quorum's fence removes that acquisition on every
-    member, whatever fence each member stored."""
-    quorum = quorum_of(flaky)
-    slot = mutex("ops")
-    for member, counter in zip(flaky, (100, 5, 50), strict=True):
-        member.inner.raise_fence(slot, counter, 0)
-    grant = take(quorum, slot, "t1")
-    assert grant.fence == 101
-    assert len(quorum.scan("redlock:")) == 3
-    assert sorted(info.fence or 0 for info in quorum.read("redlock:", "ops")) == [6, 51, 101]
-    flaky[2].fail("down")
-    assert len(quorum.scan("redlock:", "op*")) == 2
-    flaky[2].heal()
-    assert quorum.force_release(slot, 7, TTL).outcome == "refused"
-    done = quorum.force_release(slot, grant.fence, TTL)
-    assert done.outcome == "released" and done.fence == 101
-    assert all(m.inner.holders(slot) == [] for m in flaky)
-    assert quorum.force_release(slot, None, TTL).outcome == "gone"
-    assert quorum.scan_rates("redlock:") == [] and quorum.read_rate("redlock:", "x") is None
-    flaky[1].fail("down")
-    flaky[2].fail("down")
-    with pytest.raises(QuorumUnavailable):
-        quorum.scan("redlock:")
+    for capability in (QueuedHolds, Rates, Permits, Admin):
+        assert not has(quorum, capability)
+    assert not hasattr(quorum, "enqueue") and not hasattr(quorum, "scan")
+    assert "hand-over from a queued hold" in lacks(quorum, QueuedHolds)
+    assert "three grants while each master counted two" in lacks(quorum, Rates)
+    assert "B on 2 and 3, C on 1 and 3" in lacks(quorum, Permits)
+    assert lacks(quorum, Rates).startswith("rate limits (RateLimiter, lock_rate) are not ")
+    assert quorum.describe() in lacks(quorum, Permits)
 
 
 # -- over real servers ------------------------------------------------------------------

@@ -17,7 +17,9 @@ import redis
 from servers import RedisServer, wait_for
 
 from celery_redlock import ConfigError, LockEvent, RateLimited, RateLimiter, add_hook, remove_hook
-from celery_redlock.core.ratelimit import REDLOCK_REFUSAL, parse_rate
+from celery_redlock.core.backend import Rates, lacks
+from celery_redlock.core.backends import open_backend
+from celery_redlock.core.ratelimit import parse_rate
 
 
 def test_burst_at_once_then_one_per_interval_and_refusals_consume_nothing(
@@ -213,7 +215,8 @@ def test_redlock_masters_are_refused_with_the_reason(redis_servers: Any) -> None
     clients = [s.client() for s in redis_servers(3)]
     with pytest.raises(ConfigError) as refused:
         RateLimiter(clients, "rate:redlock", "10/s")
-    assert str(refused.value) == f"rate limiter 'rate:redlock': {REDLOCK_REFUSAL}"
+    assert str(refused.value) == lacks(open_backend(clients), Rates)
+    assert "three grants while each master counted two" in str(refused.value)
 
 
 def test_foreign_data_at_the_key_is_a_config_error(redis_client: redis.Redis) -> None:

@@ -19,7 +19,7 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 from servers import ClusterSetup, FaultProxy, RedisServer
 
-from celery_redlock.core.backend import Handover, Renewal, Slot, Status
+from celery_redlock.core.backend_types import Handover, Renewal, Slot, Status
 from celery_redlock.core.backends.redis_backend import RedisBackend, cannot_decide, server_refused
 from celery_redlock.core.errors import ConfigError, QuorumUnavailable
 from celery_redlock.core.keys import lock_keys, permit_keys, rate_key
@@ -368,12 +368,12 @@ def test_queued_hold_and_handover(backend: RedisBackend) -> None:
     )
     dup = backend.enqueue(slot, "t2", 10_000, RECORD, replace=False, running_blocks=True)
     assert (dup.outcome, dup.owner, dup.state) == ("duplicate", "t1", "queued")
-    refused = backend.acquire(
-        slot, token(), 10_000, RECORD, wait=False, fence_ttl_ms=0, handover=Handover("t2")
+    refused = backend.take_over(
+        slot, token(), 10_000, RECORD, Handover("t2"), wait=False, fence_ttl_ms=0
     )
     assert refused.superseded and refused.queued_owner == "t1"
-    assert backend.acquire(
-        slot, token(), 10_000, RECORD, wait=False, fence_ttl_ms=0, handover=Handover("t1")
+    assert backend.take_over(
+        slot, token(), 10_000, RECORD, Handover("t1"), wait=False, fence_ttl_ms=0
     ).acquired
     assert backend.dequeue(slot, "t1") is Status.GONE  # handed over: the hold is gone
     backend.enqueue(slot, "t3", 10_000, RECORD, replace=False, running_blocks=False)

@@ -26,7 +26,7 @@ from celery_redlock import (
     Redlock,
     connect,
 )
-from celery_redlock.core.backend import Slot
+from celery_redlock.core.backend_types import Slot
 from celery_redlock.core.backends.redis_backend import RedisBackend
 from celery_redlock.core.keys import lock_keys
 from celery_redlock.core.renewal import get_manager

@@ -44,7 +44,7 @@ from celery_redlock import (
     is_skipped,
 )
 from celery_redlock import run as run_module
-from celery_redlock.core.backend import Slot, Status
+from celery_redlock.core.backend_types import Slot, Status
 from celery_redlock.core.backends.redis_backend import RedisBackend
 from celery_redlock.core.keys import LockKeys
 from celery_redlock.core.lock import Lock as CoreLock
@@ -98,7 +98,7 @@ class Env:
 
     def held_keys(self) -> list[str]:
         """Lock keys (not fence counters or notify lists) currently in the lock store."""
-        side = (":fence", ":notify", ":released")
+        side = (":fence", ":notify", ":recent")
         return sorted(k for k in self.locks.scan_iter("redlock:*") if not k.endswith(side))
 
     def hold_until(self, flag: str, limit: float = 10.0) -> bool:

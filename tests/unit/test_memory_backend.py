@@ -16,7 +16,7 @@ from freezegun import freeze_time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from celery_redlock.core.backend import Handover, Renewal, Slot, Status
+from celery_redlock.core.backend_types import Handover, Renewal, Slot, Status
 from celery_redlock.core.backends.memory import MemoryBackend
 from celery_redlock.core.errors import ConfigError
 from celery_redlock.core.keys import LockKeys, lock_keys, permit_keys, rate_key
@@ -358,7 +358,7 @@ def test_foreign_data_at_a_lock_key(store: MemoryBackend) -> None:
     ConfigError for the others; renew answers one status per item."""
     mine = lock("m")
     assert take(store, mine, "a")
-    assert store.release(mine, "a", 1000, done=("task-1", 60_000)) is Status.OK
+    assert store.release_done(mine, "a", 1000, "task-1", 60_000) is Status.OK
     keys = lock_keys("m")
     # A lock whose key is where the done marks (a sorted set) are: foreign data.
     foreign = Slot(LockKeys("odd", keys.done, keys.fence + "x", keys.notify, keys.waiting))
@@ -385,7 +385,7 @@ def test_done_marks_keep_the_16_most_recent(store: MemoryBackend) -> None:
     slot = lock("d")
     for i in range(20):
         assert take(store, slot, f"t{i}")
-        assert store.release(slot, f"t{i}", 1000, done=(f"mark-{i}", 60_000)) is Status.OK
+        assert store.release_done(slot, f"t{i}", 1000, f"mark-{i}", 60_000) is Status.OK
     assert not store.was_done(slot, "mark-3")
     assert all(store.was_done(slot, f"mark-{i}") for i in range(4, 20))
 
@@ -400,13 +400,9 @@ def test_an_enqueue_time_hold_is_handed_over(store: MemoryBackend) -> None:
     )
     dup = store.enqueue(slot, "id2", 10_000, RECORD, replace=False, running_blocks=True)
     assert (dup.outcome, dup.owner, dup.state) == ("duplicate", "id1", "queued")
-    other = store.acquire(
-        slot, "t2", 1000, RECORD, wait=False, fence_ttl_ms=0, handover=Handover("id2")
-    )
+    other = store.take_over(slot, "t2", 1000, RECORD, Handover("id2"), wait=False, fence_ttl_ms=0)
     assert other.superseded and other.queued_owner == "id1"
-    own = store.acquire(
-        slot, "t1", 1000, RECORD, wait=False, fence_ttl_ms=0, handover=Handover("id1")
-    )
+    own = store.take_over(slot, "t1", 1000, RECORD, Handover("id1"), wait=False, fence_ttl_ms=0)
     assert own.acquired
     [info] = store.read("redlock:", "q")
     assert info.state == "held" and info.fence == own.fence

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Hashable, Sequence
 
-from ..backend import (
+from ..backend_types import (
     Claim,
     ForceRelease,
     Grant,
@@ -74,6 +74,7 @@ class MemoryBackend(MemoryStore):
     """
 
     masters: int = 1
+    holds_permits = True
 
     def __init__(self, url: str = "memory://") -> None:
         if not isinstance(url, str) or not url.startswith("memory://"):
@@ -103,15 +104,41 @@ class MemoryBackend(MemoryStore):
     # -- an acquisition's life ------------------------------------------------------------
     @atomic
     def acquire(
-        self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool,
-        fence_ttl_ms: int, handover: Handover | None = None
-    ) -> Grant:  # fmt: skip
+        self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
+    ) -> Grant:
         """Take *slot* for *token* (acquire.lua; permit_acquire.lua for permits)."""
-        keys = slot.keys
         if slot.permits:
-            if handover is not None:
-                mutex_keys(slot)
             return self._acquire_permit(slot, token, ttl_ms, record, wait=wait, fence=fence_ttl_ms)
+        return self._acquire(slot, token, ttl_ms, record, wait, fence_ttl_ms, None)
+
+    @atomic
+    def take_over(
+        self,
+        slot: Slot,
+        token: str,
+        ttl_ms: int,
+        record: str,
+        handover: Handover,
+        *,
+        wait: bool,
+        fence_ttl_ms: int,
+    ) -> Grant:
+        """Take the mutex of *slot* and task ``handover.owner``'s queued hold with it
+        (acquire.lua with the hold's key)."""
+        mutex_keys(slot)
+        return self._acquire(slot, token, ttl_ms, record, wait, fence_ttl_ms, handover)
+
+    def _acquire(  # noqa: PLR0917 - acquire's arguments and the hand-over
+        self,
+        slot: Slot,
+        token: str,
+        ttl_ms: int,
+        record: str,
+        wait: bool,
+        fence_ttl_ms: int,
+        handover: Handover | None,
+    ) -> Grant:
+        keys = slot.keys
         held: dict[str, str] = self.get(keys.lock, "hash") or {}
         if held.get("token") == token:  # a re-sent acquire
             self.expire(keys.lock, ttl_ms)
@@ -171,11 +198,23 @@ class MemoryBackend(MemoryStore):
         return Grant(True, fence=new_fence)
 
     @atomic
-    def release(
-        self, slot: Slot, token: str, notice_ms: int, done: tuple[str, int] | None = None
-    ) -> Status:
+    def release(self, slot: Slot, token: str, notice_ms: int) -> Status:
         """Give back *token*'s acquisition, remember the token for *notice_ms* and wake a
         waiter (release.lua; permit_release.lua for permits)."""
+        return self._release(slot, token, notice_ms, None)
+
+    @atomic
+    def release_done(
+        self, slot: Slot, token: str, notice_ms: int, mark: str, mark_ms: int
+    ) -> Status:
+        """:meth:`release` of a mutex that also adds *mark* to its done marks (release.lua
+        with the marks' key)."""
+        mutex_keys(slot)
+        return self._release(slot, token, notice_ms, (mark, mark_ms))
+
+    def _release(
+        self, slot: Slot, token: str, notice_ms: int, done: tuple[str, int] | None
+    ) -> Status:
         keys = slot.keys
         try:
             held: dict[str, str] = self.get(keys.lock, "hash") or {}

@@ -10,7 +10,7 @@ import fnmatch
 import math
 from typing import Any, Literal
 
-from ..backend import ForceRelease, LockInfo, RateInfo, Slot, parse_holder
+from ..backend_types import ForceRelease, LockInfo, RateInfo, Slot, parse_holder
 from ..errors import ConfigError
 from ..keys import lock_keys, rate_key
 from .memory_store import ForeignData, MemoryStore, mutex_keys, stored_int

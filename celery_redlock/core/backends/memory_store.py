@@ -15,12 +15,11 @@ import functools
 import math
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from ..backend import Slot
+from ..backend_types import RECENT_BYTES, Slot
 from ..errors import ConfigError
 from ..keys import LockKeys
 from ..process import on_fork
@@ -209,23 +208,21 @@ class MemoryStore:
         return bool(count)
 
     def remember(self, key: str, token: str, ms: int) -> None:
-        """Keep *token* as released for *ms*; foreign data there: not kept (release.lua)."""
+        """Keep *token* first among the recently released tokens at *key* (at most
+        :data:`RECENT_BYTES`, the oldest dropped), for *ms* after this release; foreign
+        data there: not kept (release.lua)."""
         entry = self.live(key)
-        if entry is not None and entry.kind != "zset":
+        if entry is not None and entry.kind != "string":
             return
-        if entry is None:
-            self.put(key, "zset", OrderedDict())  # in the order kept: the oldest first
-        tokens: OrderedDict[str, float] = self.entries[key].value
-        tokens[token] = self.now + ms
-        tokens.move_to_end(token)
-        while tokens[next(iter(tokens))] <= self.now:  # ends at *token* at the latest
-            tokens.popitem(last=False)
-        self.expire(key, ms, longer_only=True)
+        recent = f" {token}{' ' if entry is None else entry.value}"
+        if len(recent) > RECENT_BYTES:  # drop the oldest, whole tokens only
+            recent = recent[: recent.rindex(" ", 0, RECENT_BYTES) + 1]
+        self.put(key, "string", recent, ms)
 
     def remembered(self, key: str, token: str) -> bool:
-        """True while *token* is kept as released at *key*."""
+        """True while *token* is among the recently released tokens at *key*."""
         entry = self.live(key)
-        return entry is not None and entry.kind == "zset" and entry.value.get(token, 0) > self.now
+        return entry is not None and entry.kind == "string" and f" {token} " in entry.value
 
 
 def mutex_keys(slot: Slot) -> LockKeys:

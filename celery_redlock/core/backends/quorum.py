@@ -41,39 +41,28 @@ import json
 import random
 import time
 from collections import Counter
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ..backend import (
+from ..backend import Permits, QueuedHolds, Rates
+from ..backend_types import (
     Claim,
-    ForceRelease,
     Grant,
-    Handover,
     Holder,
-    LockInfo,
-    Queued,
-    RateGrant,
-    RateInfo,
     Renewal,
     Slot,
     Status,
     newest_records,
     record_version,
 )
-from ..errors import (
-    RATE_ON_QUORUM,
-    SEMAPHORE_ON_QUORUM,
-    ConfigError,
-    QuorumUnavailable,
-    describe_holder,
-    no_queued_holds,
-)
+from ..errors import ConfigError, QuorumUnavailable, describe_holder
 from .quorum_calls import (
     FIRST_CONTACT,
     GRACE,
     MIN_TIMEOUT,
     READ_TIMEOUT,
     Call,
+    Member,
     NoAnswer,
     QuorumCalls,
     Round,
@@ -83,17 +72,34 @@ from .quorum_calls import (
 )
 
 __all__ = [
-    "ADMIN_TIMEOUT",
     "FIRST_CONTACT",
     "GRACE",
     "MIN_TIMEOUT",
     "READ_TIMEOUT",
+    "Member",
     "NoAnswer",
     "QuorumBackend",
 ]
 
-#: Per-member timeout of operator reads and forced releases (a scan walks every key).
-ADMIN_TIMEOUT = 10.0
+_ONE_REDIS = "use one Redis (a plain server, a Sentinel-managed master or a Cluster) for it"
+#: Why a quorum lacks each capability it lacks (what :func:`~..backend.need` says).
+_WHY_NOT: dict[type, str] = {
+    Permits: (
+        "a permit held on a majority of Redlock masters does not bound the holders (3 "
+        "masters, limit 2: A holds permits on masters 1 and 2, B on 2 and 3, C on 1 and 3; "
+        "each holds a majority and no master holds more than 2 permits, yet three run at "
+        f"once); {_ONE_REDIS}, or a limit of 1 (a Redlock mutex)"
+    ),
+    Rates: (
+        "a grant counted on a majority of Redlock masters does not bound the grants (3 "
+        "masters: grants counted on masters 1 and 2, 2 and 3, 1 and 3 are three grants "
+        f"while each master counted two); {_ONE_REDIS}"
+    ),
+    QueuedHolds: (
+        "the hand-over from a queued hold to the run's lock could not be one atomic step "
+        f"on a majority of Redlock masters; use lock_on='run' with them, or {_ONE_REDIS}"
+    ),
+}
 
 
 class QuorumBackend(QuorumCalls):
@@ -115,22 +121,10 @@ class QuorumBackend(QuorumCalls):
 
     # -- an acquisition's life --------------------------------------------------------
     def acquire(
-        self,
-        slot: Slot,
-        token: str,
-        ttl_ms: int,
-        record: str,
-        *,
-        wait: bool,
-        fence_ttl_ms: int,
-        handover: Handover | None = None,
+        self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
     ) -> Grant:
         """One Redlock attempt (see the module docstring)."""
         n, q, name = self.masters, self.quorum, slot.name
-        if handover is not None:
-            raise ConfigError(no_queued_holds(name, n))
-        if slot.permits:
-            raise ConfigError(f"semaphore {name!r}: {SEMAPHORE_ON_QUORUM}")
         timeout = self.timeout(ttl_ms)
         sent = Round(
             self,
@@ -227,9 +221,7 @@ class QuorumBackend(QuorumCalls):
                 outcomes[self.names[i]] += f"({describe_failure(value)})"
         return None
 
-    def release(
-        self, slot: Slot, token: str, notice_ms: int, done: tuple[str, int] | None = None
-    ) -> Status:
+    def release(self, slot: Slot, token: str, notice_ms: int) -> Status:
         """OK when a quorum released, or when the members that did not answer complete
         one; TAKEN/FOREIGN/GONE when no majority can have held it to the end.
 
@@ -237,12 +229,19 @@ class QuorumBackend(QuorumCalls):
         "gone" is one that never granted this token (a split vote's leftover), so the
         OKs plus the silent members may still be the majority that held it.
         """
-        q = self.quorum
-        results = self.ask(
-            lambda m: m.release(slot, token, notice_ms, done),
-            self.timeout(notice_ms),
-            lambda r: r.count(Status.OK) >= q,
+        return self._release(slot, notice_ms, lambda m: m.release(slot, token, notice_ms))
+
+    def release_done(
+        self, slot: Slot, token: str, notice_ms: int, mark: str, mark_ms: int
+    ) -> Status:
+        """:meth:`release`, each member adding *mark* to its done marks."""
+        return self._release(
+            slot, notice_ms, lambda m: m.release_done(slot, token, notice_ms, mark, mark_ms)
         )
+
+    def _release(self, slot: Slot, notice_ms: int, call: Call) -> Status:
+        q = self.quorum
+        results = self.ask(call, self.timeout(notice_ms), lambda r: r.count(Status.OK) >= q)
         codes = [v for v in results if isinstance(v, Status)]
         ok = codes.count(Status.OK)
         if ok >= q:
@@ -313,11 +312,6 @@ class QuorumBackend(QuorumCalls):
         except QuorumUnavailable:
             return  # that member just failed: the next attempt finds out about the others
 
-    def raise_fence(self, slot: Slot, fence: int, fence_ttl_ms: int) -> int:
-        """Lift every member's counter; the highest counter after the call."""
-        call: Call = lambda m: m.raise_fence(slot, fence, fence_ttl_ms)  # noqa: E731
-        return int(max(self.gather(slot.name, call, self.timeout(None))))
-
     # -- reads ------------------------------------------------------------------------
     def holders(self, slot: Slot) -> list[Holder]:
         """The acquisitions a majority holds (matched by token), with the highest fence
@@ -357,19 +351,6 @@ class QuorumBackend(QuorumCalls):
         if True not in results and sum(1 for v in results if answered(v)) < self.quorum:
             self.fail(slot.name, results)
         return True in results
-
-    # -- refused on a quorum ------------------------------------------------------------
-    def enqueue(self, slot: Slot, *args: Any, **kwargs: Any) -> Queued:
-        """Refused: no enqueue-time holds on a quorum (:func:`no_queued_holds`)."""
-        raise ConfigError(no_queued_holds(slot.name, self.masters))
-
-    def dequeue(self, slot: Slot, *args: Any, **kwargs: Any) -> Status:
-        """Refused: no enqueue-time holds on a quorum (:func:`no_queued_holds`)."""
-        raise ConfigError(no_queued_holds(slot.name, self.masters))
-
-    def rate(self, name: str, *args: Any, **kwargs: Any) -> RateGrant:
-        """Refused: no rate limits on a quorum (:data:`RATE_ON_QUORUM`)."""
-        raise ConfigError(f"rate limiter {name!r}: {RATE_ON_QUORUM}")
 
     # -- records ------------------------------------------------------------------------
     def load_records(self, slot: Slot, suffix: str) -> dict[str, str]:
@@ -418,46 +399,10 @@ class QuorumBackend(QuorumCalls):
             self.fail(slot.name, results)
         raise self.unavailable(slot.name, outcomes)
 
-    # -- operator reads and forced release: each member's copy ---------------------------
-    def scan(self, prefix: str, pattern: str = "*") -> list[LockInfo]:
-        """Every member's locks, sorted by name."""
-        answers = self.gather(prefix, lambda m: m.scan(prefix, pattern), ADMIN_TIMEOUT)
-        return sorted((info for answer in answers for info in answer), key=lambda x: x.name)
-
-    def read(self, prefix: str, name: str) -> list[LockInfo]:
-        """Lock *name* as each member stores it."""
-        answers = self.gather(name, lambda m: m.read(prefix, name), ADMIN_TIMEOUT)
-        return [info for answer in answers for info in answer]
-
-    def scan_rates(self, prefix: str, pattern: str = "*") -> list[RateInfo]:
-        """Every member's rate limiter states, sorted by name."""
-        answers = self.gather(prefix, lambda m: m.scan_rates(prefix, pattern), ADMIN_TIMEOUT)
-        return sorted((info for answer in answers for info in answer), key=lambda x: x.name)
-
-    def read_rate(self, prefix: str, name: str) -> RateInfo | None:
-        """The first member's state of rate limiter *name* (None: idle everywhere)."""
-        answers = self.gather(name, lambda m: m.read_rate(prefix, name), ADMIN_TIMEOUT)
-        return next((a for a in answers if a is not None), None)
-
-    def force_release(self, slot: Slot, fence: int | None, notice_ms: int) -> ForceRelease:
-        """Remove the lock on every member. With *fence* (as :meth:`holders` reports
-        it), only the acquisition that has it on some member: each member keeps its own
-        counter, so each is given the fence that acquisition has there."""
-        where: dict[Hashable, int | None] = {}
-        if fence is not None:
-            held = self.ask(lambda m: m.holders(slot), ADMIN_TIMEOUT)
-            copies = [
-                (m, h) for m, v in zip(self.members, held, strict=True) if answered(v) for h in v
-            ]
-            token = next((h.token for _, h in copies if h.fence == fence), None)
-            where = {m.identity(): h.fence for m, h in copies if h.token == token}
-        call: Call = lambda m: m.force_release(slot, where.get(m.identity(), fence), notice_ms)  # noqa: E731
-        return _merge(self.gather(slot.name, call, ADMIN_TIMEOUT), fence)
-
-    def force_dequeue(self, slot: Slot, owner: str | None) -> ForceRelease:
-        """Remove the enqueue-time hold on every member (a quorum never takes one)."""
-        call: Call = lambda m: m.force_dequeue(slot, owner)  # noqa: E731
-        return _merge(self.gather(slot.name, call, ADMIN_TIMEOUT), None)
+    # -- what a quorum cannot do --------------------------------------------------------
+    def why_not(self, capability: type) -> str:
+        """Why a quorum lacks *capability* (the reason in :func:`~..backend.lacks`)."""
+        return _WHY_NOT.get(capability, f"a Redlock quorum of {self.masters} masters")
 
 
 def _granted(value: Any) -> bool:
@@ -484,14 +429,3 @@ def _leases(results: Sequence[Any]) -> list[int]:
 
 def _claims(results: Sequence[Any], outcome: str) -> int:
     return sum(1 for c in results if isinstance(c, Claim) and c.outcome == outcome)
-
-
-def _merge(answers: Sequence[ForceRelease], fence: int | None) -> ForceRelease:
-    """Released when any member released; else refused when any refused; else gone."""
-    for outcome in ("released", "refused"):
-        found = [a for a in answers if a.outcome == outcome]
-        if found:
-            if fence is None:  # without one asked for: the highest a member removed
-                fence = max((a.fence for a in found if a.fence is not None), default=None)
-            return ForceRelease(found[0].outcome, found[0].record, fence)
-    return ForceRelease("gone")

@@ -27,11 +27,12 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NoReturn, TypeVar
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, NoReturn, Protocol, TypeVar
 
 from .. import process, threads
-from ..backend import Backend
+from ..backend import Backend, DoneMarks, Records, capability, need
+from ..backend_types import Slot
 from ..errors import ConfigError, QuorumUnavailable
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "Call",
     "Decided",
     "Gate",
+    "Member",
     "NoAnswer",
     "QuorumCalls",
     "Round",
@@ -63,13 +65,29 @@ FIRST_CONTACT = 3
 GRACE = 0.002
 
 
+@capability("Redlock masters (a member of a quorum)")
+class Member(Backend, DoneMarks, Records, Protocol):
+    """What a quorum needs of each member: the lock verbs, done marks and records, and
+    two verbs only a quorum uses."""
+
+    def identity(self) -> Hashable:
+        """What makes two members the same server (a quorum refuses a master listed
+        twice): finer than :meth:`describe`."""
+        ...
+
+    def raise_fence(self, slot: Slot, fence: int, fence_ttl_ms: int) -> int:
+        """Lift the name's fence counter to at least *fence*; returns the counter after
+        the call (a quorum writes its chosen fence back to a majority with this)."""
+        ...
+
+
 class NoAnswer(Exception):
     """A member did not answer in time, or was not asked (still busy with earlier calls)."""
 
 
 _PENDING = NoAnswer("not heard from")
 _T = TypeVar("_T")
-Call = Callable[[Backend], Any]
+Call = Callable[[Member], Any]
 Decided = Callable[[Sequence[Any]], bool]
 
 
@@ -90,7 +108,7 @@ class Gate:
 
     def __init__(self) -> None:
         self._mutex = threading.Lock()
-        self._queue: deque[tuple[Call, Backend, float, cf.Future[Any]]] = deque()
+        self._queue: deque[tuple[Call, Member, float, cf.Future[Any]]] = deque()
         self._running = False  # a pool thread is running the queue
         self._since = 0.0  # when the running call started (0.0: between calls)
         self.heard = False  # answered once: connected, scripts loaded
@@ -100,7 +118,7 @@ class Gate:
         """Calls queued or running."""
         return len(self._queue) + (self._since > 0)
 
-    def offer(self, call: Call, member: Backend, timeout: float) -> cf.Future[Any] | None:
+    def offer(self, call: Call, member: Member, timeout: float) -> cf.Future[Any] | None:
         """Queue ``call(member)``, to run within *timeout* seconds or not at all: its
         future, or None when the running call has run longer than *timeout* (stuck)."""
         future: cf.Future[Any] = cf.Future()
@@ -144,11 +162,11 @@ class Gate:
                 future.set_exception(error)
 
 
-_gates: weakref.WeakKeyDictionary[Backend, Gate] = weakref.WeakKeyDictionary()
+_gates: weakref.WeakKeyDictionary[Member, Gate] = weakref.WeakKeyDictionary()
 _gates_lock = threading.Lock()
 
 
-def gate_of(member: Backend) -> Gate:
+def gate_of(member: Member) -> Gate:
     """The one gate of *member* in this process (made on first use)."""
     with _gates_lock:
         gate = _gates.get(member)
@@ -235,7 +253,7 @@ def _outcome(future: cf.Future[_T]) -> _T | Exception:
 def _quietly(call: Call) -> Call:
     """*call* as a follow-up: where it fails, the lease it was meant to end expires."""
 
-    def run(member: Backend) -> None:
+    def run(member: Member) -> None:
         with contextlib.suppress(Exception):
             call(member)
 
@@ -253,9 +271,10 @@ class QuorumCalls:
     def __init__(self, members: Sequence[Backend], per_node_timeout: float | None = None) -> None:
         if isinstance(members, (str, bytes)) or not isinstance(members, Sequence) or not members:
             raise ConfigError("Redlock needs a non-empty list of backends, one per master")
-        ids = [m.identity() for m in members]
+        checked = [need(m, Member) for m in members]
+        ids = [m.identity() for m in checked]
         twice = sorted(
-            {m.describe() for m, i in zip(members, ids, strict=True) if ids.count(i) > 1}
+            {m.describe() for m, i in zip(checked, ids, strict=True) if ids.count(i) > 1}
         )
         if twice:
             raise ConfigError(
@@ -268,7 +287,7 @@ class QuorumCalls:
             or not per_node_timeout > 0
         ):
             raise ConfigError(f"per_node_timeout must be > 0 seconds, got {per_node_timeout!r}")
-        self.members: tuple[Backend, ...] = tuple(members)
+        self.members: tuple[Member, ...] = tuple(checked)
         self.masters = len(self.members)
         self.quorum = self.masters // 2 + 1
         self.per_node_timeout = per_node_timeout
@@ -289,10 +308,6 @@ class QuorumCalls:
     def describe(self) -> str:
         """The members' addresses."""
         return ", ".join(self.names)
-
-    def identity(self) -> tuple[Any, ...]:
-        """The members' identities."""
-        return tuple(m.identity() for m in self.members)
 
     def timeout(self, ttl_ms: int | None) -> float:
         """How long to wait for each member: the set per-node timeout, else 5% of the

@@ -27,7 +27,7 @@ from typing import Any, Literal
 from redis.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
-from ..backend import Holder, LockInfo, RateInfo, Slot, parse_holder, text
+from ..backend_types import Holder, LockInfo, RateInfo, Slot, parse_holder, text
 from ..errors import ConfigError
 from ..keys import LockKeys, lock_keys, rate_key
 

@@ -22,8 +22,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable, Sequence
 from functools import partial
 from typing import Any
 
@@ -31,7 +30,8 @@ from redis import exceptions as rx
 from redis.cluster import RedisCluster
 
 from .. import process
-from ..backend import (
+from ..backend_types import (
+    RECENT_BYTES,
     Claim,
     ForceRelease,
     Grant,
@@ -68,23 +68,30 @@ from .redis_scripts import (
     RAISE_FENCE,
     RATE,
     RELEASE,
+    Script,
     extend_many,
     grant_of,
     permit_holders,
+    pool_of,
+    run,
 )
 
 __all__ = ["RedisBackend", "cannot_decide", "check_client", "is_client", "server_refused"]
 
 
 class RedisBackend:
-    """The backend of one Redis client: :meth:`of` gives the one of a client object."""
+    """The backend of one Redis client (every capability of the seam): :meth:`of` gives
+    the one of a client object."""
 
     masters = 1
+    holds_permits = True
 
     def __init__(self, client: Any) -> None:
         check_client(client)
         self.client = client
         self.cluster = isinstance(client, RedisCluster)
+        #: Where a script's connection comes from (None: the client's own evalsha).
+        self._pool = None if self.cluster else pool_of(client)
         self._address: str | None = None
 
     @classmethod
@@ -137,50 +144,59 @@ class RedisBackend:
         """The error for lock *name* when this Redis (or node *where*) could not decide."""
         return QuorumUnavailable(name, {where or self.describe(): f"{type(exc).__name__}: {exc}"})
 
-    @contextmanager
-    def _errors(
-        self, name: str, foreign: Callable[[Exception], str] | None = None
-    ) -> Iterator[None]:
+    def _errors(self, name: str, foreign: Callable[[Exception], str] | None = None) -> _Errors:
         """Report what cannot be decided as unavailable and an error reply about the data
         (with *foreign*, which words it) as a ConfigError; let everything else through."""
-        try:
-            yield
-        except Exception as exc:
-            if cannot_decide(exc):
-                raise self.unavailable(name, exc) from exc
-            if foreign is not None and isinstance(exc, rx.ResponseError):
-                raise ConfigError(foreign(exc)) from exc
-            raise
+        return _Errors(self, name, foreign)
 
-    def _guard(self, slot: Slot) -> Any:
-        return self._errors(slot.name, partial(foreign_data_message, self.client, slot.keys))
+    def _guard(self, slot: Slot) -> _Errors:
+        return _Errors(self, slot.name, partial(foreign_data_message, self.client, slot.keys))
+
+    def _run(self, script: Script, keys: list[str], args: list[Any]) -> Any:
+        return run(script, self.client, self._pool, keys, args)
 
     # -- an acquisition's life --------------------------------------------------------
     def acquire(
+        self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
+    ) -> Grant:
+        keys = slot.keys
+        args: list[Any] = [token, ttl_ms, record, "1" if wait else "0", fence_ttl_ms]
+        if slot.permits:
+            args.append(slot.limit)
+            names = [keys.lock, keys.fence, keys.waiting]
+            return self._acquire(slot, token, ttl_ms, PERMIT_ACQUIRE, args, names)
+        names = [keys.lock, keys.fence, keys.waiting]
+        return self._acquire(slot, token, ttl_ms, ACQUIRE, args, names)
+
+    def take_over(
         self,
         slot: Slot,
         token: str,
         ttl_ms: int,
         record: str,
+        handover: Handover,
         *,
         wait: bool,
         fence_ttl_ms: int,
-        handover: Handover | None = None,
     ) -> Grant:
-        keys, flag = slot.keys, "1" if wait else "0"
-        args: list[Any] = [token, ttl_ms, record, flag, fence_ttl_ms]
-        if slot.permits:
-            if handover is not None:
-                raise ConfigError(f"lock {slot.name!r}: a hand-over takes a mutex, not a permit")
-            script, names = PERMIT_ACQUIRE, [keys.lock, keys.fence, keys.waiting]
-            args.append(slot.limit)
-        elif handover is None:
-            script, names = ACQUIRE, [keys.lock, keys.fence, keys.waiting]
-        else:
-            script, names = ACQUIRE, [keys.lock, keys.fence, keys.waiting, keys.queued]
-            args += [handover.owner, "1" if handover.strict else "0"]
+        keys = _queued_keys(slot)
+        args: list[Any] = [token, ttl_ms, record, "1" if wait else "0", fence_ttl_ms]
+        args += [handover.owner, "1" if handover.strict else "0"]
+        names = [keys.lock, keys.fence, keys.waiting, keys.queued]
+        return self._acquire(slot, token, ttl_ms, ACQUIRE, args, names)
+
+    def _acquire(  # noqa: PLR0917 - the attempt's slot, token and lease, and what to run
+        self,
+        slot: Slot,
+        token: str,
+        ttl_ms: int,
+        script: Script,
+        args: list[Any],
+        names: list[str],
+    ) -> Grant:
+        keys = slot.keys
         try:
-            reply = script(self.client, names, args)
+            reply = self._run(script, names, args)
         except Exception as exc:
             foreign = isinstance(exc, rx.ResponseError) and not server_refused(exc)
             if not foreign and not cannot_decide(exc):
@@ -204,27 +220,29 @@ class RedisBackend:
         except Exception:
             redis_giveback.later(lambda: self.release(slot, token, notice_ms))
 
-    def release(
-        self, slot: Slot, token: str, notice_ms: int, done: tuple[str, int] | None = None
-    ) -> Status:
+    def release(self, slot: Slot, token: str, notice_ms: int) -> Status:
         keys = slot.keys
         names = [keys.lock, keys.notify, keys.waiting, keys.released]
-        args: list[Any] = [token, notice_ms]
         if slot.permits:
-            script = PERMIT_RELEASE
-            args.append(slot.limit)
-        else:
-            script = RELEASE
-            if done is not None:
-                names.append(keys.done)
-                args += [done[0], done[1]]
+            args: list[Any] = [token, notice_ms, slot.limit, RECENT_BYTES]
+            with self._guard(slot):
+                return Status.of(self._run(PERMIT_RELEASE, names, args))
         with self._guard(slot):
-            return Status.of(script(self.client, names, args))
+            return Status.of(self._run(RELEASE, names, [token, notice_ms, RECENT_BYTES]))
+
+    def release_done(
+        self, slot: Slot, token: str, notice_ms: int, mark: str, mark_ms: int
+    ) -> Status:
+        keys = _queued_keys(slot)
+        names = [keys.lock, keys.notify, keys.waiting, keys.released, keys.done]
+        args = [token, notice_ms, RECENT_BYTES, mark, mark_ms]
+        with self._guard(slot):
+            return Status.of(self._run(RELEASE, names, args))
 
     def extend(self, slot: Slot, token: str, ms: int, *, replace: bool) -> int | Status:
         script = PERMIT_EXTEND if slot.permits else EXTEND
         with self._guard(slot):
-            code = int(script(self.client, [slot.keys.lock], [token, ms, "1" if replace else "0"]))
+            code = int(self._run(script, [slot.keys.lock], [token, ms, "1" if replace else "0"]))
         return code if code > 0 else Status.of(code)
 
     def renew(self, items: Sequence[Renewal]) -> list[Status | QuorumUnavailable]:
@@ -236,7 +254,7 @@ class RedisBackend:
             return []
         if not self.cluster:
             with self._errors(items[0].slot.name):
-                return [*extend_many(self.client, items)]
+                return [*extend_many(self.client, items, self._pool)]
         by_node: dict[str, list[int]] = defaultdict(list)
         nodes: dict[str, Any] = {}
         for i, item in enumerate(items):
@@ -348,7 +366,7 @@ class RedisBackend:
         keys = _queued_keys(slot)
         args = [owner, ttl_ms, record, "1" if replace else "0", "1" if running_blocks else "0"]
         with self._guard(slot):
-            reply = ENQUEUE(self.client, [keys.queued, keys.lock], args)
+            reply = self._run(ENQUEUE, [keys.queued, keys.lock], args)
         code = int(reply[0])
         if code == 1:
             return Queued("queued")
@@ -361,7 +379,7 @@ class RedisBackend:
     def dequeue(self, slot: Slot, owner: str) -> Status:
         keys = _queued_keys(slot)
         with self._guard(slot):
-            return Status.of(DEQUEUE(self.client, [keys.queued], [owner]))
+            return Status.of(self._run(DEQUEUE, [keys.queued], [owner]))
 
     # -- rate grants --------------------------------------------------------------------
     def rate(
@@ -384,7 +402,7 @@ class RedisBackend:
 
         with self._errors(name, foreign):
             args = [interval_us, burst, mode, most_us, grace_us]
-            granted, wait_us, free = RATE(self.client, [key], args)
+            granted, wait_us, free = self._run(RATE, [key], args)
         return RateGrant(int(granted) == 1, max(0, int(wait_us)) / 1e6, int(free))
 
     # -- records beside a lock ------------------------------------------------------------
@@ -409,7 +427,7 @@ class RedisBackend:
         key = f"{slot.keys.lock}:{suffix}"
         args = [token, name, value, version[0], version[1]]
         with self._errors(slot.name, partial(_records_message, key)):
-            reply = CLAIM_FIELD(self.client, [slot.keys.lock, key], args)
+            reply = self._run(CLAIM_FIELD, [slot.keys.lock, key], args)
         code = int(reply[0])
         if code == 1:
             return Claim("claimed", value)
@@ -461,6 +479,28 @@ class RedisBackend:
         if code is Status.OK:
             return ForceRelease("released", record)
         return ForceRelease("gone" if code is Status.GONE else "refused", record)
+
+
+class _Errors:
+    """:meth:`RedisBackend._errors` as a plain context manager (one per verb call)."""
+
+    __slots__ = ("backend", "foreign", "name")
+
+    def __init__(
+        self, backend: RedisBackend, name: str, foreign: Callable[[Exception], str] | None
+    ) -> None:
+        self.backend, self.name, self.foreign = backend, name, foreign
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, _type: Any, exc: BaseException | None, _tb: Any) -> None:
+        if not isinstance(exc, Exception):
+            return
+        if cannot_decide(exc):
+            raise self.backend.unavailable(self.name, exc) from exc
+        if self.foreign is not None and isinstance(exc, rx.ResponseError):
+            raise ConfigError(self.foreign(exc)) from exc
 
 
 def _records_message(key: str, exc: Exception) -> str:

@@ -1,7 +1,17 @@
 """The Lua scripts of the Redis backend (``core/lua/*.lua``, one per file, each with a
-header saying its KEYS, ARGV and replies): each read once, run with redis-py's public
-``evalsha`` (``eval`` once, after ``NOSCRIPT``), and the replies the verbs share read into
-typed results.
+header saying its KEYS, ARGV and replies): each read once and run with ``EVALSHA``
+(``EVAL`` once, after ``NOSCRIPT``), and the replies the verbs share read into typed
+results.
+
+How a script is sent (:func:`run`): on a client with a connection pool of its own (a
+plain or Sentinel-managed ``redis.Redis``), on a connection taken from that pool for the
+call and given back before it returns, with redis-py's public connection API
+(``pack_command``, ``send_packed_command``, ``read_response``) under the connection's own
+retry policy (``conn.retry``, as redis-py's ``execute_command`` uses it). That skips the
+per-command layers of ``execute_command`` (observability hooks, option parsing, response
+callbacks, which scripts have none of): see docs/benchmarks.md, "Single-node lock". A
+cluster client, or one that keeps a single connection, goes through its own
+``evalsha``.
 """
 
 from __future__ import annotations
@@ -13,8 +23,9 @@ from typing import Any
 
 from redis import exceptions as rx
 
-from ..backend import Grant, Holder, Renewal, Status, parse_holder, text
+from ..backend_types import Grant, Holder, Renewal, Status, parse_holder, text
 from .redis_admin import fence_of
+from .redis_client import checkout
 
 __all__ = [
     "ACQUIRE",
@@ -36,6 +47,8 @@ __all__ = [
     "extend_many",
     "grant_of",
     "permit_holders",
+    "pool_of",
+    "run",
 ]
 
 
@@ -56,6 +69,39 @@ class Script:
             return client.evalsha(self.sha, len(keys), *keys, *args)
         except rx.NoScriptError:
             return client.eval(self.source, len(keys), *keys, *args)
+
+
+def pool_of(client: Any) -> Any:
+    """The connection pool :func:`run` takes a connection from for *client*: its own pool,
+    or None for a client that routes commands itself (a cluster) or holds one connection
+    (``single_connection_client``)."""
+    if getattr(client, "connection", None) is not None:
+        return None
+    pool = getattr(client, "connection_pool", None)
+    return pool if pool is not None and hasattr(pool, "get_connection") else None
+
+
+def run(script: Script, client: Any, pool: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    """*script* on *client*: on a connection of *pool* (:func:`pool_of`; see the module
+    docstring), or through the client itself when *pool* is None."""
+    if pool is None:
+        return script(client, keys, args)
+    conn = checkout(pool)
+    try:
+        return conn.retry.call_with_retry(
+            lambda: _send(conn, script, keys, args), lambda _error: conn.disconnect()
+        )
+    finally:
+        pool.release(conn)
+
+
+def _send(conn: Any, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    conn.send_packed_command(conn.pack_command("EVALSHA", script.sha, len(keys), *keys, *args))
+    try:
+        return conn.read_response()
+    except rx.NoScriptError:  # a reply was read: the connection is fine
+        conn.send_packed_command(conn.pack_command("EVAL", script.source, len(keys), *keys, *args))
+        return conn.read_response()
 
 
 ACQUIRE = Script("acquire.lua")
@@ -99,11 +145,11 @@ def permit_holders(reply: Any) -> list[Holder]:
     return sorted(found, key=lambda h: h.ttl_ms or 0)
 
 
-def extend_many(client: Any, items: Sequence[Renewal]) -> list[Status]:
+def extend_many(client: Any, items: Sequence[Renewal], pool: Any = None) -> list[Status]:
     """Set each item's lease to its ``ms`` where its token still holds it, on one node in
     one ``extend_many.lua`` (every key in one slot on a cluster): a status per item."""
     args: list[Any] = []
     for item in items:
         args += [item.token, item.ms]
-    reply = EXTEND_MANY(client, [item.slot.keys.lock for item in items], args)
+    reply = run(EXTEND_MANY, client, pool, [item.slot.keys.lock for item in items], args)
     return [Status.of(code) for code in reply]

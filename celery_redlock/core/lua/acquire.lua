@@ -1,17 +1,17 @@
 -- acquire: take the lock if free, or confirm we already hold it.
 -- KEYS[1]  lock key (a hash: token, fence, info)
 -- KEYS[2]  fence counter of this lock (same hash tag; expires only with ARGV[5])
--- KEYS[3]  waiter mark of this lock (optional): set while someone may be blocked
---          on the notify list, so that a release knows to push a notice
+-- KEYS[3]  waiter mark of this lock: set while someone may be blocked on the notify
+--          list, so that a release knows to push a notice
 -- ARGV[1]  token of this acquisition (>= 128 random bits)
 -- ARGV[2]  lease in milliseconds (integer)
 -- ARGV[3]  holder record (JSON text), shown by `celery locks`
 -- ARGV[4]  '1' when the caller will block for a release notice if the lock is held
 --          (optional; absent: it will not)
 -- ARGV[5]  idle lifetime of the fence counter in ms (optional; 0 or absent: never
---          expires). A counter that is gone (expired, or never made) restarts from
---          the server's clock in microseconds, above any value it could have reached
---          by counting, so fences still increase after it expired.
+--          expires). A counter that is gone (expired, or never made) restarts from the
+--          server's clock in microseconds, above any value it could have reached by
+--          counting, so fences still increase after it expired.
 -- KEYS[4]  queued hold of this lock (optional: a hand-over, see enqueue.lua): the
 --          acquisition takes over the enqueue-time hold of task ARGV[6], in this one step
 -- ARGV[6]  with KEYS[4]: the task id taking over; kept in the lock's 'owner' field
@@ -35,7 +35,7 @@ end
 local queued = KEYS[4] and redis.call('HMGET', KEYS[4], 'owner', 'info')
 if cur[1] then
   local left = redis.call('PTTL', KEYS[1])
-  if ARGV[4] == '1' and KEYS[3] then
+  if ARGV[4] == '1' then
     -- The caller blocks at most `left` ms (or its own lease when the key has no
     -- expiry) from now; the mark outlives that by a second, so every release while
     -- it waits finds the mark and pushes a notice. Several waiters: the longest wins.
@@ -52,21 +52,24 @@ end
 if queued and queued[1] and queued[1] ~= ARGV[6] and ARGV[7] == '1' then
   return {-1, queued[2] or '', redis.call('PTTL', KEYS[4]), queued[1]}
 end
-local fence_ttl = tonumber(ARGV[5] or '0')
-if fence_ttl > 0 and redis.call('EXISTS', KEYS[2]) == 0 then
-  local now = redis.call('TIME')
-  redis.call('SET', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])))
-end
 local fence = redis.call('INCR', KEYS[2])
+local fence_ttl = tonumber(ARGV[5] or '0')
 if fence_ttl > 0 then
-  redis.call('PEXPIRE', KEYS[2], fence_ttl)
+  if fence == 1 then -- the counter was gone: restart it above anything it counted to
+    local now = redis.call('TIME')
+    redis.call('SET', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])), 'PX', fence_ttl)
+    fence = redis.call('INCR', KEYS[2])
+  else
+    redis.call('PEXPIRE', KEYS[2], fence_ttl)
+  end
 end
-redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fence, 'info', ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
 if queued then
-  redis.call('HSET', KEYS[1], 'owner', ARGV[6])
+  redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fence, 'info', ARGV[3], 'owner', ARGV[6])
   if queued[1] == ARGV[6] then
     redis.call('DEL', KEYS[4])
   end
+else
+  redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fence, 'info', ARGV[3])
 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {1, fence}

@@ -4,16 +4,17 @@
 -- KEYS[2]  notify list of this name (waiters BLPOP it)
 -- KEYS[3]  waiter mark (see acquire.lua): set while someone may be waiting; without it
 --          no notice is pushed
--- KEYS[4]  released tokens of this name (a sorted set, token -> server time in ms until
---          which it is remembered; shared with the lock of the name, see release.lua)
+-- KEYS[4]  the recently released tokens of this name (shared with the lock of the name;
+--          see release.lua)
 -- ARGV[1]  token of the permit being released
--- ARGV[2]  how long an unconsumed wake-up notice lives, and how long ARGV[1] is
---          remembered as released, in milliseconds (the lease length)
+-- ARGV[2]  how long an unconsumed wake-up notice lives, and how long the released
+--          tokens are remembered after the last release, in milliseconds (the lease)
 -- ARGV[3]  the limit: the most notices kept in the list (one per free permit; at most
 --          a million)
+-- ARGV[4]  the most bytes of released tokens kept (see release.lua)
 -- Returns  1   released (and a notice pushed if someone may be waiting); also when no
---              such permit is held but ARGV[1] is remembered in KEYS[4]: a re-sent copy
---              of this token's own release
+--              such permit is held but ARGV[1] is among the recently released tokens: a
+--              re-sent copy of this token's own release
 --          0   no such permit: it expired (a lingering expired one is removed) or was
 --              removed
 --          -2  the key holds something that is not a permit hash (foreign data under
@@ -24,9 +25,12 @@ if type(v) == 'table' and v.err then
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local recent = redis.pcall('GET', KEYS[4])
+if type(recent) ~= 'string' then
+  recent = recent == false and ' ' or nil
+end
 if not v then
-  local until_ms = redis.pcall('ZSCORE', KEYS[4], ARGV[1])
-  if type(until_ms) == 'string' and tonumber(until_ms) > now then
+  if recent and string.find(recent, ' ' .. ARGV[1] .. ' ', 1, true) then
     return 1
   end
   return 0
@@ -38,12 +42,12 @@ if exp <= now then
   code = 0
 else
   -- As in release.lua: foreign data at KEYS[4] never stops the release.
-  local ms = tonumber(ARGV[2])
-  if type(redis.pcall('ZADD', KEYS[4], now + ms, ARGV[1])) == 'number' then
-    redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
-    if redis.call('PTTL', KEYS[4]) < ms then
-      redis.call('PEXPIRE', KEYS[4], ms)
+  if recent then
+    recent = ' ' .. ARGV[1] .. recent
+    if #recent > tonumber(ARGV[4]) then
+      recent = string.match(string.sub(recent, 1, tonumber(ARGV[4])), '^(.* )')
     end
+    redis.call('SET', KEYS[4], recent, 'PX', ARGV[2])
   end
 end
 if redis.call('HLEN', KEYS[1]) == 0 then
