@@ -73,6 +73,8 @@ class LockRecords:
             raise ConfigError(f"LockRecords needs a Lock or a Redlock, got {type(lock).__name__}")
         if not isinstance(suffix, str) or not suffix:
             raise ConfigError(f"records suffix must be a non-empty string, got {suffix!r}")
+        if "}" in suffix:  # <prefix>{a}:x} is the lock key of the name "a}:x"
+            raise ConfigError(f"records suffix {suffix!r} must not contain '}}'")
         self.lock = lock
         self.suffix = suffix
         #: The key of the hash (same hash tag as the lock).
