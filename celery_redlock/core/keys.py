@@ -3,6 +3,12 @@
 A lock named ``sync:42`` lives at ``<prefix>{sync:42}``. The braces are the
 Redis Cluster hash tag, so the lock key, its fence counter and its wake-up list
 share one slot, and the key still shows the name a person wrote.
+
+A name starting with ``}`` or ``\\`` gets one backslash in front inside the braces
+(``}{`` at ``<prefix>{\\}{}``, ``\\x`` at ``<prefix>{\\\\x}``): Redis would hash an empty tag
+for a leading ``}``, and escaping the backslash too keeps two names from sharing a key.
+:func:`name_of_key` drops that backslash again. Every other key of a name is its lock
+key plus ``:<suffix>``, a suffix without ``}``, so the last ``}`` of any key ends its tag.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ __all__ = [
     "KeyTemplate",
     "LockKeys",
     "lock_keys",
+    "name_of_key",
     "normalize_name",
     "permit_keys",
     "rate_key",
@@ -36,6 +43,9 @@ MAX_NAME_LENGTH = 200
 _HEAD = 120
 _PLACEHOLDER = re.compile(r"<([^<>]*)>")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: Stored names that get a backslash in front in their hash tag, and the tags that have one.
+_ESCAPED = ("}", "\\")
+_ESCAPES = ("\\}", "\\\\")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +104,10 @@ def lock_keys(name: str, prefix: str = "redlock:") -> LockKeys:
         )
     stored = normalize_name(name)
     # Redis hashes the text between the first "{" and the next "}": a name starting
-    # with "}" would leave that empty, and the three keys would land in different slots.
-    tag = "\\" + stored if stored.startswith("}") else stored
+    # with "}" would leave that empty, and the keys would land in different slots. The
+    # backslash in front is escaped as well, so the tag gives the name back (and "\\}{"
+    # does not share the key of "}{").
+    tag = "\\" + stored if stored.startswith(_ESCAPED) else stored
     base = f"{prefix}{{{tag}}}"
     return LockKeys(
         name=stored,
@@ -107,6 +119,17 @@ def lock_keys(name: str, prefix: str = "redlock:") -> LockKeys:
         done=f"{base}:done",
         released=f"{base}:recent",
     )
+
+
+def name_of_key(key: str, prefix: str) -> str:
+    """The stored name of a key built for it under *prefix* (its lock key, or the lock
+    key plus ``:<suffix>``): the inverse of :func:`lock_keys`.
+
+    A tag with a backslash in front of ``}`` or ``\\`` is an escaped name; any other tag
+    is the name itself (so a key an older version wrote for ``\\x`` still reads ``\\x``).
+    """
+    tag = key[len(prefix) + 1 : key.rindex("}")]
+    return tag[1:] if tag.startswith(_ESCAPES) else tag
 
 
 def permit_keys(name: str, prefix: str = "redlock:") -> LockKeys:

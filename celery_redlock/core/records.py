@@ -74,6 +74,8 @@ class LockRecords:
             raise ConfigError(f"LockRecords needs a Lock or a Redlock, got {type(lock).__name__}")
         if not isinstance(suffix, str) or not suffix:
             raise ConfigError(f"records suffix must be a non-empty string, got {suffix!r}")
+        if "}" in suffix:  # <prefix>{a}:x} is the lock key of the name "a}:x"
+            raise ConfigError(f"records suffix {suffix!r} must not contain '}}'")
         self.lock = lock
         self.backend: Records = need(lock.backend, Records)
         self.suffix = suffix

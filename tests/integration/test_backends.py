@@ -17,6 +17,7 @@ Servers are shared per module (Sentinel and Cluster are slow to start) or per se
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -24,11 +25,13 @@ import select
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from servers import ClusterSetup, RedisServer, SentinelSetup, wait_child, wait_for
+from tricky_names import TRICKY_NAMES
 
 from celery_redlock.core import (
     ConfigError,
@@ -50,7 +53,7 @@ from celery_redlock.core import (
     lock_keys,
     open_backend,
 )
-from celery_redlock.core.admin import ForceRelease, LockInfo
+from celery_redlock.core.admin import ForceRelease, LockInfo, RateInfo
 from celery_redlock.core.backends.memory import MemoryBackend
 
 #: Every backend the suite runs on; a new backend is done when it passes with its name here.
@@ -159,6 +162,23 @@ def _stores(target: Any) -> list[Any]:
 def read_lock(target: Any, prefix: str, name: str) -> list[LockInfo]:
     """``admin.read_lock`` on every store of *target* (each master's copy)."""
     return [info for store in _stores(target) for info in admin.read_lock(store, prefix, name)]
+
+
+def scan_locks(target: Any, prefix: str, pattern: str = "*") -> list[LockInfo]:
+    """``admin.scan_locks`` on every store of *target*, sorted by name."""
+    found = [i for store in _stores(target) for i in admin.scan_locks(store, prefix, pattern)]
+    return sorted(found, key=lambda info: info.name)
+
+
+def scan_rates(target: Any, prefix: str, pattern: str = "*") -> list[RateInfo]:
+    """``admin.scan_rates`` on every store of *target* (a quorum's masters keep none)."""
+    return [i for store in _stores(target) for i in admin.scan_rates(store, prefix, pattern)]
+
+
+def read_rate(target: Any, prefix: str, name: str) -> RateInfo | None:
+    """``admin.read_rate`` on the first store of *target* that has the limiter."""
+    found = (admin.read_rate(store, prefix, name) for store in _stores(target))
+    return next((info for info in found if info is not None), None)
 
 
 def force_release(target: Any, prefix: str, name: str) -> ForceRelease:
@@ -765,3 +785,56 @@ def test_a_forked_child_holds_none_of_its_parents_locks(target: Any, name: str) 
     }
     assert lock.owned()
     lock.release()
+
+
+# -- names -----------------------------------------------------------------------------------
+def test_tricky_names_are_held_side_by_side_and_read_back_as_written(target: Any) -> None:
+    """Tricky names hold locks, holds, permits, limiters side by side; all read back as stored."""
+    prefix = f"names-{uuid.uuid4().hex[:8]}:"  # the names are fixed: apart by prefix
+    stored = sorted(lock_keys(n).name for n in TRICKY_NAMES)
+    quorum, masters = _quorum(target), open_backend(target).masters
+    locks = [Lock(target, n, ttl=30, key_prefix=prefix) for n in TRICKY_NAMES]
+    holds = [] if quorum else [QueuedHold(target, n, key_prefix=prefix) for n in TRICKY_NAMES]
+    permits = [] if quorum else [Semaphore(target, n, 2, key_prefix=prefix) for n in TRICKY_NAMES]
+    limiters = (
+        [] if quorum else [RateLimiter(target, n, "1/m", key_prefix=prefix) for n in TRICKY_NAMES]
+    )
+    try:
+        assert all(lock.acquire(blocking=False) for lock in locks)  # "\\}{" beside "}{"
+        assert all(hold.claim("t-queued", 60).outcome == "queued" for hold in holds)
+        assert all(permit.acquire(blocking=False) for permit in permits)
+        assert all(limiter.acquire() for limiter in limiters)
+        rows_per_name = masters if quorum else 3  # a lock per master; or lock, hold, permit
+        assert wait_for(
+            lambda: len(scan_locks(target, prefix)) == rows_per_name * len(stored), timeout=5
+        )
+        counts = Counter((i.name, i.kind, i.state) for i in scan_locks(target, prefix))
+        expected = {(n, "lock", "held"): masters for n in stored}
+        if not quorum:
+            expected |= {(n, "lock", "queued"): 1 for n in stored}
+            expected |= {(n, "permit", "held"): 1 for n in stored}
+        assert counts == expected
+        for name in TRICKY_NAMES:
+            keys = lock_keys(name, prefix)
+            rows = read_lock(target, prefix, name)
+            assert len(rows) == rows_per_name and {i.name for i in rows} == {keys.name}
+            assert {i.key for i in rows if i.kind == "lock" and i.state == "held"} == {keys.lock}
+            rate = read_rate(target, prefix, name)
+            assert (rate.name if rate else None) == (None if quorum else keys.name)
+        assert [i.name for i in scan_rates(target, prefix)] == ([] if quorum else stored)
+        escaped = sorted(n for n in stored if n.startswith(("}", "\\")))
+        for pattern, names in (
+            ("[}\\\\]*", escaped),
+            ("}{", ["}{"]),
+            ("a*", ["a:fence", "a}:fence", "a}b"]),
+        ):
+            assert sorted({i.name for i in scan_locks(target, prefix, pattern)}) == names
+            assert [i.name for i in scan_rates(target, prefix, pattern)] == (
+                [] if quorum else names
+            )
+    finally:
+        for held in (*locks, *permits):
+            with contextlib.suppress(RedlockError):  # not acquired: the test failed above
+                held.release()
+        for hold in holds:
+            hold.release("t-queued")

@@ -20,9 +20,11 @@ from celery.bin.celery import celery as celery_main
 from click.testing import CliRunner, Result
 from lua import FORCE_RELEASE, run_script
 from servers import ClusterSetup, RedisServer, free_port
+from tricky_names import TRICKY_NAMES
 
 from celery_redlock import Lock, QueuedHold
 from celery_redlock.core.connect import address_of
+from celery_redlock.core.keys import lock_keys
 from tests.apps import locksapp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,6 +127,27 @@ def test_list_with_a_pattern_shows_only_matching_locks_in_a_table(
     assert lines[0].split() == header
     assert [line.split()[0] for line in lines[1:]] == ["sync:1", "sync:2"]
     assert "report:1" not in table.stdout
+
+
+def test_list_and_show_give_every_tricky_name_and_its_key_as_written(
+    locks_on: redis.Redis, hold: Callable[..., Lock]
+) -> None:
+    """list --json and show --json give each tricky name (held side by side) as stored."""
+    for name in TRICKY_NAMES:
+        hold(locks_on, name)  # "\\}{" is held beside "}{"
+    stored = {lock_keys(n).name: lock_keys(n).lock for n in TRICKY_NAMES}
+    listed = run("list", "--json")
+    assert listed.exit_code == 0, listed.output
+    assert [(r["name"], r["key"]) for r in json.loads(listed.stdout)] == sorted(stored.items())
+    for name in TRICKY_NAMES:
+        shown = run("show", name, "--json")
+        assert shown.exit_code == 0, (name, shown.output)
+        keys = lock_keys(name)
+        assert [(r["name"], r["key"]) for r in json.loads(shown.stdout)] == [(keys.name, keys.lock)]
+    escaped = run("list", "[}\\\\]*", "--json")  # names starting with "}" or "\\"
+    assert [r["name"] for r in json.loads(escaped.stdout)] == sorted(
+        n for n in stored if n.startswith(("}", "\\"))
+    )
 
 
 def test_list_skips_fence_notify_and_waiting_keys_and_foreign_keys_and_says_when_empty(

@@ -28,12 +28,24 @@ from hypothesis import strategies as st
 from redis.cluster import key_slot
 from redis.connection import SSLConnection, UnixDomainSocketConnection
 from servers import RedisServer, free_port
+from tricky_names import TRICKY_NAMES
 
 from celery_redlock import ConfigError, KeyTemplate, Lock, QuorumUnavailable, connect
 from celery_redlock.core.connect import LOCK_CLIENT_DEFAULTS, address_of, mask_url
-from celery_redlock.core.keys import MAX_NAME_LENGTH, lock_keys, normalize_name, render_value
+from celery_redlock.core.keys import (
+    MAX_NAME_LENGTH,
+    lock_keys,
+    name_of_key,
+    normalize_name,
+    permit_keys,
+    rate_key,
+    render_value,
+)
+from celery_redlock.core.records import LockRecords
 
 names = st.text(min_size=1, max_size=300)
+#: Names drawn mostly from the characters that shape a key.
+key_names = st.text(alphabet="}{\\:ab", min_size=1, max_size=8) | names
 identifiers = st.from_regex(r"\A[A-Za-z_][A-Za-z0-9_]{0,11}\Z")
 json_scalars = st.none() | st.booleans() | st.integers() | st.text(max_size=20)
 json_values = st.recursive(
@@ -63,11 +75,52 @@ def test_keys_show_the_name_inside_a_hash_tag_under_the_prefix() -> None:
 @given(name=names, prefix=st.sampled_from(["redlock:", "", "a:b:"]))
 @example(name="}abc", prefix="redlock:")
 @example(name="{}", prefix="redlock:")
+@example(name="\\}{", prefix="redlock:")
+@example(name="\\", prefix="")
 def test_all_keys_of_one_lock_share_one_cluster_slot(name: str, prefix: str) -> None:
-    """Whatever the name, all four keys of a lock hash to the same cluster slot."""
-    keys = lock_keys(name, prefix)
-    slots = {key_slot(k.encode()) for k in (keys.lock, keys.fence, keys.notify, keys.waiting)}
-    assert len(slots) == 1, keys
+    """Whatever the name, all keys of a lock, semaphore and rate limiter share one slot."""
+    keys = every_key(name, prefix)
+    assert len({key_slot(k.encode()) for k in keys}) == 1, keys
+
+
+def every_key(name: str, prefix: str = "redlock:") -> set[str]:
+    """Every key celery-redlock writes for *name*: the lock's, a semaphore's, a rate
+    limiter's and a records hash's (beat's ticks)."""
+    keys, permits = lock_keys(name, prefix), permit_keys(name, prefix)
+    return {
+        keys.lock, keys.fence, keys.notify, keys.waiting, keys.queued, keys.done,
+        keys.released, permits.lock, rate_key(name, prefix), f"{keys.lock}:ticks",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("prefix", ["redlock:", "", "a:b:"])
+def test_no_two_tricky_names_share_a_key_and_each_key_gives_its_name_back(prefix: str) -> None:
+    """Each tricky name's keys share one slot, read back as its name, and are no other name's."""
+    owner: dict[str, str] = {}
+    for name in [*TRICKY_NAMES, "\ud800", "\ud800" * 200]:  # lone surrogates: head + hash
+        keys = every_key(name, prefix)
+        assert len({key_slot(k.encode()) for k in keys}) == 1, keys
+        assert {name_of_key(k, prefix) for k in keys} == {normalize_name(name)}
+        for key in keys:
+            assert owner.setdefault(key, name) == name, f"{name!r} and {owner[key]!r}: {key!r}"
+
+
+@settings(max_examples=500)
+@given(a=key_names, b=key_names, prefix=st.sampled_from(["redlock:", ""]))
+@example(a="}{", b="\\}{", prefix="redlock:")
+@example(a="\\x", b="\\\\x", prefix="redlock:")
+def test_two_different_names_never_share_a_key(a: str, b: str, prefix: str) -> None:
+    """Two names stored differently have no key in common, and every key names its name."""
+    keys_a, keys_b = every_key(a, prefix), every_key(b, prefix)
+    assert {name_of_key(k, prefix) for k in keys_a} == {normalize_name(a)}
+    if normalize_name(a) != normalize_name(b):
+        assert not keys_a & keys_b
+
+
+def test_a_records_suffix_with_a_closing_brace_is_refused() -> None:
+    """A records suffix with "}" is refused: <prefix>{a}:x} is the lock key of name "a}:x"."""
+    with pytest.raises(ConfigError, match="must not contain"):
+        LockRecords(Lock(connect("memory://records-suffix"), "a"), "x}")
 
 
 @given(name=st.text(min_size=1, max_size=MAX_NAME_LENGTH))

@@ -11,7 +11,7 @@ import pytest
 import redis
 from servers import RedisServer
 
-from celery_redlock import AlreadyQueued, ConfigError, Lock, LockEvent, QueuedHold, add_hook
+from celery_redlock import AlreadyQueued, ConfigError, LockEvent, QueuedHold, add_hook
 from celery_redlock.core import Handover, RunLock, remove_hook
 from celery_redlock.core.admin import force_dequeue, read_lock, scan_locks
 
@@ -173,7 +173,8 @@ def test_foreign_data_at_the_hold_is_a_config_error(redis_client: redis.Redis) -
 def test_inspect_shows_queued_and_running(redis_client: redis.Redis) -> None:
     """scan_locks lists the run's lock as running and the queued hold as queued, each with
     its task id; force_dequeue removes only the task id it is given."""
-    lock = RunLock(redis_client, "k", owner_info={"task_name": "t", "task_id": "r"}, auto_renew=False)
+    owner = {"task_name": "t", "task_id": "r"}
+    lock = RunLock(redis_client, "k", owner_info=owner, auto_renew=False)
     lock.acquire()
     QueuedHold(redis_client, "k", owner_info={"task_name": "t"}).claim("q", ttl=60)
     rows = scan_locks(redis_client, "redlock:")

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from ..backend_types import ForceRelease, LockInfo, RateInfo, Slot, parse_holder
 from ..errors import ConfigError
-from ..keys import lock_keys, rate_key
+from ..keys import lock_keys, name_of_key, normalize_name, rate_key
 from .memory_store import ForeignData, MemoryStore, mutex_keys, stored_int
 
 __all__ = ["force_dequeue", "force_release", "read", "read_rate", "scan", "scan_rates"]
@@ -24,8 +24,8 @@ def scan(store: MemoryStore, prefix: str, pattern: str = "*") -> list[LockInfo]:
     head, found = prefix + "{", list[LockInfo]()
     for key in [k for k in store.entries if k.startswith(head)]:
         for end in ("}", "}:queued", "}:permits"):
-            name = key[len(head) : -len(end)]
-            if key.endswith(end) and fnmatch.fnmatchcase(name, pattern):
+            name = name_of_key(key, prefix) if key.endswith(end) else None
+            if name is not None and fnmatch.fnmatchcase(name, pattern):
                 found += _infos(store, key, name, end)
     return sorted(found, key=_order)
 
@@ -34,11 +34,10 @@ def read(store: MemoryStore, prefix: str, name: str) -> list[LockInfo]:
     """Lock *name*'s holder, queued hold and live permits; ConfigError when its key
     holds data that is not a lock."""
     keys = lock_keys(name, prefix)
-    stored = keys.lock[len(prefix) + 1 : -1]
-    found = _infos(store, keys.lock, stored, "}")
+    found = _infos(store, keys.lock, keys.name, "}")
     if not found and store.get(keys.lock, "hash") is not None:
         raise ForeignData(keys.lock, "a hash without a lock token")
-    found += _infos(store, keys.queued, stored, "}:queued")
+    found += _infos(store, keys.queued, keys.name, "}:queued")
     return found + _infos(store, keys.lock + ":permits", keys.name, "}:permits")
 
 
@@ -66,7 +65,7 @@ def scan_rates(store: MemoryStore, prefix: str, pattern: str = "*") -> list[Rate
     """The state of every rate limiter under *prefix* whose name matches *pattern*."""
     head, end, found = prefix + "{", "}:rate", list[RateInfo]()
     for key in [k for k in store.entries if k.startswith(head) and k.endswith(end)]:
-        name = key[len(head) : -len(end)]
+        name = name_of_key(key, prefix)
         info = _rate_info(store, key, name) if fnmatch.fnmatchcase(name, pattern) else None
         found += [] if info is None else [info]
     return sorted(found, key=lambda info: info.name)
@@ -74,7 +73,7 @@ def scan_rates(store: MemoryStore, prefix: str, pattern: str = "*") -> list[Rate
 
 def read_rate(store: MemoryStore, prefix: str, name: str) -> RateInfo | None:
     """The state of rate limiter *name*, or None when it is idle."""
-    return _rate_info(store, rate_key(name, prefix), name)
+    return _rate_info(store, rate_key(name, prefix), normalize_name(name))
 
 
 def _rate_info(store: MemoryStore, key: str, name: str) -> RateInfo | None:

@@ -4,11 +4,13 @@ held on one Redis, found with ``SCAN``, never ``KEYS``.
 Each function works on one client: a plain Redis, a Sentinel master client, or a
 ``RedisCluster`` (then every primary is scanned, and one name's keys are read on the node
 that owns their slot). Locks are found with ``SCAN ... MATCH <prefix>{<pattern>}* TYPE
-hash``: each lock hash (state ``running`` for a task's run, else ``held``), each
-enqueue-time hold ``<lock key>:queued`` (state ``queued``) and each semaphore's permits
-``<lock key>:permits`` (one :class:`~celery_redlock.core.backend.LockInfo` per live
-permit); a rate limiter's state ``<lock key>:rate`` the same way. Hashes that are none of
-these (no ``token`` or ``owner`` field, foreign data) are skipped.
+hash`` (and ``<prefix>{\\\\<pattern>}*`` for names starting with ``}`` or ``\\``, whose
+tag has a backslash in front): each lock hash (state ``running`` for a task's run, else
+``held``), each enqueue-time hold ``<lock key>:queued`` (state ``queued``) and each
+semaphore's permits ``<lock key>:permits`` (one
+:class:`~celery_redlock.core.backend.LockInfo` per live permit); a rate limiter's state
+``<lock key>:rate`` the same way. Hashes that are none of these (no ``token`` or
+``owner`` field, foreign data) are skipped.
 
 Also here: :func:`foreign_data_message`, the reads that explain why Redis refused a lock
 script (which key holds what), and :func:`fence_of`.
@@ -29,7 +31,7 @@ from redis.exceptions import ResponseError
 
 from ..backend_types import Holder, LockInfo, RateInfo, Slot, parse_holder, text
 from ..errors import ConfigError
-from ..keys import LockKeys, lock_keys, rate_key
+from ..keys import LockKeys, lock_keys, name_of_key, normalize_name, rate_key
 
 #: Reads the permits of a slot on one plain node (the Redis backend's ``holders`` verb on
 #: that node's client: passed in, since that backend uses this module).
@@ -43,6 +45,9 @@ READ_BATCH = 200
 
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 _QUEUED, _PERMITS, _RATE = "}:queued", "}:permits", "}:rate"
+#: How a glob may start that matches a name starting with "}" or "\\" (whose tag has a
+#: backslash in front: :func:`~..keys.lock_keys`).
+_MAY_ESCAPE = ("}", "\\", "*", "?", "[")
 #: The order of one name's rows: its lock, its permits, then its queued hold.
 _RANK = {"lock": 0, "permit": 1}
 
@@ -51,17 +56,13 @@ def scan(client: Any, prefix: str, pattern: str, permits: Permits) -> list[LockI
     """Every held lock, live permit and queued hold whose name matches the glob *pattern*
     (``sync:*``: ``*``, ``?`` and ``[abc]``), sorted by name; one name's permits first
     to expire first."""
-    match = _GLOB_SPECIAL.sub(r"\\\1", prefix) + "{" + pattern + "}*"
-    start = len(prefix) + 1
     found: list[LockInfo] = []
     for node in _primaries(client):
-        keys = sorted(
-            k for k in {text(k) for k in _scan(node, match)} if k.startswith(prefix + "{")
-        )
+        keys = _named(node, prefix, pattern, "*")
         found += _locks(node, [k for k in keys if k.endswith("}")], prefix)
         found += _queued(node, [k for k in keys if k.endswith(_QUEUED)], prefix)
         for key in (k for k in keys if k.endswith(_PERMITS)):
-            found += _permits(permits, node, key, key[start : -len(_PERMITS)])
+            found += _permits(permits, node, key, name_of_key(key, prefix))
     return sorted(found, key=lambda i: (i.name, 2 if i.state == "queued" else _RANK[i.kind]))
 
 
@@ -89,12 +90,11 @@ def read(client: Any, prefix: str, name: str, permits: Permits) -> list[LockInfo
 
 def scan_rates(client: Any, prefix: str, pattern: str = "*") -> list[RateInfo]:
     """The state of every rate limiter whose name matches *pattern*, sorted by name."""
-    match = _GLOB_SPECIAL.sub(r"\\\1", prefix) + "{" + pattern + "}:rate"
     found: list[RateInfo] = []
     for node in _primaries(client):
-        for key in sorted({text(k) for k in _scan(node, match)}):
-            if key.startswith(prefix + "{") and key.endswith(_RATE):
-                info = _limiter(node, key, key[len(prefix) + 1 : -len(_RATE)])
+        for key in _named(node, prefix, pattern, ":rate"):
+            if key.endswith(_RATE):
+                info = _limiter(node, key, name_of_key(key, prefix))
                 if info is not None:
                     found.append(info)
     return sorted(found, key=lambda info: info.name)
@@ -103,7 +103,7 @@ def scan_rates(client: Any, prefix: str, pattern: str = "*") -> list[RateInfo]:
 def read_rate(client: Any, prefix: str, name: str) -> RateInfo | None:
     """The state of rate limiter *name*, or None when it is idle (no state)."""
     key = rate_key(name, prefix)
-    return _limiter(_node_of(client, key), key, name)
+    return _limiter(_node_of(client, key), key, normalize_name(name))
 
 
 def _primaries(client: Any) -> list[Any]:
@@ -117,6 +117,26 @@ def _node_of(client: Any, key: str) -> Any:
     if isinstance(client, RedisCluster):
         return client.get_redis_connection(client.get_node_from_key(key))  # type: ignore[no-untyped-call]
     return client
+
+
+def _named(node: Any, prefix: str, pattern: str, tail: str) -> list[str]:
+    """The keys ``<prefix>{<tag>}<tail>`` (*tail* a glob) on one plain node whose name
+    matches *pattern*, sorted. A name starting with "}" or "\\" has a backslash in front
+    in its tag: such names are looked for with that backslash, other names without."""
+    head = _GLOB_SPECIAL.sub(r"\\\1", prefix) + "{"
+    found = {text(k) for k in _scan(node, head + pattern + "}" + tail)}
+    found = {k for k in found if k.startswith(prefix + "{")}
+    if pattern != "*":  # "*" matches every name, and so every tag, escaped or not
+        found = {k for k in found if not _escaped(k, prefix)}
+        if pattern.startswith(_MAY_ESCAPE):
+            escaped = {text(k) for k in _scan(node, head + "\\\\" + pattern + "}" + tail)}
+            found |= {k for k in escaped if k.startswith(prefix + "{") and _escaped(k, prefix)}
+    return sorted(found)
+
+
+def _escaped(key: str, prefix: str) -> bool:
+    """True when the tag of *key* is a name with a backslash in front."""
+    return key[len(prefix) + 1 : key.rindex("}")] != name_of_key(key, prefix)
 
 
 def _scan(node: Any, match: str) -> Iterator[Any]:
@@ -213,7 +233,7 @@ def _locks(node: Any, keys: Sequence[str], prefix: str) -> list[LockInfo]:
         record = parse_holder(info)
         state: Literal["running", "held"] = "running" if record.get("task_name") else "held"
         found.append(
-            LockInfo(key[len(prefix) + 1 : -1], key, fence_of(fence), ttl, record, state=state)
+            LockInfo(name_of_key(key, prefix), key, fence_of(fence), ttl, record, state=state)
         )
     return found
 
@@ -223,7 +243,7 @@ def _queued(node: Any, keys: Sequence[str], prefix: str) -> list[LockInfo]:
     for key, (owner, info), ttl in _hashes(node, keys, "owner", "info"):
         record = parse_holder(info)
         record.setdefault("task_id", text(owner))
-        name = key[len(prefix) + 1 : -len(_QUEUED)]
+        name = name_of_key(key, prefix)
         found.append(LockInfo(name, key, None, ttl, record, state="queued"))
     return found
 
