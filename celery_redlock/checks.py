@@ -8,7 +8,7 @@ completes "... must be <text>"; :mod:`celery_redlock.config` turns that into one
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .core.errors import ConfigError
@@ -16,6 +16,7 @@ from .core.lease import MAX_TTL_MS, MIN_TTL, ttl_to_ms
 from .core.ratelimit import parse_rate
 
 __all__ = [
+    "Choice",
     "boolean",
     "choice",
     "key_option",
@@ -86,15 +87,28 @@ def boolean(value: Any) -> bool:
     return value
 
 
-def choice(*choices: str) -> Callable[[Any], str]:
-    """A check for one of *choices*."""
+class Choice:
+    """A check for one of some names, listed in :attr:`names` (in order: an error lists
+    them so, and a worker flag offers them)."""
 
-    def check(value: Any) -> str:
-        if value not in choices:
-            raise ValueError("one of " + ", ".join(repr(c) for c in choices))
+    def __init__(self, names: Iterable[str] = ()) -> None:
+        self._names = tuple(names)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names accepted, in order."""
+        return self._names
+
+    def __call__(self, value: Any) -> str:
+        names = self.names
+        if value not in names:
+            raise ValueError("one of " + ", ".join(repr(c) for c in names))
         return str(value)
 
-    return check
+
+def choice(*choices: str) -> Choice:
+    """A check for one of *choices*."""
+    return Choice(choices)
 
 
 def positive_number(value: Any) -> int | None:

@@ -1,13 +1,17 @@
-"""Configuration: the ``lock_*`` task options, the ``redlock_*`` app settings, and the
-policy tables they accept, checked in one pass each.
+"""Configuration: the ``lock_*`` task options and the ``redlock_*`` app settings, one row
+each, checked in one pass each.
 
-* :data:`OPTIONS` is the one table of task options: what each accepts and which setting
-  gives its default. A task class's options are checked when the class is made
-  (:func:`check_declared`) and resolved against its app's settings once
-  (:func:`resolve`, cached per app by ``AppState.options_for``).
-* :class:`Settings` is the one table of settings: a field each, whose metadata holds its
-  check and its meaning. :func:`load_settings` reads them from ``app.conf`` (worker flags
-  override), and lists every problem in one :class:`ConfigError`.
+* :class:`Settings` holds the rows: a typed field each, made by
+  :func:`~celery_redlock.rows.row`, which declares once its setting, its task option,
+  its check, default and help, and its worker flag. :data:`SETTINGS` (setting -> row),
+  :data:`OPTIONS` (task option -> row) and the worker flags
+  (:mod:`celery_redlock.flags`) derive from them (:func:`~celery_redlock.rows.table_of`).
+* :func:`load_settings` reads the settings from ``app.conf`` (worker flags override) and
+  lists every problem in one :class:`ConfigError`.
+* A task class's options are checked when the class is made (:func:`check_declared`)
+  and resolved against its app's settings once (:func:`resolve`, cached per app by
+  ``AppState.options_for``) into :class:`TaskOptions`: the same fields, plus its key and
+  its three policies as objects (from the registries of :mod:`celery_redlock.policies`).
 
 Settings belong to the app: two apps in one process keep their own values, clients and
 defaults.
@@ -15,11 +19,10 @@ defaults.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import inspect
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from .checks import (
@@ -36,16 +39,16 @@ from .checks import (
     url_option,
     whole_number,
 )
-from .contention import DUPLICATE_POLICIES, STRATEGIES, PublishPolicy
 from .core import ConfigError, KeyTemplate
 from .core.connect import mask_url
 from .core.lease import DEFAULT_FENCE_TTL
+from .policies import CONTENDED, DUPLICATE, LOST, Policies
+from .rows import Flag, Row, row, table_of
 
 __all__ = [
     "LOCK_ON",
-    "LOST_POLICIES",
     "OPTIONS",
-    "Option",
+    "SETTINGS",
     "Settings",
     "TaskOptions",
     "TaskSpec",
@@ -57,118 +60,117 @@ __all__ = [
 ]
 
 
-#: ``lock_on_lost``: "raise" interrupts the body with LockLost, "warn" only logs.
-LOST_POLICIES = ("raise", "warn")
 #: ``lock_on``: when the lock is held. "run": while the body runs; "enqueue": from publish
 #: until the body starts (the run itself is locked as with "run"); "enqueue+run": from
 #: publish until the run ends (one queued-or-running per key). See celery_redlock.dedup.
 LOCK_ON = ("run", "enqueue", "enqueue+run")
 
-
-# -- task options -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Option:
-    """One task option."""
-
-    check: Callable[[Any], Any]
-    #: The :class:`Settings` field that gives its default (None: no default).
-    setting: str | None
-
-
-#: task option -> what it accepts and the setting it defaults from.
-OPTIONS: dict[str, Option] = {
-    "lock_key": Option(key_option, "default_key"),
-    "lock_ttl": Option(lease(), "ttl"),
-    "lock_on_contended": Option(choice(*STRATEGIES), "on_contended"),
-    "lock_on_lost": Option(choice(*LOST_POLICIES), "on_lost"),
-    "lock_max_retries": Option(whole_number, "max_retries"),
-    "lock_retry_backoff": Option(seconds(0), "retry_backoff"),
-    "lock_retry_backoff_max": Option(seconds(0), "retry_backoff_max"),
-    "lock_retry_jitter": Option(boolean, "retry_jitter"),
-    "lock_wait_timeout": Option(seconds(0), "wait_timeout"),
-    "lock_max_hold": Option(lease(allow_none=True, minimum=0.001), None),
-    "lock_limit": Option(limit_option, "limit"),
-    "lock_rate": Option(rate_option, "rate"),
-    "lock_rate_burst": Option(positive_number, None),
-    "lock_on": Option(choice(*LOCK_ON), "lock_on"),
-    "lock_on_duplicate": Option(choice(*DUPLICATE_POLICIES), "lock_on_duplicate"),
-    "lock_debounce": Option(seconds(0, allow_none=True, strict=True), None),
-    "lock_enqueue_ttl": Option(lease(minimum=0.001), "lock_enqueue_ttl"),
-}
-
-#: Options for which None, set by the task, means something (no cap), not "not set".
-NONE_MEANS_SOMETHING = frozenset({"lock_limit"})
 #: The class attribute that marks the class holding the options' unset defaults (None):
 #: ``LockedTask`` sets every option to None and this to True in its own namespace.
 DEFAULTS_MARK = "redlock_option_defaults"
-#: Options that only mean something with lock_on "enqueue" or "enqueue+run".
-ENQUEUE_OPTIONS = ("lock_on_duplicate", "lock_debounce", "lock_enqueue_ttl")
 
 
-# -- app settings -----------------------------------------------------------------------------
-def _setting(check: Callable[[Any], Any], default: Any, doc: str) -> Any:
-    """A :class:`Settings` field: its check and meaning ride in its metadata."""
-    meta = {"check": check, "doc": doc}
-    if isinstance(default, dict):
-        return field(default_factory=dict, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def _like(option: str) -> Callable[[Any], Any]:
-    """The check of the setting that gives task option *option* its default: the option's."""
-    return OPTIONS[option].check
-
-
+# -- the rows ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Settings:
-    """The ``redlock_*`` settings of one app, checked (worker flags applied): the field
-    ``ttl`` is the setting ``redlock_ttl``. A new setting is one field here."""
+    """The ``redlock_*`` settings of one app, checked (worker flags applied), and every
+    task option's default: one row per field (see :mod:`celery_redlock.rows`). The field
+    ``ttl`` is the setting ``redlock_ttl`` and the task option ``lock_ttl``; a field whose
+    row is a task option only (``max_hold``) holds that option's default."""
 
-    url: str | list[str] | None = _setting(
-        url_option, None, "where locks live; default: the broker URL when it is redis://"
+    url: str | list[str] | None = row(
+        url_option,
+        None,
+        "Redis URL where task locks live, or a list of them for Redlock over independent "
+        "masters (default: the broker URL when it is redis://)",
+        task=False,
+        flag=Flag(multiple=True, note="Repeat the flag to give a list."),
     )
-    ttl: float = _setting(_like("lock_ttl"), 30.0, "lease length in seconds")
-    default_key: Any = _setting(_like("lock_key"), None, "key when a task sets none (task name)")
-    on_contended: str = _setting(_like("lock_on_contended"), "retry", "policy when held")
-    on_lost: str = _setting(_like("lock_on_lost"), "raise", "what a task gets on loss")
-    max_retries: int = _setting(_like("lock_max_retries"), 50, "contention retries before failing")
-    retry_backoff: float = _setting(
-        _like("lock_retry_backoff"), 1.0, "first contention retry delay"
+    ttl: float = row(
+        lease(),
+        30.0,
+        "Default lock lease in seconds (kept alive while tasks run)",
+        flag=Flag(type=float),
     )
-    retry_backoff_max: float = _setting(
-        _like("lock_retry_backoff_max"), 60.0, "longest contention retry delay"
+    default_key: Any = row(
+        key_option,
+        None,
+        "Lock key of a task that sets none (default: the task name)",
+        task="lock_key",
     )
-    retry_jitter: bool = _setting(
-        _like("lock_retry_jitter"), True, "randomise contention retry delays"
+    on_contended: str = row(CONTENDED, "retry", "What a run gets when its key is held")
+    on_lost: str = row(LOST, "raise", "What a running task gets when its lock is lost")
+    max_retries: int = row(whole_number, 50, "Contention retries before a run fails")
+    retry_backoff: float = row(seconds(0), 1.0, "First contention retry delay in seconds")
+    retry_backoff_max: float = row(seconds(0), 60.0, "Longest contention retry delay in seconds")
+    retry_jitter: bool = row(boolean, True, "Randomise contention retry delays")
+    wait_timeout: float = row(seconds(0), 30.0, "How long lock_on_contended='wait' blocks")
+    max_hold: float | None = row(
+        lease(allow_none=True, minimum=0.001), None, "Cap on a run's total hold time", setting=False
     )
-    wait_timeout: float = _setting(_like("lock_wait_timeout"), 30.0, "how long 'wait' blocks")
-    limit: int | None = _setting(_like("lock_limit"), 1, "runs of one key at once (1: a mutex)")
-    rate: str | None = _setting(_like("lock_rate"), None, "run starts of one key per period")
-    lock_on: str = _setting(_like("lock_on"), "run", "when the lock is held (run, enqueue, ...)")
-    lock_on_duplicate: str = _setting(
-        _like("lock_on_duplicate"),
+    limit: int | None = row(
+        limit_option, 1, "Runs of one key at once (1: a mutex; None: no cap)", none_is_value=True
+    )
+    rate: str | None = row(rate_option, None, "Run starts of one key per period ('10/m')")
+    rate_burst: int = row(
+        positive_number, 1, "Run starts allowed at once after an idle spell", setting=False
+    )
+    lock_on: str = row(
+        choice(*LOCK_ON),
+        "run",
+        "When locks are held, for tasks that do not set lock_on: run (default), enqueue or "
+        "enqueue+run",
+        task="lock_on",
+        flag=Flag(
+            note="It also sets what this worker publishes. Publishers must use the same "
+            "setting to de-duplicate at publish; the worker checks messages that were sent "
+            "without it."
+        ),
+    )
+    on_duplicate: str = row(
+        DUPLICATE,
         "return",
-        "what a publish that finds the key queued or running does",
+        "What a publish that finds the key queued or running does",
+        setting="redlock_lock_on_duplicate",
+        enqueue_only=True,
     )
-    lock_enqueue_ttl: float = _setting(
-        _like("lock_enqueue_ttl"),
+    debounce: float | None = row(
+        seconds(0, allow_none=True, strict=True),
+        None,
+        "With lock_on_duplicate='replace': seconds without a new call before the run starts",
+        setting=False,
+        enqueue_only=True,
+    )
+    enqueue_ttl: float = row(
+        lease(minimum=0.001),
         3600.0,
-        "longest life of the hold of a message that never runs (+ its ETA)",
+        "Longest life of the hold of a message that never runs (+ its ETA)",
+        setting="redlock_lock_enqueue_ttl",
+        enqueue_only=True,
     )
-    fail_open: bool = _setting(boolean, False, "run unlocked when Redis is down (not advised)")
-    key_prefix: str = _setting(text, "redlock:", "prefix of every lock key")
-    fence_ttl: float | None = _setting(
+    fail_open: bool = row(
+        boolean, False, "Run unlocked when Redis is down (not advised)", task=False
+    )
+    key_prefix: str = row(text, "redlock:", "Prefix of every lock key", task=False)
+    fence_ttl: float | None = row(
         lease(allow_none=True, minimum=0.001),
         DEFAULT_FENCE_TTL,
-        "a lock's fence counter expires after this long unused (None: never)",
+        "A lock's fence counter expires after this long unused (None: never)",
+        task=False,
     )
-    tasks: dict[str, Any] = _setting(
-        mapping, {}, "task-name patterns -> lock options, for tasks without base"
+    tasks: dict[str, Any] = row(
+        mapping, {}, "Task-name patterns -> lock options, for tasks without base", task=False
     )
-    disable: bool = _setting(boolean, False, "run every task unlocked (tests)")
-    beat_ttl: float | None = _setting(lease(allow_none=True), None, "beat leader lease")
-    beat_lock_name: str | None = _setting(text, None, "name of the beat leader lock")
-    client_options: dict[str, Any] = _setting(mapping, {}, "extra redis-py client options")
+    disable: bool = row(
+        boolean,
+        False,
+        "Run locked tasks WITHOUT locks (a loud warning is logged)",
+        task=False,
+        flag=Flag(switch=True),
+    )
+    beat_ttl: float | None = row(lease(allow_none=True), None, "Beat leader lease", task=False)
+    beat_lock_name: str | None = row(text, None, "Name of the beat leader lock", task=False)
+    client_options: dict[str, Any] = row(mapping, {}, "Extra redis-py client options", task=False)
 
     @property
     def urls(self) -> str | list[str]:
@@ -212,34 +214,41 @@ class Settings:
         )
 
 
-#: ``redlock_*`` setting name -> its :class:`Settings` field.
-SETTINGS: dict[str, dataclasses.Field[Any]] = {
-    f"redlock_{f.name}": f for f in dataclasses.fields(Settings)
-}
+TABLE = table_of(Settings)
+#: ``redlock_*`` setting -> its row.
+SETTINGS: dict[str, Row] = TABLE.settings
+#: ``lock_*`` task option -> its row.
+OPTIONS: dict[str, Row] = TABLE.options
 
 
-def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> Settings:
-    """Read, check and complete the ``redlock_*`` settings from a Celery ``app.conf``.
+def load_settings(
+    conf: Mapping[str, Any],
+    overrides: Mapping[str, Any] | None = None,
+    settings_class: type[Settings] = Settings,
+) -> Settings:
+    """Read, check and complete the ``redlock_*`` settings from a Celery ``app.conf``
+    (the rows of *settings_class*).
 
     Unknown ``redlock_*`` names (likely typos) and wrong types raise one
     :class:`ConfigError` that lists every problem.
     """
+    table = table_of(settings_class)
     problems: list[str] = []
     values: dict[str, Any] = {}
     given = {k: conf.get(k) for k in _conf_keys(conf) if k.lower().startswith("redlock_")}
     given.update({k: v for k, v in (overrides or {}).items() if v is not None})
     for name in given:
-        if name not in SETTINGS:
-            guess = difflib.get_close_matches(name, SETTINGS, n=1)
+        if name not in table.settings:
+            guess = difflib.get_close_matches(name, table.settings, n=1)
             problems.append(
                 f"unknown setting {name!r}" + (f" (did you mean {guess[0]!r}?)" if guess else "")
             )
-    for name, spec in SETTINGS.items():
+    for name, spec in table.settings.items():
         raw = given.get(name)
         if raw is None:
             continue
         try:
-            values[spec.name] = spec.metadata["check"](raw)
+            values[spec.name] = spec.check(raw)
         except (TypeError, ValueError) as exc:
             shown = mask_url(str(raw)) if name == "redlock_url" else repr(raw)
             problems.append(f"{name}={shown} must be {exc}")
@@ -258,12 +267,12 @@ def load_settings(conf: Mapping[str, Any], overrides: Mapping[str, Any] | None =
             continue
         for option, value in options.items():
             try:
-                check_task_option(name, option, value)
+                check_task_option(name, option, value, settings_class)
             except ConfigError as exc:
                 problems.append(str(exc))
     if problems:
         raise ConfigError("celery-redlock settings: " + "; ".join(problems))
-    return Settings(**values)
+    return settings_class(**values)
 
 
 def _conf_keys(conf: Mapping[str, Any]) -> list[str]:
@@ -274,15 +283,19 @@ def _conf_keys(conf: Mapping[str, Any]) -> list[str]:
 
 
 # -- checking and resolving task options ------------------------------------------------------
-def check_task_option(task_name: str, option: str, value: Any) -> Any:
-    """Validate one task option; ConfigError names the task, the option and the fix."""
-    spec = OPTIONS.get(option)
+def check_task_option(
+    task_name: str, option: str, value: Any, settings_class: type[Settings] = Settings
+) -> Any:
+    """Validate one task option (a row of *settings_class*); ConfigError names the task,
+    the option and the fix."""
+    options = table_of(settings_class).options
+    spec = options.get(option)
     if spec is None:
-        guess = difflib.get_close_matches(option, OPTIONS, n=1)
+        guess = difflib.get_close_matches(option, options, n=1)
         hint = f"; did you mean {guess[0]!r}?" if guess else ""
         raise ConfigError(
             f"task {task_name!r}: unknown lock option {option!r}{hint} "
-            f"(known: {', '.join(sorted(OPTIONS))})"
+            f"(known: {', '.join(sorted(options))})"
         )
     try:
         return spec.check(value)
@@ -329,7 +342,7 @@ def check_declared(task_name: str, cls: type) -> None:
         declared(cls, "lock_on"),
         declared(cls, "lock_on_duplicate"),
         declared(cls, "lock_debounce"),
-        given=[o for o in ENQUEUE_OPTIONS if declared(cls, o) is not None],
+        given=[o for o, r in OPTIONS.items() if r.enqueue_only and declared(cls, o) is not None],
     )
 
 
@@ -395,69 +408,44 @@ class TaskSpec:
     key: Any
 
 
-@dataclass(frozen=True)
-class TaskOptions:
-    """A task class's lock options resolved against its app's settings."""
+@dataclass(frozen=True, kw_only=True)
+class TaskOptions(Settings):
+    """A task class's lock options resolved against its app's settings: every row, with
+    the task's own value where it sets one (``ttl`` is its ``lock_ttl``, else
+    ``redlock_ttl``), plus its key, its body's signature and its policies as objects."""
 
     #: None (the task name), a fixed name, a KeyTemplate or a callable.
     key: Any
     signature: inspect.Signature
-    ttl: float
-    on_contended: str
-    on_lost: str
-    max_retries: int
-    retry_backoff: float
-    retry_backoff_max: float
-    retry_jitter: bool
-    wait_timeout: float
-    max_hold: float | None
-    #: Runs of one key at once: 1 a mutex, N a semaphore, None no cap.
-    limit: int | None = 1
-    #: Run starts of one key per period (``"10/m"``), or None.
-    rate: str | None = None
-    rate_burst: int = 1
-    #: "run", "enqueue" or "enqueue+run".
-    lock_on: str = "run"
-    on_duplicate: str = "return"
-    duplicate: PublishPolicy = DUPLICATE_POLICIES["return"]
-    #: With "replace": seconds without a new call before the newest one runs.
-    debounce: float | None = None
-    #: How long the hold of a message that never runs may live (+ its ETA/countdown).
-    enqueue_ttl: float = 3600.0
+    #: ``on_contended``'s strategy (a ``contention.Strategy``).
+    contended: Any
+    #: ``on_duplicate``'s publish policy (a ``contention.PublishPolicy``).
+    duplicate: Any
+    #: ``on_lost``'s policy (an ``interrupt.LostPolicy``).
+    lost: Any
 
 
 def resolve(cls: type, spec: TaskSpec, settings: Settings) -> TaskOptions:
-    """*cls*'s options: the value it sets, else its setting's (both checked already)."""
-    values: dict[str, Any] = {}
-    for name, option in OPTIONS.items():
-        value = declared(cls, name)
-        unset = value is None and not (name in NONE_MEANS_SOMETHING and is_set(cls, name))
-        if unset and option.setting is not None:
-            value = getattr(settings, option.setting)
-        values[name] = None if value is None else option.check(value)
+    """*cls*'s options: the value it sets, else its setting's (both checked already); each
+    policy name resolved to its object (the row's check is its registry)."""
+    values = {r.name: getattr(settings, r.name) for r in TABLE.rows}
+    policies: dict[str, Any] = {}
+    for option, r in OPTIONS.items():
+        value = declared(cls, option)
+        if value is not None or (r.none_is_value and is_set(cls, option)):
+            values[r.name] = r.check(value)
+        if isinstance(r.check, Policies):  # once here, so a run never looks a name up
+            policies[r.check.attribute] = r.check[values[r.name]]
     task_name = getattr(cls, "name", None) or cls.__name__
     check_rate_needed(
         task_name,
-        values["lock_rate"],
-        no_cap=values["lock_limit"] is None,
-        burst=values["lock_rate_burst"],
+        values["rate"],
+        no_cap=values["limit"] is None,
+        burst=declared(cls, "lock_rate_burst"),
     )
-    check_enqueue_limit(task_name, values["lock_on"], values["lock_limit"])
+    check_enqueue_limit(task_name, values["lock_on"], values["limit"])
     key = spec.key
     if key is None:
-        default = values["lock_key"]
+        default = values["default_key"]
         key = KeyTemplate(default) if isinstance(default, str) else default
-    fields = {field_of(name): value for name, value in values.items() if name != "lock_key"}
-    fields["rate_burst"] = fields["rate_burst"] or 1
-    return TaskOptions(
-        key=key,
-        signature=spec.signature,
-        duplicate=DUPLICATE_POLICIES[values["lock_on_duplicate"]],
-        **fields,
-    )
-
-
-def field_of(option: str) -> str:
-    """The :class:`TaskOptions` field of task option *option*: its name without ``lock_``
-    (``lock_on`` keeps its name)."""
-    return option if option == "lock_on" else option.removeprefix("lock_")
+    return TaskOptions(**values, **policies, key=key, signature=spec.signature)

@@ -1,15 +1,19 @@
 """What a call does when its key is held: the ``lock_on_contended`` strategies of a run,
-and the ``lock_on_duplicate`` policies of a publish. Both are tables of named strategies;
-the option accepts every name in its table, so a new one is one entry and its functions.
+and the ``lock_on_duplicate`` policies of a publish. Each is registered in its kind's
+registry (:mod:`celery_redlock.policies`); the option accepts every registered name, so a
+new one is one registration and its functions.
 
-* :data:`STRATEGIES`: an entry names a function that decides the fate of a refused run
-  (:class:`Refusal`) and says whether the run first waits for the holder's release. It
-  either raises (``Retry``, ``Ignore``, ``LockContended``: the tracer records the
-  outcome) or returns the result the run gets instead of its body (a skip in an eager
-  or direct call).
-* :data:`DUPLICATE_POLICIES`: an entry names how a call takes its key's enqueue-time hold
-  (``claim``) and what a call that finds it taken gets (``answer``, given a
-  :class:`Duplicate`): it raises, or returns what ``apply_async`` returns.
+* a :class:`Strategy` (``policies.CONTENDED``) names a function that decides the fate of
+  a refused run (:class:`Refusal`) and says whether the run first waits for the holder's
+  release. It either raises (``Retry``, ``Ignore``, ``LockContended``: the tracer
+  records the outcome) or returns the result the run gets instead of its body (a skip
+  in an eager or direct call).
+* a :class:`PublishPolicy` (``policies.DUPLICATE``) names how a call takes its key's
+  enqueue-time hold (``claim``) and what a call that finds it taken gets (``answer``,
+  given a :class:`Duplicate`): it raises, or returns what ``apply_async`` returns.
+
+A task's policies are resolved once, with its options (``options.contended``,
+``options.duplicate``): a run never looks one up by name.
 """
 
 from __future__ import annotations
@@ -26,13 +30,12 @@ from .core.backend_types import Queued, RateGrant
 from .core.errors import AlreadyQueued, LockContended, RateLimited, describe_holder
 from .core.queued import QueuedHold
 from .core.ratelimit import slot_lead
+from .policies import CONTENDED, DUPLICATE
 
 __all__ = [
-    "DUPLICATE_POLICIES",
     "RATE_SLOT_HEADER",
     "RETRIES_HEADER",
     "SKIPPED",
-    "STRATEGIES",
     "Duplicate",
     "PublishPolicy",
     "Refusal",
@@ -97,12 +100,17 @@ class Refusal:
 class Strategy:
     """One ``lock_on_contended`` value."""
 
+    #: Its name, the option's value.
+    name: str
     #: Decides a refused run: raises, or returns what the run gets instead of its body.
     refuse: Callable[[Refusal], Any]
     #: Block for the holder's release, up to ``lock_wait_timeout``, before refusing.
     waits: bool = False
     #: The strategy an eager run uses instead (it cannot be re-queued), if not this one.
-    eager: str | None = None
+    eager: Strategy | None = None
+    #: A refused run is re-queued: refused by its rate limit, it joins the limiter's line
+    #: (promised the next free slot, it comes back then).
+    requeues: bool = False
 
 
 def fail(refusal: Refusal) -> NoReturn:
@@ -198,13 +206,12 @@ def retry(refusal: Refusal) -> NoReturn:
     )
 
 
-#: ``lock_on_contended`` name -> strategy (the order is the one error messages list).
-STRATEGIES: dict[str, Strategy] = {
-    "retry": Strategy(retry, eager="wait"),
-    "skip": Strategy(skip),
-    "wait": Strategy(fail, waits=True),
-    "raise": Strategy(fail),
-}
+# The ``lock_on_contended`` strategies, in the order error messages list them.
+_WAIT = Strategy("wait", fail, waits=True)
+CONTENDED.register(Strategy("retry", retry, eager=_WAIT, requeues=True))
+CONTENDED.register(Strategy("skip", skip))
+CONTENDED.register(_WAIT)
+CONTENDED.register(Strategy("raise", fail))
 
 
 def backoff_delay(options: RetryOptions, attempt: int) -> float:
@@ -316,6 +323,8 @@ class Duplicate:
 class PublishPolicy:
     """One ``lock_on_duplicate`` value."""
 
+    #: Its name, the option's value.
+    name: str
     #: Takes the hold for a new call: ``claim(hold, task_id, ttl, lock_on)``; a call that
     #: finds the hold taken (and not given to it) is a duplicate.
     claim: Callable[[QueuedHold, str, float, str], Queued]
@@ -363,13 +372,11 @@ def refuse_duplicate(dup: Duplicate) -> NoReturn:
     raise AlreadyQueued(dup.name, found.owner, dup.ttl, found.state, found.holder)
 
 
-#: ``lock_on_duplicate`` name -> policy (the order is the one error messages list).
-DUPLICATE_POLICIES: dict[str, PublishPolicy] = {
-    "return": PublishPolicy(keep_first, answer_with_holder),
-    "raise": PublishPolicy(keep_first, refuse_duplicate),
-    "replace": PublishPolicy(take_place, answer_with_holder),
-    "queue_one": PublishPolicy(one_behind, answer_with_holder),
-}
+# The ``lock_on_duplicate`` policies, in the order error messages list them.
+DUPLICATE.register(PublishPolicy("return", keep_first, answer_with_holder))
+DUPLICATE.register(PublishPolicy("raise", keep_first, refuse_duplicate))
+DUPLICATE.register(PublishPolicy("replace", take_place, answer_with_holder))
+DUPLICATE.register(PublishPolicy("queue_one", one_behind, answer_with_holder))
 
 
 def skip_message(

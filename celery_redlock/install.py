@@ -20,10 +20,11 @@ from celery import signals
 from . import task as task_module
 from .core.events import add_hook
 from .dedup import publish
+from .flags import register_flags
 from .observability import enable_prometheus_by_default, logging_hook
 from .state import state_for
 from .task import LockedTask, apply_redlock_tasks
-from .worker import RedlockStep, check_locked_tasks, connect_receivers, register_flags, watch_app
+from .worker import RedlockStep, check_locked_tasks, connect_receivers, watch_app
 
 __all__ = ["apply_redlock_tasks", "check_locked_tasks", "install", "wrap_send_task"]
 

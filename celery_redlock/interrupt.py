@@ -11,7 +11,9 @@ interrupts that body's thread:
   exception (``PyThreadState_SetAsyncExc``), raised at the body's next bytecode.
 
 Either way the body sees a :class:`LockLostInterrupt` (a :class:`LockLost`). With
-``"warn"`` the loss is only logged (the body can read ``self.lock.lost``).
+``"warn"`` the loss is only logged (the body can read ``self.lock.lost``). Each value
+is a :class:`LostPolicy` registered in ``policies.LOST``; a task's is resolved once, with
+its options (``options.lost``).
 
 Timeline this guards against: the renewal thread decides to interrupt while the body
 is returning. The decision (:meth:`Watch.lost`) and the body's end (:meth:`Watch.stop`)
@@ -26,11 +28,13 @@ import ctypes
 import logging
 import signal
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from .core import LockLost
+from .policies import LOST
 
-__all__ = ["LockLostInterrupt", "Watch", "on_lost", "watch", "watch_of"]
+__all__ = ["LockLostInterrupt", "LostPolicy", "Watch", "on_lost", "watch", "watch_of"]
 
 log = logging.getLogger("celery_redlock.task")
 
@@ -42,6 +46,22 @@ class LockLostInterrupt(LockLost):
 
     def __init__(self, name: str = "", reason: str = "the lock was lost while the task ran"):
         super().__init__(name, reason)
+
+
+@dataclass(frozen=True)
+class LostPolicy:
+    """One ``lock_on_lost`` value."""
+
+    #: Its name, the option's value.
+    name: str
+    #: The body still running is interrupted with :class:`LockLostInterrupt`; else the
+    #: loss is only logged.
+    interrupts: bool
+
+
+# The ``lock_on_lost`` policies, in the order error messages list them.
+LOST.register(LostPolicy("raise", interrupts=True))
+LOST.register(LostPolicy("warn", interrupts=False))
 
 
 #: Threads (idents) a signal was sent to and not yet delivered.
@@ -87,7 +107,7 @@ class Watch:
 
     __slots__ = ("policy", "running", "sent", "task_name", "thread", "use_signal")
 
-    def __init__(self, task_name: str, policy: str) -> None:
+    def __init__(self, task_name: str, policy: LostPolicy) -> None:
         self.task_name = task_name
         #: ``lock_on_lost``: "raise" interrupts the body, "warn" only logs.
         self.policy = policy
@@ -117,10 +137,10 @@ class Watch:
             self.task_name,
             lock.name,
             lock.lost_reason,
-            self.policy,
+            self.policy.name,
         )
         with _guard:
-            if self.policy != "raise" or not self.running or self.sent:
+            if not self.policy.interrupts or not self.running or self.sent:
                 return
             self.sent = True
             if self.use_signal and _INTERRUPT_SIGNAL is not None:
@@ -132,7 +152,7 @@ class Watch:
                 )
 
 
-def watch(lock: Any, task_name: str, policy: str) -> Watch:
+def watch(lock: Any, task_name: str, policy: LostPolicy) -> Watch:
     """Start watching *lock* for the body about to run in this thread (stop it after)."""
     started = Watch(task_name, policy)
     with _guard:

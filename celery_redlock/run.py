@@ -27,7 +27,7 @@ from celery import signals
 from celery.exceptions import Ignore, Retry
 
 from .config import TaskOptions
-from .contention import RATE_SLOT_HEADER, STRATEGIES, Refusal, Strategy, requeue
+from .contention import RATE_SLOT_HEADER, Refusal, Strategy, requeue
 from .core import (
     Handover,
     Lock,
@@ -190,11 +190,9 @@ def acquire_for_request(
     options = state.options_for(task)
     direct = task_id is None
     eager = bool(getattr(request, "is_eager", False))
-    policy = options.on_contended
-    strategy = STRATEGIES[policy]
+    strategy: Strategy = options.contended  # resolved with the options, never per run
     if eager and strategy.eager is not None:
-        policy = strategy.eager
-        strategy = STRATEGIES[policy]
+        strategy = strategy.eager
     headers = None if direct else getattr(request, "headers", None)
     name = lock_name_for(task, args, kwargs, headers, options)
     attempt = (0, 0) if direct else attempt_of(request)
@@ -206,7 +204,7 @@ def acquire_for_request(
         if not keeps_place and HOLD_HEADER not in marks:
             claim_at_worker(task, request, name, options)
         handover = Handover(task_id, strict=not keeps_place)
-    run = _Run(task, request, task_id, name, options, strategy, policy, eager, attempt, direct)
+    run = _Run(task, request, task_id, name, options, strategy, eager, attempt, direct)
     try:
         _acquire(run, state, handover)
     except Retry:
@@ -229,7 +227,6 @@ class _Run:
     name: str
     options: TaskOptions
     strategy: Strategy
-    policy: str
     eager: bool
     attempt: tuple[int, int]
     #: A direct call (``task(...)``): no message, so nothing to re-queue, mark or track.
@@ -245,7 +242,8 @@ class _Run:
 def _acquire(run: _Run, state: AppState, handover: Handover | None) -> None:
     """Take the run's lock (or permit) and its rate slot, or apply the contended strategy."""
     task, request, task_id, name = run.task, run.request, run.task_id, run.name
-    options, strategy, policy, eager = run.options, run.strategy, run.policy, run.eager
+    options, strategy, eager = run.options, run.strategy, run.eager
+    policy = strategy.name
     host = getattr(request, "hostname", None)
     waits = strategy.waits
     lock: Lock | None = None
@@ -314,7 +312,7 @@ def _acquire(run: _Run, state: AppState, handover: Handover | None) -> None:
             if tracked:
                 owner["task_id"] = task_id
             limiter = state.make_limiter(name, options.rate, options.rate_burst, owner)
-            requeues = policy == "retry" and queued
+            requeues = strategy.requeues and queued
             # "wait": the permit and the rate share one lock_wait_timeout.
             left = max(0.0, options.wait_timeout - (time.monotonic() - began)) if waits else None
             grant = _rate_grant(limiter, request, waits=left, requeues=requeues)
@@ -438,7 +436,7 @@ def run_locked(
     lock = lock_of(request)
     if lock is None:
         return fun(task, *args, **kwargs) if bound else fun(*args, **kwargs)
-    running = watch(lock, task.name, state_for(task.app).options_for(task).on_lost)
+    running = watch(lock, task.name, state_for(task.app).options_for(task).lost)
     try:
         try:
             return fun(task, *args, **kwargs) if bound else fun(*args, **kwargs)

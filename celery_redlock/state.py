@@ -27,7 +27,7 @@ class AppState:
 
     def __init__(self, app: Any) -> None:
         self.app = app
-        #: Values from worker flags (--redlock-url, --redlock-ttl, --redlock-disable).
+        #: Setting -> value, from this worker's flags (``redlock_url`` from --redlock-url).
         self.overrides: dict[str, Any] = {}
         self.installed = False
         #: True when this worker sends task events (-E): task-lock-* events go out too.
@@ -73,7 +73,7 @@ class AppState:
         return bool(self.overrides.get("redlock_disable") or self.app.conf.get("redlock_disable"))
 
     def options_for(self, task: Any) -> TaskOptions:
-        """The lock options of *task*'s class, resolved on first use (see options.resolve)."""
+        """The lock options of *task*'s class, resolved on first use (see config.resolve)."""
         cls = type(task)
         found = self.task_options.get(cls)
         if found is None:

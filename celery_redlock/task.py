@@ -68,7 +68,7 @@ app_hooks: list[Callable[[Any], None]] = []
 class LockedTask(Task):  # type: ignore[misc]
     """Base class: ``@app.task(base=LockedTask, lock_key="sync:<user_id>")``.
 
-    Options: the ``lock_*`` names of :data:`celery_redlock.options.OPTIONS`
+    Options: the ``lock_*`` names of :data:`celery_redlock.config.OPTIONS`
     (``lock_key``, ``lock_ttl``, ``lock_on_contended``, ``lock_on_lost``, ...), each
     defaulting from its ``app.conf.redlock_*`` setting; an option a task does not set
     reads as None on it. Inside the body, ``self.lock`` is the held lock (``.fence``,

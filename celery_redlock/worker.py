@@ -2,12 +2,13 @@
 release of a run whose child process is gone.
 
 Everything here runs in a worker: :class:`RedlockStep` applies the worker flags
-(``--redlock-url``, ``--redlock-ttl``, ``--redlock-lock-on``, ``--redlock-disable``),
-checks the settings and every locked task's options at start-up (a bad one stops the
-worker with one line), refuses ``memory://`` under a prefork pool, pings the lock Redis,
-and releases everything held at warm shutdown. The receivers release in the worker's
-main process what a run can no longer release itself (a hard time limit, a lost child,
-``revoke(terminate=True)``) and give back the queued hold of a message that never runs.
+(``--redlock-url``, ``--redlock-ttl``, ``--redlock-lock-on``, ``--redlock-disable``, made
+from the rows by :mod:`celery_redlock.flags`), checks the settings and every locked
+task's options at start-up (a bad one stops the worker with one line), refuses
+``memory://`` under a prefork pool, pings the lock Redis, and releases everything held
+at warm shutdown. The receivers release in the worker's main process what a run can no
+longer release itself (a hard time limit, a lost child, ``revoke(terminate=True)``) and
+give back the queued hold of a message that never runs.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from redis.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, BusyLoadingError
 
-from .config import LOCK_ON
 from .core import renewal
 from .core.backend import has, lacks
 from .core.connect import mask_url
 from .core.errors import ConfigError, RedlockError
 from .dedup import HOLD_HEADER, give_back_hold
+from .flags import flag_overrides
 from .naming import KEY_HEADER, lock_name_for
 from .observability import drop_unscrapable_metrics
 from .run import capabilities_needed
@@ -43,7 +44,6 @@ __all__ = [
     "check_lock_redis",
     "check_locked_tasks",
     "connect_receivers",
-    "register_flags",
     "release_all_held",
     "release_for_gone_child",
     "watch_app",
@@ -63,48 +63,7 @@ def watch_app(state: AppState) -> None:
     _states.add(state)
 
 
-# -- worker flags and bootstep ---------------------------------------------------------------
-_FLAGS = [
-    click.Option(
-        ["--redlock-url"],
-        multiple=True,
-        help="Redis URL where task locks live (repeat for Redlock over independent "
-        "masters); overrides app.conf.redlock_url for this worker.",
-    ),
-    click.Option(
-        ["--redlock-ttl"],
-        type=float,
-        default=None,
-        help="Default lock lease in seconds (kept alive while tasks run); overrides "
-        "app.conf.redlock_ttl for this worker.",
-    ),
-    click.Option(
-        ["--redlock-lock-on"],
-        type=click.Choice(LOCK_ON),
-        default=None,
-        help="When locks are held, for tasks that do not set lock_on: run (default), "
-        "enqueue or enqueue+run; overrides app.conf.redlock_lock_on for this worker "
-        "(and what it publishes). Publishers must use the same setting to de-duplicate "
-        "at publish; the worker checks messages that were sent without it.",
-    ),
-    click.Option(
-        ["--redlock-disable"],
-        is_flag=True,
-        default=False,
-        help="Run locked tasks WITHOUT locks on this worker (a loud warning is logged).",
-    ),
-]
-
-
-def register_flags() -> None:
-    from celery.bin.worker import worker as worker_command  # noqa: PLC0415 - CLI only
-
-    names = {p.name for p in worker_command.params}
-    for flag in _FLAGS:
-        if flag.name not in names:
-            worker_command.params.append(flag)
-
-
+# -- the bootstep ----------------------------------------------------------------------------
 class StartupConfigError(ConfigError, click.ClickException):
     """A bad setting found at worker start: ``celery worker`` prints one line and exits 1.
 
@@ -120,29 +79,12 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     label = "celery-redlock"
 
-    def __init__(
-        self,
-        parent: Any,
-        redlock_url: tuple[str, ...] | list[str] | str | None = None,
-        redlock_ttl: float | None = None,
-        redlock_disable: bool = False,
-        redlock_lock_on: str | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        """*kwargs*: the worker's options, the flags among them by setting name."""
         super().__init__(parent, **kwargs)
         app = parent.app
         self.state = state = state_for(app)
-        overrides: dict[str, Any] = {}
-        if redlock_url:
-            urls = [redlock_url] if isinstance(redlock_url, str) else list(redlock_url)
-            overrides["redlock_url"] = urls if len(urls) > 1 else urls[0]
-        if redlock_ttl is not None:
-            overrides["redlock_ttl"] = redlock_ttl
-        if redlock_disable:
-            overrides["redlock_disable"] = True
-        if redlock_lock_on is not None:
-            overrides["redlock_lock_on"] = redlock_lock_on
-        state.overrides.update(overrides)
+        state.overrides.update(flag_overrides(kwargs))
         state.send_events = bool(getattr(parent, "task_events", False))
         state.reset()
         try:

@@ -1,51 +1,338 @@
-"""The configuration tables are wired to each other: every task option's default names a
-setting that exists, every policy name a table holds is accepted (and nothing else), and
-settings come back typed. No server: these are the checks a new option, setting or
-policy relies on to need one place only."""
+"""Each option is one row, and everything else derives from the rows: an option added as
+one row is a setting, a task option and a worker flag; each policy kind's names are the
+ones its registry holds, resolved to their objects once per task; settings come back
+typed. No server (the one run below is a direct call on the memory backend)."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
+import click
 import pytest
+from celery import Celery
 
-from celery_redlock.config import OPTIONS, SETTINGS, Settings, check_task_option, load_settings
-from celery_redlock.contention import DUPLICATE_POLICIES, STRATEGIES
+from celery_redlock import LockedTask
+from celery_redlock.checks import seconds
+from celery_redlock.config import (
+    OPTIONS,
+    SETTINGS,
+    Settings,
+    TaskSpec,
+    check_task_option,
+    load_settings,
+    resolve,
+)
+from celery_redlock.contention import PublishPolicy, Strategy
 from celery_redlock.core import ConfigError
+from celery_redlock.flags import flag_overrides, worker_flags
+from celery_redlock.interrupt import LostPolicy
+from celery_redlock.policies import CONTENDED, DUPLICATE, LOST, POLICIES, Policies
+from celery_redlock.rows import Flag, row, table_of
+from celery_redlock.state import state_for
 
 URL = {"redlock_url": "memory://config"}
+PACKAGE = Path(__file__).resolve().parents[2] / "celery_redlock"
 
 
-def test_every_option_with_a_default_names_a_settings_field_whose_check_is_the_options() -> None:
-    """resolve() reads an option's default with getattr(settings, option.setting): a name
-    that is no field would fail only when a task first runs."""
-    fields = {f.name: f for f in dataclasses.fields(Settings)}
-    for name, option in OPTIONS.items():
-        if option.setting is None:
-            continue
-        assert option.setting in fields, f"{name} defaults from unknown setting {option.setting}"
-        assert fields[option.setting].metadata["check"] is option.check, name
-    assert set(SETTINGS) == {f"redlock_{name}" for name in fields}
+@dataclasses.dataclass(frozen=True)
+class WithGrace(Settings):
+    """The settings with one row more: a setting, a task option and a worker flag."""
+
+    grace: float = row(
+        seconds(0), 5.0, "Seconds a run may overrun its lease", flag=Flag(type=float)
+    )
 
 
-@pytest.mark.parametrize(
-    ("option", "table"),
-    [("lock_on_contended", STRATEGIES), ("lock_on_duplicate", DUPLICATE_POLICIES)],
-)
-def test_a_policy_option_accepts_exactly_the_names_in_its_table(option: str, table: dict) -> None:
-    """A new strategy or publish policy is one table entry: the option and its setting
-    accept it with no other change, and refuse a name not in the table, listing them."""
-    for name in table:
+def _parse(flags: list[click.Option], argv: list[str]) -> dict[str, Any]:
+    """What the bootstep gets for *argv* on a command with *flags* (as Celery's worker)."""
+    command = click.Command("worker", params=flags, callback=lambda **given: given)
+    given: dict[str, Any] = command.main(argv, standalone_mode=False)
+    return given
+
+
+# -- one row: a setting, a task option, a worker flag -------------------------------------
+def test_a_row_added_to_settings_is_a_setting_that_loading_checks() -> None:
+    """One field made by row() is the setting redlock_<field>: read, typed, checked with
+    its rule, its default when unset, and unknown to the settings without that row."""
+    assert table_of(WithGrace).settings["redlock_grace"].name == "grace"
+    loaded = load_settings({**URL, "redlock_grace": 2}, settings_class=WithGrace)
+    assert isinstance(loaded, WithGrace) and loaded.grace == 2.0
+    assert isinstance(loaded.grace, float)
+    assert load_settings(URL, settings_class=WithGrace).grace == 5.0
+    with pytest.raises(ConfigError, match=r"redlock_grace=-1 must be >= 0"):
+        load_settings({**URL, "redlock_grace": -1}, settings_class=WithGrace)
+    with pytest.raises(ConfigError, match=r"unknown setting 'redlock_grace'"):
+        load_settings({**URL, "redlock_grace": 2})
+
+
+def test_a_row_added_to_settings_is_a_task_option_that_the_option_check_knows() -> None:
+    """The same row is the task option lock_<field>: accepted and normalised by its
+    check, refused with its rule (on a task and in redlock_tasks), and unknown to the
+    settings without that row."""
+    assert check_task_option("t", "lock_grace", 1, WithGrace) == 1.0
+    with pytest.raises(ConfigError, match=r"'t': lock_grace='x' is not valid; it must be a number"):
+        check_task_option("t", "lock_grace", "x", WithGrace)
+    with pytest.raises(ConfigError, match=r"'t': unknown lock option 'lock_grace'"):
+        check_task_option("t", "lock_grace", 1)
+    tasks = {"proj.*": {"lock_grace": -2}}
+    with pytest.raises(ConfigError, match=r"'proj\.\*': lock_grace=-2 is not valid"):
+        load_settings({**URL, "redlock_tasks": tasks}, settings_class=WithGrace)
+
+
+def test_a_row_added_to_settings_is_a_worker_flag_that_overrides_its_setting() -> None:
+    """The same row with a Flag is --redlock-<field>, of the flag's type, its help the
+    row's plus what it overrides; given on the command line it overrides the setting."""
+    flags = {f.name: f for f in worker_flags(WithGrace)}
+    assert "redlock_grace" not in {f.name for f in worker_flags()}
+    flag = flags["redlock_grace"]
+    assert flag.opts == ["--redlock-grace"]
+    assert flag.type is click.FLOAT and not flag.multiple and not flag.is_flag
+    assert flag.help is not None
+    assert flag.help.startswith("Seconds a run may overrun its lease; ")
+    assert "overrides app.conf.redlock_grace for this worker" in flag.help
+    given = _parse(list(flags.values()), ["--redlock-grace", "2.5"])
+    overrides = flag_overrides(given, WithGrace)
+    assert overrides == {"redlock_grace": 2.5}
+    assert load_settings(URL, overrides, WithGrace).grace == 2.5
+    assert flag_overrides(_parse(list(flags.values()), []), WithGrace) == {}
+    with pytest.raises(click.BadParameter):
+        _parse(list(flags.values()), ["--redlock-grace", "soon"])
+
+
+def test_a_field_that_is_not_a_row_or_names_a_taken_option_is_refused() -> None:
+    """Every field of a settings class is a row, and no two rows share a name: a plain
+    field, or a row whose task option another row has, is a TypeError when derived."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Plain(Settings):
+        grace: float = 5.0
+
+    @dataclasses.dataclass(frozen=True)
+    class Twice(Settings):
+        grace: float = row(seconds(0), 5.0, "Another lease", task="lock_ttl")
+
+    with pytest.raises(TypeError, match=r"Plain\.grace is not a row"):
+        table_of(Plain)
+    with pytest.raises(TypeError, match="two rows name the same"):
+        table_of(Twice)
+
+
+def test_the_public_names_are_the_ones_the_rows_give() -> None:
+    """The rows give exactly the settings and task options users type (DESIGN.md), the
+    three older names included (redlock_lock_on, lock_key for redlock_default_key, ...)."""
+    assert set(SETTINGS) == {
+        *(f"redlock_{n}" for n in ("url", "ttl", "default_key", "on_contended", "on_lost")),
+        *(f"redlock_{n}" for n in ("max_retries", "retry_backoff", "retry_backoff_max")),
+        *(f"redlock_{n}" for n in ("retry_jitter", "wait_timeout", "limit", "rate")),
+        *(f"redlock_{n}" for n in ("lock_on", "lock_on_duplicate", "lock_enqueue_ttl")),
+        *(f"redlock_{n}" for n in ("fail_open", "key_prefix", "fence_ttl", "tasks")),
+        *(f"redlock_{n}" for n in ("disable", "beat_ttl", "beat_lock_name", "client_options")),
+    }
+    assert set(OPTIONS) == {
+        *(f"lock_{n}" for n in ("key", "ttl", "on_contended", "on_lost", "max_retries")),
+        *(f"lock_{n}" for n in ("retry_backoff", "retry_backoff_max", "retry_jitter")),
+        *(f"lock_{n}" for n in ("wait_timeout", "max_hold", "limit", "rate", "rate_burst")),
+        *(f"lock_{n}" for n in ("on", "on_duplicate", "debounce", "enqueue_ttl")),
+    }
+    assert OPTIONS["lock_key"] is SETTINGS["redlock_default_key"]
+    assert OPTIONS["lock_on_duplicate"] is SETTINGS["redlock_lock_on_duplicate"]
+
+
+def test_the_worker_flags_keep_their_names_types_and_values() -> None:
+    """--redlock-url repeated gives a list (Redlock) and once a string; --redlock-ttl is a
+    float; --redlock-lock-on offers lock_on's values; --redlock-disable is a switch; a
+    flag not given overrides nothing. They are on Celery's worker command."""
+    from celery.bin.worker import worker as worker_command  # noqa: PLC0415
+
+    flags = worker_flags()
+    assert [f.opts for f in flags] == [
+        ["--redlock-url"],
+        ["--redlock-ttl"],
+        ["--redlock-lock-on"],
+        ["--redlock-disable"],
+    ]
+    assert {f.name for f in flags} <= {p.name for p in worker_command.params}
+    many = _parse(flags, ["--redlock-url", "redis://a/1", "--redlock-url", "redis://b/1"])
+    assert flag_overrides(many) == {"redlock_url": ["redis://a/1", "redis://b/1"]}
+    once = _parse(flags, ["--redlock-url", "redis://a/1", "--redlock-ttl", "7"])
+    assert flag_overrides(once) == {"redlock_url": "redis://a/1", "redlock_ttl": 7.0}
+    assert flag_overrides(_parse(flags, ["--redlock-disable", "--redlock-lock-on", "enqueue"])) == {
+        "redlock_disable": True,
+        "redlock_lock_on": "enqueue",
+    }
+    assert flag_overrides(_parse(flags, [])) == {}
+    with pytest.raises(click.BadParameter, match="run"):
+        _parse(flags, ["--redlock-lock-on", "later"])
+
+
+# -- policies: registered once, resolved once ----------------------------------------------
+@pytest.mark.parametrize("option", sorted(POLICIES))
+def test_a_policy_option_accepts_exactly_the_names_in_its_registry(option: str) -> None:
+    """A new strategy or policy is one registration: the option and its setting accept
+    every registered name, and refuse any other, listing them in registration order."""
+    registry = POLICIES[option]
+    assert OPTIONS[option].check is registry
+    for name in registry.names:
         assert check_task_option("t", option, name) == name
     with pytest.raises(ConfigError) as caught:
         check_task_option("t", option, "no-such-policy")
-    for name in table:
-        assert repr(name) in str(caught.value)
-    setting = f"redlock_{OPTIONS[option].setting}"
-    for name in table:
-        assert getattr(load_settings({**URL, setting: name}), OPTIONS[option].setting) == name
+    assert "one of " + ", ".join(repr(n) for n in registry.names) in str(caught.value)
+    row_of = OPTIONS[option]
+    assert row_of.default in registry.names
+    for name in registry.names:
+        assert getattr(load_settings({**URL, row_of.setting: name}), row_of.name) == name
 
 
+def test_a_registered_policy_is_accepted_by_its_row_with_no_other_change() -> None:
+    """A registry is its row's check: registering one more name is all a row needs to
+    accept it; a name registered twice is refused."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Speed:
+        name: str
+
+    speeds: Policies[Speed] = Policies("lock_speed", "speed")
+
+    @dataclasses.dataclass(frozen=True)
+    class WithSpeed(Settings):
+        speed: str = row(speeds, "slow", "How fast", setting=False)
+
+    speeds.register(Speed("slow"))
+    with pytest.raises(
+        ConfigError, match=r"lock_speed='fast' is not valid; it must be one of 'slow'$"
+    ):
+        check_task_option("t", "lock_speed", "fast", WithSpeed)
+    fast = speeds.register(Speed("fast"))
+    assert check_task_option("t", "lock_speed", "fast", WithSpeed) == "fast"
+    assert speeds["fast"] is fast and speeds.names == ("slow", "fast")
+    with pytest.raises(ValueError, match="registered already"):
+        speeds.register(Speed("fast"))
+
+
+class _Defaults:
+    """A task class's unset options, as LockedTask holds them."""
+
+    redlock_option_defaults = True
+    name = "proj.job"
+
+
+for _option in OPTIONS:
+    setattr(_Defaults, _option, None)
+
+
+def test_each_policy_kind_resolves_to_its_object_once_with_the_options() -> None:
+    """resolve() gives options.contended, .duplicate and .lost: the registered objects of
+    the task's names, or of the settings' when the task sets none."""
+
+    class Job(_Defaults):
+        lock_on_contended = "skip"
+        lock_on_lost = "warn"
+        lock_on_duplicate = "replace"
+        lock_on = "enqueue"
+
+    spec = TaskSpec(signature=inspect.Signature(), key=None)
+    options = resolve(Job, spec, load_settings(URL))
+    assert isinstance(options.contended, Strategy) and options.contended is CONTENDED["skip"]
+    assert (
+        isinstance(options.duplicate, PublishPolicy) and options.duplicate is DUPLICATE["replace"]
+    )
+    assert isinstance(options.lost, LostPolicy) and options.lost is LOST["warn"]
+    assert not options.lost.interrupts
+    assert (options.on_contended, options.on_lost, options.on_duplicate) == (
+        "skip",
+        "warn",
+        "replace",
+    )
+    settings = load_settings(
+        {**URL, "redlock_on_contended": "wait", "redlock_lock_on_duplicate": "queue_one"}
+    )
+    defaults = resolve(_Defaults, spec, settings)
+    assert defaults.contended is CONTENDED["wait"] and defaults.contended.waits
+    assert defaults.duplicate is DUPLICATE["queue_one"]
+    assert defaults.lost is LOST["raise"] and defaults.lost.interrupts
+    assert CONTENDED["retry"].eager is CONTENDED["wait"], "an eager retry waits instead"
+
+
+def test_a_run_uses_the_strategy_resolved_with_its_options_not_a_name() -> None:
+    """A refused run applies options.contended itself: a strategy put there (its name
+    unchanged) decides the run; nothing looks the name up again."""
+    app = Celery("policy-run", broker="memory://", set_as_current=False)
+    app.conf.redlock_url = "memory://policy-run"
+    app.finalize()
+
+    @app.task(base=LockedTask, shared=False, name="policy.job", lock_key="k")
+    def job() -> str:
+        return "ran"
+
+    state = state_for(app)
+    refused: list[str] = []
+
+    def refuse(refusal: Any) -> str:
+        refused.append(refusal.lock.name)
+        return "refused"
+
+    options = state.options_for(job)
+    assert options.contended is CONTENDED["retry"]
+    state.task_options[type(job)] = dataclasses.replace(
+        options, contended=Strategy("retry", refuse)
+    )
+    holder = state.make_lock("k", 30.0, auto_renew=False)
+    assert holder.acquire(blocking=False)
+    try:
+        assert job() == "refused"
+    finally:
+        holder.release()
+        app.close()
+    assert refused == ["k"]
+    assert job() == "ran"
+
+
+def test_a_fresh_interpreter_importing_only_config_checks_every_policy_name() -> None:
+    """Importing celery_redlock.config alone still fills the registries (the package's
+    __init__ imports the run side): every kind accepts its names and lists them."""
+    code = (
+        "from celery_redlock.config import check_task_option as check\n"
+        "print(check('t', 'lock_on_contended', 'skip'), check('t', 'lock_on_lost', 'warn'),"
+        " check('t', 'lock_on_duplicate', 'queue_one'))\n"
+        "for option in ('lock_on_contended', 'lock_on_lost', 'lock_on_duplicate'):\n"
+        "    try:\n"
+        "        check('t', option, 'nope')\n"
+        "    except Exception as exc:\n"
+        "        print(exc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "skip warn queue_one"
+    assert lines[1].endswith("must be one of 'retry', 'skip', 'wait', 'raise'")
+    assert lines[2].endswith("must be one of 'raise', 'warn'")
+    assert lines[3].endswith("must be one of 'return', 'raise', 'replace', 'queue_one'")
+
+
+def test_the_configuration_side_imports_nothing_from_the_run_side() -> None:
+    """config.py, rows.py, policies.py, checks.py and flags.py import no module that runs
+    tasks (contention, dedup, run, interrupt, task, worker, state): the run side fills the
+    registries, never the other way round."""
+    run_side = {"contention", "dedup", "run", "interrupt", "task", "worker", "state", "install"}
+    for module in ("config", "rows", "policies", "checks", "flags"):
+        tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = {node.module} if node.module else {a.name for a in node.names}
+                assert not names & run_side, f"{module}.py imports {names & run_side}"
+
+
+# -- settings ---------------------------------------------------------------------------------
 def test_settings_are_typed_attributes_with_their_defaults_and_checked_values() -> None:
     """Code reads settings.key_prefix, never settings["redlock_key_prefix"]: the values
     are the checked ones (a tuple of one URL becomes the URL, ints become floats)."""
