@@ -52,6 +52,21 @@ log_release = logging.getLogger("celery_redlock.release")
 
 TOKEN_BYTES = 20  # 160 random bits per acquisition
 _HOSTNAME = socket.gethostname()
+#: The fields of a holder record that the lock writes itself (owner_info may override).
+_RECORD_OWN = frozenset(("hostname", "pid", "acquired_at"))
+#: (pid, the start of a holder record up to the time) of this process.
+_head: tuple[int, str] = (0, "")
+
+
+def _record_head() -> str:
+    """``{"hostname":...,"pid":...,"acquired_at":`` for this process (made once per pid)."""
+    global _head
+    pid = process.pid()
+    if _head[0] != pid:
+        host = json.dumps({"hostname": _HOSTNAME, "pid": pid}, separators=(",", ":"))
+        _head = (pid, f'{host[:-1]},"acquired_at":')
+    return _head[1]
+
 
 _L = TypeVar("_L", bound="Lock")
 
@@ -131,6 +146,7 @@ class Lock(Lease):
         self.blocking = blocking
         self.timeout = timeout
         self.on_lost = on_lost
+        self._record_tail: str | None = None
         #: The other owner's record, from the last contended attempt.
         self.holder: dict[str, Any] = {}
         #: The other owner's remaining lease (ms) at the last contended attempt.
@@ -140,13 +156,19 @@ class Lock(Lease):
         super().__init__()
 
     def _holder_record(self) -> str:
-        """The JSON holder record stored with the lock: host, pid, when, and owner_info."""
-        record: dict[str, Any] = {
-            "hostname": _HOSTNAME,
-            "pid": process.pid(),
-            "acquired_at": round(time.time(), 3),
-        }
-        record.update(self.owner_info)
+        """The JSON holder record stored with the lock: host, pid, when, and owner_info.
+
+        Written as ``json.dumps`` of the whole record would write it, from parts made once:
+        the host and pid once per process, owner_info once per lock object.
+        """
+        if self._record_tail is None:
+            tail = json.dumps(self.owner_info, separators=(",", ":"), default=str)
+            self._record_tail = "}" if tail == "{}" else f",{tail[1:]}"
+        at = round(time.time(), 3)
+        if not self.owner_info.keys() & _RECORD_OWN:
+            return f"{_record_head()}{at!r}{self._record_tail}"
+        record: dict[str, Any] = {"hostname": _HOSTNAME, "pid": process.pid(), "acquired_at": at}
+        record.update(self.owner_info)  # owner_info overrides what the lock writes
         return json.dumps(record, separators=(",", ":"), default=str)
 
     # -- public API -----------------------------------------------------------------

@@ -54,6 +54,7 @@ from celery_redlock.core import (
     open_backend,
 )
 from celery_redlock.core.admin import ForceRelease, LockInfo, RateInfo
+from celery_redlock.core.backend_types import RECENT_BYTES
 from celery_redlock.core.backends.memory import MemoryBackend
 
 #: Every backend the suite runs on; a new backend is done when it passes with its name here.
@@ -460,6 +461,36 @@ def test_a_resent_release_is_ok(target: Any, name: str) -> None:
     assert backend.release(slot, token, 10_000) is Status.OK
     assert b.owned()
     b.release()
+
+
+def _recent_bytes(target: Any, nodes: list[RedisServer], key: str) -> int:
+    """Bytes of the released-token record at *key*, on the one store or master holding the
+    most (a cluster: the node that serves its slot)."""
+    if not nodes:
+        entry = open_backend(target).entries.get(key)  # memory: the store's own entry
+        return 0 if entry is None else len(entry.value)
+    sizes = []
+    for server in nodes:
+        with contextlib.suppress(Exception):  # a cluster node that does not serve the slot
+            sizes.append(server.client().strlen(key))
+    return max(sizes)
+
+
+def test_the_released_token_record_is_capped_and_keeps_the_recent_ones(
+    target: Any, name: str, nodes: list[RedisServer]
+) -> None:
+    """10,000 releases of one name within one lease keep its released-token record under
+    the cap (RECENT_BYTES), and a re-sent copy of a recent release still reads OK, while one
+    of the first (long dropped) reads as gone."""
+    backend, slot = open_backend(target), Slot(lock_keys(name, PREFIX))
+    tokens = [f"{i:040x}" for i in range(10_000)]
+    for token in tokens:
+        assert backend.acquire(slot, token, 60_000, "{}", wait=False, fence_ttl_ms=0).acquired
+        assert backend.release(slot, token, 60_000) is Status.OK
+    assert 0 < _recent_bytes(target, nodes, slot.keys.released) <= RECENT_BYTES
+    for recent in tokens[-10:]:  # a re-sent copy of one of the last releases
+        assert backend.release(slot, recent, 60_000) is Status.OK
+    assert backend.release(slot, tokens[0], 60_000) is Status.GONE
 
 
 # -- waiting ---------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from celery_redlock.core import (
     lock_keys,
     open_backend,
 )
-from celery_redlock.core.admin import force_release
+from celery_redlock.core.admin import ForceRelease, force_release
 from celery_redlock.core.backends.memory import MemoryBackend
 from celery_redlock.core.backends.quorum import QuorumBackend
 
@@ -80,6 +80,8 @@ class LockModel(RuleBasedStateMachine):
         self.target: Any = (
             members[0] if len(members) == 1 else open_backend(members, per_node_timeout=2.0)
         )
+        #: Where an operator's verbs go: the one store, or each master (as celery locks).
+        self.masters: list[Any] = members
         self.generation = 0
         self.locks: list[Lock] = []
         self.who: list[str] = []
@@ -240,7 +242,7 @@ class LockModel(RuleBasedStateMachine):
     def forced_release(self) -> None:
         """An operator's forced release: removes whatever acquisition holds the name."""
         self._settle()
-        forced = force_release(self.target, PREFIX, self.name)
+        forced = self._force_release()
         if self.holder is None:
             assert forced.outcome == "gone", forced
             return
@@ -255,6 +257,16 @@ class LockModel(RuleBasedStateMachine):
         else:
             assert forced.fence == self.holder_fence, (forced.fence, self.holder_fence)
         self.holder = self.holder_who = self.holder_fence = None
+
+    def _force_release(self) -> ForceRelease:
+        """``force_release`` on each master: released where any released it (with the
+        highest fence removed), else gone."""
+        done = [force_release(master, PREFIX, self.name) for master in self.masters]
+        removed = [f for f in done if f.outcome == "released"]
+        if not removed:
+            return ForceRelease("gone")
+        fences = [f.fence for f in removed if f.fence is not None]
+        return ForceRelease("released", removed[0].record, max(fences) if fences else None)
 
     # -- what must hold after every step --------------------------------------------------------
     @invariant()
@@ -272,7 +284,7 @@ class LockModel(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         try:
-            force_release(self.target, PREFIX, self.name)
+            self._force_release()
         finally:
             for store in self.stores:
                 store.clear()

@@ -118,8 +118,10 @@ def test_limits_and_rates_on_redlock_masters_are_refused_naming_task_and_option(
     the counter-example); lock_limit=1 is the Redlock mutex and passes."""
     urls = [s.url for s in redis_servers(3)]
     for options, says in (
-        ({"lock_limit": 3}, "lock_limit=3 with redlock_url a list of 3 Redlock masters"),
-        ({"lock_rate": "5/s"}, "lock_rate='5/s' with redlock_url a list of 3 Redlock masters"),
+        ({"lock_limit": 3}, "lock_limit=3: semaphores (a limit above 1"),
+        ({"lock_limit": 3}, "B on 2 and 3, C on 1 and 3"),
+        ({"lock_rate": "5/s"}, "lock_rate='5/s': rate limits (RateLimiter, lock_rate) are not"),
+        ({"lock_rate": "5/s"}, "three grants while each master counted two"),
     ):
         app = env.app(lock_url=urls)
 

@@ -896,10 +896,8 @@ def test_release_racing_a_renewal_round_is_not_reported_lost(
     class RacingBackend(RedisBackend):
         lock: Any = None
 
-        def release(
-            self, slot: Slot, token: str, notice_ms: int, done: tuple[str, int] | None = None
-        ) -> Status:
-            status = super().release(slot, token, notice_ms, done)
+        def release(self, slot: Slot, token: str, notice_ms: int) -> Status:
+            status = super().release(slot, token, notice_ms)
             # The answer of a round that took its targets before release() started: the
             # key is gone now, because we just deleted it ourselves.
             self.lock.renewed(time.monotonic(), token, Status.GONE)
