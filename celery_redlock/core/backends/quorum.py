@@ -58,7 +58,6 @@ from ..backend_types import (
 from ..errors import ConfigError, QuorumUnavailable, describe_holder
 from .quorum_calls import (
     FIRST_CONTACT,
-    GRACE,
     MIN_TIMEOUT,
     READ_TIMEOUT,
     Call,
@@ -66,6 +65,7 @@ from .quorum_calls import (
     NoAnswer,
     QuorumCalls,
     Round,
+    Verb,
     answered,
     describe_failure,
     silent,
@@ -73,7 +73,6 @@ from .quorum_calls import (
 
 __all__ = [
     "FIRST_CONTACT",
-    "GRACE",
     "MIN_TIMEOUT",
     "READ_TIMEOUT",
     "Member",
@@ -126,72 +125,75 @@ class QuorumBackend(QuorumCalls):
         """One Redlock attempt (see the module docstring)."""
         n, q, name = self.masters, self.quorum, slot.name
         timeout = self.timeout(ttl_ms)
-        sent = Round(
-            self,
-            lambda m: m.acquire(slot, token, ttl_ms, record, wait=wait, fence_ttl_ms=fence_ttl_ms),
-            timeout,
+        verb = Verb(
+            "acquire", (slot, token, ttl_ms, record), {"wait": wait, "fence_ttl_ms": fence_ttl_ms}
         )
-
-        def give_back(where: Iterable[int]) -> None:  # never before the acquire there
-            sent.then(lambda m: m.release(slot, token, ttl_ms), where)
+        sent = Round(self, verb, timeout)
 
         try:
-            # A refusal waits for every answer (up to the timeout): who holds what on
-            # each member tells a holder with a majority from a split vote.
-            results = sent.wait(lambda r: sum(1 for v in r if _granted(v)) >= q)
-        except BaseException:  # a member's client-side error: raised, after a give-back
-            give_back(range(n))
-            raise
-        fences = {i: v.fence or 0 for i, v in enumerate(results) if _granted(v)}
-        outcomes = self.outcomes(results, _describe_grant)
-        # Where this token may hold: granted, or sent without an answer (down, silent).
-        maybe = [i for i, v in enumerate(results) if _granted(v) or silent(v)]
-        if len(fences) >= q:
+
+            def give_back(where: Iterable[int]) -> None:  # never before the acquire there
+                sent.then(Verb("release", (slot, token, ttl_ms)), where)
+
             try:
-                fence = self._settle_fence(slot, fences, fence_ttl_ms, timeout, outcomes)
-            except BaseException:
-                give_back(maybe)
+                # A refusal waits for every answer (up to the timeout): who holds what on
+                # each member tells a holder with a majority from a split vote.
+                results = sent.wait(lambda r: sum(1 for v in r if _granted(v)) >= q)
+            except BaseException:  # a member's client-side error: raised, after a give-back
+                give_back(range(n))
                 raise
-            if fence is not None:
-                return Grant(True, fence=fence, masters=outcomes)
+            fences = {i: v.fence or 0 for i, v in enumerate(results) if _granted(v)}
+            outcomes = self.outcomes(results, _describe_grant)
+            # Where this token may hold: granted, or sent without an answer (down, silent).
+            maybe = [i for i, v in enumerate(results) if _granted(v) or silent(v)]
+            if len(fences) >= q:
+                try:
+                    fence = self._settle_fence(slot, fences, fence_ttl_ms, timeout, outcomes)
+                except BaseException:
+                    give_back(maybe)
+                    raise
+                if fence is not None:
+                    return Grant(True, fence=fence, masters=outcomes)
+                give_back(maybe)
+                raise self.unavailable(name, outcomes)
             give_back(maybe)
-            raise self.unavailable(name, outcomes)
-        give_back(maybe)
-        for i in fences:
-            outcomes[self.names[i]] += ", given back"
-        held = {i: v for i, v in enumerate(results) if isinstance(v, Grant) and not v.acquired}
-        foreign = sum(1 for v in results if isinstance(v, ConfigError))
-        if foreign:  # data under our keys that is not a lock: no retry mends it
-            raise ConfigError(
-                f"lock {name!r}: {foreign} of {n} masters refused the acquire on the data at "
-                f"{slot.keys.lock!r} ({'; '.join(f'{m}: {o}' for m, o in outcomes.items())}): "
-                "something other than celery-redlock writes under the lock key prefix"
+            for i in fences:
+                outcomes[self.names[i]] += ", given back"
+            held = {i: v for i, v in enumerate(results) if isinstance(v, Grant) and not v.acquired}
+            foreign = sum(1 for v in results if isinstance(v, ConfigError))
+            if foreign:  # data under our keys that is not a lock: no retry mends it
+                raise ConfigError(
+                    f"lock {name!r}: {foreign} of {n} masters refused the acquire on the data at "
+                    f"{slot.keys.lock!r} ({'; '.join(f'{m}: {o}' for m, o in outcomes.items())}): "
+                    "something other than celery-redlock writes under the lock key prefix"
+                )
+            if len(fences) + len(held) < q:
+                # Too few members answered to decide anything: an outage, not contention.
+                raise self.unavailable(name, outcomes)
+            unknown = n - len(fences) - len(held)
+            # Contention. Group the refusals by holder record (one per acquisition).
+            groups = Counter(_record_key(g) for g in held.values())
+            top, top_count = groups.most_common(1)[0]
+            tops = [(i, g) for i, g in held.items() if _record_key(g) == top]
+            top_ttls = [ms for _, g in tops if (ms := g.holder_ttl_ms) is not None and ms >= 0]
+            if top_count + unknown >= q and top_ttls:
+                wait_ms = max(1, min(top_ttls))  # that holder may own a majority: wait for it
+            else:
+                # A split vote: nobody has a majority. Retry after a short random delay (or
+                # sooner, on a release notice from one of the other contenders).
+                wait_ms = max(1, int(random.uniform(0.2, 1.0) * max(timeout, 0.01) * 1000))
+                if top_ttls:
+                    wait_ms = min(wait_ms, max(1, min(top_ttls)))
+            return Grant(
+                False,
+                holder=dict(tops[0][1].holder),
+                holder_ttl_ms=min(top_ttls) if top_ttls else None,
+                wait_ms=wait_ms,
+                wait_on=tops[0][0],
+                masters=outcomes,
             )
-        if len(fences) + len(held) < q:
-            # Too few members answered to decide anything: an outage, not contention.
-            raise self.unavailable(name, outcomes)
-        unknown = n - len(fences) - len(held)
-        # Contention. Group the refusals by holder record (one per acquisition).
-        groups = Counter(_record_key(g) for g in held.values())
-        top, top_count = groups.most_common(1)[0]
-        tops = [(i, g) for i, g in held.items() if _record_key(g) == top]
-        top_ttls = [ms for _, g in tops if (ms := g.holder_ttl_ms) is not None and ms >= 0]
-        if top_count + unknown >= q and top_ttls:
-            wait_ms = max(1, min(top_ttls))  # that holder may own a majority: wait for it
-        else:
-            # A split vote: nobody has a majority. Retry after a short random delay (or
-            # sooner, on a release notice from one of the other contenders).
-            wait_ms = max(1, int(random.uniform(0.2, 1.0) * max(timeout, 0.01) * 1000))
-            if top_ttls:
-                wait_ms = min(wait_ms, max(1, min(top_ttls)))
-        return Grant(
-            False,
-            holder=dict(tops[0][1].holder),
-            holder_ttl_ms=min(top_ttls) if top_ttls else None,
-            wait_ms=wait_ms,
-            wait_on=tops[0][0],
-            masters=outcomes,
-        )
+        finally:
+            sent.close()
 
     def _settle_fence(
         self,
@@ -212,7 +214,11 @@ class QuorumBackend(QuorumCalls):
             return sum(1 for v in results if answered(v) and v >= fence)
 
         call: Call = lambda m: m.raise_fence(slot, fence, fence_ttl_ms)  # noqa: E731
-        results = Round(self, call, timeout, lower).wait(lambda r: raised(r) >= need)
+        round_ = Round(self, call, timeout, lower)
+        try:
+            results = round_.wait(lambda r: raised(r) >= need)
+        finally:
+            round_.close()
         if raised(results) >= need:
             return fence
         for i, value in zip(lower, results, strict=True):
@@ -229,15 +235,14 @@ class QuorumBackend(QuorumCalls):
         "gone" is one that never granted this token (a split vote's leftover), so the
         OKs plus the silent members may still be the majority that held it.
         """
-        return self._release(slot, notice_ms, lambda m: m.release(slot, token, notice_ms))
+        return self._release(slot, notice_ms, Verb("release", (slot, token, notice_ms)))
 
     def release_done(
         self, slot: Slot, token: str, notice_ms: int, mark: str, mark_ms: int
     ) -> Status:
         """:meth:`release`, each member adding *mark* to its done marks."""
-        return self._release(
-            slot, notice_ms, lambda m: m.release_done(slot, token, notice_ms, mark, mark_ms)
-        )
+        verb = Verb("release_done", (slot, token, notice_ms, mark, mark_ms))
+        return self._release(slot, notice_ms, verb)
 
     def _release(self, slot: Slot, notice_ms: int, call: Call) -> Status:
         q = self.quorum
@@ -257,7 +262,7 @@ class QuorumBackend(QuorumCalls):
         """The q-th longest new lease: the lock lives while a majority holds it."""
         q = self.quorum
         results = self.ask(
-            lambda m: m.extend(slot, token, ms, replace=replace),
+            Verb("extend", (slot, token, ms), {"replace": replace}),
             self.timeout(ms),
             lambda r: len(_leases(r)) >= q,
         )
@@ -381,7 +386,10 @@ class QuorumBackend(QuorumCalls):
         )
         if deadline is not None:  # the wait (a first contact's too) ends at the deadline
             sent.timeout = min(sent.timeout, max(deadline - time.monotonic(), 0.0))
-        results = sent.wait(lambda r: _claims(r, "claimed") >= q)
+        try:
+            results = sent.wait(lambda r: _claims(r, "claimed") >= q)
+        finally:
+            sent.close()
         outcomes = self.outcomes(results, lambda c: f"{c.outcome} {c.detail}".strip())
         if _claims(results, "claimed") >= q:
             if deadline is None or time.monotonic() < deadline:

@@ -1,21 +1,26 @@
 """How one call reaches every member of a quorum (:class:`~.quorum.QuorumBackend`), and
 how their answers are judged (:class:`QuorumCalls`, which the quorum's verbs build on).
 
-How a verb travels (:class:`Round`). Each member's call runs in the process's pool
-(:func:`~celery_redlock.core.threads.submit`); the caller waits until the outcome is
-decided, every member answered, or the timeout. A member's answer is its value, a
-:class:`~.errors.QuorumUnavailable` (it is down: no answer), a
-:class:`~.errors.ConfigError` (foreign data), or :class:`NoAnswer`. Any other error
-(a client whose pool is exhausted, a wrong argument, a bug) is raised to the caller as
-it is, never counted as a member being down. Calls to one member take turns
-(:class:`Gate`): one of ours runs on a member at a time, and a member stuck in a call
-longer than a round's timeout is not sent more until it returns (it counts as not
-answering), so a stalled member ties up one thread.
+How a verb travels (:class:`Round`). To a member that sends (:class:`Sends`: a Redis
+master), the caller writes the verb itself, on a connection of that member's pool, and
+reads the answers as they come: no thread between the caller and the masters. Any other
+member's call (a memory store, a master this process has not heard from yet, or one
+whose last call went unanswered) runs in the process's pool
+(:func:`~celery_redlock.core.threads.submit`). The caller waits until the outcome is
+decided, every member answered, or the timeout; it never waits for a member the outcome
+no longer needs (an answer still on its way is read in the background, its connection
+given back). A member's answer is its value, a :class:`~.errors.QuorumUnavailable` (it
+is down: no answer), a :class:`~.errors.ConfigError` (foreign data), or
+:class:`NoAnswer`. Any other error (a client whose pool is exhausted, a wrong argument,
+a bug) is raised to the caller as it is, never counted as a member being down. A member
+with a call outstanding for longer than a round's timeout is sent nothing more until it
+returns (:class:`~.quorum_gate.Gate`), so a stalled member ties up one call.
 
-A release that undoes an acquire never overtakes it: where the acquire still runs,
-the release is chained behind it. A grant that outlives its release on a slow member
-(the release did not get through in time) lives on that minority until its lease
-ends: it can delay the next holder there, never let two hold a majority.
+A release that undoes an acquire never overtakes it: where the acquire has not answered
+yet, the release is sent once it has (:meth:`Round.then`). A grant that outlives its
+release on a slow member (the release did not get through in time) lives on that
+minority until its lease ends: it can delay the next holder there, never let two hold a
+majority.
 """
 
 from __future__ import annotations
@@ -23,33 +28,33 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import functools
-import threading
+import itertools
 import time
-import weakref
-from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from typing import Any, NoReturn, Protocol, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, Protocol
 
-from .. import process, threads
-from ..backend import Backend, DoneMarks, Records, capability, need
+from ..backend import Backend, DoneMarks, Records, capability, has, need
 from ..backend_types import Slot
 from ..errors import ConfigError, QuorumUnavailable
+from .quorum_gate import BUSY, NoAnswer, gate_of, park
 
 __all__ = [
     "FIRST_CONTACT",
-    "GRACE",
     "MIN_TIMEOUT",
     "READ_TIMEOUT",
+    "SLICE",
     "Call",
     "Decided",
-    "Gate",
     "Member",
     "NoAnswer",
     "QuorumCalls",
     "Round",
+    "Sends",
+    "Sent",
+    "Verb",
     "answered",
     "describe_failure",
-    "gate_of",
     "silent",
 ]
 
@@ -60,9 +65,9 @@ MIN_TIMEOUT = 0.05
 #: How many timeouts a member this process never heard from is waited for: its first
 #: call connects and shakes hands (TLS, AUTH) before it answers.
 FIRST_CONTACT = 3
-#: After the outcome is decided, how long answers already on their way are still taken
-#: (they tell the caller which masters it holds).
-GRACE = 0.002
+#: The longest the caller blocks on one member's answer before it looks at the others'
+#: again: a stopped member delays a decided outcome by at most this.
+SLICE = 0.0005
 
 
 @capability("Redlock masters (a member of a quorum)")
@@ -81,111 +86,71 @@ class Member(Backend, DoneMarks, Records, Protocol):
         ...
 
 
-class NoAnswer(Exception):
-    """A member did not answer in time, or was not asked (still busy with earlier calls)."""
+class Sent(Protocol):
+    """A verb a member sent, whose answer is read when it comes."""
+
+    def ready(self, timeout: float) -> bool:
+        """True once the answer is there to read (waits up to *timeout*)."""
+        ...
+
+    def result(self) -> Any:
+        """The verb's answer (read now if it has not been), or what the verb would raise."""
+        ...
+
+    def finish(self, follow: Callable[[], object] | None = None) -> None:
+        """Nobody waits for the answer: read it in the background, give the connection
+        back, then run *follow* (a release that must come after the call)."""
+        ...
+
+    def poll(self) -> None:
+        """Read the answer if it has come (no wait), giving the connection back."""
+        ...
+
+
+@capability("calls sent now and answered later (a quorum's fast path)")
+class Sends(Protocol):
+    """A member that writes a verb now and reads its answer later (:class:`Sent`)."""
+
+    def send(
+        self,
+        verb: str,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        answered: Callable[[bool], object],
+    ) -> Sent | None:
+        """``verb(*args, **kwargs)`` sent now, ``answered(heard)`` called once its answer
+        is read or it failed (*heard*: the member answered); None when this member calls
+        that verb the usual way."""
+        ...
 
 
 _PENDING = NoAnswer("not heard from")
-_T = TypeVar("_T")
+#: Keys of calls sent directly, for their member's gate.
+_keys = itertools.count()
 Call = Callable[[Member], Any]
 Decided = Callable[[Sequence[Any]], bool]
 
 
-class Gate:
-    """One member's calls, one at a time and in order, in this process.
+@dataclass(frozen=True)
+class Verb:
+    """A member's verb and its arguments: sent by a member that :class:`Sends`, else
+    called (``verb(member)``) in the pool."""
 
-    A caller does not wait for every master: it goes on at a majority, and the slowest
-    master may still run the last call when the next one comes. Calls to one member
-    queue here behind the one running (each dropped unrun if its round gave up on it
-    meanwhile), and one pool thread runs them, so a client never has more than one
-    call of ours running (a pool that allows 2 connections serves a Redlock and a
-    waiter) and a member that stops answering ties up one thread, not the pool. A
-    member whose call has run longer than a round's timeout is stuck (silent,
-    paused): it is sent nothing more until that call returns. One gate per member
-    backend, shared by every quorum that has it (a Redlock made for each call builds
-    a new quorum over the same masters, whose backends are shared per client).
-    """
+    name: str
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
 
-    def __init__(self) -> None:
-        self._mutex = threading.Lock()
-        self._queue: deque[tuple[Call, Member, float, cf.Future[Any]]] = deque()
-        self._running = False  # a pool thread is running the queue
-        self._since = 0.0  # when the running call started (0.0: between calls)
-        self.heard = False  # answered once: connected, scripts loaded
-
-    @property
-    def calls(self) -> int:
-        """Calls queued or running."""
-        return len(self._queue) + (self._since > 0)
-
-    def offer(self, call: Call, member: Member, timeout: float) -> cf.Future[Any] | None:
-        """Queue ``call(member)``, to run within *timeout* seconds or not at all: its
-        future, or None when the running call has run longer than *timeout* (stuck)."""
-        future: cf.Future[Any] = cf.Future()
-        now = time.monotonic()
-        with self._mutex:
-            if self._since and now - self._since > timeout:
-                return None
-            self._queue.append((call, member, now + timeout, future))
-            start = not self._running
-            self._running = True
-        if start:
-            threads.submit(self._drain)
-        return future
-
-    def _drain(self) -> None:
-        while True:
-            with self._mutex:
-                if not self._queue:
-                    self._running = False
-                    return
-                call, member, deadline, future = self._queue.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
-            if time.monotonic() > deadline:  # its round gave up on it: do not run it
-                future.set_result(NoAnswer("not answering: still busy with an earlier call"))
-                continue
-            self._since = time.monotonic()
-            try:
-                value, error = call(member), None
-            except BaseException as exc:  # handed to the round: raised there
-                value, error = None, exc
-            finally:
-                # Before the future is resolved: a follow-up chained to it is offered from
-                # this thread, and must not find this call still "running".
-                self._since = 0.0
-            if not isinstance(error, QuorumUnavailable):
-                self.heard = True
-            if error is None:
-                future.set_result(value)
-            else:
-                future.set_exception(error)
-
-
-_gates: weakref.WeakKeyDictionary[Member, Gate] = weakref.WeakKeyDictionary()
-_gates_lock = threading.Lock()
-
-
-def gate_of(member: Member) -> Gate:
-    """The one gate of *member* in this process (made on first use)."""
-    with _gates_lock:
-        gate = _gates.get(member)
-        if gate is None:
-            gate = _gates[member] = Gate()
-        return gate
-
-
-def _after_fork() -> None:
-    global _gates, _gates_lock
-    _gates = weakref.WeakKeyDictionary()  # a child has none of its parent's calls
-    _gates_lock = threading.Lock()
-
-
-process.on_fork(_after_fork)
+    def __call__(self, member: Member) -> Any:
+        return getattr(member, self.name)(*self.args, **self.kwargs)
 
 
 class Round:
-    """``call(member)`` on the members *where* at once (see the module docstring)."""
+    """``call(member)`` on the members *where* at once (see the module docstring).
+
+    The caller then :meth:`wait`s, may send follow-ups (:meth:`then`), and ends with
+    :meth:`close` (in a ``finally``): what was sent and not answered is read in the
+    background and its connection given back.
+    """
 
     def __init__(
         self, quorum: QuorumCalls, call: Call, timeout: float, where: Iterable[int] | None = None
@@ -194,30 +159,59 @@ class Round:
         self.where = list(range(quorum.masters) if where is None else where)
         self.results: list[Any] = [_PENDING] * len(self.where)
         self.futures: dict[cf.Future[Any], int] = {}
-        first = any(not gate_of(quorum.members[i]).heard for i in self.where)
+        #: Position -> what a member that sends sent (until its answer is read).
+        self.sent: dict[int, Sent] = {}
+        #: The positions sent to (answered or not).
+        self.sent_to: set[int] = set()
+        first = any(not quorum.gates[i].heard for i in self.where)
         self.timeout = timeout * (FIRST_CONTACT if first else 1)
-        for pos, i in enumerate(self.where):
-            future = quorum._start(i, call, self.timeout)
-            if future is None:
-                self.results[pos] = NoAnswer("not answering: still busy with an earlier call")
-            else:
-                self.futures[future] = pos
+        try:
+            for pos, i in enumerate(self.where):
+                sent = quorum._send(i, call, self.timeout)
+                if sent is not None:
+                    self.sent[pos] = sent
+                    self.sent_to.add(pos)
+                    continue
+                future = quorum._start(i, call, self.timeout)
+                if future is None:
+                    self.results[pos] = NoAnswer(BUSY)
+                else:
+                    self.futures[future] = pos
+        except BaseException:  # a member's client-side error: nothing left outstanding
+            self.close()
+            raise
 
     def wait(self, decided: Decided) -> list[Any]:
-        """Each member's answer once *decided(results)*, all answered, or the timeout."""
+        """Each member's answer once *decided(results)*, all answered, or the timeout.
+
+        The caller blocks on one sent call at a time, for at most :data:`SLICE` while
+        others are outstanding: an answer that comes is read at once; a slice without one
+        moves on to the next member (after taking whatever the others have answered), so
+        a stopped member costs a decided outcome at most a slice.
+        """
         deadline = time.monotonic() + self.timeout
         pending = set(self.futures)
-        while pending and not decided(self.results):
+        turn = 0
+        while (pending or self.sent) and not decided(self.results):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            done, pending = cf.wait(pending, timeout=left, return_when=cf.FIRST_COMPLETED)
-            for future in done:
-                self.results[self.futures[future]] = _outcome(future)
-        if pending and time.monotonic() < deadline:  # decided: answers on their way still count
-            done, pending = cf.wait(pending, timeout=GRACE)
-            for future in done:
-                self.results[self.futures[future]] = _outcome(future)
+            if self.sent:
+                positions = list(self.sent)
+                pos = positions[turn % len(positions)]
+                many = len(positions) > 1 or bool(pending)
+                if self.sent[pos].ready(min(left, SLICE) if many else left):
+                    self.results[pos] = _answer(self.sent.pop(pos))
+                else:  # no answer in a slice: take what the others have, then the next
+                    turn += 1
+                    self._collect(pending)
+                if pending:
+                    self._collect_futures(pending)
+            else:
+                done, pending = cf.wait(pending, timeout=left, return_when=cf.FIRST_COMPLETED)
+                for future in done:
+                    self.results[self.futures[future]] = _outcome(future)
+        self._collect(pending)  # decided: take what has come, wait for nothing more
         late = time.monotonic() >= deadline
         for pos, value in enumerate(self.results):
             if value is _PENDING:
@@ -225,24 +219,65 @@ class Round:
                 self.results[pos] = NoAnswer(why if late else "not waited for")
         return self.results
 
+    def _collect(self, pending: set[cf.Future[Any]]) -> None:
+        """Take every answer that has come (sent calls, then calls in the pool)."""
+        for pos, sent in list(self.sent.items()):
+            if sent.ready(0):
+                del self.sent[pos]
+                self.results[pos] = _answer(sent)
+        self._collect_futures(pending)
+
+    def _collect_futures(self, pending: set[cf.Future[Any]]) -> None:
+        for future in [f for f in pending if f.done()]:
+            pending.discard(future)
+            self.results[self.futures[future]] = _outcome(future)
+
     def then(self, follow: Call, positions: Iterable[int]) -> None:
-        """*follow* (best effort) on those members after this round's call: chained
-        behind a call still running, else at once (waited for up to the timeout)."""
-        now: list[cf.Future[Any]] = []  # follow-ups started at once (the call had ended)
-        sent = {pos: future for future, pos in self.futures.items()}
+        """*follow* (best effort) on those members after this round's call: once a call
+        not answered yet has answered (in the background), else at once (waited for up
+        to the timeout)."""
+        now: list[int] = []  # positions whose call has ended: follow-ups sent at once
+        futures = {pos: future for future, pos in self.futures.items()}
+        quiet = _quietly(follow)
         for pos in positions:
-            if pos in sent:  # (a member never asked, being busy, has nothing to follow)
-                after = functools.partial(self._follow, self.where[pos], _quietly(follow), now)
-                sent[pos].add_done_callback(after)  # runs at once if the call has ended
-        cf.wait(list(now), timeout=self.timeout)
+            i = self.where[pos]
+            sent = self.sent.pop(pos, None)
+            future = futures.get(pos)
+            if sent is not None:
+                sent.finish(functools.partial(quiet, self.quorum.members[i]))
+            elif future is not None and not future.done():
+                future.add_done_callback(functools.partial(self._follow, i, quiet))
+            elif future is not None or pos in self.sent_to:  # (a member not asked: nothing)
+                now.append(i)
+        if now:
+            with contextlib.suppress(Exception):
+                Round(self.quorum, quiet, self.timeout, now).close(wait=True)
 
-    def _follow(self, i: int, call: Call, started: list[cf.Future[Any]], _: object) -> None:
-        future = self.quorum._start(i, call, self.timeout)
-        if future is not None:
-            started.append(future)
+    def _follow(self, i: int, call: Call, _: object) -> None:
+        self.quorum._start(i, call, self.timeout)
+
+    def close(self, *, wait: bool = False) -> None:
+        """Done with this round: what was sent and not answered is parked with its
+        member's gate, finished by the next call there or the reaper
+        (:func:`~.quorum_gate.park`; *wait*: first wait for the answers, up to the
+        timeout)."""
+        if wait:
+            self.wait(lambda _: False)
+        sent, self.sent = self.sent, {}
+        for pending in sent.values():
+            park(pending)
 
 
-def _outcome(future: cf.Future[_T]) -> _T | Exception:
+def _answer(sent: Sent) -> Any:
+    """A sent verb's answer, or its QuorumUnavailable / ConfigError; anything else is
+    raised."""
+    try:
+        return sent.result()
+    except (QuorumUnavailable, ConfigError) as exc:
+        return exc
+
+
+def _outcome(future: cf.Future[Any]) -> Any:
     """A member's value, or its QuorumUnavailable / ConfigError; anything else is raised."""
     try:
         return future.result()
@@ -288,22 +323,55 @@ class QuorumCalls:
         ):
             raise ConfigError(f"per_node_timeout must be > 0 seconds, got {per_node_timeout!r}")
         self.members: tuple[Member, ...] = tuple(checked)
+        #: Each member's gate (shared with every quorum that has the member).
+        self.gates = [gate_of(m) for m in self.members]
+        #: Each member as one that sends (None: its calls go through the pool).
+        self.senders: list[Sends | None] = [
+            need(m, Sends) if has(m, Sends) else None for m in self.members
+        ]
         self.masters = len(self.members)
         self.quorum = self.masters // 2 + 1
         self.per_node_timeout = per_node_timeout
         #: Each member's name in errors and ``Grant.masters``.
         self.names = [m.describe() for m in self.members]
 
+    def _send(self, i: int, call: Call, timeout: float) -> Sent | None:
+        """*call* (a :class:`Verb`) sent to member *i* by the caller: None when the member
+        does not send (or not this verb), has not answered yet in this process (its first
+        call connects in the pool), its last sent call went unanswered, or a call of ours
+        is still outstanding there: the caller never waits for a connection to be made,
+        and calls to one member keep their order."""
+        sender = self.senders[i]
+        if sender is None or not isinstance(call, Verb):
+            return None
+        gate = self.gates[i]
+        if gate.calls:
+            gate.settle()
+        if not (gate.heard and gate.sends) or gate.calls:
+            return None
+        key = next(_keys)
+        gate.sending(key)
+        sent: Sent | None = None
+        try:
+            sent = sender.send(
+                call.name, call.args, call.kwargs, functools.partial(gate.answered, key)
+            )
+        finally:
+            if sent is None:  # not sent (or it raised): nothing outstanding
+                gate.forget(key)
+        gate.sent(key, sent)
+        return sent
+
     def _start(self, i: int, call: Call, timeout: float) -> cf.Future[Any] | None:
         """``call(member i)`` in its turn (:class:`Gate`), given up after *timeout*: its
         future, or None when the member is stuck in a call that ran longer than that.
         Follow-ups too: a follow-up not sent leaves a lease that expires by itself."""
         member = self.members[i]
-        return gate_of(member).offer(call, member, timeout)
+        return self.gates[i].offer(call, member, timeout)
 
     def in_flight(self, i: int) -> int:
         """Calls to member *i* queued or running (from any quorum that has it)."""
-        return gate_of(self.members[i]).calls
+        return self.gates[i].calls
 
     def describe(self) -> str:
         """The members' addresses."""
@@ -318,7 +386,11 @@ class QuorumCalls:
 
     def ask(self, call: Call, timeout: float, decided: Decided = lambda _: False) -> list[Any]:
         """``call`` on every member: each one's answer (see :meth:`Round.wait`)."""
-        return Round(self, call, timeout).wait(decided)
+        sent = Round(self, call, timeout)
+        try:
+            return sent.wait(decided)
+        finally:
+            sent.close()
 
     def gather(self, name: str, call: Call, timeout: float) -> list[Any]:
         """Every member's answer; raises unless at least a quorum answered."""

@@ -3,18 +3,17 @@
 One Redis is a plain server (``redis.Redis``), a Sentinel master (``master_for()``) or a
 Redis Cluster (``RedisCluster``, whose client routes each call to the node that owns the
 key's slot and follows ``MOVED``/``ASK``). Every mutation is one owner-checked Lua script
-(:mod:`.redis_scripts`: ``core/lua/*.lua``, run with ``evalsha``). The operator reads are
-:mod:`.redis_admin`; an unclear acquire's give-back that did not get through is tried
-again by :mod:`.redis_giveback`.
+(:mod:`.redis_scripts`: ``core/lua/*.lua``). The lock verbs are here; queued holds, done
+marks, rates and records are :mod:`.redis_holds`, the operator verbs
+:mod:`.redis_operator`, and what they share (the client, errors) :mod:`.redis_calls`. An
+unclear acquire's give-back that did not get through is tried again by
+:mod:`.redis_giveback`. A quorum sends this backend's verbs without waiting for their
+answers (:meth:`RedisBackend.send`, :mod:`.redis_sent`).
 
 Nothing is held past a call: the backend keeps the client, its address and whether it is
-a cluster. Each verb takes a connection from the client's pool through redis-py's own
-``execute_command`` (or a pipeline), which gives it back on every path; :meth:`wait`,
-which needs a read deadline of its own, takes one and gives it back itself.
-
-Errors: see :func:`~.redis_client.cannot_decide` for what is reported as
-:class:`~celery_redlock.core.errors.QuorumUnavailable`; data at a lock's keys that is not
-ours is a :class:`~celery_redlock.core.errors.ConfigError`; anything else is raised as it is.
+a cluster. Each verb takes a connection from the client's pool and gives it back on every
+path (:func:`~.redis_scripts.run`, or redis-py's own commands); :meth:`wait`, which needs
+a read deadline of its own, takes one and gives it back itself.
 """
 
 from __future__ import annotations
@@ -22,77 +21,58 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 from redis import exceptions as rx
-from redis.cluster import RedisCluster
 
 from .. import process
 from ..backend_types import (
     RECENT_BYTES,
-    Claim,
-    ForceRelease,
     Grant,
     Handover,
     Holder,
-    LockInfo,
-    Queued,
-    RateGrant,
-    RateInfo,
     Renewal,
     Slot,
     Status,
     parse_holder,
     text,
 )
-from ..connect import address_of
 from ..errors import ConfigError, QuorumUnavailable
-from ..keys import LockKeys
-from . import redis_admin, redis_giveback
+from . import redis_giveback
 from .redis_admin import fence_of, foreign_data_message
+from .redis_calls import mutex_keys
 from .redis_client import cannot_decide, check_client, checkout, is_client, server_refused
+from .redis_holds import RedisHolds
+from .redis_operator import RedisOperator
 from .redis_scripts import (
     ACQUIRE,
-    CLAIM_FIELD,
-    DEQUEUE,
-    ENQUEUE,
     EXTEND,
     EXTEND_NODE,
-    FORCE_RELEASE,
     PERMIT_ACQUIRE,
     PERMIT_EXTEND,
     PERMIT_RELEASE,
     PERMITS,
     RAISE_FENCE,
-    RATE,
     RELEASE,
     Script,
     extend_many,
     grant_of,
     permit_holders,
-    pool_of,
-    run,
 )
+from .redis_sent import RedisSent
 
 __all__ = ["RedisBackend", "cannot_decide", "check_client", "is_client", "server_refused"]
 
 
-class RedisBackend:
+class RedisBackend(RedisHolds, RedisOperator):
     """The backend of one Redis client (every capability of the seam): :meth:`of` gives
-    the one of a client object."""
+    the one of a client object. The lock verbs are here, the other capabilities'
+    verbs in :class:`~.redis_holds.RedisHolds` and :class:`~.redis_operator.RedisOperator`."""
 
     masters = 1
     holds_permits = True
-
-    def __init__(self, client: Any) -> None:
-        check_client(client)
-        self.client = client
-        self.cluster = isinstance(client, RedisCluster)
-        #: Where a script's connection comes from (None: the client's own evalsha).
-        self._pool = None if self.cluster else pool_of(client)
-        self._address: str | None = None
 
     @classmethod
     def of(cls, client: Any) -> RedisBackend:
@@ -109,10 +89,8 @@ class RedisBackend:
                     weakref.finalize(backend, _forget, id(client), new)
         return backend
 
-    def describe(self) -> str:
-        if self._address is None:
-            self._address = address_of(self.client)
-        return self._address
+    def on_node(self, node: Any) -> RedisBackend:
+        return RedisBackend.of(node)
 
     def identity(self) -> Hashable:
         client = self.client
@@ -139,22 +117,6 @@ class RedisBackend:
     def __repr__(self) -> str:
         return f"<RedisBackend {self.describe()}>"
 
-    # -- errors -------------------------------------------------------------------------
-    def unavailable(self, name: str, exc: BaseException, where: str = "") -> QuorumUnavailable:
-        """The error for lock *name* when this Redis (or node *where*) could not decide."""
-        return QuorumUnavailable(name, {where or self.describe(): f"{type(exc).__name__}: {exc}"})
-
-    def _errors(self, name: str, foreign: Callable[[Exception], str] | None = None) -> _Errors:
-        """Report what cannot be decided as unavailable and an error reply about the data
-        (with *foreign*, which words it) as a ConfigError; let everything else through."""
-        return _Errors(self, name, foreign)
-
-    def _guard(self, slot: Slot) -> _Errors:
-        return _Errors(self, slot.name, partial(foreign_data_message, self.client, slot.keys))
-
-    def _run(self, script: Script, keys: list[str], args: list[Any]) -> Any:
-        return run(script, self.client, self._pool, keys, args)
-
     # -- an acquisition's life --------------------------------------------------------
     def acquire(
         self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
@@ -179,7 +141,7 @@ class RedisBackend:
         wait: bool,
         fence_ttl_ms: int,
     ) -> Grant:
-        keys = _queued_keys(slot)
+        keys = mutex_keys(slot)
         args: list[Any] = [token, ttl_ms, record, "1" if wait else "0", fence_ttl_ms]
         args += [handover.owner, "1" if handover.strict else "0"]
         names = [keys.lock, keys.fence, keys.waiting, keys.queued]
@@ -194,21 +156,69 @@ class RedisBackend:
         args: list[Any],
         names: list[str],
     ) -> Grant:
-        keys = slot.keys
         try:
             reply = self._run(script, names, args)
         except Exception as exc:
-            foreign = isinstance(exc, rx.ResponseError) and not server_refused(exc)
-            if not foreign and not cannot_decide(exc):
-                raise  # never sent, or a bug: nothing to take back
-            # The script may have run (a lost reply), or stopped at foreign data after
-            # writing: take back whatever this token may hold (see _abandon). A copy that
-            # reaches the server after the last give-back lives out its lease.
-            self._abandon(slot, token, ttl_ms)
-            if foreign:
-                raise ConfigError(foreign_data_message(self.client, keys, exc)) from exc
-            raise self.unavailable(slot.name, exc) from exc
+            self._acquire_failed(slot, token, ttl_ms, exc)
         return grant_of(reply, permits=slot.permits)
+
+    def _acquire_failed(self, slot: Slot, token: str, ttl_ms: int, exc: Exception) -> NoReturn:
+        """Raise what an acquire that met *exc* raises, after taking back what its token
+        may hold when the script may have run."""
+        foreign = isinstance(exc, rx.ResponseError) and not server_refused(exc)
+        if not foreign and not cannot_decide(exc):
+            raise exc  # never sent, or a bug: nothing to take back
+        # The script may have run (a lost reply), or stopped at foreign data after
+        # writing: take back whatever this token may hold (see _abandon). A copy that
+        # reaches the server after the last give-back lives out its lease.
+        self._abandon(slot, token, ttl_ms)
+        if foreign:
+            raise ConfigError(foreign_data_message(self.client, slot.keys, exc)) from exc
+        raise self.unavailable(slot.name, exc) from exc
+
+    def _failed(self, slot: Slot, exc: Exception) -> NoReturn:
+        """Raise what a verb of *slot* that met *exc* raises (as :meth:`_guard` does)."""
+        with self._guard(slot):
+            raise exc
+        raise AssertionError("unreachable")  # pragma: no cover - the guard raised
+
+    # -- a quorum's fast path ------------------------------------------------------------
+    def send(
+        self,
+        verb: str,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        answered: Callable[[bool], object],
+    ) -> RedisSent | None:
+        """An acquire, release, release_done or extend of a mutex written now on a
+        connection of the client's pool, its answer read later (a quorum's fast path: see
+        :mod:`.redis_sent`); None for anything else (a cluster, a permit, another verb)."""
+        slot = args[0] if args else None
+        if self._pool is None or not isinstance(slot, Slot) or slot.permits:
+            return None
+        keys, fail = slot.keys, partial(self._failed, slot)
+        released = [keys.lock, keys.notify, keys.waiting, keys.released]
+        if verb == "acquire":
+            _, token, ttl_ms, record = args
+            flag = "1" if kwargs["wait"] else "0"
+            names = [keys.lock, keys.fence, keys.waiting]
+            argv = [token, ttl_ms, record, flag, kwargs["fence_ttl_ms"]]
+            taken = partial(self._acquire_failed, slot, token, ttl_ms)
+            return RedisSent(self._pool, ACQUIRE, names, argv, _granted, taken, answered)
+        if verb == "release":
+            _, token, notice_ms = args
+            argv = [token, notice_ms, RECENT_BYTES]
+            return RedisSent(self._pool, RELEASE, released, argv, Status.of, fail, answered)
+        if verb == "release_done":
+            _, token, notice_ms, mark, mark_ms = args
+            argv = [token, notice_ms, RECENT_BYTES, mark, mark_ms]
+            names = [*released, keys.done]
+            return RedisSent(self._pool, RELEASE, names, argv, Status.of, fail, answered)
+        if verb == "extend":
+            _, token, ms = args
+            argv = [token, ms, "1" if kwargs["replace"] else "0"]
+            return RedisSent(self._pool, EXTEND, [keys.lock], argv, _lease, fail, answered)
+        return None
 
     def _abandon(self, slot: Slot, token: str, notice_ms: int) -> None:
         """Take back what *token* may hold, best effort, never raising: here once, and
@@ -233,7 +243,7 @@ class RedisBackend:
     def release_done(
         self, slot: Slot, token: str, notice_ms: int, mark: str, mark_ms: int
     ) -> Status:
-        keys = _queued_keys(slot)
+        keys = mutex_keys(slot)
         names = [keys.lock, keys.notify, keys.waiting, keys.released, keys.done]
         args = [token, notice_ms, RECENT_BYTES, mark, mark_ms]
         with self._guard(slot):
@@ -346,174 +356,14 @@ class RedisBackend:
                 return len(PERMITS(self.client, [slot.keys.lock], [])) // 4 >= slot.limit
             return bool(self.client.exists(slot.keys.lock))
 
-    def was_done(self, slot: Slot, mark: str) -> bool:
-        if not slot.keys.done:
-            return False  # permits keep no done marks
-        with self._guard(slot):
-            return self.client.zscore(slot.keys.done, mark) is not None
 
-    # -- enqueue-time holds -------------------------------------------------------------
-    def enqueue(
-        self,
-        slot: Slot,
-        owner: str,
-        ttl_ms: int,
-        record: str,
-        *,
-        replace: bool,
-        running_blocks: bool,
-    ) -> Queued:
-        keys = _queued_keys(slot)
-        args = [owner, ttl_ms, record, "1" if replace else "0", "1" if running_blocks else "0"]
-        with self._guard(slot):
-            reply = self._run(ENQUEUE, [keys.queued, keys.lock], args)
-        code = int(reply[0])
-        if code == 1:
-            return Queued("queued")
-        if code == 2:
-            return Queued("replaced", owner=text(reply[1]), holder=parse_holder(reply[2]))
-        holder = parse_holder(reply[2])
-        other = text(reply[1]) or str(holder.get("task_id") or "")
-        return Queued("duplicate", other, holder, ttl_ms=int(reply[3]), state=text(reply[4]))
-
-    def dequeue(self, slot: Slot, owner: str) -> Status:
-        keys = _queued_keys(slot)
-        with self._guard(slot):
-            return Status.of(self._run(DEQUEUE, [keys.queued], [owner]))
-
-    # -- rate grants --------------------------------------------------------------------
-    def rate(
-        self,
-        name: str,
-        key: str,
-        interval_us: int,
-        burst: int,
-        *,
-        mode: str,
-        most_us: int = 0,
-        grace_us: int = 0,
-    ) -> RateGrant:
-        def foreign(exc: Exception) -> str:
-            return (
-                f"rate limiter {name!r}: Redis refused the rate script on {key!r} ({exc}): "
-                "something other than celery-redlock writes under the key prefix; delete "
-                "that key if it is stale, or give celery-redlock a prefix of its own"
-            )
-
-        with self._errors(name, foreign):
-            args = [interval_us, burst, mode, most_us, grace_us]
-            granted, wait_us, free = self._run(RATE, [key], args)
-        return RateGrant(int(granted) == 1, max(0, int(wait_us)) / 1e6, int(free))
-
-    # -- records beside a lock ------------------------------------------------------------
-    def load_records(self, slot: Slot, suffix: str) -> dict[str, str]:
-        key = f"{slot.keys.lock}:{suffix}"
-        with self._errors(slot.name, partial(_records_message, key)):
-            found = self.client.hgetall(key)
-        return {text(name): text(value) for name, value in found.items()}
-
-    def claim(  # noqa: PLR0917 - the Backend protocol's signature
-        self,
-        slot: Slot,
-        suffix: str,
-        token: str,
-        name: str,
-        value: str,
-        version: tuple[int, int],
-        deadline: float | None = None,
-    ) -> Claim:
-        """See :meth:`Backend.claim`; one Redis answers within its client's socket
-        timeout, so *deadline* (a quorum's bound) is not needed here."""
-        key = f"{slot.keys.lock}:{suffix}"
-        args = [token, name, value, version[0], version[1]]
-        with self._errors(slot.name, partial(_records_message, key)):
-            reply = self._run(CLAIM_FIELD, [slot.keys.lock, key], args)
-        code = int(reply[0])
-        if code == 1:
-            return Claim("claimed", value)
-        if code == -1:
-            return Claim("stale", text(reply[1]))
-        return Claim("lost", detail="the lock is gone or held by another acquisition")
-
-    # -- operator reads and forced release (reads: see redis_admin) ---------------------
-    def scan(self, prefix: str, pattern: str = "*") -> list[LockInfo]:
-        with self._errors(pattern):
-            return redis_admin.scan(self.client, prefix, pattern, _node_permits)
-
-    def read(self, prefix: str, name: str) -> list[LockInfo]:
-        with self._errors(name):
-            return redis_admin.read(self.client, prefix, name, _node_permits)
-
-    def scan_rates(self, prefix: str, pattern: str = "*") -> list[RateInfo]:
-        with self._errors(pattern):
-            return redis_admin.scan_rates(self.client, prefix, pattern)
-
-    def read_rate(self, prefix: str, name: str) -> RateInfo | None:
-        with self._errors(name):
-            return redis_admin.read_rate(self.client, prefix, name)
-
-    def force_release(self, slot: Slot, fence: int | None, notice_ms: int) -> ForceRelease:
-        if slot.permits:
-            raise ConfigError(f"lock {slot.name!r}: a permit is not released by force")
-        keys = slot.keys
-        args = [notice_ms, "" if fence is None else str(fence)]
-        with self._guard(slot):
-            reply = FORCE_RELEASE(self.client, [keys.lock, keys.notify], args)
-        code = int(reply[0])
-        if code == 0:
-            return ForceRelease("gone")
-        record = parse_holder(reply[1])
-        return ForceRelease("released" if code == 1 else "refused", record, fence_of(reply[2]))
-
-    def force_dequeue(self, slot: Slot, owner: str | None) -> ForceRelease:
-        keys = _queued_keys(slot)
-        with self._guard(slot):
-            found, info = self.client.hmget(keys.queued, "owner", "info")
-            if found is None:
-                return ForceRelease("gone")
-            record = parse_holder(info)
-            record.setdefault("task_id", text(found))
-            if owner is not None and text(found) != owner:
-                return ForceRelease("refused", record)
-            code = Status.of(DEQUEUE(self.client, [keys.queued], [text(found)]))
-        if code is Status.OK:
-            return ForceRelease("released", record)
-        return ForceRelease("gone" if code is Status.GONE else "refused", record)
+def _granted(reply: Any) -> Grant:
+    return grant_of(reply, permits=False)
 
 
-class _Errors:
-    """:meth:`RedisBackend._errors` as a plain context manager (one per verb call)."""
-
-    __slots__ = ("backend", "foreign", "name")
-
-    def __init__(
-        self, backend: RedisBackend, name: str, foreign: Callable[[Exception], str] | None
-    ) -> None:
-        self.backend, self.name, self.foreign = backend, name, foreign
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, _type: Any, exc: BaseException | None, _tb: Any) -> None:
-        if not isinstance(exc, Exception):
-            return
-        if cannot_decide(exc):
-            raise self.backend.unavailable(self.name, exc) from exc
-        if self.foreign is not None and isinstance(exc, rx.ResponseError):
-            raise ConfigError(self.foreign(exc)) from exc
-
-
-def _records_message(key: str, exc: Exception) -> str:
-    return (
-        f"{key!r} holds data that is not a hash of records ({exc}): something other than "
-        "celery-redlock writes under the lock key prefix; delete that key if it is stale"
-    )
-
-
-def _queued_keys(slot: Slot) -> LockKeys:
-    if slot.permits or not slot.keys.queued:
-        raise ConfigError(f"lock {slot.name!r}: enqueue-time holds take a mutex, not permits")
-    return slot.keys
+def _lease(reply: Any) -> int | Status:
+    code = int(reply)
+    return code if code > 0 else Status.of(code)
 
 
 #: Each client's backend, by id(client): weak, so a backend (and the client it keeps)
@@ -537,8 +387,3 @@ def _after_fork() -> None:
 
 
 process.on_fork(_after_fork)
-
-
-def _node_permits(node: Any, slot: Slot) -> list[Holder]:
-    """The permits of *slot* on one plain node's client (operator reads of a cluster)."""
-    return RedisBackend.of(node).holders(slot)

@@ -1,0 +1,85 @@
+"""The Redis backend's operator reads and forced removals
+(:class:`~celery_redlock.core.backend.Admin`): the reads are :mod:`.redis_admin`'s
+(``SCAN``, never ``KEYS``), the removals one script each.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..backend_types import (
+    ForceRelease,
+    Holder,
+    LockInfo,
+    RateInfo,
+    Slot,
+    Status,
+    parse_holder,
+    text,
+)
+from ..errors import ConfigError
+from . import redis_admin
+from .redis_admin import fence_of
+from .redis_calls import RedisCalls, mutex_keys
+from .redis_scripts import DEQUEUE, FORCE_RELEASE
+
+__all__ = ["RedisOperator"]
+
+
+class RedisOperator(RedisCalls):
+    """What ``celery locks`` reads and removes on one Redis."""
+
+    def holders(self, slot: Slot) -> list[Holder]:
+        """Every current acquisition of *slot* (the lock verb, :mod:`.redis_backend`)."""
+        raise NotImplementedError  # pragma: no cover - RedisBackend has it
+
+    def on_node(self, node: Any) -> RedisOperator:
+        """The backend of one node's client (the operator reads of a cluster)."""
+        raise NotImplementedError  # pragma: no cover - RedisBackend has it
+
+    def _node_permits(self, node: Any, slot: Slot) -> list[Holder]:
+        return self.on_node(node).holders(slot)
+
+    def scan(self, prefix: str, pattern: str = "*") -> list[LockInfo]:
+        with self._errors(pattern):
+            return redis_admin.scan(self.client, prefix, pattern, self._node_permits)
+
+    def read(self, prefix: str, name: str) -> list[LockInfo]:
+        with self._errors(name):
+            return redis_admin.read(self.client, prefix, name, self._node_permits)
+
+    def scan_rates(self, prefix: str, pattern: str = "*") -> list[RateInfo]:
+        with self._errors(pattern):
+            return redis_admin.scan_rates(self.client, prefix, pattern)
+
+    def read_rate(self, prefix: str, name: str) -> RateInfo | None:
+        with self._errors(name):
+            return redis_admin.read_rate(self.client, prefix, name)
+
+    def force_release(self, slot: Slot, fence: int | None, notice_ms: int) -> ForceRelease:
+        if slot.permits:
+            raise ConfigError(f"lock {slot.name!r}: a permit is not released by force")
+        keys = slot.keys
+        args = [notice_ms, "" if fence is None else str(fence)]
+        with self._guard(slot):
+            reply = FORCE_RELEASE(self.client, [keys.lock, keys.notify], args)
+        code = int(reply[0])
+        if code == 0:
+            return ForceRelease("gone")
+        record = parse_holder(reply[1])
+        return ForceRelease("released" if code == 1 else "refused", record, fence_of(reply[2]))
+
+    def force_dequeue(self, slot: Slot, owner: str | None) -> ForceRelease:
+        keys = mutex_keys(slot)
+        with self._guard(slot):
+            found, info = self.client.hmget(keys.queued, "owner", "info")
+            if found is None:
+                return ForceRelease("gone")
+            record = parse_holder(info)
+            record.setdefault("task_id", text(found))
+            if owner is not None and text(found) != owner:
+                return ForceRelease("refused", record)
+            code = Status.of(DEQUEUE(self.client, [keys.queued], [text(found)]))
+        if code is Status.OK:
+            return ForceRelease("released", record)
+        return ForceRelease("gone" if code is Status.GONE else "refused", record)
