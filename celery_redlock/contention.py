@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
@@ -325,29 +325,35 @@ class PublishPolicy:
 
     #: Its name, the option's value.
     name: str
-    #: Takes the hold for a new call: ``claim(hold, task_id, ttl, lock_on)``; a call that
-    #: finds the hold taken (and not given to it) is a duplicate.
-    claim: Callable[[QueuedHold, str, float, str], Queued]
+    #: How a new call takes the hold: ``terms(lock_on)`` are the keyword arguments of
+    #: :meth:`~celery_redlock.core.queued.QueuedHold.claim` (``replace``,
+    #: ``running_blocks``); a call that finds the hold taken (and not given to it) is a
+    #: duplicate.
+    terms: Callable[[str], Mapping[str, bool]]
     #: Decides a duplicate: raises, or returns what the call gets instead of being sent.
     answer: Callable[[Duplicate], Any]
 
+    def claim(self, hold: QueuedHold, task_id: str, ttl: float, lock_on: str) -> Queued:
+        """Take *hold* for *task_id* on this policy's terms."""
+        return hold.claim(task_id, ttl, **self.terms(lock_on))
 
-def keep_first(hold: QueuedHold, task_id: str, ttl: float, lock_on: str) -> Queued:
+
+def keep_first(lock_on: str) -> Mapping[str, bool]:
     """The call already queued keeps the key; under ``"enqueue+run"`` so does a running
     run: the new call is a duplicate of either."""
-    return hold.claim(task_id, ttl, running_blocks=lock_on == "enqueue+run")
+    return {"running_blocks": lock_on == "enqueue+run"}
 
 
-def take_place(hold: QueuedHold, task_id: str, ttl: float, lock_on: str) -> Queued:
+def take_place(lock_on: str) -> Mapping[str, bool]:
     """The newest call takes the queued call's place (that message is skipped when it
     arrives); while a run holds the lock, the call is queued behind it."""
-    return hold.claim(task_id, ttl, replace=True)
+    return {"replace": True}
 
 
-def one_behind(hold: QueuedHold, task_id: str, ttl: float, lock_on: str) -> Queued:
+def one_behind(lock_on: str) -> Mapping[str, bool]:
     """While one runs, one more call is queued behind it; later calls are duplicates of
     that one."""
-    return hold.claim(task_id, ttl)
+    return {}
 
 
 def answer_with_holder(dup: Duplicate) -> Any:

@@ -46,9 +46,11 @@ from typing import Any
 
 from celery.exceptions import Ignore
 
+from . import claiming
 from .config import TaskOptions
 from .contention import RETRIES_HEADER, Duplicate, skip_message
-from .core import Queued, QueuedHold, QuorumUnavailable
+from .core import ConfigError, Queued, QueuedHold, QuorumUnavailable
+from .core.queued import PendingClaim
 from .naming import lock_name_for
 from .observability import send_publisher_event, send_task_event
 from .state import AppState, state_for
@@ -121,6 +123,9 @@ def publish_held(
         call["countdown"] = max(float(call.get("countdown") or 0), options.debounce)
     ttl = _hold_ttl(options.enqueue_ttl, call)
     hold = _hold(state, task, name)
+    special = any(call.get(k) for k in ("chain", "link", "link_error", "chord", "group_id"))
+    if not (republish or special) and claiming.hook(task.app):
+        return _publish_overlapped(task, name, options, hold, ttl, args, kwargs, call, send)
     try:
         if republish:
             found = hold.claim(task_id, ttl, report=False)
@@ -131,14 +136,7 @@ def publish_held(
                 # user code): nothing to return; this call is queued behind it.
                 found = hold.claim(task_id, ttl)
     except QuorumUnavailable as exc:
-        log.warning(
-            "%s[%s]: could not check lock %r for a queued duplicate (%s); sent anyway, "
-            "its worker checks before it runs",
-            task.name,
-            task_id,
-            name,
-            exc,
-        )
+        _sent_anyway(task, task_id, name, exc)
         return send(args, kwargs, **call)
     if found.outcome == "duplicate" and not republish:
         if call.get("chain") or call.get("link") or call.get("link_error"):
@@ -169,6 +167,83 @@ def publish_held(
         if found.outcome != "duplicate":
             give_back_hold(task.app, name, task_id, "was not published")
         raise
+    _log_replaced(task, task_id, name, found)
+    return result
+
+
+def _publish_overlapped(  # noqa: PLR0917 - publish_held's call, with its hold and lifetime
+    task: Any,
+    name: str,
+    options: TaskOptions,
+    hold: QueuedHold,
+    ttl: float,
+    args: Any,
+    kwargs: Any,
+    call: dict[str, Any],
+    send: Callable[..., Any],
+) -> Any:
+    """A plain call's publish, its claim answered while Celery builds the message (see
+    :mod:`celery_redlock.claiming`)."""
+    task_id = call["task_id"]
+    try:
+        pending = hold.claim_later(task_id, ttl, **options.duplicate.terms(options.lock_on))
+    except QuorumUnavailable as exc:
+        _sent_anyway(task, task_id, name, exc)
+        return send(args, kwargs, **call)
+    headers = call["headers"] = {**(call.get("headers") or {}), HOLD_HEADER: name}
+
+    def decide(claim: PendingClaim) -> Queued | None:
+        try:
+            found = claim.result()
+            if found.outcome == "duplicate" and not found.owner:
+                found = hold.claim(task_id, ttl)  # queued behind a holder that is no task
+        except QuorumUnavailable as exc:
+            _sent_anyway(task, task_id, name, exc)
+            headers.pop(HOLD_HEADER, None)  # no hold: its worker checks
+            return None
+        if found.outcome == "duplicate":
+            raise claiming.NotSent(found)
+        return found
+
+    with claiming.deciding(task_id, pending, decide) as deciding:
+        try:
+            result = send(args, kwargs, **call)
+        except claiming.NotSent as stop:
+            return _duplicate(task, name, options, stop.found, task_id)
+        except BaseException:
+            if deciding.decided or _claim_taken(deciding):
+                give_back_hold(task.app, name, task_id, "was not published")
+            raise
+        found = deciding.answer()  # made while the message was built (else: now)
+    if found is not None:
+        _log_replaced(task, task_id, name, found)
+    return result
+
+
+def _claim_taken(deciding: claiming.Deciding) -> bool:
+    """True unless the claim's answer says it took nothing (a duplicate); an answer that
+    cannot be read counts as taken (the give-back is owner-checked)."""
+    try:
+        deciding.answer()
+    except (claiming.NotSent, QuorumUnavailable, ConfigError):
+        return False
+    except Exception:
+        return True
+    return True
+
+
+def _sent_anyway(task: Any, task_id: str, name: str, exc: Exception) -> None:
+    log.warning(
+        "%s[%s]: could not check lock %r for a queued duplicate (%s); sent anyway, "
+        "its worker checks before it runs",
+        task.name,
+        task_id,
+        name,
+        exc,
+    )
+
+
+def _log_replaced(task: Any, task_id: str, name: str, found: Queued) -> None:
     if found.outcome == "replaced":
         log.info(
             "%s[%s] replaces task %s queued under lock %r (lock_on_duplicate='replace'): "
@@ -178,7 +253,6 @@ def publish_held(
             found.owner,
             name,
         )
-    return result
 
 
 def _running_id(task: Any) -> str | None:

@@ -12,6 +12,8 @@ implements or does not:
 :class:`Rates`            GCRA rate decisions (``RateLimiter``, ``lock_rate``)
 :class:`Records`          records only a lock's holder may write (``LockRecords``: beat)
 :class:`Admin`            operator reads and forced removals (``celery locks``)
+:class:`Sends`            a verb written now, its answer read later (a quorum's fan-out, a
+                          publish's claim overlapping Celery's message building)
 :class:`InProcess`        a store in this process that a test may empty
 ========================= =================================================================
 
@@ -44,7 +46,7 @@ checks each backend):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from .backend_types import (
@@ -72,6 +74,8 @@ __all__ = [
     "QueuedHolds",
     "Rates",
     "Records",
+    "Sends",
+    "Sent",
     "capability",
     "has",
     "lacks",
@@ -348,6 +352,46 @@ class Admin(Protocol):
 
     def force_dequeue(self, slot: Slot, owner: str | None) -> ForceRelease:
         """Remove the enqueue-time hold (only task *owner*'s, when given)."""
+        ...
+
+
+class Sent(Protocol):
+    """A verb sent (:class:`Sends`), whose answer is read when it comes."""
+
+    def ready(self, timeout: float) -> bool:
+        """True once the answer is there to read (waits up to *timeout*)."""
+        ...
+
+    def result(self) -> Any:
+        """The verb's answer (read now if it has not been), or what the verb would raise."""
+        ...
+
+    def finish(self, follow: Callable[[], object] | None = None) -> None:
+        """Nobody waits for the answer: read it in the background, give the connection
+        back, then run *follow* (a release that must come after the call)."""
+        ...
+
+    def poll(self) -> None:
+        """Read the answer if it has come (no wait), giving the connection back."""
+        ...
+
+
+@capability("calls sent now and answered later")
+class Sends(Protocol):
+    """A backend that writes a verb now and reads its answer later (:class:`Sent`): a
+    quorum sends to every master before it reads any answer, and a publish sends its
+    queued hold's claim before Celery builds the message."""
+
+    def send(
+        self,
+        verb: str,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        answered: Callable[[bool], object],
+    ) -> Sent | None:
+        """``verb(*args, **kwargs)`` sent now, ``answered(heard)`` called once its answer
+        is read or it failed (*heard*: the server answered); None when this backend
+        calls that verb the usual way."""
         ...
 
 

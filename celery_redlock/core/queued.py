@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import events, process
-from .backend import DoneMarks, QueuedHolds, need
+from .backend import DoneMarks, QueuedHolds, Sends, Sent, has, need
 from .backend_types import Grant, Handover, Queued, Slot, Status
 from .backends import open_backend
 from .errors import ConfigError
@@ -46,7 +46,7 @@ from .keys import LockKeys, lock_keys
 from .lease import ttl_to_ms
 from .lock import Lock
 
-__all__ = ["Handover", "QueuedHold", "RunLock"]
+__all__ = ["Handover", "PendingClaim", "QueuedHold", "RunLock"]
 
 _HOSTNAME = socket.gethostname()
 
@@ -72,6 +72,8 @@ class QueuedHold:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"lock name must be a non-empty string, got {name!r}")
         self.backend: QueuedHolds = need(open_backend(target), QueuedHolds)
+        #: The backend as one that sends a claim now and reads its answer later.
+        self._sender: Sends | None = need(self.backend, Sends) if has(self.backend, Sends) else None
         self.keys: LockKeys = lock_keys(name, key_prefix)
         self.slot = Slot(self.keys)
         self.name = self.keys.name
@@ -95,20 +97,49 @@ class QueuedHold:
         A duplicate emits a ``duplicate`` LockEvent unless *report* is False.
         Raises :class:`QuorumUnavailable` when Redis cannot answer.
         """
+        ttl_ms, record = self._terms(owner, ttl)
+        found = self.backend.enqueue(
+            self.slot, owner, ttl_ms, record, replace=replace, running_blocks=running_blocks
+        )
+        if report:
+            self._report(found)
+        return found
+
+    def claim_later(
+        self,
+        owner: str,
+        ttl: float,
+        *,
+        replace: bool = False,
+        running_blocks: bool = False,
+    ) -> PendingClaim:
+        """:meth:`claim`, sent now and answered when :meth:`PendingClaim.result` is asked
+        (on a backend that :class:`~.backend.Sends`; elsewhere claimed at once): a
+        publish sends its claim before Celery builds the message, and reads the answer
+        once the message is built. The caller ends with :meth:`PendingClaim.close`."""
+        ttl_ms, record = self._terms(owner, ttl)
+        args = (self.slot, owner, ttl_ms, record)
+        terms = {"replace": replace, "running_blocks": running_blocks}
+        sent = None if self._sender is None else self._sender.send("enqueue", args, terms, _quiet)
+        if sent is None:
+            found = self.backend.enqueue(
+                self.slot, owner, ttl_ms, record, replace=replace, running_blocks=running_blocks
+            )
+            return PendingClaim(self, found=found)
+        return PendingClaim(self, sent=sent)
+
+    def _terms(self, owner: str, ttl: float) -> tuple[int, str]:
+        """(lease in ms, holder record) of a claim for task *owner*."""
         if not isinstance(owner, str) or not owner:
             raise ConfigError(f"a queued hold's owner must be a task id, got {owner!r}")
         record = {"hostname": _HOSTNAME, "pid": process.pid(), "queued_at": round(time.time(), 3)}
         record.update(self.owner_info)
         record["task_id"] = owner
-        found = self.backend.enqueue(
-            self.slot,
-            owner,
-            ttl_to_ms(ttl, "the queued hold's ttl"),
-            json.dumps(record, separators=(",", ":"), default=str),
-            replace=replace,
-            running_blocks=running_blocks,
-        )
-        if report and found.outcome == "duplicate" and events.wanted("duplicate"):
+        ttl_ms = ttl_to_ms(ttl, "the queued hold's ttl")
+        return ttl_ms, json.dumps(record, separators=(",", ":"), default=str)
+
+    def _report(self, found: Queued) -> None:
+        if found.outcome == "duplicate" and events.wanted("duplicate"):
             events.emit(
                 events.LockEvent(
                     "duplicate",
@@ -118,7 +149,6 @@ class QueuedHold:
                     ttl=None if found.ttl_ms is None else found.ttl_ms / 1000,
                 )
             )
-        return found
 
     def release(self, owner: str) -> bool:
         """Give up task *owner*'s hold; True if it was there (never another id's)."""
@@ -126,6 +156,39 @@ class QueuedHold:
 
     def __repr__(self) -> str:
         return f"<QueuedHold {self.name!r}>"
+
+
+class PendingClaim:
+    """A claim of a queued hold sent now (:meth:`QueuedHold.claim_later`): :meth:`result`
+    reads its answer, :meth:`close` lets it go unread (read in the background)."""
+
+    def __init__(
+        self, hold: QueuedHold, *, sent: Sent | None = None, found: Queued | None = None
+    ) -> None:
+        self._hold, self._sent, self._found = hold, sent, found
+        if found is not None:
+            hold._report(found)
+
+    def result(self) -> Queued:
+        """The claim's answer (a duplicate reported as :meth:`QueuedHold.claim` does);
+        raises :class:`~.errors.QuorumUnavailable` when Redis cannot answer."""
+        if self._found is None:
+            assert self._sent is not None
+            sent, self._sent = self._sent, None
+            found: Queued = sent.result()
+            self._found = found
+            self._hold._report(found)
+        return self._found
+
+    def close(self) -> None:
+        """Done with the claim: an answer not read yet is read in the background."""
+        sent, self._sent = self._sent, None
+        if sent is not None:
+            sent.finish()
+
+
+def _quiet(_heard: bool) -> None:
+    """A claim's answer needs no bookkeeping once read."""
 
 
 class RunLock(Lock):

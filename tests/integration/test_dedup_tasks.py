@@ -679,3 +679,86 @@ def test_duplicate_is_a_celery_event_and_a_metric(env: Env) -> None:
     [event] = [e for e in capture.events if e["type"] == "task-lock-duplicate"]
     assert event["holder"] == first.id and event["lock"] == "ev" and event["state"] == "queued"
     assert count == 1.0
+
+
+# --------------------------------------- the claim answered while Celery builds the message
+@pytest.fixture
+def published() -> Iterator[list[dict[str, Any]]]:
+    """The headers of every message published in this process while the test runs."""
+    seen: list[dict[str, Any]] = []
+
+    def record(headers: Any = None, **_: Any) -> None:
+        seen.append(dict(headers or {}))
+
+    signals.before_task_publish.connect(record, weak=False)
+    try:
+        yield seen
+    finally:
+        signals.before_task_publish.disconnect(record)
+
+
+@pytest.mark.parametrize("hooked", [True, False], ids=["while-building", "before-publish"])
+def test_a_duplicate_sends_nothing_whether_decided_while_building_or_before(
+    env: Env, published: list[dict[str, Any]], hooked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain call's claim is answered while Celery builds its message (the builder is
+    wrapped): a duplicate stops there, before any broker work or publish signal. Where the
+    builder cannot be wrapped, the answer is read before the publish: the same outcome."""
+    if not hooked:
+        monkeypatch.setattr("celery_redlock.claiming.hook", lambda app: False)
+    app = env.app()
+
+    @app.task(base=LockedTask, shared=False, lock_key="b:<n>", lock_on="enqueue")
+    def build(n: int) -> int:
+        return n
+
+    first = build.delay(7)
+    again = build.delay(7)
+    other = build.delay(8)
+    assert again.id == first.id and other.id != first.id
+    assert [h.get("id") for h in published] == [first.id, other.id]
+    assert all(h.get("redlock_hold") in ("b:7", "b:8") for h in published)
+    assert queued_messages(app) == 2
+    assert hold_owner(env, "b:7") == first.id
+    wrapped = getattr(app.amqp.create_task_message, "redlock_decides", False)
+    assert wrapped is hooked
+
+
+def test_a_publish_that_fails_gives_back_the_hold_it_claimed(env: Env) -> None:
+    """The broker refuses the publish after the claim was answered: the hold taken for it
+    is given back (owner-checked), so the next call is sent, not a duplicate of nothing."""
+    app = env.app(broker_connection_retry=False, task_publish_retry=False)
+    app.conf.broker_url = f"redis://127.0.0.1:{_closed_port()}/0"
+
+    @app.task(base=LockedTask, shared=False, lock_key="f:<n>", lock_on="enqueue")
+    def fails(n: int) -> int:
+        return n
+
+    with pytest.raises(Exception) as refused:  # kombu's OperationalError
+        fails.delay(1)
+    assert not isinstance(refused.value, ConfigError)
+    assert wait_for(lambda: hold_owner(env, "f:1") is None, timeout=5)
+
+
+def test_a_claim_that_cannot_be_answered_sends_the_call_without_a_hold(
+    env: Env, published: list[dict[str, Any]]
+) -> None:
+    """The lock Redis is down when the claim is sent: the call is sent anyway, without the
+    hold header, so that its worker checks it for duplicates before it runs."""
+    app = env.app(lock_url=f"redis://127.0.0.1:{_closed_port()}/1")
+
+    @app.task(base=LockedTask, shared=False, lock_key="d:<n>", lock_on="enqueue")
+    def down(n: int) -> int:
+        return n
+
+    result = down.delay(3)
+    assert [h.get("id") for h in published] == [result.id]
+    assert "redlock_hold" not in published[0]
+    assert queued_messages(app) == 1
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -34,7 +34,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
-from ..backend import Backend, DoneMarks, Records, capability, has, need
+from ..backend import Backend, DoneMarks, Records, Sends, Sent, capability, has, need
 from ..backend_types import Slot
 from ..errors import ConfigError, QuorumUnavailable
 from .quorum_gate import BUSY, NoAnswer, gate_of, park
@@ -50,8 +50,6 @@ __all__ = [
     "NoAnswer",
     "QuorumCalls",
     "Round",
-    "Sends",
-    "Sent",
     "Verb",
     "answered",
     "describe_failure",
@@ -83,44 +81,6 @@ class Member(Backend, DoneMarks, Records, Protocol):
     def raise_fence(self, slot: Slot, fence: int, fence_ttl_ms: int) -> int:
         """Lift the name's fence counter to at least *fence*; returns the counter after
         the call (a quorum writes its chosen fence back to a majority with this)."""
-        ...
-
-
-class Sent(Protocol):
-    """A verb a member sent, whose answer is read when it comes."""
-
-    def ready(self, timeout: float) -> bool:
-        """True once the answer is there to read (waits up to *timeout*)."""
-        ...
-
-    def result(self) -> Any:
-        """The verb's answer (read now if it has not been), or what the verb would raise."""
-        ...
-
-    def finish(self, follow: Callable[[], object] | None = None) -> None:
-        """Nobody waits for the answer: read it in the background, give the connection
-        back, then run *follow* (a release that must come after the call)."""
-        ...
-
-    def poll(self) -> None:
-        """Read the answer if it has come (no wait), giving the connection back."""
-        ...
-
-
-@capability("calls sent now and answered later (a quorum's fast path)")
-class Sends(Protocol):
-    """A member that writes a verb now and reads its answer later (:class:`Sent`)."""
-
-    def send(
-        self,
-        verb: str,
-        args: tuple[Any, ...],
-        kwargs: Mapping[str, Any],
-        answered: Callable[[bool], object],
-    ) -> Sent | None:
-        """``verb(*args, **kwargs)`` sent now, ``answered(heard)`` called once its answer
-        is read or it failed (*heard*: the member answered); None when this member calls
-        that verb the usual way."""
         ...
 
 

@@ -44,10 +44,11 @@ from . import redis_giveback
 from .redis_admin import fence_of, foreign_data_message
 from .redis_calls import mutex_keys
 from .redis_client import cannot_decide, check_client, checkout, is_client, server_refused
-from .redis_holds import RedisHolds
+from .redis_holds import RedisHolds, queued_of
 from .redis_operator import RedisOperator
 from .redis_scripts import (
     ACQUIRE,
+    ENQUEUE,
     EXTEND,
     EXTEND_NODE,
     PERMIT_ACQUIRE,
@@ -182,7 +183,7 @@ class RedisBackend(RedisHolds, RedisOperator):
             raise exc
         raise AssertionError("unreachable")  # pragma: no cover - the guard raised
 
-    # -- a quorum's fast path ------------------------------------------------------------
+    # -- sent now, answered later -------------------------------------------------------
     def send(
         self,
         verb: str,
@@ -190,35 +191,16 @@ class RedisBackend(RedisHolds, RedisOperator):
         kwargs: Mapping[str, Any],
         answered: Callable[[bool], object],
     ) -> RedisSent | None:
-        """An acquire, release, release_done or extend of a mutex written now on a
-        connection of the client's pool, its answer read later (a quorum's fast path: see
-        :mod:`.redis_sent`); None for anything else (a cluster, a permit, another verb)."""
+        """An acquire, release, release_done, extend or enqueue of a mutex written now on
+        a connection of the client's pool, its answer read later (a quorum's fan-out, a
+        publish's claim: see :mod:`.redis_sent`); None for anything else (a cluster, a
+        permit, another verb)."""
         slot = args[0] if args else None
-        if self._pool is None or not isinstance(slot, Slot) or slot.permits:
+        build = _SENDS.get(verb)
+        if build is None or self._pool is None or not isinstance(slot, Slot) or slot.permits:
             return None
-        keys, fail = slot.keys, partial(self._failed, slot)
-        released = [keys.lock, keys.notify, keys.waiting, keys.released]
-        if verb == "acquire":
-            _, token, ttl_ms, record = args
-            flag = "1" if kwargs["wait"] else "0"
-            names = [keys.lock, keys.fence, keys.waiting]
-            argv = [token, ttl_ms, record, flag, kwargs["fence_ttl_ms"]]
-            taken = partial(self._acquire_failed, slot, token, ttl_ms)
-            return RedisSent(self._pool, ACQUIRE, names, argv, _granted, taken, answered)
-        if verb == "release":
-            _, token, notice_ms = args
-            argv = [token, notice_ms, RECENT_BYTES]
-            return RedisSent(self._pool, RELEASE, released, argv, Status.of, fail, answered)
-        if verb == "release_done":
-            _, token, notice_ms, mark, mark_ms = args
-            argv = [token, notice_ms, RECENT_BYTES, mark, mark_ms]
-            names = [*released, keys.done]
-            return RedisSent(self._pool, RELEASE, names, argv, Status.of, fail, answered)
-        if verb == "extend":
-            _, token, ms = args
-            argv = [token, ms, "1" if kwargs["replace"] else "0"]
-            return RedisSent(self._pool, EXTEND, [keys.lock], argv, _lease, fail, answered)
-        return None
+        script, names, argv, finish, fail = build(self, *args, **kwargs)
+        return RedisSent(self._pool, script, names, argv, finish, fail, answered)
 
     def _abandon(self, slot: Slot, token: str, notice_ms: int) -> None:
         """Take back what *token* may hold, best effort, never raising: here once, and
@@ -355,6 +337,80 @@ class RedisBackend(RedisHolds, RedisOperator):
             if slot.permits:
                 return len(PERMITS(self.client, [slot.keys.lock], [])) // 4 >= slot.limit
             return bool(self.client.exists(slot.keys.lock))
+
+
+#: What a sent verb writes: the script, its keys and arguments, how its answer reads, and
+#: what its error raises.
+_Sending = tuple[Script, list[str], list[Any], Callable[[Any], Any], Callable[[Exception], Any]]
+
+
+def _send_acquire(
+    backend: RedisBackend,
+    slot: Slot,
+    token: str,
+    ttl_ms: int,
+    record: str,
+    *,
+    wait: bool,
+    fence_ttl_ms: int,
+) -> _Sending:
+    keys = slot.keys
+    argv = [token, ttl_ms, record, "1" if wait else "0", fence_ttl_ms]
+    taken = partial(backend._acquire_failed, slot, token, ttl_ms)
+    return ACQUIRE, [keys.lock, keys.fence, keys.waiting], argv, _granted, taken
+
+
+def _send_release(backend: RedisBackend, slot: Slot, token: str, notice_ms: int) -> _Sending:
+    keys = slot.keys
+    names = [keys.lock, keys.notify, keys.waiting, keys.released]
+    return (
+        RELEASE,
+        names,
+        [token, notice_ms, RECENT_BYTES],
+        Status.of,
+        partial(backend._failed, slot),
+    )
+
+
+def _send_release_done(  # noqa: PLR0917 - the release_done verb's arguments
+    backend: RedisBackend, slot: Slot, token: str, notice_ms: int, mark: str, mark_ms: int
+) -> _Sending:
+    keys = mutex_keys(slot)
+    names = [keys.lock, keys.notify, keys.waiting, keys.released, keys.done]
+    argv = [token, notice_ms, RECENT_BYTES, mark, mark_ms]
+    return RELEASE, names, argv, Status.of, partial(backend._failed, slot)
+
+
+def _send_extend(
+    backend: RedisBackend, slot: Slot, token: str, ms: int, *, replace: bool
+) -> _Sending:
+    argv = [token, ms, "1" if replace else "0"]
+    return EXTEND, [slot.keys.lock], argv, _lease, partial(backend._failed, slot)
+
+
+def _send_enqueue(
+    backend: RedisBackend,
+    slot: Slot,
+    owner: str,
+    ttl_ms: int,
+    record: str,
+    *,
+    replace: bool,
+    running_blocks: bool,
+) -> _Sending:
+    keys = mutex_keys(slot)
+    argv = [owner, ttl_ms, record, "1" if replace else "0", "1" if running_blocks else "0"]
+    return ENQUEUE, [keys.queued, keys.lock], argv, queued_of, partial(backend._failed, slot)
+
+
+#: The verbs :meth:`RedisBackend.send` sends, and what each writes.
+_SENDS: dict[str, Callable[..., _Sending]] = {
+    "acquire": _send_acquire,
+    "release": _send_release,
+    "release_done": _send_release_done,
+    "extend": _send_extend,
+    "enqueue": _send_enqueue,
+}
 
 
 def _granted(reply: Any) -> Grant:

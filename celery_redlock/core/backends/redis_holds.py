@@ -8,12 +8,13 @@ check; :class:`~celery_redlock.core.backend.Rates`;
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 from ..backend_types import Claim, Queued, RateGrant, Slot, Status, parse_holder, text
 from .redis_calls import RedisCalls, mutex_keys
 from .redis_scripts import CLAIM_FIELD, DEQUEUE, ENQUEUE, RATE
 
-__all__ = ["RedisHolds"]
+__all__ = ["RedisHolds", "queued_of"]
 
 
 class RedisHolds(RedisCalls):
@@ -39,14 +40,7 @@ class RedisHolds(RedisCalls):
         args = [owner, ttl_ms, record, "1" if replace else "0", "1" if running_blocks else "0"]
         with self._guard(slot):
             reply = self._run(ENQUEUE, [keys.queued, keys.lock], args)
-        code = int(reply[0])
-        if code == 1:
-            return Queued("queued")
-        if code == 2:
-            return Queued("replaced", owner=text(reply[1]), holder=parse_holder(reply[2]))
-        holder = parse_holder(reply[2])
-        other = text(reply[1]) or str(holder.get("task_id") or "")
-        return Queued("duplicate", other, holder, ttl_ms=int(reply[3]), state=text(reply[4]))
+        return queued_of(reply)
 
     def dequeue(self, slot: Slot, owner: str) -> Status:
         keys = mutex_keys(slot)
@@ -111,3 +105,15 @@ def _records_message(key: str, exc: Exception) -> str:
         f"{key!r} holds data that is not a hash of records ({exc}): something other than "
         "celery-redlock writes under the lock key prefix; delete that key if it is stale"
     )
+
+
+def queued_of(reply: Any) -> Queued:
+    """An ``enqueue.lua`` reply as a :class:`~..backend_types.Queued`."""
+    code = int(reply[0])
+    if code == 1:
+        return Queued("queued")
+    if code == 2:
+        return Queued("replaced", owner=text(reply[1]), holder=parse_holder(reply[2]))
+    holder = parse_holder(reply[2])
+    other = text(reply[1]) or str(holder.get("task_id") or "")
+    return Queued("duplicate", other, holder, ttl_ms=int(reply[3]), state=text(reply[4]))
