@@ -146,7 +146,6 @@ class Lock(Lease):
         self.blocking = blocking
         self.timeout = timeout
         self.on_lost = on_lost
-        self._record_tail: str | None = None
         #: The other owner's record, from the last contended attempt.
         self.holder: dict[str, Any] = {}
         #: The other owner's remaining lease (ms) at the last contended attempt.
@@ -158,15 +157,17 @@ class Lock(Lease):
     def _holder_record(self) -> str:
         """The JSON holder record stored with the lock: host, pid, when, and owner_info.
 
-        Written as ``json.dumps`` of the whole record would write it, from parts made once:
-        the host and pid once per process, owner_info once per lock object.
+        Written as ``json.dumps`` of the whole record would write it: the host and pid part
+        is made once per process; owner_info is written each time (it may be edited in
+        place between acquisitions).
         """
-        if self._record_tail is None:
-            tail = json.dumps(self.owner_info, separators=(",", ":"), default=str)
-            self._record_tail = "}" if tail == "{}" else f",{tail[1:]}"
         at = round(time.time(), 3)
-        if not self.owner_info.keys() & _RECORD_OWN:
-            return f"{_record_head()}{at!r}{self._record_tail}"
+        info = self.owner_info
+        if not info:
+            return f"{_record_head()}{at!r}}}"
+        if not info.keys() & _RECORD_OWN:
+            tail = json.dumps(info, separators=(",", ":"), default=str)
+            return f"{_record_head()}{at!r},{tail[1:]}"
         record: dict[str, Any] = {"hostname": _HOSTNAME, "pid": process.pid(), "acquired_at": at}
         record.update(self.owner_info)  # owner_info overrides what the lock writes
         return json.dumps(record, separators=(",", ":"), default=str)
