@@ -38,6 +38,7 @@ the Prometheus hook), and a Celery event (``task-lock-duplicate`` /
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -125,7 +126,8 @@ def publish_held(
     hold = _hold(state, task, name)
     special = any(call.get(k) for k in ("chain", "link", "link_error", "chord", "group_id"))
     if not (republish or special) and claiming.hook(task.app):
-        return _publish_overlapped(task, name, options, hold, ttl, args, kwargs, call, send)
+        publish = functools.partial(send, args, kwargs)
+        return _publish_overlapped(task, name, options, hold, ttl, call, publish)
     try:
         if republish:
             found = hold.claim(task_id, ttl, report=False)
@@ -172,24 +174,17 @@ def publish_held(
 
 
 def _publish_overlapped(  # noqa: PLR0917 - publish_held's call, with its hold and lifetime
-    task: Any,
-    name: str,
-    options: TaskOptions,
-    hold: QueuedHold,
-    ttl: float,
-    args: Any,
-    kwargs: Any,
-    call: dict[str, Any],
-    send: Callable[..., Any],
-) -> Any:
-    """A plain call's publish, its claim answered while Celery builds the message (see
-    :mod:`celery_redlock.claiming`)."""
+    task: Any, name: str, options: TaskOptions, hold: QueuedHold, ttl: float,
+    call: dict[str, Any], send: Callable[..., Any]
+) -> Any:  # fmt: skip
+    """A plain call's publish (``send(**call)``), its claim answered while Celery builds
+    the message (see :mod:`celery_redlock.claiming`)."""
     task_id = call["task_id"]
     try:
         pending = hold.claim_later(task_id, ttl, **options.duplicate.terms(options.lock_on))
     except QuorumUnavailable as exc:
         _sent_anyway(task, task_id, name, exc)
-        return send(args, kwargs, **call)
+        return send(**call)
     headers = call["headers"] = {**(call.get("headers") or {}), HOLD_HEADER: name}
 
     def decide(claim: PendingClaim) -> Queued | None:
@@ -207,7 +202,7 @@ def _publish_overlapped(  # noqa: PLR0917 - publish_held's call, with its hold a
 
     with claiming.deciding(task_id, pending, decide) as deciding:
         try:
-            result = send(args, kwargs, **call)
+            result = send(**call)
         except claiming.NotSent as stop:
             return _duplicate(task, name, options, stop.found, task_id)
         except BaseException:

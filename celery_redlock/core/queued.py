@@ -105,26 +105,19 @@ class QueuedHold:
             self._report(found)
         return found
 
-    def claim_later(
-        self,
-        owner: str,
-        ttl: float,
-        *,
-        replace: bool = False,
-        running_blocks: bool = False,
-    ) -> PendingClaim:
-        """:meth:`claim`, sent now and answered when :meth:`PendingClaim.result` is asked
-        (on a backend that :class:`~.backend.Sends`; elsewhere claimed at once): a
-        publish sends its claim before Celery builds the message, and reads the answer
-        once the message is built. The caller ends with :meth:`PendingClaim.close`."""
+    def claim_later(self, owner: str, ttl: float, **terms: bool) -> PendingClaim:
+        """:meth:`claim` (*terms*: its ``replace`` and ``running_blocks``), sent now and
+        answered when :meth:`PendingClaim.result` is asked (on a backend that
+        :class:`~.backend.Sends`; elsewhere claimed at once): a publish sends its claim
+        before Celery builds the message, and reads the answer once the message is built.
+        The caller ends with :meth:`PendingClaim.close`."""
         ttl_ms, record = self._terms(owner, ttl)
+        replace, blocks = terms.get("replace", False), terms.get("running_blocks", False)
+        flags = {"replace": replace, "running_blocks": blocks}
         args = (self.slot, owner, ttl_ms, record)
-        terms = {"replace": replace, "running_blocks": running_blocks}
-        sent = None if self._sender is None else self._sender.send("enqueue", args, terms, _quiet)
+        sent = None if self._sender is None else self._sender.send("enqueue", args, flags, _quiet)
         if sent is None:
-            found = self.backend.enqueue(
-                self.slot, owner, ttl_ms, record, replace=replace, running_blocks=running_blocks
-            )
+            found = self.backend.enqueue(*args, replace=replace, running_blocks=blocks)
             return PendingClaim(self, found=found)
         return PendingClaim(self, sent=sent)
 

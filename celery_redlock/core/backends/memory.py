@@ -113,16 +113,9 @@ class MemoryBackend(MemoryStore):
 
     @atomic
     def take_over(
-        self,
-        slot: Slot,
-        token: str,
-        ttl_ms: int,
-        record: str,
-        handover: Handover,
-        *,
-        wait: bool,
-        fence_ttl_ms: int,
-    ) -> Grant:
+        self, slot: Slot, token: str, ttl_ms: int, record: str, handover: Handover, *,
+        wait: bool, fence_ttl_ms: int
+    ) -> Grant:  # fmt: skip
         """Take the mutex of *slot* and task ``handover.owner``'s queued hold with it
         (acquire.lua with the hold's key)."""
         mutex_keys(slot)
@@ -382,16 +375,9 @@ class MemoryBackend(MemoryStore):
     # -- rate grants ------------------------------------------------------------------------
     @atomic
     def rate(
-        self,
-        name: str,
-        key: str,
-        interval_us: int,
-        burst: int,
-        *,
-        mode: str,
-        most_us: int = 0,
-        grace_us: int = 0,
-    ) -> RateGrant:
+        self, name: str, key: str, interval_us: int, burst: int, *, mode: str,
+        most_us: int = 0, grace_us: int = 0
+    ) -> RateGrant:  # fmt: skip
         """One GCRA decision (rate.lua): *mode* ``take``, ``queue`` or ``peek``."""
         if mode not in ("take", "queue", "peek"):
             raise ValueError(f"rate limiter {name!r}: unknown mode {mode!r}")
@@ -431,7 +417,7 @@ class MemoryBackend(MemoryStore):
         return dict(self.get(f"{slot.keys.lock}:{suffix}", "hash") or {})
 
     @atomic
-    def claim(  # noqa: PLR0917 - the verb's signature
+    def claim(  # noqa: PLR0917 - the Records protocol's signature
         self, slot: Slot, suffix: str, token: str, name: str, value: str,
         version: tuple[int, int], deadline: float | None = None
     ) -> Claim:  # fmt: skip

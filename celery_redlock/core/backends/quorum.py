@@ -364,16 +364,10 @@ class QuorumBackend(QuorumCalls):
         call: Call = lambda m: m.load_records(slot, suffix)  # noqa: E731
         return newest_records(self.gather(slot.name, call, self.timeout(None)))
 
-    def claim(  # noqa: PLR0917 - the Backend protocol's signature
-        self,
-        slot: Slot,
-        suffix: str,
-        token: str,
-        name: str,
-        value: str,
-        version: tuple[int, int],
-        deadline: float | None = None,
-    ) -> Claim:
+    def claim(  # noqa: PLR0917 - the Records protocol's signature
+        self, slot: Slot, suffix: str, token: str, name: str, value: str,
+        version: tuple[int, int], deadline: float | None = None
+    ) -> Claim:  # fmt: skip
         """Claimed on a majority before *deadline*; lost on too many; else stale, or
         QuorumUnavailable (see :mod:`~celery_redlock.core.records`)."""
         n, q = self.masters, self.quorum

@@ -132,16 +132,9 @@ class RedisBackend(RedisHolds, RedisOperator):
         return self._acquire(slot, token, ttl_ms, ACQUIRE, args, names)
 
     def take_over(
-        self,
-        slot: Slot,
-        token: str,
-        ttl_ms: int,
-        record: str,
-        handover: Handover,
-        *,
-        wait: bool,
-        fence_ttl_ms: int,
-    ) -> Grant:
+        self, slot: Slot, token: str, ttl_ms: int, record: str, handover: Handover, *,
+        wait: bool, fence_ttl_ms: int
+    ) -> Grant:  # fmt: skip
         keys = mutex_keys(slot)
         args: list[Any] = [token, ttl_ms, record, "1" if wait else "0", fence_ttl_ms]
         args += [handover.owner, "1" if handover.strict else "0"]
@@ -185,12 +178,9 @@ class RedisBackend(RedisHolds, RedisOperator):
 
     # -- sent now, answered later -------------------------------------------------------
     def send(
-        self,
-        verb: str,
-        args: tuple[Any, ...],
-        kwargs: Mapping[str, Any],
-        answered: Callable[[bool], object],
-    ) -> RedisSent | None:
+        self, verb: str, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+        answered: Callable[[bool], object]
+    ) -> RedisSent | None:  # fmt: skip
         """An acquire, release, release_done, extend or enqueue of a mutex written now on
         a connection of the client's pool, its answer read later (a quorum's fan-out, a
         publish's claim: see :mod:`.redis_sent`); None for anything else (a cluster, a
@@ -345,15 +335,9 @@ _Sending = tuple[Script, list[str], list[Any], Callable[[Any], Any], Callable[[E
 
 
 def _send_acquire(
-    backend: RedisBackend,
-    slot: Slot,
-    token: str,
-    ttl_ms: int,
-    record: str,
-    *,
-    wait: bool,
-    fence_ttl_ms: int,
-) -> _Sending:
+    backend: RedisBackend, slot: Slot, token: str, ttl_ms: int, record: str, *,
+    wait: bool, fence_ttl_ms: int
+) -> _Sending:  # fmt: skip
     keys = slot.keys
     argv = [token, ttl_ms, record, "1" if wait else "0", fence_ttl_ms]
     taken = partial(backend._acquire_failed, slot, token, ttl_ms)
@@ -389,15 +373,9 @@ def _send_extend(
 
 
 def _send_enqueue(
-    backend: RedisBackend,
-    slot: Slot,
-    owner: str,
-    ttl_ms: int,
-    record: str,
-    *,
-    replace: bool,
-    running_blocks: bool,
-) -> _Sending:
+    backend: RedisBackend, slot: Slot, owner: str, ttl_ms: int, record: str, *,
+    replace: bool, running_blocks: bool
+) -> _Sending:  # fmt: skip
     keys = mutex_keys(slot)
     argv = [owner, ttl_ms, record, "1" if replace else "0", "1" if running_blocks else "0"]
     return ENQUEUE, [keys.queued, keys.lock], argv, queued_of, partial(backend._failed, slot)

@@ -27,15 +27,9 @@ class RedisHolds(RedisCalls):
             return self.client.zscore(slot.keys.done, mark) is not None
 
     def enqueue(
-        self,
-        slot: Slot,
-        owner: str,
-        ttl_ms: int,
-        record: str,
-        *,
-        replace: bool,
-        running_blocks: bool,
-    ) -> Queued:
+        self, slot: Slot, owner: str, ttl_ms: int, record: str, *, replace: bool,
+        running_blocks: bool
+    ) -> Queued:  # fmt: skip
         keys = mutex_keys(slot)
         args = [owner, ttl_ms, record, "1" if replace else "0", "1" if running_blocks else "0"]
         with self._guard(slot):
@@ -48,16 +42,9 @@ class RedisHolds(RedisCalls):
             return Status.of(self._run(DEQUEUE, [keys.queued], [owner]))
 
     def rate(
-        self,
-        name: str,
-        key: str,
-        interval_us: int,
-        burst: int,
-        *,
-        mode: str,
-        most_us: int = 0,
-        grace_us: int = 0,
-    ) -> RateGrant:
+        self, name: str, key: str, interval_us: int, burst: int, *, mode: str,
+        most_us: int = 0, grace_us: int = 0
+    ) -> RateGrant:  # fmt: skip
         def foreign(exc: Exception) -> str:
             return (
                 f"rate limiter {name!r}: Redis refused the rate script on {key!r} ({exc}): "
@@ -76,16 +63,10 @@ class RedisHolds(RedisCalls):
             found = self.client.hgetall(key)
         return {text(name): text(value) for name, value in found.items()}
 
-    def claim(  # noqa: PLR0917 - the Backend protocol's signature
-        self,
-        slot: Slot,
-        suffix: str,
-        token: str,
-        name: str,
-        value: str,
-        version: tuple[int, int],
-        deadline: float | None = None,
-    ) -> Claim:
+    def claim(  # noqa: PLR0917 - the Records protocol's signature
+        self, slot: Slot, suffix: str, token: str, name: str, value: str,
+        version: tuple[int, int], deadline: float | None = None
+    ) -> Claim:  # fmt: skip
         """See :meth:`Backend.claim`; one Redis answers within its client's socket
         timeout, so *deadline* (a quorum's bound) is not needed here."""
         key = f"{slot.keys.lock}:{suffix}"
