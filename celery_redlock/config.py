@@ -40,10 +40,11 @@ from .checks import (
     whole_number,
 )
 from .core import ConfigError, KeyTemplate
+from .core.backend import Permits, QueuedHolds, Rates
 from .core.connect import mask_url
 from .core.lease import DEFAULT_FENCE_TTL
 from .policies import CONTENDED, DUPLICATE, LOST, Policies
-from .rows import Flag, Row, row, table_of
+from .rows import Flag, Needs, Row, row, table_of
 
 __all__ = [
     "LOCK_ON",
@@ -52,6 +53,7 @@ __all__ = [
     "Settings",
     "TaskOptions",
     "TaskSpec",
+    "capabilities_needed",
     "check_declared",
     "check_task_option",
     "declared",
@@ -109,9 +111,18 @@ class Settings:
         lease(allow_none=True, minimum=0.001), None, "Cap on a run's total hold time", setting=False
     )
     limit: int | None = row(
-        limit_option, 1, "Runs of one key at once (1: a mutex; None: no cap)", none_is_value=True
+        limit_option,
+        1,
+        "Runs of one key at once (1: a mutex; None: no cap)",
+        none_is_value=True,
+        needs=Needs(Permits, lambda limit: limit is not None and limit > 1),
     )
-    rate: str | None = row(rate_option, None, "Run starts of one key per period ('10/m')")
+    rate: str | None = row(
+        rate_option,
+        None,
+        "Run starts of one key per period ('10/m')",
+        needs=Needs(Rates, lambda rate: rate is not None),
+    )
     rate_burst: int = row(
         positive_number, 1, "Run starts allowed at once after an idle spell", setting=False
     )
@@ -121,6 +132,7 @@ class Settings:
         "When locks are held, for tasks that do not set lock_on: run (default), enqueue or "
         "enqueue+run",
         task="lock_on",
+        needs=Needs(QueuedHolds, lambda lock_on: lock_on != "run"),
         flag=Flag(
             note="It also sets what this worker publishes. Publishers must use the same "
             "setting to de-duplicate at publish; the worker checks messages that were sent "
@@ -449,3 +461,15 @@ def resolve(cls: type, spec: TaskSpec, settings: Settings) -> TaskOptions:
         default = values["default_key"]
         key = KeyTemplate(default) if isinstance(default, str) else default
     return TaskOptions(**values, **policies, key=key, signature=spec.signature)
+
+
+def capabilities_needed(options: TaskOptions) -> list[tuple[str, type]]:
+    """What the lock store must be able to keep for a task with *options* (each as the
+    option and value that need it, and the capability; the rows say which): checked at
+    worker start."""
+    needed: list[tuple[str, type]] = []
+    for name, spec in OPTIONS.items():
+        value = getattr(options, spec.name)
+        if spec.needs is not None and spec.needs.when(value):
+            needed.append((f"{name}={value!r}", spec.needs.capability))
+    return needed

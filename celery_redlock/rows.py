@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Flag", "Row", "Table", "row", "table_of"]
+__all__ = ["Flag", "Needs", "Row", "Table", "row", "table_of"]
 
 #: The key of a row in its field's metadata.
 ROW = "celery_redlock.row"
@@ -40,6 +40,16 @@ class Flag:
     switch: bool = False
     #: What only the flag's help says, after the row's help.
     note: str = ""
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a value of a row asks of the lock store: a capability of the backend seam
+    (:mod:`celery_redlock.core.backend`), when ``when(value)`` is true. A worker whose
+    store lacks it stops at start-up naming the task and the option."""
+
+    capability: type
+    when: Callable[[Any], bool]
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,8 @@ class Row:
     none_is_value: bool = False
     #: Only means something with ``lock_on="enqueue"`` or ``"enqueue+run"``.
     enqueue_only: bool = False
+    #: What some of its values ask of the lock store, or None.
+    needs: Needs | None = None
 
     @property
     def flag_name(self) -> str:
@@ -89,10 +101,12 @@ def row(
     flag: Flag | None = None,
     none_is_value: bool = False,
     enqueue_only: bool = False,
+    needs: Needs | None = None,
 ) -> Any:
     """A ``Settings`` field that is one row: *task* and *setting* say whether it is a
     task option and an app setting (True: ``lock_`` / ``redlock_`` + the field's name; a
-    string: that name; False: not one); *flag* makes it a worker flag."""
+    string: that name; False: not one); *flag* makes it a worker flag; *needs* says which
+    of its values need a capability of the lock store."""
 
     def named(name: str) -> Row:
         return Row(
@@ -105,6 +119,7 @@ def row(
             flag=flag,
             none_is_value=none_is_value,
             enqueue_only=enqueue_only,
+            needs=needs,
         )
 
     meta = {ROW: named}

@@ -39,7 +39,6 @@ from .core import (
     RunLock,
     Semaphore,
 )
-from .core.backend import Permits, QueuedHolds, Rates
 from .core.errors import describe_holder
 from .core.lease import drift
 from .dedup import (
@@ -57,7 +56,6 @@ from .state import AppState, state_for
 
 __all__ = [
     "acquire_for_request",
-    "capabilities_needed",
     "lock_of",
     "on_postrun",
     "release_for_request",
@@ -118,19 +116,6 @@ def _new_lock(
         on_lost=on_lost,
         **extra,
     )
-
-
-def capabilities_needed(options: TaskOptions) -> list[tuple[str, type]]:
-    """What the lock store must be able to keep for a task with *options* (each as the
-    option that needs it, and the capability): checked at worker start."""
-    needed: list[tuple[str, type]] = []
-    if options.limit is not None and options.limit > 1:
-        needed.append((f"lock_limit={options.limit}", Permits))
-    if options.rate is not None:
-        needed.append((f"lock_rate={options.rate!r}", Rates))
-    if options.lock_on != "run":
-        needed.append((f"lock_on={options.lock_on!r}", QueuedHolds))
-    return needed
 
 
 def _held_by_this_task(lock: Lock, task_id: str) -> bool:

@@ -26,6 +26,7 @@ from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from redis.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, BusyLoadingError
 
+from .config import capabilities_needed
 from .core import renewal
 from .core.backend import has, lacks
 from .core.connect import mask_url
@@ -34,7 +35,6 @@ from .dedup import HOLD_HEADER, give_back_hold
 from .flags import flag_overrides
 from .naming import KEY_HEADER, lock_name_for
 from .observability import drop_unscrapable_metrics
-from .run import capabilities_needed
 from .state import AppState, state_for
 from .task import LockedTask, apply_redlock_tasks
 
@@ -137,7 +137,7 @@ def check_locked_tasks(app: Any, state: AppState) -> None:
     """Resolve every locked task's options against the settings now, so a bad combination
     (``lock_limit=None`` without a rate) or an option the lock store cannot keep (a limit
     above one, a rate or enqueue-time holds on Redlock masters: see
-    :func:`~celery_redlock.run.capabilities_needed`) stops the worker at start-up with one
+    :func:`~celery_redlock.config.capabilities_needed`) stops the worker at start-up with one
     ConfigError naming every such task (by name) and its option, never deep in a run."""
     backend = state.backend()
     problems: list[str] = []
