@@ -388,10 +388,13 @@ class Sends(Protocol):
         args: tuple[Any, ...],
         kwargs: Mapping[str, Any],
         answered: Callable[[bool], object],
+        behind: Any = None,
     ) -> Sent | None:
         """``verb(*args, **kwargs)`` sent now, ``answered(heard)`` called once its answer
         is read or it failed (*heard*: the server answered); None when this backend
-        calls that verb the usual way."""
+        calls that verb the usual way. *behind*: a call this backend sent that nobody
+        waits for any more: where it can, the verb goes on that call's connection after
+        it (in order, with no new connection), and reads its answer first."""
         ...
 
 

@@ -367,8 +367,8 @@ def test_paused_master_does_not_slow_an_acquire_the_others_decide(
 
 def test_an_answer_nobody_waited_for_gives_its_connection_back(redis_servers: Servers) -> None:
     """A paused master's answers, which the other two made needless, are read once it
-    resumes (by the next call there, or the reaper): nothing stays outstanding, and its
-    pool is not left short of a connection."""
+    resumes (by the next call there, or the reaper): nothing stays outstanding, its
+    release ran after its acquire (nothing left held there), and it is asked again."""
     servers = redis_servers(3)
     lock = Redlock(clients_of(servers), "rl:parked", ttl=2)
     for _ in range(2):  # every master heard from: calls are sent directly
@@ -384,6 +384,9 @@ def test_an_answer_nobody_waited_for_gives_its_connection_back(redis_servers: Se
     finally:
         servers[0].resume()
     assert wait_for(lambda: all(gate.calls == 0 for gate in gates), timeout=5)
+    # The release went to the paused master after its acquire (behind it, on the same
+    # connection): once it ran both, it holds nothing.
+    assert not holds_key(servers[0], "rl:parked")
     said = []
     for _ in range(20):  # and the master is asked again, and answers
         assert lock.acquire(blocking=False)

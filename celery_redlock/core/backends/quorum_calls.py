@@ -37,7 +37,7 @@ from typing import Any, NoReturn, Protocol
 from ..backend import Backend, DoneMarks, Records, Sends, Sent, capability, has, need
 from ..backend_types import Slot
 from ..errors import ConfigError, QuorumUnavailable
-from .quorum_gate import BUSY, NoAnswer, gate_of, park
+from .quorum_gate import BUSY, NoAnswer, gate_of
 
 __all__ = [
     "FIRST_CONTACT",
@@ -224,8 +224,8 @@ class Round:
         if wait:
             self.wait(lambda _: False)
         sent, self.sent = self.sent, {}
-        for pending in sent.values():
-            park(pending)
+        for pos, pending in sent.items():
+            self.quorum.gates[self.where[pos]].park(pending)
 
 
 def _answer(sent: Sent) -> Any:
@@ -299,23 +299,28 @@ class QuorumCalls:
         """*call* (a :class:`Verb`) sent to member *i* by the caller: None when the member
         does not send (or not this verb), has not answered yet in this process (its first
         call connects in the pool), its last sent call went unanswered, or a call of ours
-        is still outstanding there: the caller never waits for a connection to be made,
-        and calls to one member keep their order."""
+        is still outstanding there, unless that one is parked (nobody waits for it): then
+        the call goes behind it on its connection. The caller never waits for a
+        connection to be made, and calls to one member keep their order."""
         sender = self.senders[i]
         if sender is None or not isinstance(call, Verb):
             return None
         gate = self.gates[i]
+        behind = None
         if gate.calls:
             gate.settle()
-        if not (gate.heard and gate.sends) or gate.calls:
+            if gate.calls:
+                behind = gate.parked_alone()
+                if behind is None:
+                    return None
+        if not (gate.heard and gate.sends):
             return None
         key = next(_keys)
         gate.sending(key)
         sent: Sent | None = None
         try:
-            sent = sender.send(
-                call.name, call.args, call.kwargs, functools.partial(gate.answered, key)
-            )
+            answered = functools.partial(gate.answered, key)
+            sent = sender.send(call.name, call.args, call.kwargs, answered, behind)
         finally:
             if sent is None:  # not sent (or it raised): nothing outstanding
                 gate.forget(key)

@@ -10,11 +10,13 @@ than a round's timeout is stuck (silent, paused): it is sent nothing more until 
 call returns.
 
 An answer that nobody waits for any more (the outcome was decided without it) is left
-with its gate (:func:`park`): the next call to that member reads it if it has come
-(:meth:`Gate.settle`), and the process's one reaper thread finishes whatever is still
-outstanding :data:`REAP_AFTER` seconds later (its answer read in the pool, the
-connection given back). The common case, an answer a few microseconds behind the
-majority, so costs no thread at all.
+with its gate (:meth:`Gate.park`): the next call to that member reads it if it has come
+(:meth:`Gate.settle`), or is written behind it on its connection
+(:meth:`Gate.parked_alone`: in order, with no new connection, the old answer read
+first), and the process's one reaper thread finishes whatever is still outstanding
+:data:`REAP_AFTER` seconds later (its answer read in the pool, the connection given
+back). The common case, an answer a few microseconds behind the majority, so costs no
+thread at all.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 from .. import process, threads
 from ..errors import QuorumUnavailable
 
-__all__ = ["BUSY", "REAP_AFTER", "Gate", "NoAnswer", "gate_of", "park"]
+__all__ = ["BUSY", "REAP_AFTER", "Gate", "NoAnswer", "gate_of"]
 
 #: How long an answer nobody waits for stays with its gate before the reaper finishes it.
 REAP_AFTER = 0.005
@@ -66,6 +68,8 @@ class Gate:
         self._since = 0.0  # when the running call started (0.0: between calls)
         #: Calls sent directly and not answered yet: key -> (when sent, the call).
         self._sent: dict[int, tuple[float, Any]] = {}
+        #: The keys of those nobody waits for any more (parked: see :func:`park`).
+        self._parked: set[int] = set()
         #: Answered once: connected, scripts loaded.
         self.heard = False
         #: Sent to directly (it answered the last call it was sent); False after a send
@@ -108,11 +112,30 @@ class Gate:
         with self._mutex:
             self._sent.pop(key, None)
 
+    def park(self, call: Any) -> None:
+        """Nobody waits for *call* (sent directly) any more: the next call to this member
+        may be written behind it (:meth:`parked_alone`); the reaper finishes it else."""
+        with self._mutex:
+            for key, (_, sent) in self._sent.items():
+                if sent is call:
+                    self._parked.add(key)
+        _reaper.park(call)
+
+    def parked_alone(self) -> Any:
+        """The one call outstanding here when it is parked (a call may go behind it on
+        its connection); None when there are others, or it is not parked."""
+        with self._mutex:
+            if self._queue or self._since or len(self._sent) != 1:
+                return None
+            key, (_, call) = next(iter(self._sent.items()))
+            return call if key in self._parked else None
+
     def answered(self, key: int, heard: bool) -> None:
         """The call sent as *key* came back (its connection given back); *heard*: the
         member answered (else it was down or silent: its calls take the pool's path)."""
         with self._mutex:
             self._sent.pop(key, None)
+            self._parked.discard(key)
         if heard:
             self.heard = self.sends = True
         else:
@@ -210,12 +233,6 @@ class _Reaper:
 
 
 _reaper = _Reaper()
-
-
-def park(call: Any) -> None:
-    """*call* (sent, not answered, nobody waits for it) is finished by the next call to
-    its member or, :data:`REAP_AFTER` seconds from now, by the process's reaper."""
-    _reaper.park(call)
 
 
 def _after_fork() -> None:

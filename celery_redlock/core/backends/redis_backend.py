@@ -179,7 +179,7 @@ class RedisBackend(RedisHolds, RedisOperator):
     # -- sent now, answered later -------------------------------------------------------
     def send(
         self, verb: str, args: tuple[Any, ...], kwargs: Mapping[str, Any],
-        answered: Callable[[bool], object]
+        answered: Callable[[bool], object], behind: Any = None
     ) -> RedisSent | None:  # fmt: skip
         """An acquire, release, release_done, extend or enqueue of a mutex written now on
         a connection of the client's pool, its answer read later (a quorum's fan-out, a
@@ -190,7 +190,8 @@ class RedisBackend(RedisHolds, RedisOperator):
         if build is None or self._pool is None or not isinstance(slot, Slot) or slot.permits:
             return None
         script, names, argv, finish, fail = build(self, *args, **kwargs)
-        return RedisSent(self._pool, script, names, argv, finish, fail, answered)
+        before = behind if isinstance(behind, RedisSent) else None
+        return RedisSent(self._pool, script, names, argv, finish, fail, answered, before)
 
     def _abandon(self, slot: Slot, token: str, notice_ms: int) -> None:
         """Take back what *token* may hold, best effort, never raising: here once, and

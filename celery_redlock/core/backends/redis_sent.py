@@ -34,6 +34,7 @@ class RedisSent:
     __slots__ = (
         "_answered",
         "_args",
+        "_before",
         "_conn",
         "_error",
         "_fail",
@@ -54,14 +55,26 @@ class RedisSent:
         finish: Callable[[Any], Any],
         fail: Callable[[Exception], Any],
         answered: Callable[[bool], object],
+        behind: RedisSent | None = None,
     ) -> None:
         self._pool, self._script, self._answered = pool, script, answered
         self._keys, self._args, self._finish, self._fail = keys, args, finish, fail
         self._reply: Any = None
         self._error: Exception | None = None
         self._conn: Any = None
+        #: The ``answered`` of the call sent before this one on its connection, whose
+        #: answer comes first (None when there is none, or once it is read).
+        self._before: Callable[[bool], object] | None = None
         #: Held while the answer is read: the caller and a pool thread may both try.
         self._lock = threading.Lock()
+        taken = None if behind is None else behind._hand_over()
+        if taken is not None:  # written behind a call nobody waits for, on its connection
+            self._conn, self._before = taken
+            try:
+                self._conn.send_packed_command(self._packed("EVALSHA", script.sha))
+            except Exception as exc:
+                self._close(exc)
+            return
         try:
             self._conn = checkout(pool)
         except Exception as exc:  # the server cannot be reached: its answer, when read
@@ -88,10 +101,37 @@ class RedisSent:
         if self._conn is None:
             return True
         try:
+            if self._before is not None:
+                if not self._conn.can_read(timeout=timeout):
+                    return False
+                self._read_before()
             return bool(self._conn.can_read(timeout=timeout))
         except Exception as exc:
             self._close(exc)
             return True
+
+    def _read_before(self) -> None:
+        """Read (and drop) the answer of the call sent before this one on its connection."""
+        with contextlib.suppress(rx.ResponseError):  # its own error: nobody waits for it
+            self._conn.read_response()
+        before, self._before = self._before, None
+        if before is not None:
+            before(True)
+
+    def _hand_over(self) -> tuple[Any, Callable[[bool], object]] | None:
+        """This call's connection, for a call written behind it, with this call's
+        ``answered`` (the new call reads this answer first); None when it has none to
+        give (answered already, or being read)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if self._conn is None or self._before is not None:
+                return None
+            conn, self._conn = self._conn, None
+            self._error = RuntimeError("handed over to the call sent behind it")
+            return conn, self._answered
+        finally:
+            self._lock.release()
 
     def result(self) -> Any:
         """The script's answer through ``finish``, or what ``fail`` makes of its error."""
@@ -135,6 +175,8 @@ class RedisSent:
     def _read_now(self) -> None:
         conn = self._conn
         try:
+            if self._before is not None:
+                self._read_before()
             try:
                 reply = conn.read_response()
             except rx.NoScriptError:  # an answer was read: the connection is in step
@@ -152,4 +194,8 @@ class RedisSent:
         conn, self._conn, self._error = self._conn, None, error
         conn.disconnect()
         self._pool.release(conn)
-        self._answered(not cannot_decide(error))
+        heard = not cannot_decide(error)
+        before, self._before = self._before, None
+        if before is not None:
+            before(heard)
+        self._answered(heard)
