@@ -24,7 +24,7 @@ Where the publish happens:
   (:func:`claim_at_worker`) and skips the message visibly if it is a duplicate.
 
 On the worker, the message's lock is acquired with a hand-over
-(``Lock(handover=Handover(task_id))``): the hold becomes the lock in one owner-checked
+(``RunLock(handover=Handover(task_id))``): the hold becomes the lock in one owner-checked
 script, and a message whose hold another call has taken (replaced, or its own hold
 expired and was taken) is skipped as superseded. Retries (``self.retry()``,
 contention retries) re-publish under the same task id and keep their place.

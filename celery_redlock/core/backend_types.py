@@ -108,7 +108,7 @@ class Slot:
 @dataclass(frozen=True, slots=True)
 class Handover:
     """What an acquire takes over in the same step: the enqueue-time hold of task *owner*
-    (see :meth:`~celery_redlock.core.backend.Backend.enqueue`)."""
+    (see :meth:`~celery_redlock.core.backend.QueuedHolds.enqueue`)."""
 
     #: The task id whose queued hold becomes this lock.
     owner: str
@@ -201,7 +201,7 @@ class RateGrant:
 @dataclass(frozen=True)
 class Claim:
     """What a claim of a record beside a lock found
-    (:meth:`~celery_redlock.core.backend.Backend.claim`)."""
+    (:meth:`~celery_redlock.core.backend.Records.claim`)."""
 
     #: ``"claimed"``: written (on a majority of a quorum).
     #: ``"lost"``: the lock is gone or held by another acquisition (on too many masters),

@@ -5,8 +5,9 @@ Each test takes ``target``: what a user passes as a primitive's first argument, 
 Redis Cluster, and a Redlock quorum of three Redis servers). A test states a behaviour of
 the public API (``Lock``, ``Semaphore``, ``RateLimiter``, ``QueuedHold``, ``LockRecords``,
 the operator's ``force_release``) or of a backend verb, and must hold on each of them.
-What a quorum refuses (permits above 1, rate limits, queued holds) it must refuse with a
-``ConfigError``: the same test asserts the refusal there and the behaviour elsewhere.
+What a quorum lacks (permits above 1, rate limits, queued holds, operator verbs) is refused
+with a ``ConfigError`` when the primitive is built: the same test asserts the refusal there
+and the behaviour elsewhere; operator reads go to each master, as ``celery locks`` does.
 
 Adding a backend: add its name to :data:`BACKENDS` and a branch to ``target`` (and to
 ``nodes`` when it has Redis servers whose commands can be counted).

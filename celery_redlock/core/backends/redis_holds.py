@@ -67,8 +67,9 @@ class RedisHolds(RedisCalls):
         self, slot: Slot, suffix: str, token: str, name: str, value: str,
         version: tuple[int, int], deadline: float | None = None
     ) -> Claim:  # fmt: skip
-        """See :meth:`Backend.claim`; one Redis answers within its client's socket
-        timeout, so *deadline* (a quorum's bound) is not needed here."""
+        """See :meth:`~celery_redlock.core.backend.Records.claim`; one Redis answers
+        within its client's socket timeout, so *deadline* (a quorum's bound) is not
+        needed here."""
         key = f"{slot.keys.lock}:{suffix}"
         args = [token, name, value, version[0], version[1]]
         with self._errors(slot.name, partial(_records_message, key)):
