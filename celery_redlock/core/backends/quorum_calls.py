@@ -219,7 +219,7 @@ class Round:
     def close(self, *, wait: bool = False) -> None:
         """Done with this round: what was sent and not answered is parked with its
         member's gate, finished by the next call there or the reaper
-        (:func:`~.quorum_gate.park`; *wait*: first wait for the answers, up to the
+        (:meth:`~.quorum_gate.Gate.park`; *wait*: first wait for the answers, up to the
         timeout)."""
         if wait:
             self.wait(lambda _: False)

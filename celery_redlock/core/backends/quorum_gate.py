@@ -68,7 +68,7 @@ class Gate:
         self._since = 0.0  # when the running call started (0.0: between calls)
         #: Calls sent directly and not answered yet: key -> (when sent, the call).
         self._sent: dict[int, tuple[float, Any]] = {}
-        #: The keys of those nobody waits for any more (parked: see :func:`park`).
+        #: The keys of those nobody waits for any more (parked: see :meth:`park`).
         self._parked: set[int] = set()
         #: Answered once: connected, scripts loaded.
         self.heard = False
