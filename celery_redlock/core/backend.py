@@ -47,7 +47,7 @@ checks each backend):
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 from .backend_types import (
     Claim,
@@ -90,6 +90,8 @@ _WORDS: dict[type, str] = {}
 #: (backend type, capability) -> whether that type implements it: a structural check once
 #: per type, never per call.
 _HAS: dict[tuple[type, type], bool] = {}
+#: Each capability's members: the names a backend must have to implement it.
+_MEMBERS: dict[type, tuple[str, ...]] = {}
 
 
 def capability(words: str) -> Callable[[_T], _T]:
@@ -99,9 +101,33 @@ def capability(words: str) -> Callable[[_T], _T]:
     def mark(cls: _T) -> _T:
         checked: _T = runtime_checkable(cls)
         _WORDS[checked] = words
+        _MEMBERS[checked] = _members_of(checked)
         return checked
 
     return mark
+
+
+def _members_of(protocol: type) -> tuple[str, ...]:
+    """The public names a protocol and its protocol bases declare (methods and
+    annotated attributes)."""
+    names: set[str] = set()
+    for klass in protocol.__mro__:
+        if klass in (object, Protocol, Generic):
+            continue
+        names.update(n for n in vars(klass) if not n.startswith("_"))
+        names.update(n for n in vars(klass).get("__annotations__", {}) if not n.startswith("_"))
+    return tuple(sorted(names))
+
+
+def _implements(backend: Any, what: type) -> bool:
+    """True when *backend* has every member of capability *what*. Looked up as attribute
+    access does (``hasattr``), so a proxy that forwards its verbs (``__getattr__``)
+    implements what it forwards on every Python: ``isinstance`` against a runtime
+    protocol looks members up statically from Python 3.12 on."""
+    members = _MEMBERS.get(what)
+    if members is None:
+        return isinstance(backend, what)
+    return all(hasattr(backend, name) for name in members)
 
 
 def lacks(backend: Any, what: type) -> str:
@@ -119,10 +145,10 @@ def need(backend: Any, what: type[_P]) -> _P:
     """*backend* as capability *what*, or a ConfigError naming the backend and what it
     lacks (:func:`lacks`). A primitive calls it once, when it is built."""
     key = (type(backend), what)
-    has = _HAS.get(key)
-    if has is None:
-        has = _HAS[key] = isinstance(backend, what)
-    if not has:
+    found = _HAS.get(key)
+    if found is None:
+        found = _HAS[key] = _implements(backend, what)
+    if not found:
         raise ConfigError(lacks(backend, what))
     return backend  # type: ignore[no-any-return]
 
@@ -132,7 +158,7 @@ def has(backend: Any, what: type) -> bool:
     key = (type(backend), what)
     found = _HAS.get(key)
     if found is None:
-        found = _HAS[key] = isinstance(backend, what)
+        found = _HAS[key] = _implements(backend, what)
     return found
 
 

@@ -147,3 +147,25 @@ def test_a_backend_of_someone_elses_gets_what_it_implements() -> None:
     with pytest.raises(ConfigError, match="are not available on a store of the lock verbs only"):
         Semaphore(verbs, "pool", 2)
     assert Semaphore(verbs, "pool", 1, ttl=5, auto_renew=False).acquire(blocking=False)
+
+
+class _Forwarding:
+    """A stub that forwards every verb to a memory store (as test doubles often do)."""
+
+    masters = 1
+
+    def __init__(self) -> None:
+        self.inner = open_backend(connect(f"memory://forward-{uuid.uuid4().hex}"))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_forwarding_stub_implements_what_it_forwards() -> None:
+    """Capabilities are looked up as attribute access does, so a stub forwarding its verbs
+    with __getattr__ has them on every Python (isinstance against a runtime protocol looks
+    members up statically from Python 3.12 on)."""
+    stub: Any = _Forwarding()
+    for capability in (QueuedHolds, DoneMarks, Rates, Records, Admin, InProcess):
+        assert has(stub, capability), capability
+    assert RateLimiter(stub, "api", "5/s").acquire()
