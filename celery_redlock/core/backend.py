@@ -228,6 +228,9 @@ class Backend(Protocol):
         ...
 
 
+_MEMBERS[Backend] = _members_of(Backend)
+
+
 @capability("semaphores (a limit above 1: Semaphore, lock_limit)")
 class Permits(Protocol):
     """Up to ``slot.limit`` holders of one name in one place: the lock verbs take a

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..backend import Backend
+from ..backend import Backend, has
 from ..errors import ConfigError
 from .memory import MemoryBackend
 from .quorum import QuorumBackend
@@ -34,6 +34,6 @@ def open_backend(target: Any, *, per_node_timeout: float | None = None) -> Backe
             f"expected a redis-py client, a list of them or a backend, got str {target!r}: "
             "build one with celery_redlock.connect(url)"
         )
-    if isinstance(target, Backend):  # a backend of someone else's, through the seam
-        return target
+    if has(target, Backend):  # a backend of someone else's, through the seam
+        return target  # type: ignore[no-any-return]
     return RedisBackend.of(target)  # refuses it, naming what was given
