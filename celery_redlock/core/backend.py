@@ -77,6 +77,7 @@ __all__ = [
     "Sends",
     "Sent",
     "capability",
+    "given",
     "has",
     "lacks",
     "need",
@@ -141,18 +142,6 @@ def lacks(backend: Any, what: type) -> str:
     )
 
 
-def need(backend: Any, what: type[_P]) -> _P:
-    """*backend* as capability *what*, or a ConfigError naming the backend and what it
-    lacks (:func:`lacks`). A primitive calls it once, when it is built."""
-    key = (type(backend), what)
-    found = _HAS.get(key)
-    if found is None:
-        found = _HAS[key] = _implements(backend, what)
-    if not found:
-        raise ConfigError(lacks(backend, what))
-    return backend  # type: ignore[no-any-return]
-
-
 def has(backend: Any, what: type) -> bool:
     """True when *backend* implements capability *what* (checked once per type)."""
     key = (type(backend), what)
@@ -160,6 +149,20 @@ def has(backend: Any, what: type) -> bool:
     if found is None:
         found = _HAS[key] = _implements(backend, what)
     return found
+
+
+def need(backend: Any, what: type[_P]) -> _P:
+    """*backend* as capability *what*, or a ConfigError naming the backend and what it
+    lacks (:func:`lacks`). A primitive calls it once, when it is built."""
+    if not has(backend, what):
+        raise ConfigError(lacks(backend, what))
+    return backend  # type: ignore[no-any-return]
+
+
+def given(backend: Any, what: type[_P]) -> _P | None:
+    """*backend* as capability *what* when it has it, else None: for a capability a
+    primitive uses when present and does without otherwise."""
+    return backend if has(backend, what) else None
 
 
 @runtime_checkable

@@ -165,11 +165,11 @@ class Lock(Lease):
         info = self.owner_info
         if not info:
             return f"{_record_head()}{at!r}}}"
-        if not info.keys() & _RECORD_OWN:
+        if not _RECORD_OWN.intersection(info):
             tail = json.dumps(info, separators=(",", ":"), default=str)
             return f"{_record_head()}{at!r},{tail[1:]}"
         record: dict[str, Any] = {"hostname": _HOSTNAME, "pid": process.pid(), "acquired_at": at}
-        record.update(self.owner_info)  # owner_info overrides what the lock writes
+        record.update(info)  # owner_info overrides what the lock writes
         return json.dumps(record, separators=(",", ":"), default=str)
 
     # -- public API -----------------------------------------------------------------

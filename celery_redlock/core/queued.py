@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import events, process
-from .backend import DoneMarks, QueuedHolds, Sends, Sent, has, need
+from .backend import DoneMarks, QueuedHolds, Sends, Sent, given, need
 from .backend_types import Grant, Handover, Queued, Slot, Status
 from .backends import open_backend
 from .errors import ConfigError
@@ -73,7 +73,7 @@ class QueuedHold:
             raise ConfigError(f"lock name must be a non-empty string, got {name!r}")
         self.backend: QueuedHolds = need(open_backend(target), QueuedHolds)
         #: The backend as one that sends a claim now and reads its answer later.
-        self._sender: Sends | None = need(self.backend, Sends) if has(self.backend, Sends) else None
+        self._sender: Sends | None = given(self.backend, Sends)
         self.keys: LockKeys = lock_keys(name, key_prefix)
         self.slot = Slot(self.keys)
         self.name = self.keys.name

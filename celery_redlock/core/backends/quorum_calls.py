@@ -34,7 +34,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
-from ..backend import Backend, DoneMarks, Records, Sends, Sent, capability, has, need
+from ..backend import Backend, DoneMarks, Records, Sends, Sent, capability, given, need
 from ..backend_types import Slot
 from ..errors import ConfigError, QuorumUnavailable
 from .quorum_gate import BUSY, NoAnswer, gate_of
@@ -286,9 +286,7 @@ class QuorumCalls:
         #: Each member's gate (shared with every quorum that has the member).
         self.gates = [gate_of(m) for m in self.members]
         #: Each member as one that sends (None: its calls go through the pool).
-        self.senders: list[Sends | None] = [
-            need(m, Sends) if has(m, Sends) else None for m in self.members
-        ]
+        self.senders: list[Sends | None] = [given(m, Sends) for m in self.members]
         self.masters = len(self.members)
         self.quorum = self.masters // 2 + 1
         self.per_node_timeout = per_node_timeout

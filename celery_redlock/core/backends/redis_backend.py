@@ -123,12 +123,11 @@ class RedisBackend(RedisHolds, RedisOperator):
         self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
     ) -> Grant:
         keys = slot.keys
+        names = [keys.lock, keys.fence, keys.waiting]
         args: list[Any] = [token, ttl_ms, record, "1" if wait else "0", fence_ttl_ms]
         if slot.permits:
             args.append(slot.limit)
-            names = [keys.lock, keys.fence, keys.waiting]
             return self._acquire(slot, token, ttl_ms, PERMIT_ACQUIRE, args, names)
-        names = [keys.lock, keys.fence, keys.waiting]
         return self._acquire(slot, token, ttl_ms, ACQUIRE, args, names)
 
     def take_over(
