@@ -58,6 +58,8 @@ class Flaky:
         self.running = 0
         self.most_running = 0
         self.lock = threading.Lock()
+        #: Set when a call is refused (``down``).
+        self.refused = threading.Event()
 
     def fail(self, mode: str) -> None:
         self.mode = mode
@@ -80,6 +82,7 @@ class Flaky:
         def call(*args: Any, **kwargs: Any) -> Any:
             mode = self.mode
             if mode == "down":
+                self.refused.set()
                 raise QuorumUnavailable("x", {self.describe(): "ConnectionError: refused"})
             if mode == "broken":
                 raise PoolExhausted("Too many connections")
@@ -171,7 +174,19 @@ def test_majority_acquires_with_one_member_down(flaky: list[Flaky]) -> None:
     says what each master answered."""
     quorum = quorum_of(flaky)
     flaky[2].fail("down")
-    grant = take(quorum, mutex("one-down"), "t1")
+    # The quorum reads no answer past a decided majority: the other two answer once the
+    # down member has refused, so its refusal is in the report.
+    flaky[0].fail("stall")
+    flaky[1].fail("stall")
+    granted: list[Grant] = []
+    taker = threading.Thread(target=lambda: granted.append(take(quorum, mutex("one-down"), "t1")))
+    taker.start()
+    assert flaky[2].refused.wait(5)
+    flaky[0].heal()
+    flaky[1].heal()
+    taker.join(5)
+    assert not taker.is_alive()
+    (grant,) = granted
     assert grant.acquired and grant.fence == 1
     assert grant.masters[flaky[0].describe()] == "acquired (fence 1)"
     assert "ConnectionError: refused" in grant.masters[flaky[2].describe()]
