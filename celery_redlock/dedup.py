@@ -43,9 +43,7 @@ import logging
 import threading
 from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any
-
-from celery.exceptions import Ignore
+from typing import Any, NoReturn
 
 from . import claiming
 from .config import TaskOptions
@@ -334,9 +332,11 @@ def claim_at_worker(task: Any, request: Any, name: str, options: TaskOptions) ->
     options.duplicate.answer(Duplicate(task, name, request.id, found, request))
 
 
-def skip_superseded(task: Any, request: Any, lock: Any) -> None:
+def skip_superseded(task: Any, request: Any, lock: Any) -> NoReturn:
     """The message's hold was taken by another call (``replace``, or its own hold ran out
-    and another call took the name): it does not run; raises ``Ignore``."""
+    and another call took the name): it does not run, and its result says which call
+    superseded it; raises ``Ignore``. (A redelivered copy whose run ended is dropped before
+    this, by its done mark, and keeps that run's result.)"""
     owner = lock.queued_owner or lock.holder.get("task_id") or "?"
     log.info(
         "Task %s[%s] skipped: superseded by task %s, the newer call queued under lock %r",
@@ -346,10 +346,6 @@ def skip_superseded(task: Any, request: Any, lock: Any) -> None:
         lock.name,
     )
     send_task_event(task, "superseded", lock=lock.name, holder=owner)
-    delivery = getattr(request, "delivery_info", None) or {}
-    if delivery.get("redelivered") and task.AsyncResult(request.id).ready():
-        # A late copy of a message that already ran: keep the result it stored.
-        raise Ignore(f"superseded by task {owner}; this task id already has its result")
     skip_message(
         task, request, lock.name, f"superseded by task {owner}", owner=owner, holder=lock.holder
     )

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import signals
 from celery.exceptions import Ignore, Retry
@@ -271,16 +271,11 @@ def _acquire(run: _Run, state: AppState, handover: Handover | None) -> None:
                     acquired = lock.acquire(blocking=True, timeout=lock.ttl)
             if acquired and copy and _ran_already(lock):
                 release_for_request(task, lock, None, request)
-                log.info(
-                    "Task %s[%s] dropped: a redelivered copy of a message that already ran "
-                    "(lock %r)",
-                    task.name,
-                    task_id,
-                    name,
-                )
-                raise Ignore(f"already ran (lock {name!r})")
+                _drop_copy(task, task_id, name)
             if not acquired:
                 if isinstance(lock, RunLock) and lock.superseded:
+                    if copy and _ran_already(lock):
+                        _drop_copy(task, task_id, name)  # it ran: its result stays
                     skip_superseded(task, request, lock)
                 if tracked:
                     send_task_event(task, "contended", lock=name, policy=policy, holder=lock.holder)
@@ -400,6 +395,18 @@ def _ran_already(lock: Lock) -> bool:
     except RedlockError as exc:  # cannot tell: run it, as any delivery would
         log.warning("could not read the done mark of lock %r: %s", lock.name, exc)
         return False
+
+
+def _drop_copy(task: Any, task_id: str | None, name: str) -> NoReturn:
+    """A redelivered copy of a message whose run of this attempt ended (its done mark):
+    it does not run again; raises ``Ignore`` (the result that run stored stays)."""
+    log.info(
+        "Task %s[%s] dropped: a redelivered copy of a message that already ran (lock %r)",
+        task.name,
+        task_id,
+        name,
+    )
+    raise Ignore(f"already ran (lock {name!r})")
 
 
 def _int(value: Any) -> int:

@@ -19,7 +19,8 @@ Where each step happens, and why there (the steps themselves are in
   ``after_return`` that does not call ours): for those, a ``task_postrun``
   receiver is connected too (``run.use_postrun_net``).
 * **the main process** releases the exact acquisition of a child that is gone
-  (hard time limit, lost child, ``revoke(terminate=True)``): see
+  (hard time limit, lost child, ``revoke(terminate=True)``), or keeps it for the
+  redelivered copy when the message is requeued (``Request``): see
   :mod:`celery_redlock.worker`.
 
 ``redlock_tasks`` (:func:`apply_redlock_tasks`) gives tasks that do not use the base
@@ -81,6 +82,9 @@ class LockedTask(Task):  # type: ignore[misc]
     #: Marks the class whose ``lock_*`` attributes are the unset defaults (None), so that a
     #: task's own ``lock_limit=None`` (no cap) reads as set (see options.is_set).
     redlock_option_defaults: ClassVar[bool] = True
+    #: The worker's request class: it sees a lost child's message requeued, so that run's
+    #: lock is kept for the redelivered copy (see celery_redlock.worker.LockedRequest).
+    Request = "celery_redlock.worker:LockedRequest"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -220,7 +224,10 @@ def apply_redlock_tasks(app: Any = None, sender: Any = None, **_: Any) -> None:
         for key, value in options.items():
             check_task_option(name, key, value)
         cls = type(task)
-        locked = type(cls.__name__, (LockedTask, cls), {**options, "name": name})
+        attrs: dict[str, Any] = {**options, "name": name}
+        if cls.Request != Task.Request:
+            attrs["Request"] = cls.Request  # the task's own request class stays
+        locked = type(cls.__name__, (LockedTask, cls), attrs)
         task.__class__ = locked
         task.__dict__.pop("__trace__", None)
         log.debug("redlock_tasks: %s is now locked with %s", name, options)

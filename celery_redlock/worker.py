@@ -13,24 +13,28 @@ give back the queued hold of a message that never runs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import click
 from celery import bootsteps, signals
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
+from celery.worker.request import Request
 from redis.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, BusyLoadingError
 
 from .config import capabilities_needed
 from .core import renewal
-from .core.backend import has, lacks
+from .core.backend import QueuedHolds, has, lacks
 from .core.connect import mask_url
 from .core.errors import ConfigError, RedlockError
+from .core.queued import QueuedHold
 from .dedup import HOLD_HEADER, give_back_hold
 from .flags import flag_overrides
 from .naming import KEY_HEADER, lock_name_for
@@ -39,6 +43,7 @@ from .state import AppState, state_for
 from .task import LockedTask, apply_redlock_tasks
 
 __all__ = [
+    "LockedRequest",
     "RedlockStep",
     "StartupConfigError",
     "check_lock_redis",
@@ -56,6 +61,9 @@ log_release = logging.getLogger("celery_redlock.release")
 _states: weakref.WeakSet[AppState] = weakref.WeakSet()
 _receivers_connected = False
 _receivers_lock = threading.Lock()
+#: Task ids whose gone child a LockedRequest is handling now (in the main thread): the
+#: task_failure receiver leaves them to it.
+_handling: set[str] = set()
 
 
 def watch_app(state: AppState) -> None:
@@ -245,10 +253,79 @@ def _on_failure(
     if not isinstance(exception, (TimeLimitExceeded, WorkerLostError)):
         return
     state = _installed(sender)
-    if state is None or task_id is None or task_id in state.held:
+    if state is None or task_id is None or task_id in state.held or task_id in _handling:
         return
     headers = getattr(getattr(sender, "request", None), "headers", None)
     release_for_gone_child(sender, task_id, args, kwargs, headers, why=type(exception).__name__)
+
+
+class LockedRequest(Request):  # type: ignore[misc]  # celery is untyped
+    """The worker's request of a locked task (``LockedTask.Request``): it tells the release
+    of a run whose child is gone whether the message comes back.
+
+    In the worker's main process, Celery requeues the message of a lost child
+    (``acks_late`` with ``task_reject_on_worker_lost``) or of a hard time limit
+    (``acks_late`` with ``task_acks_on_timeout=False``) without any signal. This request
+    sees the requeue (:meth:`reject`), and :func:`release_for_gone_child` then keeps the
+    run's lock for the redelivered copy (``lock_on="enqueue"`` or ``"enqueue+run"``)
+    instead of freeing the key. A task class with a ``Request`` of its own derives it from
+    this one to keep that; otherwise the ``task_failure`` receiver frees the key when the
+    message does not come back, and a requeued run's key waits for its lease.
+    """
+
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> None:
+        """Celery's handling, then the release of a lost child's run (requeued or not)."""
+        self._redlock_requeued = False
+        with _handled(self.id):
+            super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+        exc = getattr(exc_info, "exception", None)
+        exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback
+        if isinstance(exc, (WorkerLostError, SystemExit, KeyboardInterrupt)):
+            self._release_gone(type(exc).__name__)
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        """Celery's handling, then (a hard limit) the release of the run being killed."""
+        self._redlock_requeued = False
+        with _handled(self.id):
+            super().on_timeout(soft, timeout)
+        if not soft:
+            self._release_gone("TimeLimitExceeded")
+
+    def reject(self, requeue: bool = False) -> None:
+        """Reject the message; remember whether it comes back."""
+        if requeue:
+            self._redlock_requeued = True
+        super().reject(requeue=requeue)
+
+    def _release_gone(self, why: str) -> None:
+        task = self.task
+        if _installed(task) is None:
+            return
+        if self._redlock_requeued:
+            why = f"{why}, message requeued"
+        headers = _key_headers(self)
+        comes_back = self._redlock_requeued
+        release_for_gone_child(
+            task, self.id, self.args, self.kwargs, headers, why=why, comes_back=comes_back
+        )
+
+
+@contextlib.contextmanager
+def _handled(task_id: str) -> Iterator[None]:
+    """While Celery handles a LockedRequest's failure: the task_failure receiver leaves it."""
+    _handling.add(task_id)
+    try:
+        yield
+    finally:
+        _handling.discard(task_id)
+
+
+def _key_headers(request: Any) -> dict[str, Any]:
+    """The message headers a lock name may come from (a key given at publish)."""
+    raw = getattr(request, "request_dict", None) or {}
+    return {KEY_HEADER: raw[KEY_HEADER]} if KEY_HEADER in raw else {}
 
 
 def _on_revoked(
@@ -273,12 +350,13 @@ def _on_revoked(
     task_id = getattr(request, "id", None)
     if state is None or task_id is None or task_id in state.held:
         return
-    headers = {}
-    raw_headers = getattr(request, "request_dict", None) or {}  # the message headers
-    if KEY_HEADER in raw_headers:
-        headers[KEY_HEADER] = raw_headers[KEY_HEADER]
     release_for_gone_child(
-        sender, task_id, request.args, request.kwargs, headers, why="revoked (terminated)"
+        sender,
+        task_id,
+        request.args,
+        request.kwargs,
+        _key_headers(request),
+        why="revoked (terminated)",
     )
 
 
@@ -327,7 +405,14 @@ def release_all_held(state: AppState) -> None:
 
 
 def release_for_gone_child(
-    task: Any, task_id: str, args: Any, kwargs: Any, headers: Any, *, why: str
+    task: Any,
+    task_id: str,
+    args: Any,
+    kwargs: Any,
+    headers: Any,
+    *,
+    why: str,
+    comes_back: bool = False,
 ) -> None:
     """In the worker's main process: release the acquisition of *task_id*, whose child
     process is gone or going (in a short thread).
@@ -338,6 +423,13 @@ def release_for_gone_child(
     the next run start while the old one may still be writing. So: read the
     holder record, wait (bounded by the TTL) until its pid has exited, then
     release exactly the acquisition whose record names this task id.
+
+    *comes_back*: the message was requeued and will be delivered again. With
+    ``lock_on="enqueue"`` or ``"enqueue+run"`` the key is then not freed: the run's lock
+    is kept for the redelivered copy (:meth:`~.core.queued.QueuedHold.keep_for_redelivery`,
+    for ``lock_enqueue_ttl`` plus the broker's visibility timeout), so the task id every
+    caller was given still runs; a lock already gone leaves the queued hold to that id
+    instead, unless another call holds it.
     """
     try:
         state = state_for(task.app)
@@ -347,6 +439,9 @@ def release_for_gone_child(
         name = lock_name_for(task, tuple(args or ()), dict(kwargs or {}), headers, options)
         ttl = options.ttl
         lock = state.make_lock(name, ttl, limit=options.limit, auto_renew=False)
+        keep = comes_back and options.lock_on != "run" and has(state.backend(), QueuedHolds)
+        hold = _hold_for(task, state, name) if keep else None
+        keep_for = options.enqueue_ttl + redelivery_wait(task.app) if keep else 0.0
     except Exception as exc:
         log_release.warning(
             "task %s[%s] %s: cannot find its lock (%s)", task.name, task_id, why, exc
@@ -355,9 +450,16 @@ def release_for_gone_child(
 
     def release() -> None:
         try:
-            # A semaphore has one holder per permit: find this task's.
-            mine = [h for h in lock.read_holders() if h.get("task_id") == task_id]
+            # A semaphore has one holder per permit: find this task's (a run already
+            # kept for its redelivered copy is not this one).
+            mine = [
+                h
+                for h in lock.read_holders()
+                if h.get("task_id") == task_id and "kept_for" not in h
+            ]
             if not mine:
+                if hold is not None:
+                    _queue_for_redelivery(task, task_id, why, hold, keep_for)
                 return
             holder = mine[0]
             pid = holder.get("pid")
@@ -375,8 +477,22 @@ def release_for_gone_child(
                     ttl,
                 )
                 return
-            match = {"task_id": task_id} if pid is None else {"task_id": task_id, "pid": pid}
-            if lock.release_matching(**match):
+            match = {} if pid is None else {"pid": pid}
+            if hold is not None:
+                if hold.keep_for_redelivery(task_id, keep_for, **match):
+                    log_release.warning(
+                        "task %s[%s] %s: lock %r kept for its redelivered copy (holder pid "
+                        "%s is gone; kept up to %.0fs)",
+                        task.name,
+                        task_id,
+                        why,
+                        name,
+                        pid,
+                        keep_for,
+                    )
+                else:
+                    _queue_for_redelivery(task, task_id, why, hold, keep_for)
+            elif lock.release_matching(task_id=task_id, **match):
                 log_release.warning(
                     "task %s[%s] %s: released its lock %r at once (holder pid %s is gone)",
                     task.name,
@@ -397,6 +513,47 @@ def release_for_gone_child(
             )
 
     threading.Thread(target=release, name="celery-redlock-release", daemon=True).start()
+
+
+def _hold_for(task: Any, state: AppState, name: str) -> QueuedHold:
+    return QueuedHold(
+        state.backend(),
+        name,
+        key_prefix=state.settings.key_prefix,
+        owner_info={"task_name": task.name},
+    )
+
+
+def _queue_for_redelivery(task: Any, task_id: str, why: str, hold: QueuedHold, ttl: float) -> None:
+    """The gone run's lock is not there any more (its lease ran out, or the copy took it
+    already): its requeued message still gets the queued hold, unless another call has it."""
+    found = hold.claim(task_id, ttl, report=False)
+    if found.outcome == "queued":
+        log_release.warning(
+            "task %s[%s] %s: its lock %r was gone; queued hold taken for its redelivered copy",
+            task.name,
+            task_id,
+            why,
+            hold.name,
+        )
+
+
+def redelivery_wait(app: Any) -> float:
+    """Seconds a broker may take to hand out again a message that was not acknowledged:
+    ``visibility_timeout`` of ``broker_transport_options``, else the transport's own
+    default (Redis and SQS: an hour), else 0 (AMQP returns it when the channel closes)."""
+    options = app.conf.broker_transport_options or {}
+    value: Any = options.get("visibility_timeout")
+    if value is None:
+        try:
+            with app.connection_for_write() as conn:  # the transport's class: no network
+                value = getattr(getattr(conn.transport, "Channel", None), "visibility_timeout", 0)
+        except Exception:
+            value = 0
+    try:
+        return max(0.0, float(value))
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _alive(pid: int) -> bool:

@@ -282,7 +282,18 @@ class QueuedHolds(Protocol):
         """:meth:`Backend.acquire` of a mutex that takes over task ``handover.owner``'s
         enqueue-time hold in the same step. Refused with ``Grant.superseded`` when the
         hold belongs to another task id and ``handover.strict``; a refusal says the
-        hold's owner (``Grant.queued_owner``, "" when there is none)."""
+        hold's owner (``Grant.queued_owner``, "" when there is none). A lock kept for
+        ``handover.owner`` by :meth:`park` is taken over as if free."""
+        ...
+
+    def park(
+        self, slot: Slot, token: str, owner: str, ttl_ms: int, *, record: str, notice_ms: int
+    ) -> Status:
+        """Keep *token*'s acquisition (a run whose process is gone, whose message comes
+        back) for task *owner*'s redelivered copy: the name stays taken by *owner* for
+        *ttl_ms*, shown with *record*, until a :meth:`take_over` of *owner* takes it; a
+        waiter is woken. OK kept, GONE no such lock, TAKEN another token's, FOREIGN not a
+        lock."""
         ...
 
 

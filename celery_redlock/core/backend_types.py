@@ -18,6 +18,7 @@ from .keys import LockKeys
 
 __all__ = [
     "MAX_RECORD",
+    "PARKED",
     "RECENT_BYTES",
     "Claim",
     "ForceRelease",
@@ -31,6 +32,7 @@ __all__ = [
     "Renewal",
     "Slot",
     "Status",
+    "lock_state",
     "newest_records",
     "parse_holder",
     "record_version",
@@ -42,6 +44,19 @@ __all__ = [
 #: of ours, 40 hex characters and a space each), whatever the release rate. A re-sent copy
 #: of a release comes within moments of the first, before that many others of the name.
 RECENT_BYTES = 700
+
+#: The token of a lock kept for a task id's redelivered copy (``park``): this, then the
+#: task id (``park.lua`` and ``acquire.lua`` spell it too).
+PARKED = "parked:"
+
+
+def lock_state(record: Mapping[str, Any]) -> Literal["running", "held", "queued"]:
+    """How an operator sees a lock (or permit) with holder *record*: a task's run holds it
+    ("running"), a run kept for its message's redelivered copy ("queued": the message is
+    on its way back), or another holder (a Lock of user code, beat's leader: "held")."""
+    if record.get("kept_for"):
+        return "queued"
+    return "running" if record.get("task_name") else "held"
 
 
 class Status(IntEnum):

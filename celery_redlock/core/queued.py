@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import events, process
-from .backend import DoneMarks, QueuedHolds, Sends, Sent, given, need
+from .backend import Backend, DoneMarks, QueuedHolds, Sends, Sent, given, need
 from .backend_types import Grant, Handover, Queued, Slot, Status
 from .backends import open_backend
 from .errors import ConfigError
@@ -49,6 +49,8 @@ from .lock import Lock
 __all__ = ["Handover", "PendingClaim", "QueuedHold", "RunLock"]
 
 _HOSTNAME = socket.gethostname()
+#: How long the wake-up notice of a kept run lives: a copy already waiting takes it now.
+_NOTICE_MS = 60_000
 
 
 class QueuedHold:
@@ -71,7 +73,8 @@ class QueuedHold:
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"lock name must be a non-empty string, got {name!r}")
-        self.backend: QueuedHolds = need(open_backend(target), QueuedHolds)
+        self._locks: Backend = open_backend(target)
+        self.backend: QueuedHolds = need(self._locks, QueuedHolds)
         #: The backend as one that sends a claim now and reads its answer later.
         self._sender: Sends | None = given(self.backend, Sends)
         self.keys: LockKeys = lock_keys(name, key_prefix)
@@ -146,6 +149,28 @@ class QueuedHold:
     def release(self, owner: str) -> bool:
         """Give up task *owner*'s hold; True if it was there (never another id's)."""
         return self.backend.dequeue(self.slot, owner) is Status.OK
+
+    def keep_for_redelivery(self, owner: str, ttl: float, **match: Any) -> bool:
+        """Keep the run of task *owner* whose holder record also matches *match* (its
+        ``pid``) for the redelivered copy of its message, *ttl* seconds: for the worker's
+        main process when that run's child is gone and the message comes back
+        (requeued). The name stays taken by *owner*, shown as queued: a new call is its
+        duplicate, or is queued behind it; the copy's :class:`RunLock` takes it over and
+        runs. True when kept; False when no such run holds the name (its lease ran out,
+        or it was released): the caller may :meth:`claim` the hold for *owner* instead.
+        """
+        want = {**match, "task_id": owner}
+        for holder in self._locks.holders(self.slot):
+            if all(holder.record.get(k) == v for k, v in want.items()):
+                record = {**holder.record, "kept_for": "redelivery", "queued_at": time.time()}
+                text = json.dumps(record, separators=(",", ":"), default=str)
+                ttl_ms = ttl_to_ms(ttl, "the kept hold's ttl")
+                notice_ms = min(ttl_ms, _NOTICE_MS)
+                found = self.backend.park(
+                    self.slot, holder.token, owner, ttl_ms, record=text, notice_ms=notice_ms
+                )
+                return found is Status.OK
+        return False
 
     def __repr__(self) -> str:
         return f"<QueuedHold {self.name!r}>"

@@ -729,6 +729,61 @@ def test_queued_hold_claim_duplicate_replace_release_and_hand_over(target: Any, 
     assert hold.release("t4") is False
 
 
+def test_a_gone_run_is_kept_for_its_redelivered_copy(target: Any, name: str) -> None:
+    """keep_for_redelivery: the run of task t1 (its process gone, its message coming back)
+    stays t1's: a new call is its duplicate (shown queued) or is queued behind it, no other
+    id's hand-over and no stale token can take it, and t1's copy, already waiting, is woken
+    and takes it over with a higher fence; the call queued behind it runs next."""
+    if _quorum(target):
+        return  # no queued holds on a quorum (refused: the test above)
+    hold = QueuedHold(target, name)
+    assert hold.claim("t1", 60).outcome == "queued"
+    t1 = {"task_id": "t1"}  # a worker's run records its task id
+    run = RunLock(target, name, ttl=30, handover=Handover("t1"), auto_renew=False, owner_info=t1)
+    assert run.acquire(blocking=False)
+    assert hold.keep_for_redelivery("t1", 60, pid=-1) is False  # another process's run
+    assert hold.keep_for_redelivery("t2", 60) is False  # another task id's
+    copy = RunLock(target, name, ttl=30, handover=Handover("t1"), auto_renew=False)
+    began = time.monotonic()
+    thread, out = _in_thread(lambda: copy.acquire(blocking=True, timeout=20))
+    assert hold.keep_for_redelivery("t1", 60, pid=os.getpid()) is True
+    thread.join(21)
+    assert out.get("result") is True, out
+    assert out["at"] - began < 10, "woken by the keep, not by the 30 s lease"
+    assert copy.fence is not None and run.fence is not None and copy.fence > run.fence
+    with pytest.raises(LockLost):
+        run.release()  # the gone run's token holds nothing any more
+    copy.release()
+    assert hold.claim("t2", 60).outcome == "queued"  # the name is free again
+
+
+def test_a_kept_run_is_a_duplicate_and_queues_one_behind_it(target: Any, name: str) -> None:
+    """While t1's run is kept for its copy (`celery locks` shows it queued, with its fence):
+    a "return" call gets t1 (state "queued"), a
+    "queue_one" call is queued behind it and keeps its hold when t1's copy takes over, and
+    another id's hand-over is refused until t1's copy has run."""
+    if _quorum(target):
+        return
+    hold = QueuedHold(target, name)
+    t1 = Handover("t1", strict=False)
+    run = RunLock(target, name, handover=t1, auto_renew=False, owner_info={"task_id": "t1"})
+    assert run.acquire(blocking=False)
+    assert hold.keep_for_redelivery("t1", 60)
+    [kept] = read_lock(target, "redlock:", name)
+    assert (kept.state, kept.record["task_id"], kept.fence) == ("queued", "t1", run.fence)
+    dup = hold.claim("t2", 60, running_blocks=True)
+    assert (dup.outcome, dup.owner, dup.state) == ("duplicate", "t1", "queued")
+    assert hold.claim("t3", 60).outcome == "queued"  # one queued behind the kept run
+    other = RunLock(target, name, ttl=30, handover=Handover("t3"), auto_renew=False)
+    assert other.acquire(blocking=False) is False
+    copy = RunLock(target, name, ttl=30, handover=Handover("t1"), auto_renew=False)
+    assert copy.acquire(blocking=False), "t1's copy takes it over, t3's hold notwithstanding"
+    assert hold.claim("t4", 60).owner == "t3"  # t3 still queued
+    copy.release()
+    assert other.acquire(blocking=False)
+    other.release()
+
+
 # -- records ---------------------------------------------------------------------------------
 def test_lock_records_are_written_only_by_the_holder(target: Any, name: str) -> None:
     """LockRecords are claimed only by the holder, never go stale, and reach the next holder."""

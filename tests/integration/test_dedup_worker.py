@@ -7,11 +7,13 @@ overlaps it nor builds a backlog, through apply_async and through send_task by n
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -93,8 +95,9 @@ def _start(server: RedisServer, task_id: str) -> dict[str, Any]:
 @pytest.mark.parametrize("how", ["sigkill-child", "hard-time-limit", "revoke-terminate"])
 def test_a_lost_run_frees_the_key_at_once(client: Celery, server: RedisServer, how: str) -> None:
     """An "enqueue+run" key whose run is lost (child SIGKILLed, hard time limit, revoke
-    with terminate) is freed by the worker's main process at once, not after the 30 s
-    TTL: the next call is queued (a new task id) and runs."""
+    with terminate) without acks_late (its message does not come back) is freed by the
+    worker's main process at once (a SIGKILLed child's within a second), not after the
+    30 s TTL: the next call is queued (a new task id) and runs."""
     key = f"{how}-{uuid.uuid4().hex[:6]}"
     if how == "hard-time-limit":
         task, args, name = client.tasks["dd.limited"], (key,), f"limited:{key}"
@@ -110,7 +113,10 @@ def test_a_lost_run_frees_the_key_at_once(client: Celery, server: RedisServer, h
     elif how == "revoke-terminate":
         client.control.revoke(first.id, terminate=True, signal="SIGKILL")
     wait_for(lambda: not _held(server, name), 15)
-    assert time.monotonic() - began < 10, "freed by the main process, well before the TTL"
+    freed = time.monotonic() - began
+    if how == "sigkill-child":  # without acks_late the message does not come back
+        assert freed < 1.0, f"freed {freed:.2f} s after the kill"
+    assert freed < 10, "freed by the main process, well before the TTL"
     if how != "hard-time-limit":
         again = client.tasks["dd.hold"].delay(key, 0)
         assert again.id != first.id
@@ -183,6 +189,95 @@ def test_a_redelivered_message_does_not_start_while_its_first_delivery_runs(
         w.stop()
         app.conf.update(task_acks_late=False, task_default_queue="celery")
     assert len([e for e in _events(server, "start") if e["task_id"] == result.id]) == 1
+
+
+def _runs_never_overlap(server: RedisServer, key: str, kills: dict[int, float]) -> None:
+    """Each run of *key* (a start, then its end, or its kill) ends before the next starts."""
+    runs = []
+    for start in _events(server, "start"):
+        if start["key"] != key:
+            continue
+        ends = [
+            e["t"]
+            for e in _events(server, "end")
+            if e["key"] == key and e["pid"] == start["pid"] and e["t"] >= start["t"]
+        ]
+        end = min(ends) if ends else kills.get(start["pid"])
+        assert end is not None, f"a run that neither ended nor was killed: {start}"
+        runs.append((start["t"], end, start["task_id"]))
+    runs.sort()
+    for (_, end, before), (begin, _, after) in itertools.pairwise(runs):
+        assert begin >= end, f"two runs of {key!r} at once: {before} and {after}"
+
+
+def _keep_calling(app: Celery, key: str, stop: threading.Event, ids: list[str]) -> None:
+    """Call dd.hold(key, 1.0) every 0.1 s until *stop*, keeping each task id handed back."""
+    for _ in range(1200):  # bounded: two minutes of calls at most
+        if stop.wait(0.1):
+            return
+        ids.append(app.tasks["dd.hold"].delay(key, 1.0).id)
+
+
+def test_a_requeued_killed_run_keeps_its_place_and_every_id_runs(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    """acks_late and task_reject_on_worker_lost: calls for one key keep arriving while the
+    running child is SIGKILLed twice in a row. The killed run's message comes back and
+    its task id keeps the key meanwhile (calls get that id), every task id handed to a
+    caller ends with a run of that id, and no two runs of the key overlap."""
+    conf = {
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "task_default_queue": "requeued",
+    }
+    env = _env(server, 30, DEDUP_CONF=json.dumps(conf))
+    app = _client(env)
+    app.conf.update(conf)
+    server.client(db=3).delete("events")
+    key = f"requeued-{uuid.uuid4().hex[:6]}"
+    w = Worker(APP, env, tmp_path / "requeued.log", concurrency=2, extra=("-Q", "requeued"))
+    stop, ids, kills = threading.Event(), list[str](), dict[int, float]()  # kills: pid -> when
+    caller = threading.Thread(target=_keep_calling, args=(app, key, stop, ids), daemon=True)
+    try:
+        w.wait_ready()
+        caller.start()
+        victim = None
+        for _ in range(2):  # kill the run, then the run of its redelivered copy
+
+            def run_to_kill(victim: str | None = victim) -> list[dict[str, Any]]:
+                return [
+                    e
+                    for e in _events(server, "start")
+                    if e["key"] == key
+                    and e["pid"] not in kills
+                    and (victim is None or e["task_id"] == victim)
+                ]
+
+            start = wait_for(run_to_kill, 20, "a run to kill")[0]
+            victim = start["task_id"]
+            os.kill(start["pid"], signal.SIGKILL)
+            kills[start["pid"]] = time.time()
+        time.sleep(2.5)  # calls keep coming after the second kill
+        stop.set()
+        caller.join(10)
+        handed = set(ids)
+        assert victim in handed, "callers were given the killed run's task id"
+        wait_for(  # well within the 30 s lease a dead run's lock would otherwise keep
+            lambda: handed <= {e["task_id"] for e in _events(server, "end") if e["key"] == key},
+            20,
+            "a run of every task id handed to a caller",
+        )
+        assert app.AsyncResult(victim).get(timeout=10) == key
+    finally:
+        stop.set()
+        w.stop()
+        app.conf.update(task_acks_late=False, task_reject_on_worker_lost=False)
+        app.conf.task_default_queue = "celery"
+    ended = [e["task_id"] for e in _events(server, "end") if e["key"] == key]
+    assert len(ended) == len(set(ended)), "a task id ran to its end twice"
+    _runs_never_overlap(server, key, kills)
+    log = w.text()
+    assert log.count("kept for its redelivered copy") == 2, log[-3000:]
 
 
 def test_beat_every_half_second_never_overlaps_nor_backs_up_two_second_runs(

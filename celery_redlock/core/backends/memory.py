@@ -24,6 +24,7 @@ import time
 from collections.abc import Hashable, Sequence
 
 from ..backend_types import (
+    PARKED,
     Claim,
     ForceRelease,
     Grant,
@@ -140,14 +141,15 @@ class MemoryBackend(MemoryStore):
         if handover is not None:
             queued = self.get(keys.queued, "hash") or {}
         owner = queued.get("owner")
-        if "token" in held:
+        parked = handover is not None and held.get("token") == PARKED + handover.owner
+        if "token" in held and not parked:
             left = self.pttl(keys.lock)
             if wait:
                 self.mark_waiting(keys.waiting, (left if left > 0 else ttl_ms) + 1000)
             seen = None if handover is None else owner or ""
             info = parse_holder(held.get("info"))
             return Grant(False, holder=info, holder_ttl_ms=left, wait_ms=left, queued_owner=seen)
-        if handover and handover.strict and owner not in (None, handover.owner):
+        if handover and handover.strict and not parked and owner not in (None, handover.owner):
             info, left = parse_holder(queued.get("info")), self.pttl(keys.queued)
             return Grant(
                 False, holder=info, holder_ttl_ms=left, superseded=True, queued_owner=owner
@@ -350,7 +352,8 @@ class MemoryBackend(MemoryStore):
             if "token" in run and run.get("owner") != owner:
                 holder, left = parse_holder(run.get("info")), self.pttl(keys.lock)
                 runner = run.get("owner") or str(holder.get("task_id") or "")
-                return Queued("duplicate", runner, holder, left, "running")
+                state = "queued" if run["token"].startswith(PARKED) else "running"
+                return Queued("duplicate", runner, holder, left, state)
         self.writable_hash(keys.queued).update(owner=owner, info=record)
         self.expire(keys.queued, ttl_ms)
         if other is not None and other != owner:
@@ -370,6 +373,25 @@ class MemoryBackend(MemoryStore):
         if queued["owner"] != owner:
             return Status.TAKEN
         del self.entries[key]
+        return Status.OK
+
+    @atomic
+    def park(
+        self, slot: Slot, token: str, owner: str, ttl_ms: int, *, record: str, notice_ms: int
+    ) -> Status:
+        """Keep *token*'s acquisition for task *owner*'s redelivered copy (park.lua)."""
+        keys = mutex_keys(slot)
+        try:
+            held: dict[str, str] = self.get(keys.lock, "hash") or {}
+        except ForeignData:
+            return Status.FOREIGN
+        if "token" not in held:
+            return Status.GONE
+        if held["token"] != token:
+            return Status.TAKEN
+        self.writable_hash(keys.lock).update(token=PARKED + owner, owner=owner, info=record)
+        self.expire(keys.lock, ttl_ms)
+        self.notice(keys, 1, notice_ms)
         return Status.OK
 
     # -- rate grants ------------------------------------------------------------------------

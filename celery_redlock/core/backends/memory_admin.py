@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from typing import Any, Literal
 
-from ..backend_types import ForceRelease, LockInfo, RateInfo, Slot, parse_holder
+from ..backend_types import ForceRelease, LockInfo, RateInfo, Slot, lock_state, parse_holder
 from ..errors import ConfigError
 from ..keys import lock_keys, name_of_key, normalize_name, rate_key
 from .memory_store import ForeignData, MemoryStore, mutex_keys, stored_int
@@ -50,10 +49,10 @@ def _infos(store: MemoryStore, key: str, name: str, end: str) -> list[LockInfo]:
     if end == "}:permits":
         for left, _, fence, raw in store.live_permits(key):
             rec = parse_holder(raw)
-            found.append(LockInfo(name, key, fence, left, rec, "permit", _state(rec)))
+            found.append(LockInfo(name, key, fence, left, rec, "permit", lock_state(rec)))
     elif end == "}" and "token" in held:
         rec, fence = parse_holder(held.get("info")), stored_int(held.get("fence"))
-        found.append(LockInfo(name, key, fence, store.pttl(key), rec, state=_state(rec)))
+        found.append(LockInfo(name, key, fence, store.pttl(key), rec, state=lock_state(rec)))
     elif end == "}:queued" and "owner" in held:
         rec = parse_holder(held.get("info"))
         rec.setdefault("task_id", held["owner"])
@@ -122,11 +121,6 @@ def force_dequeue(store: MemoryStore, slot: Slot, owner: str | None) -> ForceRel
         return ForceRelease("refused", found[0].record)
     del store.entries[key]
     return ForceRelease("released", found[0].record)
-
-
-def _state(record: dict[str, Any]) -> Literal["running", "held"]:
-    """A task's run holds it, or another holder (a Lock of user code, beat's leader)."""
-    return "running" if record.get("task_name") else "held"
 
 
 def _order(info: LockInfo) -> tuple[str, str, int]:

@@ -24,12 +24,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from redis.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
-from ..backend_types import Holder, LockInfo, RateInfo, Slot, parse_holder, text
+from ..backend_types import Holder, LockInfo, RateInfo, Slot, lock_state, parse_holder, text
 from ..errors import ConfigError
 from ..keys import LockKeys, lock_keys, name_of_key, normalize_name, rate_key
 
@@ -205,7 +205,7 @@ def _permits(permits: Permits, node: Any, key: str, name: str) -> list[LockInfo]
             -2 if h.ttl_ms is None else h.ttl_ms,
             dict(h.record),
             kind="permit",
-            state="running" if h.record.get("task_name") else "held",
+            state=lock_state(h.record),
         )
         for h in holders
     ]
@@ -231,7 +231,7 @@ def _locks(node: Any, keys: Sequence[str], prefix: str) -> list[LockInfo]:
     found: list[LockInfo] = []
     for key, (_, fence, info), ttl in _hashes(node, keys, "token", "fence", "info"):
         record = parse_holder(info)
-        state: Literal["running", "held"] = "running" if record.get("task_name") else "held"
+        state = lock_state(record)
         found.append(
             LockInfo(name_of_key(key, prefix), key, fence_of(fence), ttl, record, state=state)
         )

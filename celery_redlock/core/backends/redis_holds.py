@@ -12,7 +12,7 @@ from typing import Any
 
 from ..backend_types import Claim, Queued, RateGrant, Slot, Status, parse_holder, text
 from .redis_calls import RedisCalls, mutex_keys
-from .redis_scripts import CLAIM_FIELD, DEQUEUE, ENQUEUE, RATE
+from .redis_scripts import CLAIM_FIELD, DEQUEUE, ENQUEUE, PARK, RATE
 
 __all__ = ["RedisHolds", "queued_of"]
 
@@ -40,6 +40,14 @@ class RedisHolds(RedisCalls):
         keys = mutex_keys(slot)
         with self._guard(slot):
             return Status.of(self._run(DEQUEUE, [keys.queued], [owner]))
+
+    def park(
+        self, slot: Slot, token: str, owner: str, ttl_ms: int, *, record: str, notice_ms: int
+    ) -> Status:
+        keys = mutex_keys(slot)
+        args = [token, owner, ttl_ms, record, notice_ms]
+        with self._guard(slot):
+            return Status.of(self._run(PARK, [keys.lock, keys.notify, keys.waiting], args))
 
     def rate(
         self, name: str, key: str, interval_us: int, burst: int, *, mode: str,

@@ -36,6 +36,7 @@ __all__ = [
     "EXTEND_MANY",
     "EXTEND_NODE",
     "FORCE_RELEASE",
+    "PARK",
     "PERMITS",
     "PERMIT_ACQUIRE",
     "PERMIT_EXTEND",
@@ -119,6 +120,7 @@ PERMITS = Script("permits.lua")
 RATE = Script("rate.lua")
 ENQUEUE = Script("enqueue.lua")
 DEQUEUE = Script("dequeue.lua")
+PARK = Script("park.lua")
 
 
 def grant_of(reply: Any, *, permits: bool) -> Grant:

@@ -18,6 +18,8 @@
 -- ARGV[7]  with KEYS[4]: '1' refuses when the queued hold belongs to another task id
 --          (this message was superseded or is a duplicate); '0' takes the lock anyway
 --          (a retry of a task that already ran keeps its place)
+-- With KEYS[4], a lock kept for task ARGV[6]'s redelivered copy (park.lua: its token is
+-- 'parked:' .. ARGV[6]) is taken over as if free, whoever holds the queued hold.
 -- Returns  {1, fence}          acquired; also when the key already holds ARGV[1]
 --                              (a re-sent acquire finds its own token: same fence,
 --                              lease reset). With KEYS[4]: the queued hold is deleted
@@ -33,7 +35,8 @@ if cur[1] == ARGV[1] then
   return {1, tonumber(cur[2])}
 end
 local queued = KEYS[4] and redis.call('HMGET', KEYS[4], 'owner', 'info')
-if cur[1] then
+local parked = KEYS[4] and cur[1] == 'parked:' .. ARGV[6]
+if cur[1] and not parked then
   local left = redis.call('PTTL', KEYS[1])
   if ARGV[4] == '1' then
     -- The caller blocks at most `left` ms (or its own lease when the key has no
@@ -49,7 +52,7 @@ if cur[1] then
   end
   return {0, cur[3] or '', left}
 end
-if queued and queued[1] and queued[1] ~= ARGV[6] and ARGV[7] == '1' then
+if queued and not parked and queued[1] and queued[1] ~= ARGV[6] and ARGV[7] == '1' then
   return {-1, queued[2] or '', redis.call('PTTL', KEYS[4]), queued[1]}
 end
 local fence = redis.call('INCR', KEYS[2])

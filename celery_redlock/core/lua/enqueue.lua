@@ -13,7 +13,9 @@
 --                                           (a retry re-publishes under the same id)
 --          {2, owner, info}                 held for ARGV[1]; it replaced owner's hold
 --          {0, owner, info, pttl, state}    a duplicate: the hold ('queued') or the run
---                                           ('running') of task owner, its record, ms left
+--                                           ('running') of task owner, its record, ms left;
+--                                           a run kept for its redelivered copy (park.lua)
+--                                           is 'queued'
 local q = redis.call('HMGET', KEYS[1], 'owner', 'info')
 if q[1] and q[1] ~= ARGV[1] then
   if ARGV[4] ~= '1' then
@@ -26,7 +28,8 @@ end
 if not q[1] and ARGV[5] == '1' then
   local run = redis.call('HMGET', KEYS[2], 'token', 'owner', 'info')
   if run[1] and run[2] ~= ARGV[1] then
-    return {0, run[2] or '', run[3] or '', redis.call('PTTL', KEYS[2]), 'running'}
+    local state = string.sub(run[1], 1, 7) == 'parked:' and 'queued' or 'running'
+    return {0, run[2] or '', run[3] or '', redis.call('PTTL', KEYS[2]), state}
   end
 end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'info', ARGV[3])
