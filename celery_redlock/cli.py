@@ -10,8 +10,12 @@ Names are the rendered lock names (``sync:42``), not Redis keys. Locks are found
 with ``SCAN`` (never ``KEYS``), on every primary of a Redis Cluster; with a list of
 URLs (Redlock) each master is shown on its own row.
 
+``--redlock-url`` (or ``REDLOCK_URL`` in the environment) points the command where a
+worker started with that flag keeps its locks, as the worker flag does.
+
 Exit codes: 0 done; 1 the lock is not held, or the release was refused or
-aborted; 2 usage or configuration error; 3 Redis unreachable.
+aborted; 2 usage or configuration error; 3 Redis unreachable, or refusing the
+credentials.
 
 Settings come from ``celery_redlock.config.load_settings`` (the checks and the
 broker fallback the worker uses); every read and removal is a backend's operator
@@ -44,6 +48,7 @@ from .core.admin import (
 )
 from .core.errors import ConfigError, QuorumUnavailable, describe_holder, one_line
 from .core.keys import lock_keys
+from .flags import flag_overrides, locks_flags
 from .render import (
     LockRow,
     lock_details,
@@ -60,6 +65,8 @@ __all__ = ["EXIT_NOT_HELD", "EXIT_UNREACHABLE", "LockRow", "locks"]
 EXIT_NOT_HELD = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
+#: Where the group keeps its flags' setting overrides for its commands (``ctx.meta``).
+_OVERRIDES = "celery_redlock.overrides"
 #: Marks a master without a queued hold of the name (its owner may be None: forced).
 _NONE = object()
 
@@ -73,7 +80,12 @@ class _Unreachable(Exception):
         #: data under the prefix) is a configuration error, not an outage.
         self.refused = _refused(exc)
         self.exit_code = EXIT_USAGE if self.refused else EXIT_UNREACHABLE
-        if self.refused:
+        if _bad_credentials(exc):  # exit 3, worded as the worker's start-up line
+            super().__init__(
+                f"Redis at {url} refused the credentials ({one_line(exc)}): check the user "
+                "name and password in redlock_url"
+            )
+        elif self.refused:
             super().__init__(f"Redis at {url} refused the request: {one_line(exc)}")
         else:
             super().__init__(f"cannot reach Redis at {url}: {one_line(exc)}")
@@ -85,12 +97,24 @@ _UNREACHABLE = (QuorumUnavailable, RedisError)
 
 
 def _refused(exc: BaseException) -> bool:
-    """True for a refusal that no retry mends (a wrong password, missing ACL rights): the
-    backend's QuorumUnavailable carries the Redis error it met as its cause."""
+    """True for a refusal that no retry mends and that is a usage error (missing ACL
+    rights): the backend's QuorumUnavailable carries the Redis error it met as its cause."""
     cause = exc.__cause__ if isinstance(exc, QuorumUnavailable) else exc
-    if isinstance(cause, AuthenticationError):
-        return True
     return isinstance(cause, ResponseError) and "NOPERM" in str(cause)
+
+
+def _bad_credentials(exc: BaseException) -> bool:
+    """True when Redis refused the user name or password (exit 3: the Redis side)."""
+    cause = exc.__cause__ if isinstance(exc, QuorumUnavailable) else exc
+    return isinstance(cause, AuthenticationError)
+
+
+def _conf_url(conf: Any) -> Any:
+    """``redlock_url`` as Celery reads it (``CELERY_REDLOCK_URL`` under a namespace too)."""
+    try:
+        return conf.get("redlock_url")
+    except Exception:
+        return None
 
 
 class _Session:
@@ -103,8 +127,11 @@ class _Session:
     def __init__(self, ctx: click.Context) -> None:
         self.ctx = ctx
         app = ctx.obj.app
+        overrides = {**state_for(app).overrides, **ctx.meta.get(_OVERRIDES, {})}
+        #: The locks' URL is the broker's (no redlock_url, no --redlock-url).
+        self.from_broker = overrides.get("redlock_url") is None and not _conf_url(app.conf)
         try:
-            self.settings: Settings = load_settings(app.conf, state_for(app).overrides)
+            self.settings: Settings = load_settings(app.conf, overrides)
             options = self.settings.client_options
             url = self.settings.urls
             self.is_redlock = isinstance(url, list)
@@ -117,6 +144,16 @@ class _Session:
             raise CeleryCommandException(str(exc), EXIT_USAGE) from None
         self.prefix: str = self.settings.key_prefix
         self.unreachable: list[_Unreachable] = []
+
+    def where(self) -> str:
+        """Where the locks were looked for, for a reader who found none there."""
+        where = ", ".join(url for url, _ in self.clients)
+        if self.from_broker:
+            return (
+                f"{where} (the broker's Redis: a worker started with --redlock-url keeps "
+                "its locks there; pass the same --redlock-url, or set REDLOCK_URL)"
+            )
+        return where
 
     def master_of(self, backend: Backend) -> str | None:
         return backend.describe() if self.is_redlock else None
@@ -175,8 +212,28 @@ class _Session:
 def locks(ctx: click.Context) -> None:
     """Inspect and release celery-redlock locks.
 
-    Exit codes: 0 done, 1 not held / refused / aborted, 2 usage error, 3 Redis unreachable.
+    Exit codes: 0 done, 1 not held / refused / aborted, 2 usage error, 3 Redis unreachable
+    or refusing the credentials.
     """
+
+
+def _takes_flags(command: click.Command) -> click.Command:
+    """Give *command* the worker flags ``celery locks`` takes (``--redlock-url``), before
+    or after the subcommand's name: each stores its setting override for the command."""
+    for option in locks_flags():
+        option.expose_value = False
+        option.callback = _store_flag
+        command.params.append(option)
+    return command
+
+
+def _store_flag(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    if param.name:
+        ctx.meta.setdefault(_OVERRIDES, {}).update(flag_overrides({param.name: value}))
+    return value
+
+
+_takes_flags(locks)
 
 
 _json_option = click.option(
@@ -189,6 +246,7 @@ _json_option = click.option(
 )
 
 
+@_takes_flags
 @locks.command(name="list", cls=CeleryCommand)
 @click.argument("pattern", required=False, default="*")
 @_json_option
@@ -218,10 +276,11 @@ def list_(ctx: click.Context, pattern: str, as_json: bool) -> None:
             parts.append("RATE LIMITERS\n" + rate_table(rates))
         click.echo("\n\n".join(parts))
     else:
-        click.echo("no locks held")
+        click.echo(f"no locks held at {session.where()}")
     session.finish()
 
 
+@_takes_flags
 @locks.command(cls=CeleryCommand)
 @click.argument("name")
 @_json_option
@@ -257,6 +316,7 @@ def _listed(info: RateInfo | None) -> list[RateInfo]:
     return [] if info is None else [info]
 
 
+@_takes_flags
 @locks.command(cls=CeleryCommand)
 @click.argument("name")
 @click.option(

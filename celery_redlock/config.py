@@ -86,7 +86,13 @@ class Settings:
         "Redis URL where task locks live, or a list of them for Redlock over independent "
         "masters (default: the broker URL when it is redis://)",
         task=False,
-        flag=Flag(multiple=True, note="Repeat the flag to give a list."),
+        flag=Flag(
+            multiple=True,
+            env=True,
+            cli=True,
+            note="Repeat the flag to give a list. Also read from REDLOCK_URL (a list: "
+            "URLs separated by spaces).",
+        ),
     )
     ttl: float = row(
         lease(),
@@ -247,14 +253,14 @@ def load_settings(
     table = table_of(settings_class)
     problems: list[str] = []
     values: dict[str, Any] = {}
-    given = {k: conf.get(k) for k in _conf_keys(conf) if k.lower().startswith("redlock_")}
-    given.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    for name in given:
+    given: dict[str, Any] = {}
+    for key, name in _our_keys(conf):
         if name not in table.settings:
             guess = difflib.get_close_matches(name, table.settings, n=1)
-            problems.append(
-                f"unknown setting {name!r}" + (f" (did you mean {guess[0]!r}?)" if guess else "")
-            )
+            hint = f" (did you mean {_spelled_as(key, name, guess[0])!r}?)" if guess else ""
+            problems.append(f"unknown setting {key!r}{hint}")
+        given[name] = conf.get(key)
+    given.update({k: v for k, v in (overrides or {}).items() if v is not None})
     for name, spec in table.settings.items():
         raw = given.get(name)
         if raw is None:
@@ -287,11 +293,31 @@ def load_settings(
     return settings_class(**values)
 
 
-def _conf_keys(conf: Mapping[str, Any]) -> list[str]:
+def _our_keys(conf: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(key as written, setting name) of each ``redlock_*`` key of *conf*, where Celery
+    reads its own settings: ``app.conf.redlock_url``, and under a namespace
+    (``config_from_object("django.conf:settings", namespace="CELERY")``)
+    ``CELERY_REDLOCK_URL``, in either case."""
     try:
-        return [k for k in conf if isinstance(k, str)]
+        keys = [k for k in conf if isinstance(k, str)]  # this loads a lazy app.conf
     except TypeError:
         return []
+    prefix = getattr(conf, "prefix", None)  # Celery's namespace, as its Settings keep it
+    prefix = prefix.lower() if isinstance(prefix, str) else ""
+    found = []
+    for key in keys:
+        name = key.lower()
+        if prefix and name.startswith(prefix):
+            name = name[len(prefix) :]
+        if name.startswith("redlock_"):
+            found.append((key, name))
+    return found
+
+
+def _spelled_as(key: str, name: str, other: str) -> str:
+    """Setting *other* written as *key* writes *name* (its namespace, its case)."""
+    spelled = key[: len(key) - len(name)] + other
+    return spelled.upper() if key.isupper() else spelled
 
 
 # -- checking and resolving task options ------------------------------------------------------

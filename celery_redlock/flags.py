@@ -19,25 +19,41 @@ from .checks import Choice
 from .config import Settings
 from .rows import Flag, Row, table_of
 
-__all__ = ["flag_overrides", "register_flags", "worker_flags"]
+__all__ = ["flag_overrides", "locks_flags", "register_flags", "worker_flags"]
 
 
 def worker_flags(settings_class: type[Settings] = Settings) -> list[click.Option]:
     """The click options of the rows of *settings_class* that are worker flags."""
-    return [_option(r, r.flag) for r in table_of(settings_class).flags if r.flag is not None]
+    rows = table_of(settings_class).flags
+    return [_option(r, r.flag, "this worker") for r in rows if r.flag is not None]
 
 
-def _option(r: Row, spec: Flag) -> click.Option:
-    help_text = f"{r.help}; overrides app.conf.{r.setting} for this worker."
+def locks_flags(settings_class: type[Settings] = Settings) -> list[click.Option]:
+    """The worker flags that ``celery locks`` takes too (``--redlock-url``), made from the
+    same rows: the command then looks where a worker started with them keeps its locks."""
+    rows = table_of(settings_class).flags
+    return [_option(r, r.flag, "this command") for r in rows if r.flag is not None and r.flag.cli]
+
+
+def _option(r: Row, spec: Flag, who: str) -> click.Option:
+    help_text = f"{r.help}; overrides app.conf.{r.setting} for {who}."
     if spec.note:
         help_text += " " + spec.note
+    envvar = r.setting.upper() if spec.env and r.setting else None
     if spec.switch:
-        return click.Option([r.flag_name], is_flag=True, default=False, help=help_text)
+        return click.Option(
+            [r.flag_name], is_flag=True, default=False, help=help_text, envvar=envvar
+        )
     kind: Any = spec.type
     if kind is None and isinstance(r.check, Choice):
         kind = click.Choice(r.check.names)
     return click.Option(
-        [r.flag_name], type=kind, multiple=spec.multiple, default=None, help=help_text
+        [r.flag_name],
+        type=kind,
+        multiple=spec.multiple,
+        default=None,
+        help=help_text,
+        envvar=envvar,
     )
 
 

@@ -40,6 +40,12 @@ class Flag:
     switch: bool = False
     #: What only the flag's help says, after the row's help.
     note: str = ""
+    #: Also read from the environment variable named as the setting, in upper case
+    #: (``REDLOCK_URL``), where the flag is not given.
+    env: bool = False
+    #: Also an option of ``celery locks``, so that it looks where a worker so started
+    #: keeps its locks.
+    cli: bool = False
 
 
 @dataclass(frozen=True)

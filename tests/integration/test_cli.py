@@ -23,7 +23,7 @@ from servers import ClusterSetup, RedisServer, free_port
 from tricky_names import TRICKY_NAMES
 
 from celery_redlock import Lock, QueuedHold
-from celery_redlock.core.connect import address_of
+from celery_redlock.core.connect import address_of, mask_url
 from celery_redlock.core.keys import lock_keys
 from tests.apps import locksapp
 
@@ -165,7 +165,9 @@ def test_list_skips_fence_notify_and_waiting_keys_and_foreign_keys_and_says_when
     assert locks_on.exists(*keys) == 3
     result = run("list")
     assert result.exit_code == 0
-    assert result.stdout.strip() == "no locks held"
+    assert (
+        result.stdout.strip() == f"no locks held at {mask_url(str(locksapp.app.conf.redlock_url))}"
+    )
     assert json.loads(run("list", "--json").stdout) == []
 
 
@@ -250,6 +252,72 @@ def test_usage_errors_exit_2() -> None:
     """A missing argument is a usage error (exit 2)."""
     assert run("show").exit_code == 2
     assert run("release").exit_code == 2
+
+
+def test_redlock_url_flag_and_environment_point_the_command_elsewhere(
+    redis_servers: Callable[[int], list[RedisServer]],
+    configure: Callable[..., None],
+    hold: Callable[..., Lock],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """app.conf points at one server, a lock is held on another: list finds nothing where
+    the app points (and says where it looked), and finds the lock with --redlock-url
+    (before or after the subcommand) or REDLOCK_URL, as a worker so started keeps it."""
+    conf_server, flag_server = redis_servers(2)
+    configure(conf_server.url)
+    hold(flag_server.client(), "elsewhere:1", task_name="proj.sync")
+    plain = run("list")
+    assert plain.stdout.strip() == f"no locks held at {mask_url(conf_server.url)}"
+    for args in (
+        ["list", "--redlock-url", flag_server.url],
+        ["--redlock-url", flag_server.url, "list"],
+    ):
+        result = run(*args)
+        assert result.exit_code == 0, result.output
+        assert "elsewhere:1" in result.stdout, (args, result.output)
+    shown = run("show", "elsewhere:1", "--redlock-url", flag_server.url)
+    assert shown.exit_code == 0 and "proj.sync" in shown.stdout, shown.output
+    monkeypatch.setenv("REDLOCK_URL", flag_server.url)
+    from_env = run("list", "--json")
+    assert [row["name"] for row in json.loads(from_env.stdout)] == ["elsewhere:1"]
+
+
+def test_list_says_the_broker_was_searched_when_no_redlock_url_is_set(
+    shared_redis: RedisServer, configure: Callable[..., None]
+) -> None:
+    """No redlock_url: the broker's Redis is searched, and finding nothing says so, and how
+    to look where a worker started with --redlock-url keeps its locks."""
+    configure(None)
+    saved = locksapp.app.conf.broker_url
+    locksapp.app.conf.broker_url = shared_redis.url
+    try:
+        result = run("list")
+    finally:
+        locksapp.app.conf.broker_url = saved
+    assert result.exit_code == 0, result.output
+    out = result.stdout.strip()
+    assert out.startswith(f"no locks held at {mask_url(shared_redis.url)} (the broker's Redis")
+    assert "--redlock-url" in out and "REDLOCK_URL" in out
+
+
+def test_refused_credentials_exit_3_worded_as_the_worker_words_them(
+    configure: Callable[..., None], tmp_path: Path
+) -> None:
+    """A wrong password in redlock_url: exit 3 (the Redis side, not usage), one line saying
+    Redis refused the credentials, the password masked."""
+    server = RedisServer.start()
+    try:
+        server.client().config_set("requirepass", "right-one")
+        configure(f"redis://:wrong-one@127.0.0.1:{server.port}/0")
+        for args in (["list"], ["show", "x"]):
+            result = run(*args)
+            assert result.exit_code == 3, (args, result.output)
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1, result.stderr
+            assert "refused the credentials" in lines[0] and "redlock_url" in lines[0]
+            assert "wrong-one" not in result.output
+    finally:
+        server.stop()
 
 
 def test_unreachable_redis_exits_3_with_one_line_and_a_masked_url(

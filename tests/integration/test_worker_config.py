@@ -167,6 +167,40 @@ def test_redlock_url_flag_puts_locks_on_the_flag_server(
 
 
 @pytest.mark.slow
+def test_celery_locks_with_the_workers_redlock_url_shows_what_it_holds(
+    workers: dict[str, Worker], server: RedisServer, flag_server: RedisServer
+) -> None:
+    """A worker started with --redlock-url holds a lock: `celery locks list` with the same
+    --redlock-url shows it; without it, the command says where it looked instead."""
+    env = _env(server, FLAGS_BROKER, FLAGS_RECORD)
+    client = _client(env)
+    name = f"cli-{uuid.uuid4().hex[:6]}"
+    flag_url = f"redis://:{SECRET}@127.0.0.1:{flag_server.port}/1"
+    argv = [sys.executable, "-m", "celery", "-A", APP, "locks", "list"]
+    try:
+        result = client.send_task(f"{APP}.held", args=(name, 4.0))
+        wait_for(
+            lambda: [e for e in _records(server, FLAGS_RECORD, "start") if e["name"] == name], 20
+        )
+        run_env = {**os.environ, **env}
+        found = subprocess.run(
+            [*argv, "--redlock-url", flag_url], cwd=ROOT, env=run_env, capture_output=True,
+            text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert found.returncode == 0, found.stderr
+        assert f"cfg:{name}" in found.stdout and "running" in found.stdout, found.stdout
+        assert SECRET not in found.stdout + found.stderr
+        elsewhere = subprocess.run(
+            argv, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=60, check=False
+        )
+        assert f"cfg:{name}" not in elsewhere.stdout
+        assert f"no locks held at redis://127.0.0.1:{server.port}/1" in elsewhere.stdout
+        assert result.get(timeout=20) == name
+    finally:
+        close_publisher(client)
+
+
+@pytest.mark.slow
 def test_redlock_ttl_flag_sets_the_lease(
     workers: dict[str, Worker], server: RedisServer, flag_server: RedisServer
 ) -> None:
@@ -364,3 +398,60 @@ def test_unreachable_lock_redis_is_one_error_line_and_the_worker_runs(
         assert "Traceback" not in text
     finally:
         w.stop()
+
+
+# -- Django-style settings --------------------------------------------------------------------
+def _ns_env(server: RedisServer, **extra: str) -> dict[str, str]:
+    base = f"redis://127.0.0.1:{server.port}"
+    return {
+        "NS_BROKER": f"{base}/9",
+        "NS_LOCKS": f"{base}/6",
+        "NS_TTL": "12",
+        "NS_RECORD": f"{base}/10",
+        **extra,
+    }
+
+
+@pytest.mark.slow
+def test_django_style_namespaced_settings_are_read_and_used(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    """config_from_object(..., namespace="CELERY") with CELERY_REDLOCK_URL (database 6)
+    and CELERY_REDLOCK_TTL = 12: a prefork worker logs that URL and TTL, and a run's lock
+    lives there with that lease."""
+    env = _ns_env(server)
+    server.client(db=10).delete("events")
+    w = Worker("tests.apps.djangoish", env, tmp_path / "ns.log")
+    app = publisher(env["NS_BROKER"], env["NS_BROKER"])
+    try:
+        w.wait_ready()
+        assert f"locks at redis://127.0.0.1:{server.port}/6 (ttl=12.0s" in w.text()
+        result = app.send_task("ns.hold", ("a", 2.0))
+        started = wait_for(lambda: _records(server, 10, "start"), 20, "the run")
+        assert started[0]["ttl"] == 12.0
+        locks = server.client(db=6)
+        assert locks.exists("redlock:{ns:a}") and 0 < locks.pttl("redlock:{ns:a}") <= 12_000
+        assert result.get(timeout=20) == "a"
+    finally:
+        close_publisher(app)
+        w.stop()
+
+
+@pytest.mark.slow
+def test_misspelt_namespaced_setting_stops_the_worker_in_one_line(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    """CELERY_REDLOCK_TLL in a Django-style settings module: the worker exits non-zero
+    with one line that names it as written and suggests CELERY_REDLOCK_TTL."""
+    env = _ns_env(server, NS_EXTRA=json.dumps({"CELERY_REDLOCK_TLL": 3}))
+    w = Worker("tests.apps.djangoish", env, tmp_path / "ns-typo.log")
+    try:
+        code = w.wait_exit(40)
+    finally:
+        w.stop()
+    text = w.text()
+    assert code != 0
+    lines = [line for line in text.splitlines() if "CELERY_REDLOCK_TLL" in line]
+    assert len(lines) == 1, text
+    assert "did you mean 'CELERY_REDLOCK_TTL'" in lines[0]
+    assert "Traceback" not in text and "ready." not in text
