@@ -362,3 +362,46 @@ def test_a_disabled_app_needs_no_url_but_asking_for_it_says_how_to_set_one() -> 
     assert settings.url is None
     with pytest.raises(ConfigError, match="redlock_url = 'redis://host:6379/1'"):
         _ = settings.urls
+
+
+def _namespaced(**settings: Any) -> Celery:
+    """An app configured as a Django project is: a settings object under "CELERY_"."""
+    source = type("DjangoSettings", (), settings)
+    app = Celery("namespaced", set_as_current=False)
+    app.config_from_object(source, namespace="CELERY")
+    return app
+
+
+def test_settings_under_celerys_namespace_are_read_as_celery_reads_its_own() -> None:
+    """config_from_object(..., namespace="CELERY"): CELERY_REDLOCK_URL and
+    CELERY_REDLOCK_TTL are the settings redlock_url and redlock_ttl, not the broker's URL
+    and the default; lower-case app.conf keys still count beside them."""
+    app = _namespaced(
+        CELERY_BROKER_URL="redis://broker:6379/0",
+        CELERY_REDLOCK_URL="redis://locks:6379/6",
+        CELERY_REDLOCK_TTL=12,
+    )
+    settings = load_settings(app.conf)
+    assert (settings.url, settings.ttl) == ("redis://locks:6379/6", 12.0)
+    app.conf.redlock_max_retries = 3
+    assert load_settings(app.conf).max_retries == 3
+
+
+def test_a_misspelt_namespaced_setting_is_named_as_written_with_a_suggestion() -> None:
+    """CELERY_REDLOCK_TLL is refused in one error naming it as the user wrote it and
+    suggesting CELERY_REDLOCK_TTL; a misspelt plain key keeps its own form."""
+    app = _namespaced(CELERY_REDLOCK_URL="memory://ns", CELERY_REDLOCK_TLL=3)
+    with pytest.raises(ConfigError) as caught:
+        load_settings(app.conf)
+    assert "unknown setting 'CELERY_REDLOCK_TLL' (did you mean 'CELERY_REDLOCK_TTL'?)" in str(
+        caught.value
+    )
+    with pytest.raises(ConfigError, match="'redlock_tll' \\(did you mean 'redlock_ttl'"):
+        load_settings({**URL, "redlock_tll": 3})
+
+
+def test_the_readme_names_every_setting() -> None:
+    """Each redlock_* setting is named in the README (a row added without its line there
+    fails here)."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    assert [name for name in SETTINGS if f"`{name}`" not in readme] == []

@@ -1,0 +1,93 @@
+"""The README's "In ten lines" run as written: its Python block is the project (`proj`),
+its shell lines are the commands, with every `redis://localhost:6379` pointed at a
+throwaway Redis (the only change)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+from servers import RedisServer, wait_for
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _ten_lines() -> tuple[str, list[str]]:
+    """The section's Python block and its shell lines (comments dropped)."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## In ten lines", 1)[1].split("\n## ", 1)[0]
+    python = re.search(r"```python\n(.*?)```", section, re.S)
+    shell = re.search(r"```sh\n(.*?)```", section, re.S)
+    assert python and shell, "the section has a Python block and a shell block"
+    lines = [line.split("#", 1)[0].strip() for line in shell.group(1).splitlines()]
+    return python.group(1), [line for line in lines if line]
+
+
+def _here(text: str, server: RedisServer) -> str:
+    return text.replace("redis://localhost:6379", f"redis://127.0.0.1:{server.port}")
+
+
+def test_the_ten_lines_run_as_written(server: RedisServer, tmp_path: Path) -> None:
+    """proj.py is the README's block; its worker line starts a worker that logs where its
+    locks live and runs both tasks; `celery locks list` and `release` answer from there."""
+    code, commands = _ten_lines()
+    (tmp_path / "proj.py").write_text(_here(code, server))
+    worker_line, list_line, release_line = commands
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    argv = shlex.split(_here(worker_line, server))
+    assert argv[:4] == ["celery", "-A", "proj", "worker"], argv
+    argv = [sys.executable, "-m", *argv, "-c", "2", "-n", f"readme{uuid.uuid4().hex[:6]}@%h"]
+    log_path = tmp_path / "worker.log"
+    with open(log_path, "wb") as log:
+        worker = subprocess.Popen(
+            argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: "ready." in log_path.read_text(errors="replace"), 40, "the worker")
+        text = log_path.read_text(errors="replace")
+        assert f"locks at redis://127.0.0.1:{server.port}/1 (ttl=30.0s" in text
+        publish = textwrap.dedent("""
+            from proj import nightly_report, sync_user
+            sync_user.delay(42)
+            nightly_report.delay()
+        """)
+        done = subprocess.run(
+            [sys.executable, "-c", publish], cwd=tmp_path, env=env, timeout=60, check=False,
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        wait_for(
+            lambda: log_path.read_text(errors="replace").count("succeeded") >= 2,
+            30,
+            "both tasks to run",
+        )
+        for line, code_wanted, said in (
+            (list_line, 0, f"no locks held at redis://127.0.0.1:{server.port}/1"),
+            (release_line, 1, "'sync:42' is not held"),
+        ):
+            argv = [sys.executable, "-m", *shlex.split(_here(line, server))]
+            ran = subprocess.run(
+                argv, cwd=tmp_path, env=env, timeout=60, check=False, capture_output=True,
+                text=True,
+            )  # fmt: skip
+            assert ran.returncode == code_wanted, (line, ran.stdout, ran.stderr)
+            assert said in ran.stdout + ran.stderr, (line, ran.stdout, ran.stderr)
+    finally:
+        if worker.poll() is None:
+            worker.send_signal(signal.SIGTERM)
+            try:
+                worker.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait(10)
