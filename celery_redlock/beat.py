@@ -70,6 +70,7 @@ from .core.connect import mask_url
 from .core.errors import ConfigError, RedlockError, one_line
 from .core.lock import Lock
 from .core.records import LockRecords
+from .observability import BEAT_ROLE
 from .state import state_for
 
 __all__ = ["LeaderScheduler"]
@@ -145,7 +146,7 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
                 self.lock_name,
                 self.ttl,
                 auto_renew=True,
-                owner_info={"role": "beat-leader", "app": self.app.main},
+                owner_info={"role": BEAT_ROLE, "app": self.app.main},
                 on_lost=self._on_lost,
             )
         return self._leader_lock

@@ -27,7 +27,13 @@ from typing import Any, NoReturn, Protocol
 from celery.exceptions import Ignore, Reject, Retry
 
 from .core.backend_types import Queued, RateGrant
-from .core.errors import AlreadyQueued, LockContended, RateLimited, describe_holder
+from .core.errors import (
+    AlreadyQueued,
+    LockContended,
+    QuorumUnavailable,
+    RateLimited,
+    describe_holder,
+)
 from .core.queued import QueuedHold
 from .core.ratelimit import slot_lead
 from .policies import CONTENDED, DUPLICATE
@@ -274,25 +280,35 @@ def requeue(
     sig = task.signature_from_request(
         request, countdown=delay, retries=request.retries, headers=headers
     )
-    log.info(
-        "Task %s[%s] lock retry %d/%d in %.2fs: %s",
-        task.name,
-        request.id,
-        done + 1,
-        budget,
-        delay,
-        exc,
-    )
+    # One line of ours per attempt (Celery adds its own "retry:" line with the reason).
+    if isinstance(exc, QuorumUnavailable):
+        reason = f"lock {name!r} unavailable"
+        log.warning(
+            "Task %s[%s] not started, lock %r unavailable: %s (lock retry %d/%d in %.2fs)",
+            task.name,
+            request.id,
+            name,
+            exc,
+            done + 1,
+            budget,
+            delay,
+        )
+    else:
+        reason = f"{name!r} rate limited" if rate_slot else f"lock {name!r} busy"
+        log.info(
+            "Task %s[%s] lock retry %d/%d in %.2fs: %s",
+            task.name,
+            request.id,
+            done + 1,
+            budget,
+            delay,
+            exc,
+        )
     try:
         sig.apply_async()
     except Exception as publish_error:
         raise Reject(publish_error, requeue=False) from publish_error
-    raise Retry(
-        f"{name!r} rate limited" if rate_slot else f"lock {name!r} busy",
-        exc=exc,
-        when=delay,
-        sig=sig,
-    )
+    raise Retry(reason, exc=exc, when=delay, sig=sig)
 
 
 # -- lock_on_duplicate: a publish that finds its key queued or running -----------------------

@@ -26,12 +26,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from .core.events import LockEvent, add_hook, remove_hook
 from .state import state_for
 
 __all__ = [
+    "BEAT_ROLE",
     "disable_prometheus",
     "enable_prometheus",
     "logging_hook",
@@ -59,12 +61,17 @@ _LEVELS = {
 def logging_hook(event: LockEvent) -> None:
     """Log one line per lock event, with the fields a person needs."""
     level = _LEVELS.get(event.kind, logging.INFO)
+    if event.kind == "contended" and event.owner.get("role") in _ROUTINE_WAITERS:
+        level = logging.DEBUG
     if not log.isEnabledFor(level):
         return
     parts = [f"lock-{event.kind}", f"name={event.name!r}"]
-    task = event.holder.get("task_name")
-    if task:
-        parts.append(f"task={task}[{event.holder.get('task_id')}]")
+    other = event.kind in _HOLDER_IS_OTHER
+    ours = event.owner if other else event.holder
+    if ours.get("task_name"):
+        parts.append(f"task={ours['task_name']}[{ours.get('task_id')}]")
+    if other and event.holder:
+        parts.append(f"holder={_who(event.holder)}")
     if event.fence is not None:
         parts.append(f"fence={event.fence}")
     if event.waited is not None:
@@ -76,6 +83,22 @@ def logging_hook(event: LockEvent) -> None:
     if event.retry_after is not None:
         parts.append(f"retry_after={event.retry_after:.3f}s")
     log.log(level, " ".join(parts))
+
+
+#: The ``role`` in the holder record of beat's leader lock (``LeaderScheduler``).
+BEAT_ROLE = "beat-leader"
+#: Owners (their record's ``role``) for whom waiting is the normal state: a standby beat
+#: asks for the leader lock every few seconds while another beat leads.
+_ROUTINE_WAITERS = frozenset({BEAT_ROLE})
+#: The events whose ``holder`` is the other owner (the one in the way), not ours.
+_HOLDER_IS_OTHER = frozenset({"contended", "duplicate", "superseded"})
+
+
+def _who(record: Mapping[str, Any]) -> str:
+    """A holder in a log line: its task and id, else its host and pid."""
+    if record.get("task_name"):
+        return f"{record['task_name']}[{record.get('task_id')}]"
+    return f"{record.get('hostname', '?')}:{record.get('pid', '?')}"
 
 
 def _logging_wants(kind: str) -> bool:

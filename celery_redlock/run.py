@@ -318,10 +318,7 @@ def _acquire(run: _Run, state: AppState, handover: Handover | None) -> None:
             return
         if not queued:  # an eager or direct call: no message to re-queue
             raise
-        log.warning(
-            "Task %s[%s] not started, lock %r unavailable: %s", task.name, task_id, name, exc
-        )
-        requeue(task, request, name, exc, options)
+        requeue(task, request, name, exc, options)  # logs the one line of this attempt
 
 
 def _own_task_holds(task: Any, request: Any, lock: Lock, attempt: tuple[int, int]) -> bool:

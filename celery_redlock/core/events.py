@@ -40,9 +40,10 @@ class LockEvent:
     seconds held (``released``/``lost``); ``holder`` is the other owner's record
     for ``contended``, ``duplicate`` (a call not queued because the holder's message
     is queued or running) and ``superseded`` (a queued message that a newer call
-    replaced; ``holder`` is the newer one's), ours otherwise. ``rate_limited``: a
-    rate limiter refused a start, and ``retry_after`` says in how many seconds its
-    next slot is free.
+    replaced; ``holder`` is the newer one's), ours otherwise. ``owner`` is ours
+    (the waiting task's record for ``contended``), where the lock knows it.
+    ``rate_limited``: a rate limiter refused a start, and ``retry_after`` says in how
+    many seconds its next slot is free.
     """
 
     kind: EventKind
@@ -56,6 +57,7 @@ class LockEvent:
     error: str | None = None
     at: float = field(default_factory=time.time)
     retry_after: float | None = None
+    owner: Mapping[str, Any] = field(default_factory=dict)
 
 
 Hook = Callable[[LockEvent], object]

@@ -216,6 +216,7 @@ class Lease:
             return
         fields.setdefault("fence", self._fence)
         fields.setdefault("holder", self.owner_info)
+        fields.setdefault("owner", self.owner_info)
         events.emit(
             events.LockEvent(kind=kind, name=self.name, key=self.keys.lock, ttl=self.ttl, **fields)
         )

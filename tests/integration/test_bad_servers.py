@@ -25,6 +25,7 @@ store is broken.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import json
 import logging
@@ -38,10 +39,10 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, signals
 from celery.contrib.testing.worker import start_worker
 from servers import RedisServer, free_port, wait_for
-from workers import Worker
+from workers import Worker, close_publisher
 
 from celery_redlock import ConfigError, Lock, LockedTask, QuorumUnavailable, connect
 
@@ -125,8 +126,9 @@ def make_app(shared_redis: RedisServer, runs: Runs) -> Iterator[Callable[..., tu
     try:
         yield make
     finally:
+        gc.collect()  # results in reference cycles unsubscribe now, while the server is up
         for app in apps:
-            app.close()
+            close_publisher(app)
 
 
 # start_worker, not redlock_worker: the start is under test (a ConfigError, start-up lines).
@@ -232,12 +234,20 @@ def test_a_lock_server_refusing_us_is_loud_at_start_and_tasks_never_run_unlocked
     runs: Runs,
     caplog: pytest.LogCaptureFixture,
     case: str,
+    request: pytest.FixtureRequest,
 ) -> None:
     """Wrong password, no password, a TLS URL for a plain server, nothing listening: one
     ERROR at worker start naming the server (masked URL, what is wrong); the task is
     retried, then fails with QuorumUnavailable when its lock retries run out; its body never
     runs; the password appears in no log line and no error."""
     caplog.set_level(logging.INFO, logger="celery_redlock")
+    reasons: list[str] = []  # what Celery's "retry:" line says for each retry
+
+    def on_retry(reason: Any = None, **_: Any) -> None:
+        reasons.append(str(reason))
+
+    signals.task_retry.connect(on_retry, weak=False)
+    request.addfinalizer(lambda: signals.task_retry.disconnect(on_retry))
     port = password_server.port
     url, masked, words = {
         "wrong-password": (
@@ -273,12 +283,22 @@ def test_a_lock_server_refusing_us_is_loud_at_start_and_tasks_never_run_unlocked
         result = job.delay("a")
         with pytest.raises(QuorumUnavailable) as caught:
             result.get(timeout=30, propagate=True)
-    assert "127.0.0.1" in str(caught.value)
+    error = str(caught.value)
+    assert "127.0.0.1" in error
     assert runs.all() == []
     retried = lines(caplog, "not started, lock 'job:a' unavailable", logging.WARNING)
-    assert len(retried) == 2, all_logged(caplog)  # the first run and its one retry
-    assert lines(caplog, "gave up after 1 lock retries", logging.ERROR)
-    assert SECRET not in all_logged(caplog) and SECRET not in str(caught.value)
+    assert len(retried) == 1, all_logged(caplog)  # the first run, re-queued
+    assert "(lock retry 1/1 in" in retried[0]
+    assert len(lines(caplog, "gave up after 1 lock retries", logging.ERROR)) == 1  # its retry
+    ours = [
+        r
+        for r in caplog.records
+        if r.name.startswith("celery_redlock") and "job:a" in r.getMessage()
+    ]
+    assert len(ours) == 2, all_logged(caplog)  # one line of ours per attempt
+    assert len(reasons) == 1 and "lock 'job:a' unavailable" in reasons[0], reasons
+    assert "busy" not in reasons[0]  # contention's word
+    assert SECRET not in all_logged(caplog) and SECRET not in error
 
 
 # ------------------------------------------------------------------------ transient states

@@ -28,7 +28,12 @@ from workers import Worker
 import celery_redlock
 from celery_redlock import Lock, LockContended, LockedTask, LockEvent, is_skipped
 from celery_redlock.core import events
-from celery_redlock.observability import disable_prometheus, enable_prometheus, logging_hook
+from celery_redlock.observability import (
+    BEAT_ROLE,
+    disable_prometheus,
+    enable_prometheus,
+    logging_hook,
+)
 
 APP = "tests.apps.configapp"
 
@@ -278,6 +283,50 @@ def test_logging_hook_writes_one_line_per_event_on_celery_redlock_events(
     assert "waited=" in acquired
     assert released.startswith("lock-released ") and "held=" in released
     assert f"fence={runs[3].fence}" in released
+
+
+def test_a_contended_line_names_the_waiting_task_and_the_holder() -> None:
+    """lock-contended says which task waited (task=) and which one holds the lock
+    (holder=), not the holder as if it were the one waiting."""
+    store = celery_redlock.connect(f"memory://contended-{uuid.uuid4().hex}")
+    holder = Lock(store, "c:1", owner_info={"task_name": "proj.a", "task_id": "id-a"})
+    waiter = Lock(store, "c:1", owner_info={"task_name": "proj.b", "task_id": "id-b"})
+    handler = _ListHandler()
+    assert holder.acquire(blocking=False)
+    try:
+        with logger_at_debug("celery_redlock.events", handler):
+            events.add_hook(logging_hook)
+            try:
+                assert waiter.acquire(blocking=False) is False
+            finally:
+                events.remove_hook(logging_hook)
+    finally:
+        holder.release()
+    [line] = [r for r in handler.records if r.getMessage().startswith("lock-contended")]
+    message = line.getMessage()
+    assert "task=proj.b[id-b]" in message and "holder=proj.a[id-a]" in message, message
+    assert line.levelno == logging.INFO
+
+
+def test_a_standby_beat_waiting_for_the_leader_lock_logs_at_debug() -> None:
+    """A standby beat asks for the leader lock every few seconds: its contention is
+    routine, a DEBUG line, where another waiter's is INFO."""
+    store = celery_redlock.connect(f"memory://standby-{uuid.uuid4().hex}")
+    leader = Lock(store, "beat", owner_info={"role": BEAT_ROLE, "app": "proj"})
+    standby = Lock(store, "beat", owner_info={"role": BEAT_ROLE, "app": "proj"})
+    handler = _ListHandler()
+    assert leader.acquire(blocking=False)
+    try:
+        with logger_at_debug("celery_redlock.events", handler):
+            events.add_hook(logging_hook)
+            try:
+                assert standby.acquire(blocking=False) is False
+            finally:
+                events.remove_hook(logging_hook)
+    finally:
+        leader.release()
+    levels = [r.levelno for r in handler.records if "lock-contended" in r.getMessage()]
+    assert levels == [logging.DEBUG]
 
 
 # -- Prometheus -------------------------------------------------------------------------------

@@ -45,7 +45,9 @@ def _loud_messages() -> list[tuple[str, int, str]]:
 def test_the_scan_finds_the_known_loud_lines() -> None:
     """The scan itself works: it finds lines we know are logged at WARNING and ERROR."""
     messages = {m for *_, m in _loud_messages()}
-    assert "Task %s[%s] not started, lock %r unavailable: %s" in messages
+    assert (
+        "Task %s[%s] not started, lock %r unavailable: %s (lock retry %d/%d in %.2fs)" in messages
+    )
     assert "Task %s[%s] gave up after %d lock retries (lock_max_retries=%d): %s" in messages
     assert len(messages) >= 30
 
