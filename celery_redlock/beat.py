@@ -65,7 +65,7 @@ from celery.beat import Scheduler
 from celery.utils.time import maybe_make_aware
 from redis.exceptions import RedisError
 
-from .config import Settings
+from .config import Settings, StartupConfigError
 from .core.connect import mask_url
 from .core.errors import ConfigError, RedlockError, one_line
 from .core.lock import Lock
@@ -111,10 +111,14 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
 
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
         self._app_state = state_for(app)
-        settings = self._app_state.settings  # ConfigError here: beat does not start
-        settings.check_single_process(
-            "beat's leader election is between beat processes, which would each see only their own"
-        )
+        try:  # a bad setting: `celery beat` prints one line and exits 1
+            settings = self._app_state.settings
+            settings.check_single_process(
+                "beat's leader election is between beat processes, which would each see "
+                "only their own"
+            )
+        except ConfigError as exc:
+            raise StartupConfigError(str(exc)) from None
         #: The leader lock's name and lease (seconds).
         self.lock_name = _beat_lock_name(settings, app)
         self.ttl = _beat_ttl(settings)

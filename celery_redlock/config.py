@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import click
+
 from .checks import (
     boolean,
     choice,
@@ -51,6 +53,7 @@ __all__ = [
     "OPTIONS",
     "SETTINGS",
     "Settings",
+    "StartupConfigError",
     "TaskOptions",
     "TaskSpec",
     "capabilities_needed",
@@ -60,6 +63,17 @@ __all__ = [
     "load_settings",
     "resolve",
 ]
+
+
+class StartupConfigError(ConfigError, click.ClickException):
+    """A bad setting or task option: ``celery worker`` (or ``beat``) prints one line,
+    ``Error: <what is wrong and the fix>``, and exits 1, with no traceback.
+
+    Still a :class:`ConfigError` for code that catches it (a ``.delay()`` on a lazily
+    created task, code that starts workers itself)."""
+
+    def __init__(self, message: str) -> None:
+        click.ClickException.__init__(self, message)
 
 
 #: ``lock_on``: when the lock is held. "run": while the body runs; "enqueue": from publish

@@ -38,7 +38,14 @@ from typing import Any, ClassVar
 
 from celery import Task
 
-from .config import OPTIONS, TaskSpec, check_declared, check_task_option, declared
+from .config import (
+    OPTIONS,
+    StartupConfigError,
+    TaskSpec,
+    check_declared,
+    check_task_option,
+    declared,
+)
 from .contention import SKIPPED, is_skipped
 from .core import ConfigError, Lock, LockContended, QuorumUnavailable
 from .dedup import publish
@@ -146,7 +153,20 @@ for _option in OPTIONS:
 
 # -- class preparation (at decoration / finalize time) -------------------------------------
 def prepare_task_class(cls: type) -> None:
-    """Check a task class's lock options and wrap its body; ConfigError names the task."""
+    """Check a task class's lock options and wrap its body; a
+    :class:`~celery_redlock.config.StartupConfigError` (a ConfigError) names the task, the
+    option and the fix. Celery makes a task when it is defined on a finalized app, else
+    on first use or when a worker or beat finalizes the app: ``celery worker`` and
+    ``celery beat`` then print that one line and exit 1."""
+    try:
+        _prepare(cls)
+    except StartupConfigError:
+        raise
+    except ConfigError as exc:
+        raise StartupConfigError(str(exc)) from None
+
+
+def _prepare(cls: type) -> None:
     run = inspect.getattr_static(cls, "run", None)
     if run is None or run is Task.__dict__.get("run"):
         return  # an abstract base, not a task

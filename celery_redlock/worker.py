@@ -22,14 +22,13 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-import click
 from celery import bootsteps, signals
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
 from redis.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, BusyLoadingError
 
-from .config import capabilities_needed
+from .config import StartupConfigError, capabilities_needed
 from .core import renewal
 from .core.backend import QueuedHolds, has, lacks
 from .core.connect import mask_url
@@ -72,16 +71,6 @@ def watch_app(state: AppState) -> None:
 
 
 # -- the bootstep ----------------------------------------------------------------------------
-class StartupConfigError(ConfigError, click.ClickException):
-    """A bad setting found at worker start: ``celery worker`` prints one line and exits 1.
-
-    Still a :class:`ConfigError` for code that starts workers itself.
-    """
-
-    def __init__(self, message: str) -> None:
-        click.ClickException.__init__(self, message)
-
-
 class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Applies worker flags, checks settings at start-up, releases on warm shutdown."""
 

@@ -455,3 +455,78 @@ def test_misspelt_namespaced_setting_stops_the_worker_in_one_line(
     assert len(lines) == 1, text
     assert "did you mean 'CELERY_REDLOCK_TTL'" in lines[0]
     assert "Traceback" not in text and "ready." not in text
+
+
+# -- a bad task option, a bad beat setting: one line at start ------------------------------------
+def _start_fails(app: str, command: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str]:
+    """Run `celery -A app COMMAND` (bounded); its exit code and everything it printed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", app, *command],
+        cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=60,
+        check=False,
+    )  # fmt: skip
+    return done.returncode, done.stdout + done.stderr
+
+
+def _ours(text: str) -> list[str]:
+    """The lines a failed start printed, without Celery's banner and root warning."""
+    return [
+        line
+        for line in text.splitlines()
+        if line.strip() and not any(part in line for part in _BANNER)
+    ]
+
+
+#: Parts of what Celery prints at any start (its root-user warning, beat's banner).
+_BANNER = (
+    "SecurityWarning",
+    "absolutely not recommended",
+    "--uid",
+    "User information",
+    "_warn_or_raise_security_error",
+    "celery beat v",
+    "LocalTime",
+    "Configuration",
+    ". broker",
+    ". loader",
+    ". scheduler",
+    ". db",
+    ". logfile",
+    ". maxinterval",
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["worker", "beat"])
+def test_a_bad_lock_key_stops_a_worker_and_a_beat_in_one_line(
+    server: RedisServer, tmp_path: Path, command: str
+) -> None:
+    """A lock_key naming <usr_id> on a task that takes user_id: `celery worker` and
+    `celery beat` each exit non-zero printing one line that names the task, the option
+    and the fix, with no traceback."""
+    base = f"redis://127.0.0.1:{server.port}"
+    env = {"BADKEY_BROKER": f"{base}/11", "BADKEY_LOCKS": f"{base}/12"}
+    argv = ["worker", "-P", "prefork", "-c", "1"] if command == "worker" else ["beat"]
+    if command == "beat":
+        argv += ["-s", str(tmp_path / "schedule"), "--pidfile="]
+    code, text = _start_fails("tests.apps.badkeyapp", argv, env, tmp_path)
+    assert code != 0, text
+    assert "Traceback" not in text, text
+    lines = _ours(text)
+    assert len(lines) == 1, text
+    assert lines[0].startswith("Error: task 'tests.apps.badkeyapp.sync_user': lock_key"), lines
+    assert "did you mean <user_id>?" in lines[0]
+
+
+@pytest.mark.slow
+def test_a_beat_on_memory_locks_stops_in_one_line(server: RedisServer, tmp_path: Path) -> None:
+    """redlock_url="memory://" under `celery beat -S LeaderScheduler`: one line saying why
+    (beat processes would not share the locks), exit non-zero, no traceback."""
+    env = _env(server, 13, 14, REDLOCK_TEST_CONF=json.dumps({"redlock_url": "memory://beat"}))
+    argv = ["beat", "-S", "celery_redlock.beat:LeaderScheduler", "-s", str(tmp_path / "s")]
+    code, text = _start_fails(APP, [*argv, "--pidfile="], env, tmp_path)
+    assert code != 0, text
+    assert "Traceback" not in text, text
+    lines = _ours(text)
+    assert len(lines) == 1, text
+    assert lines[0].startswith("Error: redlock_url='memory://beat' keeps locks in this process")

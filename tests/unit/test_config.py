@@ -405,3 +405,22 @@ def test_the_readme_names_every_setting() -> None:
     fails here)."""
     readme = (PACKAGE.parent / "README.md").read_text()
     assert [name for name in SETTINGS if f"`{name}`" not in readme] == []
+
+
+def test_a_bad_lock_key_is_refused_where_celery_makes_the_task() -> None:
+    """On a finalized app Celery makes the task when it is defined: a lock_key naming an
+    argument the task does not take raises there, one ConfigError naming the task, the
+    option and the fix (a StartupConfigError, so a worker or beat prints just that line)."""
+    app = Celery("badkey-unit", set_as_current=False)
+    app.conf.redlock_url = "memory://badkey-unit"
+    app.finalize()
+    with pytest.raises(ConfigError) as caught:
+
+        @app.task(name="proj.sync_user", base=LockedTask, lock_key="sync:<usr_id>", shared=False)
+        def sync_user(user_id: int) -> None: ...
+
+    assert isinstance(caught.value, click.ClickException)
+    assert str(caught.value) == (
+        "task 'proj.sync_user': lock_key 'sync:<usr_id>' names <usr_id>, but the "
+        "task takes (user_id); did you mean <user_id>?"
+    )
