@@ -63,7 +63,9 @@ test-compat:
 	COMPAT_PYTEST_ARGS="$(COMPAT_PYTEST_ARGS)" nice -n 10 $(PYTHON) tools/compat.py $(COMPAT)
 
 # Two prefork workers, a LeaderScheduler beat and a throwaway Redis play a short script;
-# writes docs/demo-timeline.png. Plain lines instead of the live view under CI=true.
+# writes build/demo-timeline.png, outside the tracked tree (run.py --png
+# docs/demo-timeline.png refreshes the README's picture). Plain lines instead of the live
+# view under CI=true.
 demo: $(DEMO_STAMP)
 	$(PY) examples/demo/run.py
 

@@ -1,6 +1,7 @@
 """A periodic job that never overlaps itself, with two beats for high availability.
 
-Run it (a Redis on localhost, or set ``REDIS_URL``)::
+Needs one Redis: ``redis://localhost:6379`` (databases 0 broker, 1 locks, 2 results,
+3 the rollups list); ``REDIS_URL=redis://host:port`` points it elsewhere. Run it::
 
     cd examples/beat_singleton
     celery -A tasks worker -P prefork -c 2 -l info

@@ -5,7 +5,8 @@ Starts a throwaway Redis on a free loopback port (``redis-server`` from PATH, el
 processes (prefork, two pool children each) and a ``celery beat`` with the
 ``LeaderScheduler``, then plays the scenes in :data:`SCENES` while showing, live, who
 holds which key. At the end it prints a summary that checks itself (exit status 1 if
-a check fails) and writes the timeline picture (``docs/demo-timeline.png``).
+a check fails) and writes the timeline picture (``build/demo-timeline.png``, outside
+the tracked tree; ``--png docs/demo-timeline.png`` refreshes the README's picture).
 
 Every process it started is stopped by its pid at the end, also on Ctrl-C or an error.
 Without a terminal, or under ``CI=true``, it prints plain lines instead of the live view.
@@ -40,7 +41,7 @@ from view import LiveView, PlainView, wants_live  # noqa: E402
 
 from celery_redlock.testing import find_server_binary, start_redis  # noqa: E402
 
-DEFAULT_PNG = ROOT / "docs" / "demo-timeline.png"
+DEFAULT_PNG = ROOT / "build" / "demo-timeline.png"
 #: Signals that stop the demo, and every process it started.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 

@@ -7,7 +7,8 @@
 4. A wakes up and writes 100 with its old fence: the store refuses it; the price
    stays 120. A also learns it lost the lock (``owned()`` is False).
 
-Needs only a Redis (``REDIS_URL``, default ``redis://localhost:6379``).
+Needs only a Redis (``REDIS_URL``, default ``redis://localhost:6379``; database 1 for
+the lock) and the SQLite file ``PRICES_DB`` (see ``tasks.py``), no worker.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """A task that hands its fence to the database it writes (see ``store.py``).
 
-Run it (a Redis on localhost, or set ``REDIS_URL``; the SQLite file is ``PRICES_DB``)::
+Needs one Redis: ``redis://localhost:6379`` (databases 0 broker, 1 locks, 2 results);
+``REDIS_URL=redis://host:port`` points it elsewhere. The store is the SQLite file
+``PRICES_DB`` (default: ``celery-redlock-prices.sqlite3`` in the system's temporary
+directory, outside the source tree). Run it::
 
     cd examples/fenced_store
     celery -A tasks worker -P prefork -c 2 -l info
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import tempfile
 import time
 from contextlib import closing
 
@@ -25,7 +29,9 @@ from celery import Celery
 from celery_redlock import LockedTask
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://localhost:6379")
-DB = os.environ.get("PRICES_DB", "prices.sqlite3")
+DB = os.environ.get(
+    "PRICES_DB", os.path.join(tempfile.gettempdir(), "celery-redlock-prices.sqlite3")
+)
 
 app = Celery("tasks", broker=f"{REDIS_URL}/0", backend=f"{REDIS_URL}/2")
 app.conf.redlock_url = f"{REDIS_URL}/1"

@@ -1,7 +1,9 @@
 """Locks held by a majority of three independent Redis masters (Redlock).
 
-Run it (three Redis servers that know nothing of each other: not replicas, not a
-cluster; ``REDLOCK_URLS`` lists them, comma-separated)::
+Needs three Redis servers that know nothing of each other (not replicas, not a
+cluster) for the locks, ``REDLOCK_URLS`` comma-separated (default
+``redis://localhost:6380/1``, ``:6381/1``, ``:6382/1``), and a broker,
+``CELERY_BROKER_URL`` (default ``redis://localhost:6379/0``). Run it::
 
     cd examples/redlock_masters
     export REDLOCK_URLS=redis://10.0.0.1:6379/1,redis://10.0.0.2:6379/1,redis://10.0.0.3:6379/1

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -540,3 +541,33 @@ def test_list_show_and_release_a_queued_hold(
     assert released.exit_code == 0, released.output
     assert "queued hold" in released.stdout
     assert not locks_on.exists("redlock:{sync:7}", "redlock:{sync:7}:queued")
+
+
+def _doc_sample(heading: str) -> list[str]:
+    """The first console sample under *heading* in docs/cli.md, without its `$` line."""
+    text = (ROOT / "docs" / "cli.md").read_text()
+    section = text.split(f"## {heading}", 1)[1]
+    block = section.split("```\n", 2)[1]
+    return [line for line in block.splitlines() if line and not line.startswith("$")]
+
+
+def test_the_docs_list_sample_matches_a_real_run(
+    locks_on: redis.Redis, hold: Callable[..., Lock]
+) -> None:
+    """docs/cli.md's `list` sample has the columns a real run prints, in the same places,
+    and values of the same form: full task ids, 16-digit fences, a queued row's "-"."""
+    sample = _doc_sample("`list`")
+    hold(locks_on, "sync:41", task_name="proj.sync_user", task_id=str(uuid.uuid4()))
+    hold(locks_on, "sync:42", task_name="proj.sync_user", task_id=str(uuid.uuid4()))
+    QueuedHold(locks_on, "sync:42", owner_info={"task_name": "proj.sync_user"}).claim(
+        str(uuid.uuid4()), 3600
+    )
+    real = run("list", "sync:*").stdout.splitlines()
+    assert len(real) == len(sample) == 4, (real, sample)
+    assert real[0].split() == sample[0].split()  # the same columns
+    for mine, theirs in zip(real[1:], sample[1:], strict=True):
+        got, shown = mine.split(), theirs.split()
+        assert len(got) == len(shown), (mine, theirs)
+        assert got[:2] == shown[:2]  # name and state
+        assert len(got[2]) == len(shown[2])  # task name and a full task id
+        assert len(got[-1]) == len(shown[-1])  # a 16-digit fence, or "-"
