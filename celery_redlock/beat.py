@@ -43,9 +43,15 @@ published. See ``celery_redlock/core/records.py`` for the full argument.
 A claim is written before the message is sent, so a leader that dies between
 the two loses that one tick: ticks are published at most once, never twice.
 
-The local ``--schedule`` file of ``PersistentScheduler`` is not used: Redis holds
-the schedule state all beats share (several beats on one host would otherwise
-fight over one shelve file), so this class builds on the in-memory ``Scheduler``.
+Any scheduler can be led. ``redlock_beat_scheduler`` names the one ``LeaderScheduler``
+leads (an import path or a class; default: Celery's in-memory ``Scheduler``), and
+``leader_of(cls)`` gives the same for a class in code: a class whose instances keep
+the led scheduler's own schedule (django-celery-beat's ``DatabaseScheduler`` reading
+the database, ``PersistentScheduler`` its file) on every beat, and publish only
+while leading. Standbys keep that schedule current (they read it as the led
+scheduler does, and publish nothing). When an entry last ran comes from where the
+led scheduler keeps it or from the tick records in Redis, whichever is newer; a
+reload of the led schedule (the database changed) gets the records applied again.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from celery.beat import Scheduler
+from celery.utils.imports import symbol_by_name
 from celery.utils.time import maybe_make_aware
 from redis.exceptions import RedisError
 
@@ -73,7 +80,7 @@ from .core.records import LockRecords
 from .observability import BEAT_ROLE
 from .state import state_for
 
-__all__ = ["LeaderScheduler"]
+__all__ = ["LeaderScheduler", "leader_of"]
 
 log = logging.getLogger("celery_redlock.beat")
 
@@ -100,14 +107,25 @@ def _beat_lock_name(settings: Settings, app: Any) -> str:
 class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
     """A beat scheduler that publishes only while it holds the beat leader lock.
 
-    Builds on ``celery.beat.Scheduler`` (in memory) rather than
-    ``PersistentScheduler``: the state that must survive a restart or a
-    hand-over (when each entry last ran) is kept in Redis, shared by every beat.
+    ``LeaderScheduler`` itself leads the scheduler ``redlock_beat_scheduler`` names:
+    made with that setting, it is an instance of ``leader_of(that class)``. Without the
+    setting it leads Celery's in-memory ``Scheduler``: the state that must survive a
+    restart or a hand-over (when each entry last ran) is kept in Redis, shared by every
+    beat.
     """
 
     #: Standbys try again (and leaders re-check their lock) this often, as a
     #: fraction of the leader lease.
     retry_fraction = 1 / 3
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> LeaderScheduler:
+        kind = cls
+        if cls is LeaderScheduler:
+            led = _led_scheduler(kwargs.get("app", args[0] if args else None))
+            if led is not Scheduler:
+                kind = leader_of(led)
+        made: LeaderScheduler = super().__new__(kind)
+        return made
 
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
         self._app_state = state_for(app)
@@ -127,6 +145,11 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
         self.retry_interval = max(0.05, self.ttl * self.retry_fraction)
         self._leader_lock: Lock | None = None
         self._tick_records: LockRecords | None = None
+        #: The newest tick of each entry this beat knows of: (when, run count), from the
+        #: records in Redis at take-over and from its own claims since.
+        self._ticks: dict[str, tuple[float, int]] = {}
+        #: The led scheduler's schedule as last seen (a reload gets the ticks again).
+        self._seen: Any = None
         self._leading = False
         self._lost = threading.Event()
         self._unreachable = False
@@ -278,13 +301,13 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
         self._heap = None  # recompute every entry's next run from the loaded state
 
     def _apply_record(self, name: str, value: str) -> None:
-        entry = self.schedule.get(name)
-        if entry is None or not value:
+        if not value:
             return
         try:
             record = json.loads(value)
-            at = datetime.fromtimestamp(float(record["at"]), tz=timezone.utc)
+            at = float(record["at"])
             count = int(record.get("n") or 0)
+            datetime.fromtimestamp(at, tz=timezone.utc)  # a time at all
         except (ValueError, KeyError, TypeError, AttributeError, OverflowError, OSError):
             # Not written by a LeaderScheduler (or by an incompatible one): start this entry
             # afresh rather than stop the whole schedule over it.
@@ -295,18 +318,51 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
                 value,
             )
             return
-        entry.last_run_at = at.astimezone(self.app.timezone)
+        self._know_tick(name, at, count)
+        self._apply_tick(name)
+
+    def _know_tick(self, name: str, at: float, count: int) -> None:
+        known = self._ticks.get(name)
+        if known is None or (at, count) > known:
+            self._ticks[name] = (at, count)
+
+    def _apply_tick(self, name: str) -> None:
+        """Give the led schedule's entry *name* the newest known tick, where the led
+        scheduler's own (its database, its file) is older."""
+        entry = self.schedule.get(name)
+        known = self._ticks.get(name)
+        if entry is None or known is None:
+            return
+        at, count = known
+        own = entry.last_run_at
+        if own is None or maybe_make_aware(own).timestamp() < at:
+            when = datetime.fromtimestamp(at, tz=timezone.utc)
+            entry.last_run_at = when.astimezone(self.app.timezone)
         entry.total_run_count = max(count, entry.total_run_count or 0)
+
+    def _led_schedule(self) -> Any:
+        """The led scheduler's schedule, read as it reads it (a ``DatabaseScheduler``
+        reloads it when the database changed); a reload gets the known ticks again."""
+        schedule = self.schedule
+        if schedule is not self._seen:
+            self._seen = schedule
+            for name in self._ticks:
+                self._apply_tick(name)
+        return schedule
 
     def _claim(self, entry: Any) -> bool:
         """Record this tick of *entry* in Redis; True when this leader may publish it."""
         if not self._still_leading():
             return False
-        current = self.schedule.get(entry.name, entry)
-        at = maybe_make_aware(current.last_run_at).timestamp()
+        # This tick: the run after the entry as it was due (Celery reserves the next entry
+        # before it publishes this one), numbered above any tick this beat knows of.
+        known = self._ticks.get(entry.name, (0.0, 0))
+        count = max((entry.total_run_count or 0) + 1, known[1] + 1)
+        at = time.time()
         record = {"at": round(at, 6), "pid": os.getpid(), "host": socket.gethostname()}
-        claim = self.tick_records.claim(entry.name, record, current.total_run_count)
+        claim = self.tick_records.claim(entry.name, record, count)
         if claim.outcome == "claimed":
+            self._know_tick(entry.name, at, count)
             return True
         if claim.outcome == "lost":
             self._step_down(claim.detail)
@@ -334,8 +390,11 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
         try:
             if self._leading:
                 self._still_leading()
-            if not self._leading and not self._try_lead():
-                return 0.01  # _try_lead already waited (for the holder, or out an outage)
+            if not self._leading:
+                self._led_schedule()  # a standby keeps the led schedule current
+                if not self._try_lead():
+                    return 0.01  # _try_lead already waited (for the holder, or an outage)
+            self._led_schedule()
             interval = super().tick(*args, **kwargs)
             return float(min(interval, self.retry_interval)) if interval else 0.0
         except Exception:  # beat must outlive any error of ours
@@ -361,6 +420,71 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
     def info(self) -> str:
         """Shown in beat's start-up banner."""
         return f"    . leader lock -> {self.lock_name!r} at {self._where} (ttl {self.ttl:g}s)"
+
+
+_leaders: dict[type, type] = {}
+_leaders_lock = threading.Lock()
+
+
+def leader_of(scheduler: Any) -> type[LeaderScheduler]:
+    """The class that leads *scheduler* (a ``celery.beat.Scheduler`` subclass, or its import
+    path): it keeps *scheduler*'s schedule, and publishes only while it holds the beat
+    leader lock, as :class:`LeaderScheduler` does. The same class for the same
+    *scheduler*. A ConfigError gives the fix for a path that does not resolve, a class
+    that is not a Scheduler, or a leader asked to lead a leader.
+
+    >>> from django_celery_beat.schedulers import DatabaseScheduler
+    >>> DatabaseLeader = leader_of(DatabaseScheduler)   # celery beat -S proj.beat:DatabaseLeader
+    """
+    led = _resolve_scheduler(scheduler, "leader_of()")
+    if led is Scheduler:
+        return LeaderScheduler
+    with _leaders_lock:
+        made = _leaders.get(led)
+        if made is None:
+            name = f"Leader{led.__name__}"
+            doc = f"Leads {led.__module__}.{led.__qualname__}: see LeaderScheduler."
+            attrs = {"__module__": __name__, "__qualname__": name, "__doc__": doc}
+            made = _leaders[led] = type(name, (LeaderScheduler, led), attrs)
+    return made
+
+
+def _resolve_scheduler(value: Any, where: str) -> type:
+    """The scheduler class *value* names, or a ConfigError (naming *where*) with the fix."""
+    example = "'django_celery_beat.schedulers:DatabaseScheduler'"
+    if isinstance(value, str):
+        try:
+            value = symbol_by_name(value)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ConfigError(
+                f"{where}: {value!r} does not resolve ({type(exc).__name__}: {exc}); give "
+                f"the import path of a celery.beat.Scheduler subclass, such as {example}"
+            ) from None
+    if not (isinstance(value, type) and issubclass(value, Scheduler)):
+        raise ConfigError(
+            f"{where}: {value!r} is not a celery.beat.Scheduler subclass; give one, "
+            f"such as {example}, or leave it unset for Celery's in-memory Scheduler"
+        )
+    led: type = value
+    if issubclass(led, LeaderScheduler):
+        raise ConfigError(
+            f"{where}: {led.__name__} is a leader itself; name the scheduler it should "
+            f"lead, such as {example} (beat's -S stays celery_redlock.beat:LeaderScheduler)"
+        )
+    return led
+
+
+def _led_scheduler(app: Any) -> type:
+    """The scheduler ``redlock_beat_scheduler`` of *app* names; at beat start a bad one
+    stops beat with one line."""
+    plain: type = Scheduler
+    if app is None:
+        return plain
+    try:
+        value = state_for(app).settings.beat_scheduler
+        return plain if value is None else _resolve_scheduler(value, "redlock_beat_scheduler")
+    except ConfigError as exc:
+        raise StartupConfigError(str(exc)) from None
 
 
 def _describe_leader(holder: Mapping[str, Any]) -> str:

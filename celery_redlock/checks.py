@@ -172,6 +172,14 @@ def text(value: Any) -> Any:
     raise TypeError("a string")
 
 
+def class_or_path(value: Any) -> Any:
+    """A class, or its import path (``"package.module:Class"``), resolved where it is used
+    (or None)."""
+    if value is None or isinstance(value, type) or (isinstance(value, str) and value):
+        return value
+    raise TypeError('a class, or its import path such as "package.module:Class"')
+
+
 def mapping(value: Any) -> Any:
     """A dict (copied)."""
     if isinstance(value, Mapping):

@@ -30,6 +30,7 @@ import click
 from .checks import (
     boolean,
     choice,
+    class_or_path,
     key_option,
     lease,
     limit_option,
@@ -202,6 +203,13 @@ class Settings:
     )
     beat_ttl: float | None = row(lease(allow_none=True), None, "Beat leader lease", task=False)
     beat_lock_name: str | None = row(text, None, "Name of the beat leader lock", task=False)
+    beat_scheduler: Any = row(
+        class_or_path,
+        None,
+        "The scheduler LeaderScheduler leads: a celery.beat.Scheduler subclass or its import "
+        "path (default: Celery's in-memory Scheduler)",
+        task=False,
+    )
     client_options: dict[str, Any] = row(mapping, {}, "Extra redis-py client options", task=False)
 
     @property

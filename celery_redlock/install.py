@@ -24,7 +24,13 @@ from .flags import register_flags
 from .observability import enable_prometheus_by_default, logging_hook
 from .state import state_for
 from .task import LockedTask, apply_redlock_tasks
-from .worker import RedlockStep, check_locked_tasks, connect_receivers, watch_app
+from .worker import (
+    RedlockStep,
+    check_locked_tasks,
+    connect_receivers,
+    warn_statedb_scheduler,
+    watch_app,
+)
 
 __all__ = ["apply_redlock_tasks", "check_locked_tasks", "install", "wrap_send_task"]
 
@@ -116,6 +122,8 @@ def _locked_task(app: Any, name: Any) -> Any:
 # * ``worker_init`` installs an app that sets ``redlock_tasks`` but never imported this
 #   package itself (Celery loads it through the ``celery.commands`` entry point, and
 #   ``worker_init`` fires before the worker builds its bootsteps);
+# * ``celeryd_init`` warns when a worker's ``-S`` (its state file) names LeaderScheduler,
+#   on any worker: an app that only uses the scheduler installs nothing;
 # * defining a task class on an app (``base=LockedTask``) installs that app: the class
 #   is made in :mod:`celery_redlock.task`, which cannot import this module (this module
 #   imports it), so it calls what is registered in ``task.app_hooks``.
@@ -135,4 +143,5 @@ def _install_configured(sender: Any = None, **_: Any) -> None:
 
 
 signals.worker_init.connect(_install_configured, weak=False)
+signals.celeryd_init.connect(warn_statedb_scheduler, weak=False)
 task_module.app_hooks.append(install)

@@ -50,6 +50,7 @@ __all__ = [
     "connect_receivers",
     "release_all_held",
     "release_for_gone_child",
+    "warn_statedb_scheduler",
     "watch_app",
 ]
 
@@ -120,6 +121,22 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def shutdown(self, parent: Any) -> None:
         renewal.shutdown(timeout=2.0)
+
+
+def warn_statedb_scheduler(options: Any = None, **_: Any) -> None:
+    """``celeryd_init`` (any worker, whether its app uses locked tasks or not): with
+    ``celery worker -B -S celery_redlock.beat:LeaderScheduler``, ``-S`` is ``--statedb`` (a
+    file), so the embedded beat runs a plain scheduler, which publishes on every such
+    worker. Say so, and which flag was meant."""
+    statedb = options.get("statedb") if isinstance(options, dict) else None
+    if isinstance(statedb, str) and ("LeaderScheduler" in statedb or "celery_redlock" in statedb):
+        log.warning(
+            "celery-redlock: this worker's -S/--statedb is %r, but for `celery worker` -S "
+            "names the state database file, not beat's scheduler: the embedded beat (-B) "
+            "does not lead and every such worker publishes the schedule. Pass --scheduler "
+            "celery_redlock.beat:LeaderScheduler (or set app.conf.beat_scheduler) instead",
+            statedb,
+        )
 
 
 def _forks_children(worker: Any) -> bool:

@@ -3,9 +3,10 @@
 Configured from the environment so each test points it at its own throwaway
 servers: ``BEATAPP_BROKER`` (required), ``BEATAPP_LOCKS`` (lock store, default:
 the broker; comma-separated URLs are Redlock masters), ``BEATAPP_BEAT_TTL`` (leader
-lease, seconds). Each published message carries the publishing beat's pid and the
-publish time as its arguments, evaluated by beat at publish time, so a test reading
-the broker queue knows who sent what.
+lease, seconds), ``BEATAPP_SCHEDULER`` (``redlock_beat_scheduler``: the scheduler the
+leader leads; default Celery's in-memory one). Each published message carries the
+publishing beat's pid and the publish time as its arguments, evaluated by beat at
+publish time, so a test reading the broker queue knows who sent what.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ app = Celery("beatapp", broker=os.environ["BEATAPP_BROKER"])
 app.conf.update(
     redlock_url=(_locks.split(",") if "," in _locks else _locks) or None,
     redlock_beat_ttl=float(os.environ.get("BEATAPP_BEAT_TTL", "2")),
+    redlock_beat_scheduler=os.environ.get("BEATAPP_SCHEDULER") or None,
     beat_max_loop_interval=1,
     broker_connection_retry_on_startup=True,
     beat_schedule={

@@ -134,6 +134,7 @@ def test_the_public_names_are_the_ones_the_rows_give() -> None:
         *(f"redlock_{n}" for n in ("lock_on", "lock_on_duplicate", "lock_enqueue_ttl")),
         *(f"redlock_{n}" for n in ("fail_open", "key_prefix", "fence_ttl", "tasks")),
         *(f"redlock_{n}" for n in ("disable", "beat_ttl", "beat_lock_name", "client_options")),
+        "redlock_beat_scheduler",  # DESIGN.md, Beat: the scheduler LeaderScheduler leads
     }
     assert set(OPTIONS) == {
         *(f"lock_{n}" for n in ("key", "ttl", "on_contended", "on_lost", "max_retries")),
@@ -424,3 +425,30 @@ def test_a_bad_lock_key_is_refused_where_celery_makes_the_task() -> None:
         "task 'proj.sync_user': lock_key 'sync:<usr_id>' names <usr_id>, but the "
         "task takes (user_id); did you mean <user_id>?"
     )
+
+
+def test_leader_of_leads_any_scheduler_and_refuses_what_it_cannot_lead() -> None:
+    """leader_of(cls) is a LeaderScheduler over cls (the same class each time); a path
+    that does not resolve, a class that is not a Scheduler, or a leader are refused with
+    the fix; LeaderScheduler made under redlock_beat_scheduler is that class's leader."""
+    from celery.beat import PersistentScheduler, Scheduler  # noqa: PLC0415
+
+    from celery_redlock.beat import LeaderScheduler, leader_of  # noqa: PLC0415
+
+    led = leader_of(PersistentScheduler)
+    assert led is leader_of("celery.beat:PersistentScheduler")
+    assert issubclass(led, LeaderScheduler) and issubclass(led, PersistentScheduler)
+    assert led.__name__ == "LeaderPersistentScheduler"
+    assert leader_of(Scheduler) is LeaderScheduler
+    for bad, said in (
+        ("nowhere.at_all:Scheduler", "does not resolve"),
+        (dict, "is not a celery.beat.Scheduler subclass"),
+        (LeaderScheduler, "is a leader itself"),
+    ):
+        with pytest.raises(ConfigError, match=said) as caught:
+            leader_of(bad)
+        assert "django_celery_beat.schedulers:DatabaseScheduler" in str(caught.value)
+    app = Celery("leads", set_as_current=False)
+    app.conf.update(redlock_url="redis://127.0.0.1:1/0", redlock_beat_scheduler=str)
+    with pytest.raises(ConfigError, match="redlock_beat_scheduler: <class 'str'> is not"):
+        LeaderScheduler(app=app, lazy=True)

@@ -1,0 +1,251 @@
+"""``LeaderScheduler`` leading other schedulers, on real processes and a throwaway Redis:
+django-celery-beat's ``DatabaseScheduler`` (two beats sharing one SQLite file),
+``PersistentScheduler`` (a schedule file each), and beat embedded in two workers
+(``worker -B --scheduler``).
+
+What each beat published is read from its own log: Celery's beat logs one
+``Sending due task <entry> (<task>)`` line per message, with the time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from servers import RedisServer, wait_for
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+TTL = 2.0  # the leader lease of every beat here
+_SENT = re.compile(
+    r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}): INFO/[^\]]*\] Scheduler: Sending due task (\S+) "
+)
+
+
+class Proc:
+    """A `celery` subprocess in its own process group, logging to a file."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "celery", *argv], cwd=ROOT, env={**os.environ, **env},
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def sent(self, entry: str | None = None) -> list[float]:
+        """When this process published (entry *entry*, or any), from its log."""
+        found = []
+        for line in self.text().splitlines():
+            match = _SENT.match(line)
+            if match and (entry is None or match.group(2) == entry):
+                stamp = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f")
+                found.append(stamp.timestamp())
+        return found
+
+    def kill(self) -> float:
+        """SIGKILL the whole group (a beat, or a worker with its pool and embedded beat)."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        killed = time.time()
+        self.proc.wait(10)
+        return killed
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(15)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    started: list[Proc] = []
+    try:
+        yield started
+    finally:
+        for proc in started:
+            proc.stop()
+
+
+def _leader_then_standby(first: Proc, second: Proc) -> None:
+    wait_for(lambda: "is now the leader" in first.text(), 40, "the first beat to lead")
+    wait_for(lambda: "standing by" in second.text(), 40, "the second beat to stand by")
+
+
+def _kill_just_after_a_tick(leader: Proc, entry: str) -> float:
+    """Wait for a fresh tick of *entry* by *leader*, then 0.3 s, and SIGKILL it."""
+    count = len(leader.sent(entry))
+    wait_for(lambda: len(leader.sent(entry)) > count, 10, "a tick of the leader")
+    time.sleep(0.3)
+    return leader.kill()
+
+
+def _assert_handover(old: Proc, new: Proc, entry: str, killed: float) -> None:
+    """The new leader published within TTL + 2 s of the kill; across both, no tick of
+    *entry* twice (consecutive sends at least 0.5 s apart) and no burst (at most 2 in the
+    first 1.5 s of the new leader)."""
+    wait_for(lambda: new.sent(entry), TTL + 10, "the new leader to publish")
+    first = new.sent(entry)[0]
+    assert first - killed < TTL + 2, f"took over {first - killed:.2f} s after the kill"
+    time.sleep(3)
+    times = sorted(old.sent(entry) + new.sent(entry))
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert all(g > 0.5 for g in gaps), f"a tick was published twice: gaps {gaps}"
+    assert sum(1 for t in new.sent(entry) if t < first + 1.5) <= 2, "a burst after take-over"
+
+
+# -- django-celery-beat's DatabaseScheduler ------------------------------------------------------
+def _django_env(server: RedisServer, db: Path) -> dict[str, str]:
+    return {
+        "DJANGO_SETTINGS_MODULE": "tests.apps.djbeat.settings",
+        "DJBEAT_DB": str(db),
+        "DJBEAT_REDIS": f"redis://127.0.0.1:{server.port}",
+        "DJBEAT_TTL": str(TTL),
+    }
+
+
+def _periodic(env: dict[str, str], *args: str) -> None:
+    """Edit the schedule in the database (as the admin would), in a process of its own."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.apps.djbeat.periodic", *args], cwd=ROOT,
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
+def test_two_beats_lead_django_celery_beats_database_scheduler(
+    server: RedisServer, tmp_path: Path, procs: list[Proc]
+) -> None:
+    """Two beats on one SQLite schedule, each `-S celery_redlock.beat:LeaderScheduler` with
+    redlock_beat_scheduler = DatabaseScheduler: one publishes a PeriodicTask every 1 s; the
+    other takes over within TTL + 2 s of a SIGKILL, with no tick twice and no burst, and
+    then publishes a PeriodicTask added in the database, and stops one disabled there."""
+    env = _django_env(server, tmp_path / "schedule.sqlite3")
+    migrate = subprocess.run(
+        [sys.executable, "-m", "django", "migrate", "-v", "0"], cwd=ROOT,
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert migrate.returncode == 0, migrate.stderr
+    _periodic(env, "add", "every-second", "1")
+    argv = ["-A", "tests.apps.djbeat", "beat", "-l", "info", "--pidfile="]
+    argv += ["-S", "celery_redlock.beat:LeaderScheduler"]
+    a = Proc(argv, env, tmp_path / "a.log")
+    procs.append(a)
+    wait_for(lambda: "is now the leader" in a.text(), 40, "beat A to lead")
+    b = Proc(argv, env, tmp_path / "b.log")
+    procs.append(b)
+    _leader_then_standby(a, b)
+    time.sleep(3)
+    assert len(a.sent("every-second")) >= 2 and b.sent() == [], "only the leader publishes"
+    assert "scheduler -> celery_redlock.beat.LeaderDatabaseScheduler" in a.text()
+
+    killed = _kill_just_after_a_tick(a, "every-second")
+    _assert_handover(a, b, "every-second", killed)
+
+    _periodic(env, "add", "added-later", "1")
+    wait_for(lambda: b.sent("added-later"), 15, "the added PeriodicTask to be published")
+    _periodic(env, "disable", "every-second")
+    wait_for(
+        lambda: time.time() - b.sent("every-second")[-1] > 2.5,
+        15,
+        "the disabled PeriodicTask to stop",
+    )
+    still = len(b.sent("added-later"))
+    wait_for(lambda: len(b.sent("added-later")) > still, 5, "the enabled one to go on")
+    assert b.proc.poll() is None and "Traceback" not in b.text(), b.text()[-3000:]
+
+
+# -- PersistentScheduler, and beat embedded in workers ---------------------------------------------
+def _beatapp_env(server: RedisServer, **extra: str) -> dict[str, str]:
+    return {
+        "BEATAPP_BROKER": f"redis://127.0.0.1:{server.port}/0",
+        "BEATAPP_LOCKS": f"redis://127.0.0.1:{server.port}/1",
+        "BEATAPP_BEAT_TTL": str(TTL),
+        **extra,
+    }
+
+
+def test_two_beats_lead_persistent_schedulers_with_a_file_each(
+    server: RedisServer, tmp_path: Path, procs: list[Proc]
+) -> None:
+    """redlock_beat_scheduler = celery.beat:PersistentScheduler, each beat with its own
+    schedule file: one publishes, and a SIGKILLed leader's successor goes on with no
+    tick twice and no burst."""
+    env = _beatapp_env(server, BEATAPP_SCHEDULER="celery.beat:PersistentScheduler")
+    beats = []
+    for name in ("a", "b"):
+        argv = ["-A", "tests.apps.beatapp", "beat", "-l", "info", "--pidfile="]
+        argv += ["-S", "celery_redlock.beat:LeaderScheduler", f"--schedule={tmp_path / name}"]
+        beats.append(Proc(argv, env, tmp_path / f"{name}.log"))
+        procs.append(beats[-1])
+        if name == "a":
+            wait_for(lambda: "is now the leader" in beats[0].text(), 40, "beat A to lead")
+    a, b = beats
+    _leader_then_standby(a, b)
+    time.sleep(3)
+    assert len(a.sent("heartbeat")) >= 2 and b.sent() == [], "only the leader publishes"
+    assert "scheduler -> celery_redlock.beat.LeaderPersistentScheduler" in a.text()
+    assert list(tmp_path.glob("a*")) and list(tmp_path.glob("b*")), "a schedule file each"
+    killed = _kill_just_after_a_tick(a, "heartbeat")
+    _assert_handover(a, b, "heartbeat", killed)
+
+
+def test_two_workers_with_embedded_leader_beats_publish_once(
+    server: RedisServer, tmp_path: Path, procs: list[Proc]
+) -> None:
+    """`celery worker -B --scheduler celery_redlock.beat:LeaderScheduler` twice: exactly one
+    worker's beat publishes; SIGKILL that whole worker and the other's beat takes over
+    within TTL + 2 s, with no tick twice and no burst."""
+    env = _beatapp_env(server)
+    workers = []
+    for name in ("a", "b"):
+        argv = ["-A", "tests.apps.beatapp", "worker", "-P", "prefork", "-c", "1", "-l", "info"]
+        argv += ["-n", f"{name}{os.getpid()}@%h", "--without-gossip", "--without-mingle"]
+        argv += ["-B", "--scheduler", "celery_redlock.beat:LeaderScheduler"]
+        argv += [f"--schedule-filename={tmp_path / name}-schedule"]
+        workers.append(Proc(argv, env, tmp_path / f"{name}.log"))
+        procs.append(workers[-1])
+        if name == "a":
+            wait_for(lambda: "is now the leader" in workers[0].text(), 40, "worker A's beat")
+    a, b = workers
+    _leader_then_standby(a, b)
+    time.sleep(3)
+    assert len(a.sent("heartbeat")) >= 2 and b.sent() == [], "only one worker's beat publishes"
+    killed = _kill_just_after_a_tick(a, "heartbeat")
+    _assert_handover(a, b, "heartbeat", killed)
+
+
+def test_a_workers_statedb_naming_leader_scheduler_is_warned_about(
+    server: RedisServer, tmp_path: Path, procs: list[Proc]
+) -> None:
+    """`celery worker -B -S celery_redlock.beat:LeaderScheduler`: -S is the worker's state
+    file; the worker says so and names the flag that was meant."""
+    argv = ["-A", "tests.apps.beatapp", "worker", "-P", "solo", "-l", "info"]
+    argv += ["-n", f"s{os.getpid()}@%h", "--without-gossip", "--without-mingle"]
+    argv += ["-B", "-S", "celery_redlock.beat:LeaderScheduler"]
+    argv += [f"--schedule-filename={tmp_path / 'schedule'}"]
+    worker = Proc(argv, _beatapp_env(server), tmp_path / "w.log")
+    procs.append(worker)
+    wait_for(lambda: "ready." in worker.text(), 40, "the worker")
+    text = worker.text()
+    assert "-S/--statedb is 'celery_redlock.beat:LeaderScheduler'" in text, text[-3000:]
+    assert "--scheduler celery_redlock.beat:LeaderScheduler" in text
