@@ -60,6 +60,7 @@ __all__ = [
     "attempt_of",
     "claim_at_worker",
     "give_back_hold",
+    "hold_for",
     "publish",
     "publish_held",
     "skip_superseded",
@@ -88,7 +89,9 @@ def attempt_of(request: Any) -> tuple[int, int]:
     return int(getattr(request, "retries", 0) or 0), int(lock_retries or 0)
 
 
-def _hold(state: AppState, task: Any, name: str) -> QueuedHold:
+def hold_for(state: AppState, task: Any, name: str) -> QueuedHold:
+    """The enqueue-time hold of lock *name* for *task*'s messages (its record names the
+    task)."""
     return QueuedHold(
         state.backend(),
         name,
@@ -121,7 +124,7 @@ def publish_held(
     if options.debounce and not republish and call.get("eta") is None:
         call["countdown"] = max(float(call.get("countdown") or 0), options.debounce)
     ttl = _hold_ttl(options.enqueue_ttl, call)
-    hold = _hold(state, task, name)
+    hold = hold_for(state, task, name)
     special = any(call.get(k) for k in ("chain", "link", "link_error", "chord", "group_id"))
     if not (republish or special) and claiming.hook(task.app):
         publish = functools.partial(send, args, kwargs)
@@ -313,7 +316,7 @@ def claim_at_worker(task: Any, request: Any, name: str, options: TaskOptions) ->
     class is unknown): take it now; a duplicate does not run (skipped visibly, or
     ``AlreadyQueued`` with ``lock_on_duplicate="raise"``)."""
     state = state_for(task.app)
-    hold = _hold(state, task, name)
+    hold = hold_for(state, task, name)
     found = options.duplicate.claim(hold, request.id, options.enqueue_ttl, options.lock_on)
     if found.outcome != "duplicate" or not found.owner or found.owner == request.id:
         return

@@ -34,7 +34,7 @@ from .core.backend import QueuedHolds, has, lacks
 from .core.connect import mask_url
 from .core.errors import ConfigError, RedlockError
 from .core.queued import QueuedHold
-from .dedup import HOLD_HEADER, give_back_hold
+from .dedup import HOLD_HEADER, give_back_hold, hold_for
 from .flags import flag_overrides
 from .naming import KEY_HEADER, lock_name_for
 from .observability import drop_unscrapable_metrics
@@ -446,7 +446,7 @@ def release_for_gone_child(
         ttl = options.ttl
         lock = state.make_lock(name, ttl, limit=options.limit, auto_renew=False)
         keep = comes_back and options.lock_on != "run" and has(state.backend(), QueuedHolds)
-        hold = _hold_for(task, state, name) if keep else None
+        hold = hold_for(state, task, name) if keep else None
         keep_for = options.enqueue_ttl + redelivery_wait(task.app) if keep else 0.0
     except Exception as exc:
         log_release.warning(
@@ -519,15 +519,6 @@ def release_for_gone_child(
             )
 
     threading.Thread(target=release, name="celery-redlock-release", daemon=True).start()
-
-
-def _hold_for(task: Any, state: AppState, name: str) -> QueuedHold:
-    return QueuedHold(
-        state.backend(),
-        name,
-        key_prefix=state.settings.key_prefix,
-        owner_info={"task_name": task.name},
-    )
 
 
 def _queue_for_redelivery(task: Any, task_id: str, why: str, hold: QueuedHold, ttl: float) -> None:

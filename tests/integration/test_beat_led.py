@@ -209,6 +209,14 @@ def test_two_beats_lead_persistent_schedulers_with_a_file_each(
     _assert_handover(a, b, "heartbeat", killed)
 
 
+def _worker_with_beat(name: str, tmp_path: Path, pool: str, flag: str) -> list[str]:
+    """`celery worker -B FLAG celery_redlock.beat:LeaderScheduler` for beatapp."""
+    argv = ["-A", "tests.apps.beatapp", "worker", "-P", pool, "-c", "1", "-l", "info"]
+    argv += ["-n", f"{name}{os.getpid()}@%h", "--without-gossip", "--without-mingle"]
+    argv += ["-B", flag, "celery_redlock.beat:LeaderScheduler"]
+    return [*argv, f"--schedule-filename={tmp_path / name}-schedule"]
+
+
 def test_two_workers_with_embedded_leader_beats_publish_once(
     server: RedisServer, tmp_path: Path, procs: list[Proc]
 ) -> None:
@@ -218,10 +226,7 @@ def test_two_workers_with_embedded_leader_beats_publish_once(
     env = _beatapp_env(server)
     workers = []
     for name in ("a", "b"):
-        argv = ["-A", "tests.apps.beatapp", "worker", "-P", "prefork", "-c", "1", "-l", "info"]
-        argv += ["-n", f"{name}{os.getpid()}@%h", "--without-gossip", "--without-mingle"]
-        argv += ["-B", "--scheduler", "celery_redlock.beat:LeaderScheduler"]
-        argv += [f"--schedule-filename={tmp_path / name}-schedule"]
+        argv = _worker_with_beat(name, tmp_path, "prefork", "--scheduler")
         workers.append(Proc(argv, env, tmp_path / f"{name}.log"))
         procs.append(workers[-1])
         if name == "a":
@@ -239,10 +244,7 @@ def test_a_workers_statedb_naming_leader_scheduler_is_warned_about(
 ) -> None:
     """`celery worker -B -S celery_redlock.beat:LeaderScheduler`: -S is the worker's state
     file; the worker says so and names the flag that was meant."""
-    argv = ["-A", "tests.apps.beatapp", "worker", "-P", "solo", "-l", "info"]
-    argv += ["-n", f"s{os.getpid()}@%h", "--without-gossip", "--without-mingle"]
-    argv += ["-B", "-S", "celery_redlock.beat:LeaderScheduler"]
-    argv += [f"--schedule-filename={tmp_path / 'schedule'}"]
+    argv = _worker_with_beat("s", tmp_path, "solo", "-S")
     worker = Proc(argv, _beatapp_env(server), tmp_path / "w.log")
     procs.append(worker)
     wait_for(lambda: "ready." in worker.text(), 40, "the worker")

@@ -285,24 +285,31 @@ def test_logging_hook_writes_one_line_per_event_on_celery_redlock_events(
     assert f"fence={runs[3].fence}" in released
 
 
-def test_a_contended_line_names_the_waiting_task_and_the_holder() -> None:
-    """lock-contended says which task waited (task=) and which one holds the lock
-    (holder=), not the holder as if it were the one waiting."""
+def _contended_lines(holder: dict[str, Any], waiter: dict[str, Any]) -> list[logging.LogRecord]:
+    """The logging hook's lock-contended records when a Lock with record *waiter* finds one
+    with record *holder* holding the name (the memory backend)."""
     store = celery_redlock.connect(f"memory://contended-{uuid.uuid4().hex}")
-    holder = Lock(store, "c:1", owner_info={"task_name": "proj.a", "task_id": "id-a"})
-    waiter = Lock(store, "c:1", owner_info={"task_name": "proj.b", "task_id": "id-b"})
+    first = Lock(store, "c:1", owner_info=holder)
+    second = Lock(store, "c:1", owner_info=waiter)
     handler = _ListHandler()
-    assert holder.acquire(blocking=False)
+    assert first.acquire(blocking=False)
     try:
         with logger_at_debug("celery_redlock.events", handler):
             events.add_hook(logging_hook)
             try:
-                assert waiter.acquire(blocking=False) is False
+                assert second.acquire(blocking=False) is False
             finally:
                 events.remove_hook(logging_hook)
     finally:
-        holder.release()
-    [line] = [r for r in handler.records if r.getMessage().startswith("lock-contended")]
+        first.release()
+    return [r for r in handler.records if r.getMessage().startswith("lock-contended")]
+
+
+def test_a_contended_line_names_the_waiting_task_and_the_holder() -> None:
+    """lock-contended says which task waited (task=) and which one holds the lock
+    (holder=), not the holder as if it were the one waiting."""
+    holder = {"task_name": "proj.a", "task_id": "id-a"}
+    [line] = _contended_lines(holder, {"task_name": "proj.b", "task_id": "id-b"})
     message = line.getMessage()
     assert "task=proj.b[id-b]" in message and "holder=proj.a[id-a]" in message, message
     assert line.levelno == logging.INFO
@@ -311,22 +318,8 @@ def test_a_contended_line_names_the_waiting_task_and_the_holder() -> None:
 def test_a_standby_beat_waiting_for_the_leader_lock_logs_at_debug() -> None:
     """A standby beat asks for the leader lock every few seconds: its contention is
     routine, a DEBUG line, where another waiter's is INFO."""
-    store = celery_redlock.connect(f"memory://standby-{uuid.uuid4().hex}")
-    leader = Lock(store, "beat", owner_info={"role": BEAT_ROLE, "app": "proj"})
-    standby = Lock(store, "beat", owner_info={"role": BEAT_ROLE, "app": "proj"})
-    handler = _ListHandler()
-    assert leader.acquire(blocking=False)
-    try:
-        with logger_at_debug("celery_redlock.events", handler):
-            events.add_hook(logging_hook)
-            try:
-                assert standby.acquire(blocking=False) is False
-            finally:
-                events.remove_hook(logging_hook)
-    finally:
-        leader.release()
-    levels = [r.levelno for r in handler.records if "lock-contended" in r.getMessage()]
-    assert levels == [logging.DEBUG]
+    beat = {"role": BEAT_ROLE, "app": "proj"}
+    assert [r.levelno for r in _contended_lines(beat, beat)] == [logging.DEBUG]
 
 
 # -- Prometheus -------------------------------------------------------------------------------
