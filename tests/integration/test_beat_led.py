@@ -36,11 +36,17 @@ _SENT = re.compile(
 class Proc:
     """A `celery` subprocess in its own process group, logging to a file."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(
+        self, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path = ROOT
+    ) -> None:
         self.log_path = log_path
+        env = {
+            **env,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        }
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "celery", *argv], cwd=ROOT, env={**os.environ, **env},
+                [sys.executable, "-m", "celery", *argv], cwd=cwd, env={**os.environ, **env},
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )  # fmt: skip
@@ -245,9 +251,11 @@ def test_a_workers_statedb_naming_leader_scheduler_is_warned_about(
     """`celery worker -B -S celery_redlock.beat:LeaderScheduler`: -S is the worker's state
     file; the worker says so and names the flag that was meant."""
     argv = _worker_with_beat("s", tmp_path, "solo", "-S")
-    worker = Proc(argv, _beatapp_env(server), tmp_path / "w.log")
+    # The state files it makes are named after -S: in the test's directory, not the tree.
+    worker = Proc(argv, _beatapp_env(server), tmp_path / "w.log", cwd=tmp_path)
     procs.append(worker)
     wait_for(lambda: "ready." in worker.text(), 40, "the worker")
     text = worker.text()
     assert "-S/--statedb is 'celery_redlock.beat:LeaderScheduler'" in text, text[-3000:]
     assert "--scheduler celery_redlock.beat:LeaderScheduler" in text
+    assert list(tmp_path.glob("celery_redlock.beat:LeaderScheduler*")), "-S was the state file"
