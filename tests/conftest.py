@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -27,6 +28,44 @@ def pytest_configure(config: pytest.Config) -> None:
     """Choose the session's chaos seed here, in the main process, so that pytest-xdist's
     workers (started later, with this environment) all use the one printed."""
     os.environ.setdefault("CHAOS_SEED", str(random.SystemRandom().randrange(2**32)))
+
+
+# -- the source tree: a test writes its files in its own directory, never in the tree --------
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TREE_BEFORE: set[str] | None = None
+
+
+def _tree_changes() -> set[str] | None:
+    """Untracked (not ignored) and modified files of the checkout; None outside git."""
+    try:
+        found = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=all"],
+            cwd=_ROOT, capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {line[3:] for line in found.stdout.splitlines() if line}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Note what the checkout holds besides its commit (the main process only)."""
+    global _TREE_BEFORE
+    if not hasattr(session.config, "workerinput"):
+        _TREE_BEFORE = _tree_changes()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the session when the tests left files in the source tree (a worker's state file
+    named after -S, a picture written over a tracked one)."""
+    if _TREE_BEFORE is None or hasattr(session.config, "workerinput"):
+        return
+    after = _tree_changes() or set()
+    left = sorted(after - _TREE_BEFORE)
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"the tests left files in the source tree: {left}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_report_header() -> str:
