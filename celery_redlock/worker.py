@@ -14,6 +14,7 @@ give back the queued hold of a message that never runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -28,6 +29,8 @@ from celery.worker.request import Request
 from redis.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, BusyLoadingError
 
+from . import child_watch
+from .child_watch import alive
 from .config import StartupConfigError, capabilities_needed
 from .core import renewal
 from .core.backend import QueuedHolds, has, lacks
@@ -299,6 +302,32 @@ class LockedRequest(Request):  # type: ignore[misc]  # celery is untyped
         if not soft:
             self._release_gone("TimeLimitExceeded")
 
+    def on_accepted(self, pid: int, time_accepted: float) -> None:
+        """Celery's handling; then a pool child running a locked task is watched, so that
+        its lock is released (or kept for a requeued message) as soon as it exits,
+        whether or not Celery notices at once (see :mod:`celery_redlock.child_watch`)."""
+        super().on_accepted(pid, time_accepted)
+        if isinstance(pid, int) and pid != os.getpid() and _installed(self.task) is not None:
+            child_watch.watch(pid, functools.partial(self._child_exited, pid))
+
+    def _child_exited(self, pid: int) -> None:
+        """In the watcher thread: the child that ran this request exited. If the run still
+        holds its lock (its record names this task id and that pid), it is released, or
+        kept when the message will be requeued (``acks_late`` with
+        ``reject_on_worker_lost``, as Celery decides for a lost child)."""
+        task = self.task
+        comes_back = bool(task.acks_late and task.reject_on_worker_lost)
+        release_for_gone_child(
+            task,
+            self.id,
+            self.args,
+            self.kwargs,
+            _key_headers(self),
+            why=f"its pool child {pid} exited",
+            comes_back=comes_back,
+            early=True,
+        )
+
     def reject(self, requeue: bool = False) -> None:
         """Reject the message; remember whether it comes back."""
         if requeue:
@@ -419,6 +448,7 @@ def release_for_gone_child(
     *,
     why: str,
     comes_back: bool = False,
+    early: bool = False,
 ) -> None:
     """In the worker's main process: release the acquisition of *task_id*, whose child
     process is gone or going (in a short thread).
@@ -435,7 +465,13 @@ def release_for_gone_child(
     is kept for the redelivered copy (:meth:`~.core.queued.QueuedHold.keep_for_redelivery`,
     for ``lock_enqueue_ttl`` plus the broker's visibility timeout), so the task id every
     caller was given still runs; a lock already gone leaves the queued hold to that id
-    instead, unless another call holds it.
+    instead, unless another call holds it. Without *comes_back*, a lock kept for that
+    id's copy is released (the message does not come after all).
+
+    *early*: the main process saw the child exit before Celery said what becomes of the
+    message (:mod:`celery_redlock.child_watch`); *comes_back* is then its forecast, from
+    the task's ``acks_late`` and ``reject_on_worker_lost``. It releases or keeps a run it
+    finds and nothing else; Celery's word, when it comes, settles the rest.
     """
     try:
         state = state_for(task.app)
@@ -456,23 +492,31 @@ def release_for_gone_child(
 
     def release() -> None:
         try:
-            # A semaphore has one holder per permit: find this task's (a run already
-            # kept for its redelivered copy is not this one).
-            mine = [
-                h
-                for h in lock.read_holders()
-                if h.get("task_id") == task_id and "kept_for" not in h
-            ]
-            if not mine:
-                if hold is not None:
+            # A semaphore has one holder per permit: find this task's.
+            ours = [h for h in lock.read_holders() if h.get("task_id") == task_id]
+            running = [h for h in ours if "kept_for" not in h]
+            if not running:
+                if early:
+                    return  # the run ended, or Celery's own word on it came first
+                if hold is None and ours:  # kept for a copy that does not come after all
+                    if lock.release_matching(task_id=task_id, kept_for="redelivery"):
+                        log_release.warning(
+                            "task %s[%s] %s: released its lock %r, kept for a redelivery "
+                            "that does not come",
+                            task.name,
+                            task_id,
+                            why,
+                            name,
+                        )
+                elif hold is not None and not ours:
                     _queue_for_redelivery(task, task_id, why, hold, keep_for)
                 return
-            holder = mine[0]
+            holder = running[0]
             pid = holder.get("pid")
             deadline = time.monotonic() + ttl
-            while isinstance(pid, int) and _alive(pid) and time.monotonic() < deadline:
+            while isinstance(pid, int) and alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.02)
-            if isinstance(pid, int) and _alive(pid):
+            if isinstance(pid, int) and alive(pid):
                 log_release.warning(
                     "task %s[%s] %s but pid %s still runs: its lock %r expires within %ss",
                     task.name,
@@ -496,7 +540,7 @@ def release_for_gone_child(
                         pid,
                         keep_for,
                     )
-                else:
+                elif not early and not any("kept_for" in h for h in lock.read_holders()):
                     _queue_for_redelivery(task, task_id, why, hold, keep_for)
             elif lock.release_matching(task_id=task_id, **match):
                 log_release.warning(
@@ -551,21 +595,3 @@ def redelivery_wait(app: Any) -> float:
         return max(0.0, float(value))
     except (TypeError, ValueError):
         return 0.0
-
-
-def _alive(pid: int) -> bool:
-    """True while *pid* runs (a zombie waiting to be reaped counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            return fh.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
