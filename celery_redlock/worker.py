@@ -23,6 +23,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from billiard.einfo import ExceptionWithTraceback
 from celery import bootsteps, signals
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
@@ -290,7 +291,8 @@ class LockedRequest(Request):  # type: ignore[misc]  # celery is untyped
         with _handled(self.id):
             super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
         exc = getattr(exc_info, "exception", None)
-        exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback
+        if isinstance(exc, ExceptionWithTraceback):  # how billiard hands a child's error over
+            exc = exc.exc
         if isinstance(exc, (WorkerLostError, SystemExit, KeyboardInterrupt)):
             self._release_gone(type(exc).__name__)
 
