@@ -157,10 +157,13 @@ class QueuedHold:
         (requeued). The name stays taken by *owner*, shown as queued: a new call is its
         duplicate, or is queued behind it; the copy's :class:`RunLock` takes it over and
         runs. True when kept; False when no such run holds the name (its lease ran out,
-        or it was released): the caller may :meth:`claim` the hold for *owner* instead.
+        it was released, or it is kept already): the caller may :meth:`claim` the hold
+        for *owner* instead.
         """
         want = {**match, "task_id": owner}
         for holder in self._locks.holders(self.slot):
+            if "kept_for" in holder.record:
+                continue  # kept already: not a run any more
             if all(holder.record.get(k) == v for k, v in want.items()):
                 record = {**holder.record, "kept_for": "redelivery", "queued_at": time.time()}
                 text = json.dumps(record, separators=(",", ":"), default=str)
