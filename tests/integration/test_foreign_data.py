@@ -277,7 +277,11 @@ def test_the_renewal_thread_loses_only_the_lock_whose_key_was_overwritten(
     raw.set(spoiled.keys.lock, "overwritten")
     wait_for(lambda: spoiled.lost, 3, "the overwritten lock to be marked lost")
     assert FOREIGN_WORDS in spoiled.lost_reason
-    assert any("renew:spoiled" in m and FOREIGN_WORDS in m for m in warnings_of(caplog))
+    wait_for(  # the renewal thread marks the lock lost, then logs why
+        lambda: any("renew:spoiled" in m and FOREIGN_WORDS in m for m in warnings_of(caplog)),
+        3,
+        "the WARNING about the overwritten lock",
+    )
     rounds = get_manager().rounds
     deadline = time.monotonic() + 4 * kept.ttl
     while time.monotonic() < deadline:
