@@ -91,3 +91,67 @@ def test_the_ten_lines_run_as_written(server: RedisServer, tmp_path: Path) -> No
             except subprocess.TimeoutExpired:
                 os.killpg(worker.pid, signal.SIGKILL)
                 worker.wait(10)
+
+
+def _django_files() -> dict[str, str]:
+    """The README's Django project: each block of "Where settings go" by its first line's
+    path (``# proj/settings.py: ...``)."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Where settings go", 1)[1].split("\n## ", 1)[0]
+    files = {}
+    for block in re.findall(r"```python\n(.*?)```", section, re.S):
+        path = block.split("\n", 1)[0].lstrip("# ").split(":", 1)[0].strip()
+        files[path] = block
+    return files
+
+
+def test_the_django_project_runs_as_written(server: RedisServer, tmp_path: Path) -> None:
+    """proj/settings.py, proj/celery.py, proj/__init__.py and sync/tasks.py as the README
+    gives them (with the rest of a Django settings file: a secret key and sync in
+    INSTALLED_APPS): `celery -A proj worker` logs the CELERY_REDLOCK_URL and TTL, and
+    runs sync_user called from Django code."""
+    files = _django_files()
+    assert set(files) == {"proj/settings.py", "proj/celery.py", "proj/__init__.py", "sync/tasks.py"}
+    for path, text in files.items():
+        (tmp_path / path).parent.mkdir(exist_ok=True)
+        (tmp_path / path).write_text(_here(text, server))
+    (tmp_path / "sync" / "__init__.py").write_text("")
+    with open(tmp_path / "proj" / "settings.py", "a") as settings:
+        settings.write('\nSECRET_KEY = "readme-test"\nINSTALLED_APPS = ["sync"]\nUSE_TZ = True\n')
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    argv = [sys.executable, "-m", "celery", "-A", "proj", "worker", "-l", "info", "-c", "1"]
+    argv += ["-n", f"django{uuid.uuid4().hex[:6]}@%h"]
+    log_path = tmp_path / "worker.log"
+    with open(log_path, "wb") as log:
+        worker = subprocess.Popen(
+            argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: "ready." in log_path.read_text(errors="replace"), 40, "the worker")
+        assert f"locks at redis://127.0.0.1:{server.port}/1 (ttl=30.0s" in log_path.read_text()
+        call = textwrap.dedent("""
+            import os
+            import django
+            os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
+            django.setup()
+            from sync.tasks import sync_user
+            print("result", sync_user.delay(42).get(timeout=30))
+        """)
+        done = subprocess.run(
+            [sys.executable, "-c", call], cwd=tmp_path, env=env, timeout=60, check=False,
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert done.returncode == 0 and "result None" in done.stdout, done.stderr
+        assert (
+            "sync.tasks.sync_user[" in log_path.read_text() and "succeeded" in log_path.read_text()
+        )
+    finally:
+        if worker.poll() is None:
+            worker.send_signal(signal.SIGTERM)
+            try:
+                worker.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait(10)
