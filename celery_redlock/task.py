@@ -90,8 +90,8 @@ class LockedTask(Task):  # type: ignore[misc]
     #: task's own ``lock_limit=None`` (no cap) reads as set (see options.is_set).
     redlock_option_defaults: ClassVar[bool] = True
     #: The worker's request class: it sees a lost child's message requeued, so that run's
-    #: lock is kept for the redelivered copy (see celery_redlock.worker.LockedRequest).
-    Request = "celery_redlock.worker:LockedRequest"
+    #: lock is kept for the redelivered copy (see celery_redlock.request.LockedRequest).
+    Request = "celery_redlock.request:LockedRequest"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

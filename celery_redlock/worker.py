@@ -14,23 +14,18 @@ give back the queued hold of a message that never runs.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import os
 import threading
 import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from billiard.einfo import ExceptionWithTraceback
 from celery import bootsteps, signals
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
-from celery.worker.request import Request
 from redis.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, BusyLoadingError
 
-from . import child_watch
 from .child_watch import alive
 from .config import StartupConfigError, capabilities_needed
 from .core import renewal
@@ -46,12 +41,14 @@ from .state import AppState, state_for
 from .task import LockedTask, apply_redlock_tasks
 
 __all__ = [
-    "LockedRequest",
     "RedlockStep",
     "StartupConfigError",
     "check_lock_redis",
     "check_locked_tasks",
     "connect_receivers",
+    "gone_child_handled",
+    "installed_state",
+    "key_headers",
     "release_all_held",
     "release_for_gone_child",
     "warn_statedb_scheduler",
@@ -66,7 +63,7 @@ _states: weakref.WeakSet[AppState] = weakref.WeakSet()
 _receivers_connected = False
 _receivers_lock = threading.Lock()
 #: Task ids whose gone child a LockedRequest is handling now (in the main thread): the
-#: task_failure receiver leaves them to it.
+#: task_failure receiver leaves them to it (see gone_child_handled).
 _handling: set[str] = set()
 
 
@@ -243,7 +240,7 @@ def connect_receivers() -> None:
         _receivers_connected = True
 
 
-def _installed(task: Any) -> AppState | None:
+def installed_state(task: Any) -> AppState | None:
     app = getattr(task, "app", None)
     if app is None or not isinstance(task, LockedTask):
         return None
@@ -262,96 +259,17 @@ def _on_failure(
     """In the worker's main process: a hard time limit or a lost child frees the lock now."""
     if not isinstance(exception, (TimeLimitExceeded, WorkerLostError)):
         return
-    state = _installed(sender)
+    state = installed_state(sender)
     if state is None or task_id is None or task_id in state.held or task_id in _handling:
         return
     headers = getattr(getattr(sender, "request", None), "headers", None)
     release_for_gone_child(sender, task_id, args, kwargs, headers, why=type(exception).__name__)
 
 
-class LockedRequest(Request):  # type: ignore[misc]  # celery is untyped
-    """The worker's request of a locked task (``LockedTask.Request``): it tells the release
-    of a run whose child is gone whether the message comes back.
-
-    In the worker's main process, Celery requeues the message of a lost child
-    (``acks_late`` with ``task_reject_on_worker_lost``) or of a hard time limit
-    (``acks_late`` with ``task_acks_on_timeout=False``) without any signal. This request
-    sees the requeue (:meth:`reject`), and :func:`release_for_gone_child` then keeps the
-    run's lock for the redelivered copy (``lock_on="enqueue"`` or ``"enqueue+run"``)
-    instead of freeing the key. A task class with a ``Request`` of its own derives it from
-    this one to keep that; otherwise the ``task_failure`` receiver frees the key when the
-    message does not come back, and a requeued run's key waits for its lease.
-    """
-
-    def on_failure(
-        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
-    ) -> None:
-        """Celery's handling, then the release of a lost child's run (requeued or not)."""
-        self._redlock_requeued = False
-        with _handled(self.id):
-            super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
-        exc = getattr(exc_info, "exception", None)
-        if isinstance(exc, ExceptionWithTraceback):  # how billiard hands a child's error over
-            exc = exc.exc
-        if isinstance(exc, (WorkerLostError, SystemExit, KeyboardInterrupt)):
-            self._release_gone(type(exc).__name__)
-
-    def on_timeout(self, soft: bool, timeout: float) -> None:
-        """Celery's handling, then (a hard limit) the release of the run being killed."""
-        self._redlock_requeued = False
-        with _handled(self.id):
-            super().on_timeout(soft, timeout)
-        if not soft:
-            self._release_gone("TimeLimitExceeded")
-
-    def on_accepted(self, pid: int, time_accepted: float) -> None:
-        """Celery's handling; then a pool child running a locked task is watched, so that
-        its lock is released (or kept for a requeued message) as soon as it exits,
-        whether or not Celery notices at once (see :mod:`celery_redlock.child_watch`)."""
-        super().on_accepted(pid, time_accepted)
-        if isinstance(pid, int) and pid != os.getpid() and _installed(self.task) is not None:
-            child_watch.watch(pid, functools.partial(self._child_exited, pid))
-
-    def _child_exited(self, pid: int) -> None:
-        """In the watcher thread: the child that ran this request exited. If the run still
-        holds its lock (its record names this task id and that pid), it is released, or
-        kept when the message will be requeued (``acks_late`` with
-        ``reject_on_worker_lost``, as Celery decides for a lost child)."""
-        task = self.task
-        comes_back = bool(task.acks_late and task.reject_on_worker_lost)
-        release_for_gone_child(
-            task,
-            self.id,
-            self.args,
-            self.kwargs,
-            _key_headers(self),
-            why=f"its pool child {pid} exited",
-            comes_back=comes_back,
-            early=True,
-        )
-
-    def reject(self, requeue: bool = False) -> None:
-        """Reject the message; remember whether it comes back."""
-        if requeue:
-            self._redlock_requeued = True
-        super().reject(requeue=requeue)
-
-    def _release_gone(self, why: str) -> None:
-        task = self.task
-        if _installed(task) is None:
-            return
-        if self._redlock_requeued:
-            why = f"{why}, message requeued"
-        headers = _key_headers(self)
-        comes_back = self._redlock_requeued
-        release_for_gone_child(
-            task, self.id, self.args, self.kwargs, headers, why=why, comes_back=comes_back
-        )
-
-
 @contextlib.contextmanager
-def _handled(task_id: str) -> Iterator[None]:
-    """While Celery handles a LockedRequest's failure: the task_failure receiver leaves it."""
+def gone_child_handled(task_id: str) -> Iterator[None]:
+    """While a LockedRequest (:mod:`celery_redlock.request`) hands Celery a lost child's
+    failure of *task_id*: the task_failure receiver leaves it to that request."""
     _handling.add(task_id)
     try:
         yield
@@ -359,7 +277,7 @@ def _handled(task_id: str) -> Iterator[None]:
         _handling.discard(task_id)
 
 
-def _key_headers(request: Any) -> dict[str, Any]:
+def key_headers(request: Any) -> dict[str, Any]:
     """The message headers a lock name may come from (a key given at publish)."""
     raw = getattr(request, "request_dict", None) or {}
     return {KEY_HEADER: raw[KEY_HEADER]} if KEY_HEADER in raw else {}
@@ -383,7 +301,7 @@ def _on_revoked(
         if hold and task_id and app is not None:
             give_back_hold(app, hold, task_id, "expired" if expired else "revoked", later=True)
         return
-    state = _installed(sender)
+    state = installed_state(sender)
     task_id = getattr(request, "id", None)
     if state is None or task_id is None or task_id in state.held:
         return
@@ -392,7 +310,7 @@ def _on_revoked(
         task_id,
         request.args,
         request.kwargs,
-        _key_headers(request),
+        key_headers(request),
         why="revoked (terminated)",
     )
 
