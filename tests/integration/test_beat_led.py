@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -92,6 +92,19 @@ def procs() -> Iterator[list[Proc]]:
             proc.stop()
 
 
+def _leader_and_standby(
+    argv_of: Callable[[str], list[str]], env: dict[str, str], tmp_path: Path, procs: list[Proc]
+) -> tuple[Proc, Proc]:
+    """Start "a" (``argv_of("a")``) and wait until it leads, then "b" until it stands by."""
+    a = Proc(argv_of("a"), env, tmp_path / "a.log")
+    procs.append(a)
+    wait_for(lambda: "is now the leader" in a.text(), 40, "the first beat to lead")
+    b = Proc(argv_of("b"), env, tmp_path / "b.log")
+    procs.append(b)
+    _leader_then_standby(a, b)
+    return a, b
+
+
 def _leader_then_standby(first: Proc, second: Proc) -> None:
     wait_for(lambda: "is now the leader" in first.text(), 40, "the first beat to lead")
     wait_for(lambda: "standing by" in second.text(), 40, "the second beat to stand by")
@@ -154,12 +167,7 @@ def test_two_beats_lead_django_celery_beats_database_scheduler(
     _periodic(env, "add", "every-second", "1")
     argv = ["-A", "tests.apps.djbeat", "beat", "-l", "info", "--pidfile="]
     argv += ["-S", "celery_redlock.beat:LeaderScheduler"]
-    a = Proc(argv, env, tmp_path / "a.log")
-    procs.append(a)
-    wait_for(lambda: "is now the leader" in a.text(), 40, "beat A to lead")
-    b = Proc(argv, env, tmp_path / "b.log")
-    procs.append(b)
-    _leader_then_standby(a, b)
+    a, b = _leader_and_standby(lambda _name: argv, env, tmp_path, procs)
     time.sleep(3)
     assert len(a.sent("every-second")) >= 2 and b.sent() == [], "only the leader publishes"
     assert "scheduler -> celery_redlock.beat.LeaderDatabaseScheduler" in a.text()
@@ -197,16 +205,12 @@ def test_two_beats_lead_persistent_schedulers_with_a_file_each(
     schedule file: one publishes, and a SIGKILLed leader's successor goes on with no
     tick twice and no burst."""
     env = _beatapp_env(server, BEATAPP_SCHEDULER="celery.beat:PersistentScheduler")
-    beats = []
-    for name in ("a", "b"):
+
+    def beat(name: str) -> list[str]:
         argv = ["-A", "tests.apps.beatapp", "beat", "-l", "info", "--pidfile="]
-        argv += ["-S", "celery_redlock.beat:LeaderScheduler", f"--schedule={tmp_path / name}"]
-        beats.append(Proc(argv, env, tmp_path / f"{name}.log"))
-        procs.append(beats[-1])
-        if name == "a":
-            wait_for(lambda: "is now the leader" in beats[0].text(), 40, "beat A to lead")
-    a, b = beats
-    _leader_then_standby(a, b)
+        return [*argv, "-S", "celery_redlock.beat:LeaderScheduler", f"--schedule={tmp_path / name}"]
+
+    a, b = _leader_and_standby(beat, env, tmp_path, procs)
     time.sleep(3)
     assert len(a.sent("heartbeat")) >= 2 and b.sent() == [], "only the leader publishes"
     assert "scheduler -> celery_redlock.beat.LeaderPersistentScheduler" in a.text()
@@ -230,15 +234,12 @@ def test_two_workers_with_embedded_leader_beats_publish_once(
     worker's beat publishes; SIGKILL that whole worker and the other's beat takes over
     within TTL + 2 s, with no tick twice and no burst."""
     env = _beatapp_env(server)
-    workers = []
-    for name in ("a", "b"):
-        argv = _worker_with_beat(name, tmp_path, "prefork", "--scheduler")
-        workers.append(Proc(argv, env, tmp_path / f"{name}.log"))
-        procs.append(workers[-1])
-        if name == "a":
-            wait_for(lambda: "is now the leader" in workers[0].text(), 40, "worker A's beat")
-    a, b = workers
-    _leader_then_standby(a, b)
+    a, b = _leader_and_standby(
+        lambda name: _worker_with_beat(name, tmp_path, "prefork", "--scheduler"),
+        env,
+        tmp_path,
+        procs,
+    )
     time.sleep(3)
     assert len(a.sent("heartbeat")) >= 2 and b.sent() == [], "only one worker's beat publishes"
     killed = _kill_just_after_a_tick(a, "heartbeat")

@@ -37,6 +37,36 @@ def _here(text: str, server: RedisServer) -> str:
     return text.replace("redis://localhost:6379", f"redis://127.0.0.1:{server.port}")
 
 
+def _start_worker(
+    argv: list[str], env: dict[str, str], where: Path
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start the worker *argv* in *where* (its own process group) and wait until it is
+    ready; the process and its log file."""
+    log_path = where / "worker.log"
+    with open(log_path, "wb") as log:
+        worker = subprocess.Popen(
+            argv, cwd=where, env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: "ready." in log_path.read_text(errors="replace"), 40, "the worker")
+    except BaseException:
+        _stop(worker)
+        raise
+    return worker, log_path
+
+
+def _stop(worker: subprocess.Popen[bytes]) -> None:
+    """Warm shutdown, then SIGKILL its group if it lingers."""
+    if worker.poll() is None:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(10)
+
+
 def test_the_ten_lines_run_as_written(server: RedisServer, tmp_path: Path) -> None:
     """proj.py is the README's block; its worker line starts a worker that logs where its
     locks live and runs both tasks; `celery locks list` and `release` answer from there."""
@@ -47,14 +77,8 @@ def test_the_ten_lines_run_as_written(server: RedisServer, tmp_path: Path) -> No
     argv = shlex.split(_here(worker_line, server))
     assert argv[:4] == ["celery", "-A", "proj", "worker"], argv
     argv = [sys.executable, "-m", *argv, "-c", "2", "-n", f"readme{uuid.uuid4().hex[:6]}@%h"]
-    log_path = tmp_path / "worker.log"
-    with open(log_path, "wb") as log:
-        worker = subprocess.Popen(
-            argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
+    worker, log_path = _start_worker(argv, env, tmp_path)
     try:
-        wait_for(lambda: "ready." in log_path.read_text(errors="replace"), 40, "the worker")
         text = log_path.read_text(errors="replace")
         assert f"locks at redis://127.0.0.1:{server.port}/1 (ttl=30.0s" in text
         publish = textwrap.dedent("""
@@ -84,13 +108,7 @@ def test_the_ten_lines_run_as_written(server: RedisServer, tmp_path: Path) -> No
             assert ran.returncode == code_wanted, (line, ran.stdout, ran.stderr)
             assert said in ran.stdout + ran.stderr, (line, ran.stdout, ran.stderr)
     finally:
-        if worker.poll() is None:
-            worker.send_signal(signal.SIGTERM)
-            try:
-                worker.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(worker.pid, signal.SIGKILL)
-                worker.wait(10)
+        _stop(worker)
 
 
 def _django_files() -> dict[str, str]:
@@ -122,14 +140,8 @@ def test_the_django_project_runs_as_written(server: RedisServer, tmp_path: Path)
     env.pop("DJANGO_SETTINGS_MODULE", None)
     argv = [sys.executable, "-m", "celery", "-A", "proj", "worker", "-l", "info", "-c", "1"]
     argv += ["-n", f"django{uuid.uuid4().hex[:6]}@%h"]
-    log_path = tmp_path / "worker.log"
-    with open(log_path, "wb") as log:
-        worker = subprocess.Popen(
-            argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
+    worker, log_path = _start_worker(argv, env, tmp_path)
     try:
-        wait_for(lambda: "ready." in log_path.read_text(errors="replace"), 40, "the worker")
         assert f"locks at redis://127.0.0.1:{server.port}/1 (ttl=30.0s" in log_path.read_text()
         call = textwrap.dedent("""
             import os
@@ -148,10 +160,4 @@ def test_the_django_project_runs_as_written(server: RedisServer, tmp_path: Path)
             "sync.tasks.sync_user[" in log_path.read_text() and "succeeded" in log_path.read_text()
         )
     finally:
-        if worker.poll() is None:
-            worker.send_signal(signal.SIGTERM)
-            try:
-                worker.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(worker.pid, signal.SIGKILL)
-                worker.wait(10)
+        _stop(worker)
