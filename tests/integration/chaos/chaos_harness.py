@@ -613,7 +613,7 @@ class Scenario:
         now = time.monotonic()
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        self.killed[pid] = now
+        self.killed.setdefault(pid, now)
         self.fault(kind, now, now, f"pid {pid}")
 
     def whole_worker_killed(self) -> bool:
@@ -621,10 +621,12 @@ class Scenario:
         return any(w.killed for w in self.workers)
 
     def kill_worker(self, worker: ChaosWorker) -> None:
-        """SIGKILL a whole worker (its process group) and log every pid it had."""
+        """SIGKILL a whole worker (its process group) and log every pid it had. A child
+        killed before and not reaped yet is still listed: its first kill time stands (its
+        runs ended then, and the main process may have released their locks since)."""
         now = time.monotonic()
         for pid in worker.kill():
-            self.killed[pid] = now
+            self.killed.setdefault(pid, now)
         self.fault("sigkill-worker", now, now, f"pid {worker.pid}")
 
     def wait_for_progress_after_faults(self, timeout: float = 60.0) -> None:
