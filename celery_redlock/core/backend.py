@@ -10,6 +10,8 @@ implements or does not:
                           run's lock (``QueuedHold``, ``RunLock``, ``lock_on="enqueue"``)
 :class:`DoneMarks`        a release that records which run finished (``RunLock``)
 :class:`Rates`            GCRA rate decisions (``RateLimiter``, ``lock_rate``)
+:class:`FlowControl`      several holds of a run taken in one step (``lock_limits``), and
+                          operator controls read by that step (``celery locks pause/set``)
 :class:`Records`          records only a lock's holder may write (``LockRecords``: beat)
 :class:`Admin`            operator reads and forced removals (``celery locks``)
 :class:`Sends`            a verb written now, its answer read later (a quorum's fan-out, a
@@ -51,6 +53,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 from .backend_types import (
     Claim,
+    Control,
     ForceRelease,
     Grant,
     Handover,
@@ -69,6 +72,7 @@ __all__ = [
     "Admin",
     "Backend",
     "DoneMarks",
+    "FlowControl",
     "InProcess",
     "Permits",
     "QueuedHolds",
@@ -334,6 +338,27 @@ class Rates(Protocol):
         unpromised slot (no further than *most_us* away, 0: any); a grant possible for
         *grace_us* that no promised caller claimed lapses to a ``"queue"`` caller;
         ``"peek"`` writes nothing."""
+        ...
+
+
+@capability("flow control (lock_limits, and pauses and limits set by an operator)")
+class FlowControl(Protocol):
+    """A slot with rules or under operator control (:attr:`Slot.flow
+    <celery_redlock.core.backend_types.Slot.flow>`) is taken in one step: the controls of
+    its name and of each rule are read, every rule is checked, and only when all admit
+    it are the slot and its rules taken (the lock verbs :meth:`Backend.acquire` and
+    :meth:`QueuedHolds.take_over` do this for such a slot; its release, extend and
+    renewal cover its Limit rules). The controls live in one hash per name
+    (:attr:`~.keys.LockKeys.control`), written by :meth:`set_control`."""
+
+    def set_control(self, control_key: str, kind: str, value: str | None, ttl_ms: int) -> bool:
+        """Set control *kind* (``"pause"``, ``"limit"`` or ``"rate"``) of the name whose
+        control hash is *control_key* to *value* for *ttl_ms* (0: until lifted), or lift
+        it (*value* None). True when something changed."""
+        ...
+
+    def controls(self, prefix: str, pattern: str = "*") -> list[Control]:
+        """Every control in force under *prefix* whose name matches *pattern*."""
         ...
 
 

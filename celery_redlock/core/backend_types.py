@@ -21,6 +21,7 @@ __all__ = [
     "PARKED",
     "RECENT_BYTES",
     "Claim",
+    "Control",
     "ForceRelease",
     "Grant",
     "Handover",
@@ -30,6 +31,7 @@ __all__ = [
     "RateGrant",
     "RateInfo",
     "Renewal",
+    "Rule",
     "Slot",
     "Status",
     "lock_state",
@@ -88,6 +90,12 @@ class Status(IntEnum):
         """The status in words, for log lines and errors."""
         return _WORDS[self]
 
+    @classmethod
+    def first_failure(cls, codes: Sequence[Status]) -> Status:
+        """The first of *codes* that is not OK, else OK: several holds given back or
+        renewed as one (a slot and its rules)."""
+        return next((c for c in codes if c is not cls.OK), cls.OK)
+
 
 _WORDS = {
     Status.OK: "ok",
@@ -101,13 +109,77 @@ _WORDS = {
 
 
 @dataclass(frozen=True, slots=True)
+class Rule:
+    """One more hold that an acquisition takes with its slot, in the same step, all or
+    nothing (a task's ``lock_limits``): a permit of ``limit`` (a ``Limit``: renewed and
+    released with the slot, fenced by its name's counter) or ``cost`` units of a GCRA
+    rate (a ``Rate``: taken, never given back). Each rule's operator controls are read
+    with it (see :class:`~celery_redlock.core.backend.FlowControl`)."""
+
+    #: The rule's rendered name (``partner:acme``).
+    name: str
+    #: A Limit's permits hash, or a Rate's state (the key a ``RateLimiter`` of the name uses).
+    key: str
+    #: A Limit's fence counter ("" for a Rate).
+    fence: str
+    #: The name's operator controls (:attr:`~.keys.LockKeys.control`).
+    control: str
+    #: A Limit's permits (0 for a Rate).
+    limit: int = 0
+    #: A Rate's emission interval in microseconds, and its burst.
+    interval_us: int = 0
+    burst: int = 1
+    #: A Rate's units taken by this acquisition.
+    cost: int = 1
+    #: A Limit's wake-up list, waiter mark and released tokens (its release wakes a waiter).
+    notify: str = ""
+    waiting: str = ""
+    released: str = ""
+
+    @property
+    def is_rate(self) -> bool:
+        """True for a Rate, False for a Limit."""
+        return self.limit == 0
+
+    @property
+    def permit_keys(self) -> LockKeys:
+        """A Limit's keys, as :func:`~.keys.permit_keys` of its name gives them."""
+        return LockKeys(
+            name=self.name,
+            lock=self.key,
+            fence=self.fence,
+            notify=self.notify,
+            waiting=self.waiting,
+            released=self.released,
+            control=self.control,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class Slot:
     """What an acquisition holds: the mutex of a name (``limit == 1``, ``keys`` from
     :func:`~.keys.lock_keys`) or one of ``limit`` permits of it (``limit > 1``, ``keys``
-    from :func:`~.keys.permit_keys`). A ``Semaphore(limit=1)`` is the mutex."""
+    from :func:`~.keys.permit_keys`). A ``Semaphore(limit=1)`` is the mutex.
+
+    With ``rules`` (a task's ``lock_limits``) or ``controlled`` (a task's run), it is
+    taken through :class:`~celery_redlock.core.backend.FlowControl`: the name's operator
+    controls (a pause, a limit) are read in the same step, and every rule is taken with
+    it, all or nothing; a release, an extend and a renewal of the slot cover its rules."""
 
     keys: LockKeys
     limit: int = 1
+    rules: tuple[Rule, ...] = ()
+    controlled: bool = False
+
+    @property
+    def flow(self) -> bool:
+        """True when an acquire of this slot goes through FlowControl."""
+        return self.controlled or bool(self.rules)
+
+    @property
+    def held_rules(self) -> tuple[Rule, ...]:
+        """The rules held with the slot (its Limits), renewed and released with it."""
+        return tuple(r for r in self.rules if not r.is_rate)
 
     @property
     def name(self) -> str:
@@ -155,6 +227,15 @@ class Grant:
     #: A hand-over's view of the enqueue-time hold: its owner's task id ("" when there is
     #: none; None when the attempt was no hand-over, or it was acquired).
     queued_owner: str | None = None
+    #: Acquired with rules (:class:`Rule`): each rule's fence, in the slot's order (0 for
+    #: a Rate).
+    fences: tuple[int, ...] = ()
+    #: Refused by an operator control or a rule, not by the slot's holder: that name...
+    refused_by: str = ""
+    #: ...and why: ``"paused"`` (``holder`` has its ``reason``), ``"limit"`` (``holder``:
+    #: the record of its permit that expires first) or ``"rate"``; ``wait_ms`` is then the
+    #: longest known wait of every refusal (None: unknown, such as a pause with no end).
+    refusal: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +369,20 @@ class RateInfo:
             if grants >= 1 or suffix == "d":
                 return f"{grants:.4g}/{suffix}"
         return "-"  # pragma: no cover - the loop returns at "d"
+
+
+@dataclass(frozen=True)
+class Control:
+    """An operator's control of one name (``celery locks pause`` / ``set``), as stored."""
+
+    #: The rendered name.
+    name: str
+    #: ``"pause"`` (``value``: the reason), ``"limit"`` (``value``: the permits) or
+    #: ``"rate"`` (``value``: ``"<interval_us>|<burst>"``).
+    kind: str
+    value: str
+    #: Milliseconds left until it lapses by itself (None: until it is lifted).
+    ttl_ms: int | None
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,9 @@ class LockKeys:
     #: one lease after the last release): a re-sent copy of a release finds its token
     #: there and counts as released, while a key taken or removed by someone else does not.
     released: str = ""
+    #: The name's operator controls (a pause, a limit, a rate: ``celery locks pause`` /
+    #: ``set``), a hash read by the acquire of a task's run (see FlowControl).
+    control: str = ""
 
 
 def normalize_name(name: str) -> str:
@@ -118,6 +121,7 @@ def lock_keys(name: str, prefix: str = "redlock:") -> LockKeys:
         queued=f"{base}:queued",
         done=f"{base}:done",
         released=f"{base}:recent",
+        control=f"{base}:control",
     )
 
 
@@ -143,6 +147,7 @@ def permit_keys(name: str, prefix: str = "redlock:") -> LockKeys:
         notify=keys.notify,
         waiting=keys.waiting,
         released=keys.released,
+        control=keys.control,
     )
 
 

@@ -87,6 +87,8 @@ class Lease:
         self._token: str | None = None
         self._pid = 0
         self._fence: int | None = None
+        #: Each rule's fence, in the slot's order (an acquisition with rules).
+        self._rule_fences: tuple[int, ...] = ()
         self._valid_until = 0.0
         self._acquired_at = 0.0
         self._count = 0
@@ -133,6 +135,7 @@ class Lease:
             self._token = token
             self._pid = process.pid()
             self._fence = grant.fence
+            self._rule_fences = grant.fences
             self._valid_until = valid_until
             self._acquired_at = started
             self._count = 1

@@ -27,6 +27,7 @@ timeline)::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -37,8 +38,8 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from . import process
-from .backend import Backend
-from .backend_types import Grant, Slot, Status
+from .backend import Backend, FlowControl, has, need
+from .backend_types import Grant, Rule, Slot, Status
 from .backends import open_backend
 from .errors import ConfigError, LockContended, LockLost, NotOwned, QuorumUnavailable, RedlockError
 from .keys import LockKeys, lock_keys
@@ -152,7 +153,42 @@ class Lock(Lease):
         self.holder_ttl_ms: int | None = None
         #: What each master answered in the last attempt (a quorum).
         self.masters: dict[str, str] = {}
+        #: The last attempt was refused by an operator control or a rule, not by the
+        #: holder of this name: that name ("" otherwise), and why ("paused", "limit",
+        #: "rate"); ``holder_ttl_ms`` is then the longest known wait.
+        self.refused_by = ""
+        self.refusal = ""
         super().__init__()
+
+    def hold_with(self, rules: Sequence[Rule] = (), *, controlled: bool = True) -> None:
+        """Take *rules* (a task's ``lock_limits``) with this lock from now on, all or
+        nothing, and (*controlled*) obey the operator controls of every name involved
+        (``celery locks pause`` / ``set``): see
+        :class:`~celery_redlock.core.backend.FlowControl`. A backend without it takes
+        no rules (ConfigError) and reads no controls."""
+        if rules:
+            need(self.backend, FlowControl)
+            if getattr(self.backend, "cluster", False):
+                raise ConfigError(
+                    f"lock {self.name!r}: lock_limits are not available on a Redis Cluster "
+                    "(the holds of a run are taken in one script, on one node); use one "
+                    "Redis or a Sentinel-managed master"
+                )
+        controlled = controlled and has(self.backend, FlowControl)
+        self.slot = dataclasses.replace(self.slot, rules=tuple(rules), controlled=controlled)
+
+    @property
+    def fences(self) -> dict[str, int]:
+        """Name -> fence of every hold of the current acquisition: this lock's name, and
+        each Limit rule's (empty when not held here)."""
+        fence = self.fence
+        if fence is None:
+            return {}
+        found = {self.name: fence}
+        for rule, value in zip(self.slot.rules, self._rule_fences, strict=False):
+            if not rule.is_rate:
+                found[rule.name] = value
+        return found
 
     def _holder_record(self) -> str:
         """The JSON holder record stored with the lock: host, pid, when, and owner_info.
@@ -221,6 +257,7 @@ class Lock(Lease):
             else:
                 self.holder = dict(grant.holder)
                 self.holder_ttl_ms = grant.holder_ttl_ms
+                self.refused_by, self.refusal = grant.refused_by, grant.refusal
                 if grant.superseded:  # nothing to wait for: another message has its place
                     self._event("superseded", holder=self.holder, waited=time.monotonic() - begin)
                     return False

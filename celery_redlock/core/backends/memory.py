@@ -18,14 +18,16 @@ child's: a prefork worker or a beat on ``memory://`` shares nothing with its sib
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from ..backend_types import (
     PARKED,
     Claim,
+    Control,
     ForceRelease,
     Grant,
     Handover,
@@ -35,6 +37,7 @@ from ..backend_types import (
     RateGrant,
     RateInfo,
     Renewal,
+    Rule,
     Slot,
     Status,
     parse_holder,
@@ -43,9 +46,9 @@ from ..backend_types import (
 from ..errors import ConfigError, QuorumUnavailable
 from ..process import on_fork
 from . import memory_admin
+from .memory_flow import MemoryFlow
 from .memory_store import (
     ForeignData,
-    MemoryStore,
     atomic,
     mutex_keys,
     parse_permit,
@@ -67,7 +70,7 @@ def _new_registry_lock() -> None:
     _registry_lock = threading.Lock()  # the parent may have held it while forking
 
 
-class MemoryBackend(MemoryStore):
+class MemoryBackend(MemoryFlow):
     """A :class:`~celery_redlock.core.backend.Backend` whose locks live in this process.
 
     :meth:`for_url` gives the one store of a URL; ``MemoryBackend(url)`` makes a store of
@@ -107,10 +110,17 @@ class MemoryBackend(MemoryStore):
     def acquire(
         self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
     ) -> Grant:
-        """Take *slot* for *token* (acquire.lua; permit_acquire.lua for permits)."""
-        if slot.permits:
-            return self._acquire_permit(slot, token, ttl_ms, record, wait=wait, fence=fence_ttl_ms)
-        return self._acquire(slot, token, ttl_ms, record, wait, fence_ttl_ms, None)
+        """Take *slot* for *token* (acquire.lua; permit_acquire.lua for permits; with its
+        controls and rules, hold_all.lua)."""
+
+        def take() -> Grant:
+            if slot.permits:
+                return self._acquire_permit(
+                    slot, token, ttl_ms, record, wait=wait, fence=fence_ttl_ms
+                )
+            return self._acquire(slot, token, ttl_ms, record, wait, fence_ttl_ms, None)
+
+        return self._flow(slot, take, token, ttl_ms, record, fence_ttl_ms) if slot.flow else take()
 
     @atomic
     def take_over(
@@ -120,7 +130,24 @@ class MemoryBackend(MemoryStore):
         """Take the mutex of *slot* and task ``handover.owner``'s queued hold with it
         (acquire.lua with the hold's key)."""
         mutex_keys(slot)
-        return self._acquire(slot, token, ttl_ms, record, wait, fence_ttl_ms, handover)
+
+        def take() -> Grant:
+            return self._acquire(slot, token, ttl_ms, record, wait, fence_ttl_ms, handover)
+
+        return self._flow(slot, take, token, ttl_ms, record, fence_ttl_ms) if slot.flow else take()
+
+    def _flow(  # noqa: PLR0917 - the acquire's own step, and what a rule's permit takes
+        self, slot: Slot, take: Callable[[], Grant], token: str, ttl_ms: int, record: str,
+        fence_ttl_ms: int
+    ) -> Grant:  # fmt: skip
+        def rule_take(rule: Rule) -> int:
+            permit = Slot(rule.permit_keys, rule.limit)
+            grant = self._acquire_permit(
+                permit, token, ttl_ms, record, wait=False, fence=fence_ttl_ms
+            )
+            return grant.fence or 0
+
+        return self._flow_acquire(slot, take, rule_take)
 
     def _acquire(  # noqa: PLR0917 - acquire's arguments and the hand-over
         self,
@@ -195,8 +222,8 @@ class MemoryBackend(MemoryStore):
     @atomic
     def release(self, slot: Slot, token: str, notice_ms: int) -> Status:
         """Give back *token*'s acquisition, remember the token for *notice_ms* and wake a
-        waiter (release.lua; permit_release.lua for permits)."""
-        return self._release(slot, token, notice_ms, None)
+        waiter (release.lua; permit_release.lua for permits; with rules, release_all.lua)."""
+        return self._release_with_rules(slot, token, notice_ms, None)
 
     @atomic
     def release_done(
@@ -205,7 +232,15 @@ class MemoryBackend(MemoryStore):
         """:meth:`release` of a mutex that also adds *mark* to its done marks (release.lua
         with the marks' key)."""
         mutex_keys(slot)
-        return self._release(slot, token, notice_ms, (mark, mark_ms))
+        return self._release_with_rules(slot, token, notice_ms, (mark, mark_ms))
+
+    def _release_with_rules(
+        self, slot: Slot, token: str, notice_ms: int, done: tuple[str, int] | None
+    ) -> Status:
+        status = self._release(slot, token, notice_ms, done)
+        if not slot.held_rules:
+            return status
+        return Status.first_failure([status, *self._release_rules(slot, token, notice_ms)])
 
     def _release(
         self, slot: Slot, token: str, notice_ms: int, done: tuple[str, int] | None
@@ -246,8 +281,16 @@ class MemoryBackend(MemoryStore):
     @atomic
     def extend(self, slot: Slot, token: str, ms: int, *, replace: bool) -> int | Status:
         """Lengthen *token*'s lease by *ms*, or set it to *ms* with *replace* (extend.lua,
-        permit_extend.lua): the new lease in ms, or GONE, TAKEN, FOREIGN."""
-        return self._extend(slot, token, ms, replace)
+        permit_extend.lua; its Limits' permits to the new lease): the new lease in ms, or
+        GONE, TAKEN, FOREIGN."""
+        return self._extend_with_rules(slot, token, ms, replace)
+
+    def _extend_with_rules(self, slot: Slot, token: str, ms: int, replace: bool) -> int | Status:
+        found = self._extend(slot, token, ms, replace)
+        if isinstance(found, Status) or not slot.held_rules:
+            return found
+        rules = Status.first_failure(self._extend_rules(slot, token, found))
+        return found if rules is Status.OK else rules
 
     def _extend(  # noqa: PLR0911 - one return per outcome, as extend.lua
         self, slot: Slot, token: str, ms: int, replace: bool
@@ -283,7 +326,7 @@ class MemoryBackend(MemoryStore):
     def renew(self, items: Sequence[Renewal]) -> list[Status | QuorumUnavailable]:
         """Set each item's lease to its ``ms`` if its token still holds it (extend_items.lua):
         one status per item."""
-        results = [self._extend(item.slot, item.token, item.ms, True) for item in items]
+        results = [self._extend_with_rules(item.slot, item.token, item.ms, True) for item in items]
         return [r if isinstance(r, Status) else Status.OK for r in results]
 
     @atomic
@@ -305,6 +348,17 @@ class MemoryBackend(MemoryStore):
             return current
         self.put(slot.keys.fence, "string", str(fence), fence_ttl_ms if fence_ttl_ms > 0 else None)
         return fence
+
+    # -- operator controls ----------------------------------------------------------------
+    @atomic
+    def set_control(self, control_key: str, kind: str, value: str | None, ttl_ms: int) -> bool:
+        """Set or lift one control of a name (control.lua)."""
+        return self._set_control(control_key, kind, value, ttl_ms)
+
+    @atomic
+    def controls(self, prefix: str, pattern: str = "*") -> list[Control]:
+        """Every control in force under *prefix* whose name matches *pattern*."""
+        return self._controls_under(prefix, lambda name: fnmatch.fnmatchcase(name, pattern))
 
     # -- reads ----------------------------------------------------------------------------
     @atomic

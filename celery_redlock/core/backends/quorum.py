@@ -44,7 +44,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ..backend import Permits, QueuedHolds, Rates
+from ..backend import FlowControl, Permits, QueuedHolds, Rates
 from ..backend_types import (
     Claim,
     Grant,
@@ -97,6 +97,10 @@ _WHY_NOT: dict[type, str] = {
     QueuedHolds: (
         "the hand-over from a queued hold to the run's lock could not be one atomic step "
         f"on a majority of Redlock masters; use lock_on='run' with them, or {_ONE_REDIS}"
+    ),
+    FlowControl: (
+        "several holds taken all or nothing, semaphores and rates among them, could not be "
+        f"one step on a majority of Redlock masters; {_ONE_REDIS}"
     ),
 }
 

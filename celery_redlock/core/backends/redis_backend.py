@@ -44,6 +44,7 @@ from . import redis_giveback
 from .redis_admin import fence_of, foreign_data_message
 from .redis_calls import mutex_keys
 from .redis_client import cannot_decide, check_client, checkout, is_client, server_refused
+from .redis_flow import RedisFlow, flow_grant, rule_renewals
 from .redis_holds import RedisHolds, queued_of
 from .redis_operator import RedisOperator
 from .redis_scripts import (
@@ -67,7 +68,7 @@ from .redis_sent import RedisSent
 __all__ = ["RedisBackend", "cannot_decide", "check_client", "is_client", "server_refused"]
 
 
-class RedisBackend(RedisHolds, RedisOperator):
+class RedisBackend(RedisHolds, RedisOperator, RedisFlow):
     """The backend of one Redis client (every capability of the seam): :meth:`of` gives
     the one of a client object. The lock verbs are here, the other capabilities'
     verbs in :class:`~.redis_holds.RedisHolds` and :class:`~.redis_operator.RedisOperator`."""
@@ -150,7 +151,11 @@ class RedisBackend(RedisHolds, RedisOperator):
         names: list[str],
     ) -> Grant:
         try:
+            if slot.flow:
+                return flow_grant(self._hold_all(slot, names, args), slot)
             reply = self._run(script, names, args)
+        except ConfigError:
+            raise  # a cost above a rate's burst: nothing was taken
         except Exception as exc:
             self._acquire_failed(slot, token, ttl_ms, exc)
         return grant_of(reply, permits=slot.permits)
@@ -207,10 +212,8 @@ class RedisBackend(RedisHolds, RedisOperator):
         names = [keys.lock, keys.notify, keys.waiting, keys.released]
         if slot.permits:
             args: list[Any] = [token, notice_ms, slot.limit, RECENT_BYTES]
-            with self._guard(slot):
-                return Status.of(self._run(PERMIT_RELEASE, names, args))
-        with self._guard(slot):
-            return Status.of(self._run(RELEASE, names, [token, notice_ms, RECENT_BYTES]))
+            return self._give_back(slot, PERMIT_RELEASE, names, args)
+        return self._give_back(slot, RELEASE, names, [token, notice_ms, RECENT_BYTES])
 
     def release_done(
         self, slot: Slot, token: str, notice_ms: int, mark: str, mark_ms: int
@@ -218,13 +221,22 @@ class RedisBackend(RedisHolds, RedisOperator):
         keys = mutex_keys(slot)
         names = [keys.lock, keys.notify, keys.waiting, keys.released, keys.done]
         args = [token, notice_ms, RECENT_BYTES, mark, mark_ms]
+        return self._give_back(slot, RELEASE, names, args)
+
+    def _give_back(self, slot: Slot, script: Script, names: list[str], args: list[Any]) -> Status:
         with self._guard(slot):
-            return Status.of(self._run(RELEASE, names, args))
+            if slot.held_rules:
+                return self._release_all(slot, names, args)
+            return Status.of(self._run(script, names, args))
 
     def extend(self, slot: Slot, token: str, ms: int, *, replace: bool) -> int | Status:
         script = PERMIT_EXTEND if slot.permits else EXTEND
         with self._guard(slot):
             code = int(self._run(script, [slot.keys.lock], [token, ms, "1" if replace else "0"]))
+            if code > 0 and slot.held_rules:
+                rules = self._extend_rules(slot, token, code)
+                if rules is not Status.OK:
+                    return rules
         return code if code > 0 else Status.of(code)
 
     def renew(self, items: Sequence[Renewal]) -> list[Status | QuorumUnavailable]:
@@ -236,7 +248,11 @@ class RedisBackend(RedisHolds, RedisOperator):
             return []
         if not self.cluster:
             with self._errors(items[0].slot.name):
-                return [*extend_many(self.client, items, self._pool)]
+                if not any(item.slot.held_rules for item in items):
+                    return [*extend_many(self.client, items, self._pool)]
+                flat, where = rule_renewals(items)
+                each = extend_many(self.client, flat, self._pool)
+                return [Status.first_failure([each[i] for i in own]) for own in where]
         by_node: dict[str, list[int]] = defaultdict(list)
         nodes: dict[str, Any] = {}
         for i, item in enumerate(items):

@@ -17,7 +17,7 @@ cluster client, or one that keeps a single connection, goes through its own
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any
 
@@ -30,12 +30,14 @@ from .redis_client import checkout
 __all__ = [
     "ACQUIRE",
     "CLAIM_FIELD",
+    "CONTROL",
     "DEQUEUE",
     "ENQUEUE",
     "EXTEND",
     "EXTEND_MANY",
     "EXTEND_NODE",
     "FORCE_RELEASE",
+    "HOLD_ALL",
     "PARK",
     "PERMITS",
     "PERMIT_ACQUIRE",
@@ -44,6 +46,7 @@ __all__ = [
     "RAISE_FENCE",
     "RATE",
     "RELEASE",
+    "RELEASE_ALL",
     "Script",
     "extend_many",
     "grant_of",
@@ -54,14 +57,25 @@ __all__ = [
 
 
 class Script:
-    """A Lua script of this package (the file, then any shared parts appended to it)."""
+    """A Lua script of this package: the file, then any shared parts appended to it; in
+    front of it, each of *functions* (Lua function name -> file) as a local function of
+    ``(KEYS, ARGV)``, so that a script can run another's steps on keys and arguments it
+    chooses."""
 
     __slots__ = ("name", "sha", "source")
 
-    def __init__(self, filename: str, *parts: str) -> None:
+    def __init__(
+        self, filename: str, *parts: str, functions: Mapping[str, str] | None = None
+    ) -> None:
         folder = resources.files("celery_redlock.core").joinpath("lua")
         self.name = filename
-        self.source = "".join(folder.joinpath(f).read_text("utf-8") for f in (filename, *parts))
+        head = "".join(
+            f"local function {fn}(KEYS, ARGV)\n{folder.joinpath(f).read_text('utf-8')}end\n"
+            for fn, f in (functions or {}).items()
+        )
+        self.source = head + "".join(
+            folder.joinpath(f).read_text("utf-8") for f in (filename, *parts)
+        )
         self.sha = hashlib.sha1(self.source.encode("utf-8"), usedforsecurity=False).hexdigest()
 
     def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
@@ -121,6 +135,13 @@ RATE = Script("rate.lua")
 ENQUEUE = Script("enqueue.lua")
 DEQUEUE = Script("dequeue.lua")
 PARK = Script("park.lua")
+HOLD_ALL = Script(
+    "hold_all.lua", functions={"take_lock": "acquire.lua", "take_permit": "permit_acquire.lua"}
+)
+RELEASE_ALL = Script(
+    "release_all.lua", functions={"give_lock": "release.lua", "give_permit": "permit_release.lua"}
+)
+CONTROL = Script("control.lua")
 
 
 def grant_of(reply: Any, *, permits: bool) -> Grant:

@@ -1,0 +1,180 @@
+"""The memory backend's flow control (:class:`~celery_redlock.core.backend.FlowControl`),
+step for step as ``hold_all.lua``, ``release_all.lua`` and ``control.lua`` do it on Redis:
+the controls of every name, then every rule checked, then the slot and its rules taken.
+The steps run inside a verb of :class:`~.memory.MemoryBackend` (under the store's lock,
+at its clock)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+from ..backend_types import Control, Grant, Rule, Slot, Status, parse_holder
+from ..errors import ConfigError
+from ..keys import name_of_key
+from .memory_store import MemoryStore, parse_permit, stored_int
+
+__all__ = ["MemoryFlow"]
+
+#: The verbs' own steps a flow acquire runs (the memory backend's): take the slot as its
+#: acquire does, take one permit of a rule.
+TakeSlot = Callable[[], Grant]
+
+
+class MemoryFlow(MemoryStore):
+    """FlowControl in this process."""
+
+    def _controls(self, key: str) -> dict[str, tuple[float, str]]:
+        """The controls in force at *key*: kind -> (until: store ms, 0 none; value)."""
+        found: dict[str, tuple[float, str]] = {}
+        for kind, raw in (self.get(key, "hash") or {}).items():
+            until, _, value = raw.partition("|")
+            end = float(until or 0)
+            if not end or end > self.now:
+                found[kind] = (end, value)
+        return found
+
+    def _flow_acquire(self, slot: Slot, take: TakeSlot, rule_take: Callable[[Rule], int]) -> Grant:
+        """hold_all.lua: *take* takes the slot, *rule_take* one Limit's permit (its fence)."""
+        refusals: list[tuple[str, float, str, str]] = []
+
+        def paused(controls: dict[str, tuple[float, str]], name: str) -> None:
+            pause = controls.get("pause")
+            if pause is not None:
+                wait = -1.0 if not pause[0] else pause[0] - self.now
+                refusals.append((name, wait, "paused", pause[1]))
+
+        paused(self._controls(slot.keys.control), slot.name)
+        now_us = round(self.now * 1000)
+        plan: list[tuple[Rule, int, int, int]] = []  # rule, limit or interval, burst, tat
+        for rule in slot.rules:
+            controls = self._controls(rule.control)
+            paused(controls, rule.name)
+            if not rule.is_rate:
+                limit = int(controls["limit"][1]) if "limit" in controls else rule.limit
+                live = self.live_permits(rule.key)
+                if len(live) >= limit:
+                    refusals.append((rule.name, float(live[0][0]), "limit", live[0][3]))
+                plan.append((rule, limit, 0, 0))
+                continue
+            interval, burst = rule.interval_us, rule.burst
+            if "rate" in controls:
+                given, _, most = controls["rate"][1].partition("|")
+                interval, burst = int(given), int(most)
+            if rule.cost > burst:
+                raise ConfigError(
+                    f"rate {rule.name!r}: a run asks for {rule.cost} units, more than the rate "
+                    f"ever grants at once (its burst, {burst}); raise the Rate's burst or "
+                    "lower the cost"
+                )
+            state: dict[str, str] = self.get(rule.key, "hash") or {}
+            tat = max(stored_int(state.get("tat")) or 0, now_us)
+            at = tat + (rule.cost - burst) * interval
+            if at > now_us:
+                refusals.append((rule.name, math.ceil((at - now_us) / 1000), "rate", ""))
+            plan.append((rule, interval, burst, tat))
+        if refusals:
+            name, _, why, detail = refusals[0]
+            waits = [w for _, w, _, _ in refusals]
+            known = [w for w in waits if w >= 0]
+            wait = None if not known else int(max(known))
+            holder: dict[str, Any] = {"reason": detail} if why == "paused" else {}
+            if why == "limit":
+                holder = parse_holder(detail)
+            return Grant(
+                False,
+                holder=holder,
+                holder_ttl_ms=wait,
+                wait_ms=wait,
+                refused_by=name,
+                refusal=why,
+            )
+        grant = take()
+        if not grant.acquired:
+            return grant
+        fences: list[int] = []
+        for rule, size, burst, was in plan:
+            if not rule.is_rate:
+                fences.append(rule_take(dataclasses.replace(rule, limit=size)))
+                continue
+            tat = was + rule.cost * size
+            hold = self.writable_hash(rule.key)
+            hold.update(tat=str(tat), interval=str(size), burst=str(burst))
+            line = stored_int(hold.get("line")) or 0
+            self.expire(rule.key, math.ceil((max(tat, line) - now_us) / 1000) + 1)
+            fences.append(0)
+        return Grant(True, fence=grant.fence, fences=tuple(fences))
+
+    def _set_control(self, key: str, kind: str, value: str | None, ttl_ms: int) -> bool:
+        """control.lua."""
+        hold: dict[str, str] = self.get(key, "hash") or {}
+        if value is None:
+            changed = hold.pop(kind, None) is not None
+        else:
+            hold = self.writable_hash(key)
+            hold[kind] = f"{self.now + ttl_ms if ttl_ms > 0 else 0}|{value}"
+            changed = True
+        ends = []
+        for field in list(hold):
+            end = float(hold[field].partition("|")[0] or 0)
+            if end and end <= self.now:
+                del hold[field]
+            else:
+                ends.append(end)
+        if not hold:
+            self.entries.pop(key, None)
+        elif 0 in ends:
+            self.entries[key].expires = None
+        else:
+            self.expire(key, max(ends) - self.now)
+        return changed
+
+    def _controls_under(self, prefix: str, match: Callable[[str], bool]) -> list[Control]:
+        found = []
+        for key in list(self.entries):
+            if not key.startswith(prefix + "{") or not key.endswith("}:control"):
+                continue
+            name = name_of_key(key, prefix)
+            if not match(name):
+                continue
+            for kind, (end, value) in self._controls(key).items():
+                left = math.ceil(end - self.now) if end else None
+                found.append(Control(name, kind, value, left))
+        return sorted(found, key=lambda c: (c.name, c.kind))
+
+    def _release_rules(self, slot: Slot, token: str, notice_ms: int) -> list[Status]:
+        """release_all.lua's rule part: each Limit's permit held by *token* given back."""
+        out = []
+        for rule in slot.held_rules:
+            permits: dict[str, str] = self.get(rule.key, "hash") or {}
+            value = permits.pop(token, None)
+            if value is None:
+                out.append(Status.OK if self.remembered(rule.released, token) else Status.GONE)
+                continue
+            self.drop_if_empty(rule.key, permits)
+            live = parse_permit(value)[0] > self.now
+            if live:
+                self.remember(rule.released, token, notice_ms)
+            self.notice(rule.permit_keys, rule.limit, notice_ms)
+            out.append(Status.OK if live else Status.GONE)
+        return out
+
+    def _extend_rules(self, slot: Slot, token: str, ms: int) -> list[Status]:
+        """Each Limit's permit held by *token* set to *ms* (extend_items.lua)."""
+        out = []
+        for rule in slot.held_rules:
+            permits: dict[str, str] = self.get(rule.key, "hash") or {}
+            value = permits.get(token)
+            expires, fence, record = parse_permit(value) if value else (0, None, "")
+            if expires <= self.now:
+                if value is not None:
+                    del permits[token]
+                    self.drop_if_empty(rule.key, permits)
+                out.append(Status.GONE)
+                continue
+            permits[token] = f"{int(self.now) + ms}|{fence}|{record}"
+            self.expire(rule.key, ms, longer_only=True)
+            out.append(Status.OK)
+        return out

@@ -1,0 +1,161 @@
+-- hold_all: a run's holds taken in one step, all or nothing, after the operator controls
+-- of every name involved (a task's lock_limits; celery locks pause / set). The Redis
+-- backend puts acquire.lua and permit_acquire.lua in front of this file as the local
+-- functions take_lock(KEYS, ARGV) and take_permit(KEYS, ARGV).
+-- KEYS[1 .. n]   the primary's keys, as acquire.lua (a mutex) or permit_acquire.lua (a
+--                semaphore) takes them; n = ARGV[1]
+-- KEYS[n + 1]    the primary's control hash: field -> '<until: server ms, 0 none>|<value>',
+--                fields 'pause' (value: the reason), 'limit' (the permits of a
+--                semaphore) and 'rate' ('<interval us>|<burst>'); a lapsed field counts
+--                as absent
+-- then three keys per rule: a Limit's permits hash (as permit_acquire.lua's) or a Rate's
+--                state (as rate.lua's), the Limit's fence counter (the Rate's state again),
+--                the rule's control hash
+-- ARGV[1]  n: how many keys the primary takes
+-- ARGV[2]  'lock' or 'permit': which script takes the primary
+-- ARGV[3]  m: how many arguments the primary takes, ARGV[4 .. 3 + m]: token, lease ms,
+--          record, wait, fence ttl (as acquire.lua), then its limit (a permit) or its
+--          hand-over (a lock); a Limit rule's permit uses the same token, lease, record
+--          and fence ttl
+-- then five per rule: 'limit' or 'rate', the limit or the interval in us, the burst,
+--          the cost (units of a Rate), the rule's name
+-- Returns  {1, fence, f1, ..., fk}   taken: the primary's fence, then each rule's (0 for a
+--                                     Rate); a re-sent copy finds its own token and
+--                                     reports the same fences (a Rate's units are taken
+--                                     again: fewer grants, never more)
+--          the primary's refusal, as acquire.lua / permit_acquire.lua return it
+--          {-2, name, wait ms, why, detail}  refused by a control or a rule, nothing
+--                                     taken: why 'paused' (detail: the reason), 'limit'
+--                                     (detail: the record of its permit that expires
+--                                     first) or 'rate'; the wait is the longest known one
+--                                     of every refusal (-1: none known, a pause with no end)
+--          {-3, name, cost, most}     a Rate rule asked for more units than it can grant
+--                                     at once (its burst): nothing taken
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+
+local function controls(key)
+  local c = {}
+  local raw = redis.call('HGETALL', key)
+  for i = 1, #raw, 2 do
+    local untl, value = string.match(raw[i + 1], '^(%d+)|(.*)$')
+    untl = tonumber(untl or '0')
+    if untl == 0 or untl > now_ms then
+      c[raw[i]] = {untl, value}
+    end
+  end
+  return c
+end
+
+local n = tonumber(ARGV[1])
+local kind = ARGV[2]
+local m = tonumber(ARGV[3])
+local pk, pa = {}, {}
+for i = 1, n do pk[i] = KEYS[i] end
+for i = 1, m do pa[i] = ARGV[3 + i] end
+
+local refused, longest, unknown = nil, -1, false
+local function refuse(name, wait, why, detail)
+  if wait < 0 then
+    unknown = true
+  elseif wait > longest then
+    longest = wait
+  end
+  if not refused then
+    refused = {name, why, detail}
+  end
+end
+
+local function paused(c, name)
+  local p = c['pause']
+  if p then
+    refuse(name, p[1] == 0 and -1 or p[1] - now_ms, 'paused', p[2])
+  end
+end
+
+local main = controls(KEYS[n + 1])
+paused(main, '')
+if kind == 'permit' and main['limit'] then
+  pa[6] = main['limit'][2]
+end
+
+-- Check every rule before anything is written.
+local rules = {}
+local base = 3 + m
+local r = 0
+while ARGV[base + 1] do
+  r = r + 1
+  local k = n + 1 + 3 * (r - 1)
+  local rule = {
+    kind = ARGV[base + 1], a = tonumber(ARGV[base + 2]), burst = tonumber(ARGV[base + 3]),
+    cost = tonumber(ARGV[base + 4]), name = ARGV[base + 5],
+    key = KEYS[k + 1], fence = KEYS[k + 2],
+  }
+  local c = controls(KEYS[k + 3])
+  paused(c, rule.name)
+  if rule.kind == 'limit' then
+    if c['limit'] then rule.a = tonumber(c['limit'][2]) end
+    if redis.call('HLEN', rule.key) >= rule.a then
+      local all = redis.call('HGETALL', rule.key)
+      local live, first, record = 0, nil, ''
+      for i = 1, #all, 2 do
+        local exp, _, rest = string.match(all[i + 1], '^(%d+)|(%d*)|(.*)$')
+        exp = tonumber(exp or '0')
+        if exp > now_ms then
+          live = live + 1
+          if not first or exp < first then first, record = exp, rest end
+        end
+      end
+      if live >= rule.a then
+        refuse(rule.name, first - now_ms, 'limit', record)
+      end
+    end
+  else
+    if c['rate'] then
+      local interval, burst = string.match(c['rate'][2], '^(%d+)|(%d+)$')
+      rule.a, rule.burst = tonumber(interval), tonumber(burst)
+    end
+    if rule.cost > rule.burst then
+      return {-3, rule.name, rule.cost, rule.burst}
+    end
+    local tat = tonumber(redis.call('HGET', rule.key, 'tat') or '0') or 0
+    if tat < now_us then tat = now_us end
+    local at = tat + (rule.cost - rule.burst) * rule.a
+    if at > now_us then
+      refuse(rule.name, math.ceil((at - now_us) / 1000), 'rate', '')
+    end
+    rule.tat = tat
+  end
+  rules[r] = rule
+  base = base + 5
+end
+if refused then
+  return {-2, refused[1], unknown and longest < 0 and -1 or longest, refused[2], refused[3]}
+end
+
+local got
+if kind == 'permit' then
+  got = take_permit(pk, pa)
+else
+  got = take_lock(pk, pa)
+end
+if got[1] ~= 1 then
+  return got
+end
+
+local out = {1, got[2]}
+for i = 1, r do
+  local rule = rules[i]
+  if rule.kind == 'limit' then
+    local taken = take_permit({rule.key, rule.fence}, {pa[1], pa[2], pa[3], '0', pa[5], rule.a})
+    out[#out + 1] = taken[2]
+  else
+    local tat = rule.tat + rule.cost * rule.a
+    redis.call('HSET', rule.key, 'tat', string.format('%d', tat), 'interval', string.format('%d', rule.a), 'burst', rule.burst)
+    local line = tonumber(redis.call('HGET', rule.key, 'line') or '0') or 0
+    redis.call('PEXPIRE', rule.key, math.ceil((math.max(tat, line) - now_us) / 1000) + 1)
+    out[#out + 1] = 0
+  end
+end
+return out

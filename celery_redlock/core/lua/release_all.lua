@@ -1,0 +1,36 @@
+-- release_all: give back a run's holds in one step: its primary and the permit of each of
+-- its Limit rules, all with the primary's token. The Redis backend puts release.lua and
+-- permit_release.lua in front of this file as the local functions give_lock(KEYS, ARGV)
+-- and give_permit(KEYS, ARGV).
+-- KEYS[1 .. n]   the primary's keys, as release.lua (a mutex) or permit_release.lua (a
+--                semaphore) takes them; n = ARGV[1]
+-- then four keys per Limit rule, as permit_release.lua takes them: its permits, notify
+--                list, waiter mark and released tokens
+-- ARGV[1]  n: how many keys the primary takes
+-- ARGV[2]  'lock' or 'permit': which script gives the primary back
+-- ARGV[3]  m: how many arguments the primary takes, ARGV[4 .. 3 + m] (token, notice ms,
+--          then as its script takes them)
+-- then two per Limit rule: its limit (the most notices its list keeps) and the most bytes
+--          of released tokens kept (as permit_release.lua)
+-- Returns  {primary code, code of each rule}: the codes release.lua and permit_release.lua
+--          return. Every hold is given back whatever the others answer.
+local n = tonumber(ARGV[1])
+local m = tonumber(ARGV[3])
+local pk, pa = {}, {}
+for i = 1, n do pk[i] = KEYS[i] end
+for i = 1, m do pa[i] = ARGV[3 + i] end
+local out = {}
+if ARGV[2] == 'permit' then
+  out[1] = give_permit(pk, pa)
+else
+  out[1] = give_lock(pk, pa)
+end
+local r = 0
+while ARGV[3 + m + 2 * r + 1] do
+  local k = n + 4 * r
+  local a = 3 + m + 2 * r
+  out[r + 2] = give_permit(
+    {KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]}, {pa[1], pa[2], ARGV[a + 1], ARGV[a + 2]})
+  r = r + 1
+end
+return out
