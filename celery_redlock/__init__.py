@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from .controls import control
 from .core import (
     AlreadyQueued,
     ConfigError,
+    HeldBack,
     KeyTemplate,
     Lock,
     LockContended,
@@ -25,6 +27,7 @@ from .core import (
     remove_hook,
 )
 from .install import install
+from .rules import BackOff, Limit, Rate
 from .task import SKIPPED, LockedTask, is_skipped
 
 try:
@@ -35,8 +38,11 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 __all__ = [
     "SKIPPED",
     "AlreadyQueued",
+    "BackOff",
     "ConfigError",
+    "HeldBack",
     "KeyTemplate",
+    "Limit",
     "Lock",
     "LockContended",
     "LockEvent",
@@ -45,6 +51,7 @@ __all__ = [
     "NotOwned",
     "QueuedHold",
     "QuorumUnavailable",
+    "Rate",
     "RateLimited",
     "RateLimiter",
     "Redlock",
@@ -53,6 +60,7 @@ __all__ = [
     "__version__",
     "add_hook",
     "connect",
+    "control",
     "install",
     "is_skipped",
     "remove_hook",

@@ -43,11 +43,12 @@ from .checks import (
     whole_number,
 )
 from .core import ConfigError, KeyTemplate
-from .core.backend import Permits, QueuedHolds, Rates
+from .core.backend import FlowControl, Permits, QueuedHolds, Rates
 from .core.connect import mask_url
 from .core.lease import DEFAULT_FENCE_TTL
 from .policies import CONTENDED, DUPLICATE, LOST, Policies
 from .rows import Flag, Needs, Row, row, table_of
+from .rules import limits_option
 
 __all__ = [
     "LOCK_ON",
@@ -146,6 +147,14 @@ class Settings:
     )
     rate_burst: int = row(
         positive_number, 1, "Run starts allowed at once after an idle spell", setting=False
+    )
+    limits: tuple[Any, ...] = row(
+        limits_option,
+        (),
+        "More holds per run, taken with its lock, all or nothing: a list of Limit(key, n) "
+        "and Rate(key, rate, burst=, cost=)",
+        setting=False,
+        needs=Needs(FlowControl, bool),
     )
     lock_on: str = row(
         choice(*LOCK_ON),
@@ -504,6 +513,11 @@ def resolve(cls: type, spec: TaskSpec, settings: Settings) -> TaskOptions:
         burst=declared(cls, "lock_rate_burst"),
     )
     check_enqueue_limit(task_name, values["lock_on"], values["limit"])
+    if values["limits"] and values["limit"] is None:
+        raise ConfigError(
+            f"task {task_name!r}: lock_limits must be used with the task's own lock "
+            "(lock_limit >= 1: its rules are taken with it); it has lock_limit=None"
+        )
     key = spec.key
     if key is None:
         default = values["default_key"]

@@ -29,6 +29,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from .core.backend_types import Queued, RateGrant
 from .core.errors import (
     AlreadyQueued,
+    HeldBack,
     LockContended,
     QuorumUnavailable,
     RateLimited,
@@ -37,6 +38,7 @@ from .core.errors import (
 from .core.queued import QueuedHold
 from .core.ratelimit import slot_lead
 from .policies import CONTENDED, DUPLICATE
+from .rules import BackOff
 
 __all__ = [
     "RATE_SLOT_HEADER",
@@ -48,7 +50,9 @@ __all__ = [
     "RetryOptions",
     "Strategy",
     "backoff_delay",
+    "held_back",
     "is_skipped",
+    "known_delay",
     "rate_delay",
     "requeue",
     "skip_message",
@@ -119,9 +123,24 @@ class Strategy:
     requeues: bool = False
 
 
+def held_back(lock: Any) -> HeldBack | None:
+    """The error of a run refused by an operator control or a rule (``lock_limits``), not
+    by its key's holder; None otherwise."""
+    name = getattr(lock, "refused_by", "")
+    if not name:
+        return None
+    return HeldBack(name, lock.refusal, lock.holder, lock.holder_ttl_ms)
+
+
 def fail(refusal: Refusal) -> NoReturn:
-    """The run fails with LockContended (RateLimited when its rate limit refused it)."""
+    """The run fails with LockContended (RateLimited when its rate limit refused it,
+    HeldBack when a control or a rule did)."""
     lock, request = refusal.lock, refusal.request
+    held = held_back(lock)
+    if held is not None:
+        if request is not None:
+            log.info("Task %s[%s] failed: %s", refusal.task.name, request.id, held)
+        raise held
     if refusal.rate is not None:
         if request is not None:
             log.info(
@@ -149,7 +168,11 @@ def fail(refusal: Refusal) -> NoReturn:
 def skip(refusal: Refusal) -> Any:
     """The run does not run: its result is a marker naming the holder, logged."""
     task, request, lock = refusal.task, refusal.request, refusal.lock
-    if refusal.rate is not None:
+    held = held_back(lock)
+    if held is not None:
+        who = str(held)
+        marker = {SKIPPED: True, "reason": "held back", "lock": held.name, "detail": who}
+    elif refusal.rate is not None:
         holder: Any = {}
         who = f"its rate limit ({lock.rate}; next slot in {refusal.rate.retry_after:.3f}s)"
         marker = {
@@ -171,7 +194,9 @@ def skip(refusal: Refusal) -> Any:
     if request is None:
         log.info("%s() skipped: lock %r is held by %s", task.name, lock.name, who)
         return marker
-    if refusal.rate is not None:
+    if held is not None:
+        log.info("Task %s[%s] skipped: %s", task.name, request.id, who)
+    elif refusal.rate is not None:
         log.info(
             "Task %s[%s] skipped: %r is held back by %s", task.name, request.id, lock.name, who
         )
@@ -182,6 +207,8 @@ def skip(refusal: Refusal) -> Any:
     if refusal.eager:
         return marker
     task.backend.mark_as_done(request.id, marker, request=request)
+    if held is not None:
+        raise Ignore(f"skipped: {who}")
     if refusal.rate is not None:
         raise Ignore(f"skipped: {lock.name!r} is held back by {who}")
     raise Ignore(f"skipped: lock {lock.name!r} is held by {who}")
@@ -193,6 +220,19 @@ def retry(refusal: Refusal) -> NoReturn:
     if refusal.request is None:
         fail(refusal)
     lock = refusal.lock
+    held = held_back(lock)
+    if held is not None:
+        # The longest known wait (a pause's end, a rate's slot, a permit's lease), plus
+        # jitter; none known (a pause with no end): the backoff.
+        wait = None if held.ttl_ms is None else held.ttl_ms / 1000
+        requeue(
+            refusal.task,
+            refusal.request,
+            held.name,
+            held,
+            refusal.options,
+            delay=None if wait is None else known_delay(refusal.options, wait),
+        )
     if refusal.rate is not None:
         requeue(
             refusal.task,
@@ -226,6 +266,15 @@ def backoff_delay(options: RetryOptions, attempt: int) -> float:
     if options.retry_jitter:
         delay = delay / 2 + random.uniform(0, delay / 2)
     return delay
+
+
+def known_delay(options: RetryOptions, wait: float) -> float:
+    """The countdown of a run that knows how long it must wait: that long, plus up to a
+    tenth of it (at most a second) of jitter, so that runs held back together do not all
+    come back in the same instant (``lock_retry_jitter``)."""
+    if options.retry_jitter:
+        wait += random.uniform(0, min(1.0, wait / 10))
+    return max(0.0, wait)
 
 
 def rate_delay(options: RetryOptions, grant: RateGrant, interval: float) -> float:
@@ -295,6 +344,10 @@ def requeue(
         )
     else:
         reason = f"{name!r} rate limited" if rate_slot else f"lock {name!r} busy"
+        if isinstance(exc, HeldBack):
+            reason = f"{name!r} held back ({exc.why})"
+        elif isinstance(exc, BackOff):
+            reason = f"{name!r} backed off"
         log.info(
             "Task %s[%s] lock retry %d/%d in %.2fs: %s",
             task.name,

@@ -18,7 +18,7 @@ from .config import TaskOptions
 from .core import ConfigError, KeyTemplate, render_value
 from .state import state_for
 
-__all__ = ["KEY_HEADER", "compile_key", "lock_name_for"]
+__all__ = ["KEY_HEADER", "check_fields", "compile_key", "lock_name_for", "render_key"]
 
 #: Message header carrying a per-call key (``apply_async(lock_key=...)``).
 KEY_HEADER = "redlock_key"
@@ -41,14 +41,8 @@ def lock_name_for(
         key = KeyTemplate(key)
     if key is None:
         return str(task.name)
-    if isinstance(key, str):
-        return key
-    if isinstance(key, KeyTemplate):
-        arguments = _arguments(task, options, args, kwargs)
-        try:
-            return key.render(arguments)
-        except _RENDER_ERRORS as exc:
-            raise _unrenderable(task, key.template, exc) from None
+    if isinstance(key, (str, KeyTemplate)):
+        return render_key(task, key, args, kwargs, options)
     name = key(*args, **kwargs)
     if not isinstance(name, str):
         try:
@@ -66,8 +60,33 @@ def lock_name_for(
 _RENDER_ERRORS = (ConfigError, TypeError, KeyError, AttributeError)
 
 
-def _unrenderable(task: Any, key: Any, exc: BaseException) -> ConfigError:
+def render_key(
+    task: Any,
+    key: str | KeyTemplate,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: TaskOptions,
+    *,
+    what: str = "lock_key",
+) -> str:
+    """Key *key* (a fixed name, or a template filled from the call's arguments) for one
+    call; *what* names it in the error when the arguments do not fit it."""
+    if isinstance(key, str):
+        return key
+    arguments = _arguments(task, options, args, kwargs)
+    try:
+        return key.render(arguments)
+    except _RENDER_ERRORS as exc:
+        raise _unrenderable(task, key.template, exc, what) from None
+
+
+def _unrenderable(task: Any, key: Any, exc: BaseException, what: str = "lock_key") -> ConfigError:
     """The error for a call whose arguments the lock key cannot be rendered from."""
+    if what != "lock_key":
+        return ConfigError(
+            f"task {task.name!r}: {what} cannot be rendered for this call "
+            f"({type(exc).__name__}: {exc}); pass arguments with a canonical text"
+        )
     return ConfigError(
         f"task {task.name!r}: lock_key {key!r} cannot be rendered for this call "
         f"({type(exc).__name__}: {exc}); pass arguments with a canonical text (str, int, "
@@ -101,6 +120,15 @@ def compile_key(task_name: str, key: Any, signature: inspect.Signature) -> Any:
         template = KeyTemplate(key)
     except ConfigError as exc:
         raise ConfigError(f"task {task_name!r}: {exc}") from None
+    check_fields(task_name, f"lock_key {key!r}", template, signature)
+    return template
+
+
+def check_fields(
+    task_name: str, what: str, template: KeyTemplate, signature: inspect.Signature
+) -> None:
+    """ConfigError (with a did-you-mean) when *template* (*what*: ``lock_key 'x:<a>'``)
+    names an argument that *signature* does not take."""
     params = signature.parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     for name in template.fields:
@@ -108,7 +136,6 @@ def compile_key(task_name: str, key: Any, signature: inspect.Signature) -> Any:
             guess = difflib.get_close_matches(name, list(params), n=1)
             hint = f"; did you mean <{guess[0]}>?" if guess else ""
             raise ConfigError(
-                f"task {task_name!r}: lock_key {key!r} names <{name}>, but the task takes "
+                f"task {task_name!r}: {what} names <{name}>, but the task takes "
                 f"({', '.join(params) or 'no arguments'}){hint}"
             )
-    return template

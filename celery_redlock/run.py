@@ -27,7 +27,8 @@ from celery import signals
 from celery.exceptions import Ignore, Retry
 
 from .config import TaskOptions
-from .contention import RATE_SLOT_HEADER, Refusal, Strategy, requeue
+from .contention import RATE_SLOT_HEADER, Refusal, Strategy, known_delay, requeue
+from .controls import control
 from .core import (
     Handover,
     Lock,
@@ -49,13 +50,16 @@ from .dedup import (
     give_back_hold,
     skip_superseded,
 )
+from .flow import first_rate_key, hold_rules
 from .interrupt import LockLostInterrupt, on_lost, watch
 from .naming import lock_name_for
 from .observability import send_task_event
+from .rules import BackOff
 from .state import AppState, state_for
 
 __all__ = [
     "acquire_for_request",
+    "back_off",
     "lock_of",
     "on_postrun",
     "release_for_request",
@@ -83,6 +87,7 @@ def _new_lock(
     name: str,
     task_id: str | None,
     *,
+    call: tuple[tuple[Any, ...], dict[str, Any]],
     host: Any,
     attempt: tuple[int, int] = (0, 0),
     handover: Handover | None = None,
@@ -107,7 +112,7 @@ def _new_lock(
         extra["handover"] = handover
     if done_as is not None:
         extra.update(done_as=done_as, done_ttl=options.enqueue_ttl)
-    return state.make_lock(
+    lock = state.make_lock(
         name,
         options.ttl,
         limit=options.limit or 1,
@@ -116,6 +121,8 @@ def _new_lock(
         on_lost=on_lost,
         **extra,
     )
+    hold_rules(lock, task, options, *call)
+    return lock
 
 
 def _held_by_this_task(lock: Lock, task_id: str) -> bool:
@@ -189,7 +196,9 @@ def acquire_for_request(
         if not keeps_place and HOLD_HEADER not in marks:
             claim_at_worker(task, request, name, options)
         handover = Handover(task_id, strict=not keeps_place)
-    run = _Run(task, request, task_id, name, options, strategy, eager, attempt, direct)
+    run = _Run(
+        task, request, task_id, name, options, strategy, eager, attempt, (args, kwargs), direct
+    )
     try:
         _acquire(run, state, handover)
     except Retry:
@@ -214,6 +223,8 @@ class _Run:
     strategy: Strategy
     eager: bool
     attempt: tuple[int, int]
+    #: The call's arguments (positional, keyword).
+    call: tuple[tuple[Any, ...], dict[str, Any]]
     #: A direct call (``task(...)``): no message, so nothing to re-queue, mark or track.
     direct: bool = False
 
@@ -252,6 +263,7 @@ def _acquire(run: _Run, state: AppState, handover: Handover | None) -> None:
                 options,
                 name,
                 task_id,
+                call=run.call,
                 host=host,
                 attempt=run.attempt,
                 handover=handover,
@@ -260,7 +272,10 @@ def _acquire(run: _Run, state: AppState, handover: Handover | None) -> None:
             acquired = lock.acquire(blocking=False)
             superseded = isinstance(lock, RunLock) and lock.superseded
             if not acquired and not superseded:
-                if queued and mutex and lock.holder.get("task_id") == task_id:
+                if lock.refused_by:  # by a control or a rule, not by this key's holder
+                    if waits:
+                        acquired = lock.acquire(blocking=True, timeout=options.wait_timeout)
+                elif queued and mutex and lock.holder.get("task_id") == task_id:
                     copy = True
                     acquired = _own_task_holds(task, request, lock, run.attempt)
                 elif waits:
@@ -424,7 +439,10 @@ def run_locked(
         return skip
     lock = lock_of(request)
     if lock is None:
-        return fun(task, *args, **kwargs) if bound else fun(*args, **kwargs)
+        try:
+            return fun(task, *args, **kwargs) if bound else fun(*args, **kwargs)
+        except BackOff as exc:
+            back_off(task, request, None, exc, (args, kwargs))
     running = watch(lock, task.name, state_for(task.app).options_for(task).lost)
     try:
         try:
@@ -433,8 +451,39 @@ def run_locked(
             running.stop(lock)  # after this no interrupt can reach this thread
     except LockLostInterrupt:  # raised in the body, or on the way out before stop() ran
         raise LockLost(lock.name, lock.lost_reason or "lost while the task ran") from None
+    except BackOff as exc:
+        back_off(task, request, lock, exc, (args, kwargs))
     finally:
         release_for_request(task, lock, getattr(request, "id", None), request)
+
+
+def back_off(
+    task: Any,
+    request: Any,
+    lock: Lock | None,
+    exc: BackOff,
+    call: tuple[tuple[Any, ...], dict[str, Any]],
+) -> NoReturn:
+    """The body raised :class:`~celery_redlock.rules.BackOff`: pause its key for every
+    worker (its own key, else the task's first ``Rate`` key, else the run's lock key),
+    then re-queue the run to start when the pause ends, within the lock's retry budget;
+    a call with no message to re-queue (eager, direct) raises the BackOff after the pause."""
+    options = state_for(task.app).options_for(task)
+    args, kwargs = call
+    key = exc.key
+    if key is None:
+        key = first_rate_key(task, options, args, kwargs)
+    if key is None:
+        key = lock.name if lock is not None else lock_name_for(task, args, kwargs, None, options)
+    task_id = getattr(request, "id", None)
+    if exc.seconds > 0:
+        reason = f"{exc.reason}; from task {task.name}[{task_id}]"
+        control(task.app).pause(key, exc.seconds, reason=reason)
+    log.warning("Task %s[%s] backs off: %r paused for %gs (%s)", task.name, task_id, key,
+                exc.seconds, exc.reason)  # fmt: skip
+    if task_id is None or getattr(request, "is_eager", False):
+        raise exc
+    requeue(task, request, key, exc, options, delay=known_delay(options, exc.seconds))
 
 
 # -- release -------------------------------------------------------------------------------

@@ -49,7 +49,9 @@ from .config import (
 from .contention import SKIPPED, is_skipped
 from .core import ConfigError, Lock, LockContended, QuorumUnavailable
 from .dedup import publish
+from .flow import check_limits
 from .naming import KEY_HEADER, compile_key, lock_name_for
+from .rules import BackOff, limits_option
 from .run import acquire_for_request, lock_of, release_for_request, run_locked, use_postrun_net
 from .state import state_for
 
@@ -65,7 +67,7 @@ __all__ = [
 ]
 
 #: Failures that a task's lock options produce on purpose (added to ``Task.throws``).
-_EXPECTED = (LockContended, QuorumUnavailable)
+_EXPECTED = (LockContended, QuorumUnavailable, BackOff)
 
 #: Called with the app of each task class made on one. ``celery_redlock.install`` adds
 #: ``install`` when it is imported (always, by ``import celery_redlock``), so defining a
@@ -183,6 +185,7 @@ def _prepare(cls: type) -> None:
     if bound:
         signature = signature.replace(parameters=list(signature.parameters.values())[1:])
     key = compile_key(name, declared(cls, "lock_key"), signature)
+    check_limits(name, limits_option(declared(cls, "lock_limits")), signature)
     cls.redlock_spec = TaskSpec(signature=signature, key=key)  # type: ignore[attr-defined]
 
     # A run refused for contention, or given up on because Redis stayed unreachable, is

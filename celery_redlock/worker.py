@@ -35,6 +35,7 @@ from .core.errors import ConfigError, RedlockError
 from .core.queued import QueuedHold
 from .dedup import HOLD_HEADER, give_back_hold, hold_for
 from .flags import flag_overrides
+from .flow import hold_rules
 from .naming import KEY_HEADER, lock_name_for
 from .observability import drop_unscrapable_metrics
 from .state import AppState, state_for
@@ -401,6 +402,8 @@ def release_for_gone_child(
         name = lock_name_for(task, tuple(args or ()), dict(kwargs or {}), headers, options)
         ttl = options.ttl
         lock = state.make_lock(name, ttl, limit=options.limit, auto_renew=False)
+        if options.limits:  # the run's Limits are released with its lock
+            hold_rules(lock, task, options, tuple(args or ()), dict(kwargs or {}))
         keep = comes_back and options.lock_on != "run" and has(state.backend(), QueuedHolds)
         hold = hold_for(state, task, name) if keep else None
         keep_for = options.enqueue_ttl + redelivery_wait(task.app) if keep else 0.0

@@ -17,6 +17,7 @@ from .connect import connect, mask_url
 from .errors import (
     AlreadyQueued,
     ConfigError,
+    HeldBack,
     LockContended,
     LockLost,
     NotOwned,
@@ -39,6 +40,7 @@ __all__ = [
     "ConfigError",
     "Grant",
     "Handover",
+    "HeldBack",
     "Holder",
     "KeyTemplate",
     "Lock",

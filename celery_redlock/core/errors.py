@@ -12,6 +12,7 @@ from typing import Any
 __all__ = [
     "AlreadyQueued",
     "ConfigError",
+    "HeldBack",
     "LockContended",
     "LockLost",
     "NotOwned",
@@ -71,6 +72,38 @@ class LockContended(RedlockError):
     def __reduce__(self) -> tuple[Any, ...]:
         # Celery pickles/serialises task exceptions; keep the context.
         return (_rebuild_contended, (self.name, self.holder, self.ttl_ms, self.masters))
+
+
+class HeldBack(LockContended):
+    """A run's start was refused by an operator control or a rule of the run, not by the
+    holder of its own key: *name* is paused (``why="paused"``, ``holder["reason"]``), at
+    its limit (``"limit"``: ``holder`` is the record of its permit that expires first)
+    or at its rate (``"rate"``). ``ttl_ms`` is the longest known wait (None: unknown,
+    such as a pause with no end)."""
+
+    def __init__(
+        self,
+        name: str,
+        why: str,
+        holder: Mapping[str, Any] | None = None,
+        ttl_ms: int | None = None,
+    ) -> None:
+        self.why = why
+        super().__init__(name, holder, ttl_ms)
+        self.args = (name, why, self.holder, ttl_ms)
+
+    def _message(self) -> str:
+        left = "" if self.ttl_ms is None else f"; {self.ttl_ms / 1000:.3f} s to wait"
+        if self.why == "paused":
+            reason = self.holder.get("reason") or "no reason given"
+            until = "" if self.ttl_ms is not None else " until resumed"
+            return f"{self.name!r} is paused{until} ({reason}){left}"
+        if self.why == "limit":
+            return f"{self.name!r} is at its limit (held by {describe_holder(self.holder)}){left}"
+        return f"{self.name!r} is at its rate{left}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), self.args)
 
 
 def _rebuild_contended(

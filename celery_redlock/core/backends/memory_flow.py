@@ -61,8 +61,8 @@ class MemoryFlow(MemoryStore):
                 continue
             interval, burst = rule.interval_us, rule.burst
             if "rate" in controls:
-                given, _, most = controls["rate"][1].partition("|")
-                interval, burst = int(given), int(most)
+                given, most = controls["rate"][1].split("|")[:2]
+                interval, burst = int(given), int(most) or burst
             if rule.cost > burst:
                 raise ConfigError(
                     f"rate {rule.name!r}: a run asks for {rule.cost} units, more than the rate "

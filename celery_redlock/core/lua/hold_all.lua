@@ -6,8 +6,8 @@
 --                semaphore) takes them; n = ARGV[1]
 -- KEYS[n + 1]    the primary's control hash: field -> '<until: server ms, 0 none>|<value>',
 --                fields 'pause' (value: the reason), 'limit' (the permits of a
---                semaphore) and 'rate' ('<interval us>|<burst>'); a lapsed field counts
---                as absent
+--                semaphore) and 'rate' ('<interval us>|<burst, 0: the rule's own>|<as
+--                written>'); a lapsed field counts as absent
 -- then three keys per rule: a Limit's permits hash (as permit_acquire.lua's) or a Rate's
 --                state (as rate.lua's), the Limit's fence counter (the Rate's state again),
 --                the rule's control hash
@@ -113,8 +113,9 @@ while ARGV[base + 1] do
     end
   else
     if c['rate'] then
-      local interval, burst = string.match(c['rate'][2], '^(%d+)|(%d+)$')
-      rule.a, rule.burst = tonumber(interval), tonumber(burst)
+      local interval, burst = string.match(c['rate'][2], '^(%d+)|(%d+)')
+      rule.a = tonumber(interval)
+      if tonumber(burst) > 0 then rule.burst = tonumber(burst) end
     end
     if rule.cost > rule.burst then
       return {-3, rule.name, rule.cost, rule.burst}
