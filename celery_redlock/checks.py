@@ -23,6 +23,7 @@ __all__ = [
     "lease",
     "limit_option",
     "mapping",
+    "parse_duration",
     "positive_number",
     "rate_option",
     "seconds",
@@ -185,3 +186,22 @@ def mapping(value: Any) -> Any:
     if isinstance(value, Mapping):
         return dict(value)
     raise TypeError("a dict")
+
+
+#: A duration's units in seconds.
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(value: str) -> float:
+    """A duration as an operator writes it: ``"90"`` or ``"90s"``, ``"10m"``, ``"1.5h"``,
+    ``"2d"``, in seconds; ValueError for anything else, or for 0 or less."""
+    text = value.strip().lower() if isinstance(value, str) else ""
+    unit = text[-1:] if text[-1:] in _UNITS and text[-1:] else ""
+    try:
+        amount = float(text[: len(text) - len(unit)])
+    except ValueError:
+        raise ValueError("must be a duration such as 90s, 10m, 1h or 2d") from None
+    seconds = amount * _UNITS[unit]
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError("must be a duration above 0, such as 90s, 10m, 1h or 2d")
+    return seconds

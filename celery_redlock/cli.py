@@ -34,7 +34,9 @@ from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 from celery.exceptions import CeleryCommandException
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
+from .checks import parse_duration
 from .config import Settings, load_settings
+from .controls import Controls
 from .core import Backend, connect, mask_url, open_backend
 from .core.admin import (
     LockInfo,
@@ -46,11 +48,15 @@ from .core.admin import (
     scan_locks,
     scan_rates,
 )
+from .core.backend import FlowControl, has, lacks
+from .core.backend_types import Control
 from .core.errors import ConfigError, QuorumUnavailable, describe_holder, one_line
 from .core.keys import lock_keys
 from .flags import flag_overrides, locks_flags
 from .render import (
     LockRow,
+    control_json,
+    control_table,
     lock_details,
     lock_table,
     rate_details,
@@ -264,16 +270,20 @@ def list_(ctx: click.Context, pattern: str, as_json: bool) -> None:
     rows = [row for row in found if row.kind != "permit"]
     permits = [row for row in found if row.kind == "permit"]
     rates = session.limiters(lambda backend: scan_rates(backend, prefix, pattern))
+    controls = _controls_of(session, pattern)
     if as_json:
         out = [r.as_json(session.is_redlock) for r in (*rows, *permits)]
         out += [rate_json(info) for info in rates]
+        out += [control_json(c) for c in controls]
         click.echo(json.dumps(out, indent=2))
-    elif rows or permits or rates:
+    elif rows or permits or rates or controls:
         parts = [lock_table(rows, session.is_redlock)] if rows else []
         if permits:
             parts.append("PERMITS\n" + lock_table(permits, session.is_redlock))
         if rates:
             parts.append("RATE LIMITERS\n" + rate_table(rates))
+        if controls:
+            parts.append("CONTROLS\n" + control_table(controls))
         click.echo("\n\n".join(parts))
     else:
         click.echo(f"no locks held at {session.where()}")
@@ -298,18 +308,26 @@ def show(ctx: click.Context, name: str, as_json: bool) -> None:
 
     rows = session.collect(lambda backend: read_lock(backend, prefix, name))
     rates = session.limiters(lambda backend: _listed(read_rate(backend, prefix, name)))
-    if not rows and not rates:
+    controls = [c for c in _controls_of(session, _glob_escape(name)) if c.name == name]
+    if not rows and not rates and not controls:
         if session.unreachable:
             session.fail_unreachable()
         raise CeleryCommandException(f"lock {name!r} is not held", EXIT_NOT_HELD)
     if as_json:
         out = [r.as_json(session.is_redlock) for r in rows] + [rate_json(i) for i in rates]
+        out += [control_json(c) for c in controls]
         click.echo(json.dumps(out, indent=2))
     else:
-        click.echo(
-            "\n\n".join([*(lock_details(r) for r in rows), *(rate_details(i) for i in rates)])
-        )
+        parts = [*(lock_details(r) for r in rows), *(rate_details(i) for i in rates)]
+        if controls:
+            parts.append("CONTROLS\n" + control_table(controls))
+        click.echo("\n\n".join(parts))
     session.finish()
+
+
+def _glob_escape(name: str) -> str:
+    """*name* as a glob that matches only itself."""
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
 
 
 def _listed(info: RateInfo | None) -> list[RateInfo]:
@@ -402,3 +420,158 @@ def _held(session: _Session, name: str) -> list[LockRow]:
             session.fail_unreachable()
         raise CeleryCommandException(f"lock {name!r} is not held", EXIT_NOT_HELD)
     return rows
+
+
+# -- operator controls -----------------------------------------------------------------
+def _controls(session: _Session) -> Controls:
+    """The controls of the session's one Redis (usage error on a Redlock quorum, which
+    keeps none)."""
+    backend = session.clients[0][1]
+    if session.is_redlock or not has(backend, FlowControl):
+        raise CeleryCommandException(lacks(backend, FlowControl), EXIT_USAGE)
+    return Controls(session.ctx.obj.app, backend=backend, prefix=session.prefix)
+
+
+def _control_call(session: _Session, change: Callable[[Controls], Any]) -> Any:
+    """*change* on the session's controls: bad input exits 2, Redis unreachable 3."""
+    controls = _controls(session)
+    try:
+        return change(controls)
+    except ConfigError as exc:
+        raise CeleryCommandException(str(exc), EXIT_USAGE) from None
+    except _UNREACHABLE as exc:
+        session.unreachable.append(_Unreachable(session.clients[0][0], exc))
+        session.fail_unreachable()
+
+
+def _duration(value: str | None) -> float | None:
+    """``--for``: "90" or "90s", "10m", "1h", "2d" in seconds; None when not given."""
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise CeleryCommandException(f"--for {value!r}: {exc}", EXIT_USAGE) from None
+
+
+_for_option = click.option(
+    "--for",
+    "for_",
+    cls=CeleryOption,
+    default=None,
+    metavar="DURATION",
+    help_group="Control Options",
+    help="How long it holds (90s, 10m, 1h, 2d); without it, until lifted.",
+)
+
+
+@_takes_flags
+@locks.command(cls=CeleryCommand)
+@click.argument("key")
+@_for_option
+@click.option(
+    "--reason",
+    cls=CeleryOption,
+    default="",
+    help_group="Control Options",
+    help="Why, shown in `celery locks list` and in the runs it refuses.",
+)
+@click.pass_context
+def pause(ctx: click.Context, key: str, for_: str | None, reason: str) -> None:
+    """Pause KEY (a lock key or a lock_limits key, e.g. partner:acme): no new run that
+    takes it starts on any worker; running ones finish."""
+    session = _Session(ctx)
+    seconds = _duration(for_)
+    _control_call(session, lambda c: c.pause(key, seconds, reason=reason))
+    span = f" for {for_}" if for_ else " until resumed"
+    click.echo(f"paused {key!r}{span}" + (f": {reason}" if reason else ""))
+
+
+@_takes_flags
+@locks.command(cls=CeleryCommand)
+@click.argument("key")
+@click.pass_context
+def resume(ctx: click.Context, key: str) -> None:
+    """Lift KEY's pause; exit 1 if it was not paused."""
+    session = _Session(ctx)
+    if not _control_call(session, lambda c: c.resume(key)):
+        raise CeleryCommandException(f"{key!r} is not paused", EXIT_NOT_HELD)
+    click.echo(f"resumed {key!r}")
+
+
+@_takes_flags
+@locks.command(name="set", cls=CeleryCommand)
+@click.argument("key")
+@click.option(
+    "--limit",
+    cls=CeleryOption,
+    type=int,
+    default=None,
+    help_group="Control Options",
+    help="Runs at once of a semaphore key (a Limit rule, or lock_limit above 1).",
+)
+@click.option(
+    "--rate",
+    cls=CeleryOption,
+    default=None,
+    help_group="Control Options",
+    help="The rate of a Rate rule's key (100/m).",
+)
+@click.option(
+    "--burst",
+    cls=CeleryOption,
+    type=int,
+    default=None,
+    help_group="Control Options",
+    help="With --rate: the burst (default: the rule's own).",
+)
+@_for_option
+@click.pass_context
+def set_(  # noqa: PLR0917 - one parameter per option
+    ctx: click.Context,
+    key: str,
+    limit: int | None,
+    rate: str | None,
+    burst: int | None,
+    for_: str | None,
+) -> None:
+    """Override KEY's limit or rate on every worker, from its next start."""
+    if limit is None and rate is None:
+        raise CeleryCommandException("give --limit N, --rate R (or both)", EXIT_USAGE)
+    if burst is not None and rate is None:
+        raise CeleryCommandException("--burst goes with --rate", EXIT_USAGE)
+    session = _Session(ctx)
+    seconds = _duration(for_)
+    span = f" for {for_}" if for_ else " until unset"
+    if limit is not None:
+        _control_call(session, lambda c: c.set_limit(key, limit, seconds))
+        click.echo(f"{key!r}: limit {limit}{span}")
+    if rate is not None:
+        _control_call(session, lambda c: c.set_rate(key, rate, burst, seconds))
+        more = f", burst {burst}" if burst else ""
+        click.echo(f"{key!r}: rate {rate}{more}{span}")
+
+
+@_takes_flags
+@locks.command(cls=CeleryCommand)
+@click.argument("key")
+@click.pass_context
+def unset(ctx: click.Context, key: str) -> None:
+    """Lift KEY's limit and rate overrides (not a pause); exit 1 if it had none."""
+    session = _Session(ctx)
+    if not _control_call(session, lambda c: c.unset(key)):
+        raise CeleryCommandException(f"{key!r} has no override", EXIT_NOT_HELD)
+    click.echo(f"{key!r}: overrides lifted")
+
+
+def _controls_of(session: _Session, pattern: str) -> list[Control]:
+    """The controls in force matching *pattern* (none on a Redlock quorum)."""
+    backend = session.clients[0][1]
+    if session.is_redlock or not has(backend, FlowControl):
+        return []
+    try:
+        return Controls(session.ctx.obj.app, backend=backend, prefix=session.prefix).overrides(
+            pattern
+        )
+    except _UNREACHABLE:
+        return []  # the lock reads have reported it

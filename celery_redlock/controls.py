@@ -45,16 +45,26 @@ def control(app: Any) -> Controls:
 class Controls:
     """Pause, resume and change the limits of keys, for every worker of *app*."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, *, backend: Any = None, prefix: str | None = None) -> None:
         self.app = app
+        #: Where the controls are written (default: the app's lock store), under which
+        #: key prefix (default: the app's): ``celery locks`` passes its own.
+        self._store = backend
+        self._prefix = prefix
+
+    @property
+    def prefix(self) -> str:
+        """The key prefix of the controlled keys."""
+        return self._prefix or state_for(self.app).settings.key_prefix
 
     def _backend(self) -> FlowControl:
-        return need(state_for(self.app).backend(), FlowControl)
+        store = self._store if self._store is not None else state_for(self.app).backend()
+        return need(store, FlowControl)
 
     def _key(self, name: str) -> str:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"a key name must be a non-empty string, got {name!r}")
-        return lock_keys(name, state_for(self.app).settings.key_prefix).control
+        return lock_keys(name, self.prefix).control
 
     def _set(self, name: str, kind: str, value: str | None, seconds: float | None) -> bool:
         ms = _ms(seconds)
@@ -106,8 +116,7 @@ class Controls:
 
     def overrides(self, pattern: str = "*") -> list[Control]:
         """Every pause and override in force whose key matches the glob *pattern*."""
-        prefix = state_for(self.app).settings.key_prefix
-        return self._backend().controls(prefix, pattern)
+        return self._backend().controls(self.prefix, pattern)
 
 
 def _whole(value: Any) -> bool:

@@ -12,9 +12,12 @@ from datetime import datetime
 from typing import Any
 
 from .core.admin import LockInfo, RateInfo
+from .core.backend_types import Control
 
 __all__ = [
     "LockRow",
+    "control_json",
+    "control_table",
     "lock_details",
     "lock_table",
     "rate_details",
@@ -114,6 +117,38 @@ def rate_table(rates: Sequence[RateInfo]) -> str:
                 str(info.queued),
             ]
         )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    )
+
+
+def control_value(c: Control) -> str:
+    """What a control says, in words: the reason of a pause, a limit, a rate."""
+    if c.kind == "rate":
+        interval, burst, *written = c.value.split("|")
+        text = written[0] if written else f"1 per {int(interval) / 1e6:g}s"
+        return f"{text}, burst {burst}" if burst not in ("", "0") else text
+    return c.value
+
+
+def control_json(c: Control) -> dict[str, Any]:
+    """One control as ``celery locks list --json`` prints it."""
+    return {
+        "name": c.name,
+        "kind": "control",
+        "control": c.kind,
+        "value": control_value(c),
+        "ttl_ms": c.ttl_ms,
+    }
+
+
+def control_table(controls: Sequence[Control]) -> str:
+    lines = [["NAME", "CONTROL", "VALUE", "LEFT"]]
+    for c in controls:
+        left = "until lifted" if c.ttl_ms is None else _duration(c.ttl_ms / 1000)
+        lines.append([_cell(c.name), c.kind, _cell(control_value(c)), left])
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     return "\n".join(
         "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()

@@ -141,6 +141,7 @@ def test_the_public_names_are_the_ones_the_rows_give() -> None:
         *(f"lock_{n}" for n in ("retry_backoff", "retry_backoff_max", "retry_jitter")),
         *(f"lock_{n}" for n in ("wait_timeout", "max_hold", "limit", "rate", "rate_burst")),
         *(f"lock_{n}" for n in ("on", "on_duplicate", "debounce", "enqueue_ttl")),
+        "lock_limits",  # DESIGN.md, Flow control
     }
     assert OPTIONS["lock_key"] is SETTINGS["redlock_default_key"]
     assert OPTIONS["lock_on_duplicate"] is SETTINGS["redlock_lock_on_duplicate"]
