@@ -147,7 +147,7 @@ class MemoryBackend(MemoryFlow):
             )
             return grant.fence or 0
 
-        return self._flow_acquire(slot, take, rule_take)
+        return self._flow_acquire(slot, token, take, rule_take)
 
     def _acquire(  # noqa: PLR0917 - acquire's arguments and the hand-over
         self,

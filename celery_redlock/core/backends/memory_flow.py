@@ -36,8 +36,14 @@ class MemoryFlow(MemoryStore):
                 found[kind] = (end, value)
         return found
 
-    def _flow_acquire(self, slot: Slot, take: TakeSlot, rule_take: Callable[[Rule], int]) -> Grant:
-        """hold_all.lua: *take* takes the slot, *rule_take* one Limit's permit (its fence)."""
+    def _flow_acquire(
+        self, slot: Slot, token: str, take: TakeSlot, rule_take: Callable[[Rule], int]
+    ) -> Grant:
+        """hold_all.lua: *take* takes the slot for *token*, *rule_take* one Limit's permit
+        (its fence). A re-sent copy (the slot already *token*'s) is not refused and takes
+        no Rate unit again."""
+        held: dict[str, str] = self.get(slot.keys.lock, "hash") or {}
+        resent = token in held if slot.permits else held.get("token") == token
         refusals: list[tuple[str, float, str, str]] = []
 
         def paused(controls: dict[str, tuple[float, str]], name: str) -> None:
@@ -75,7 +81,7 @@ class MemoryFlow(MemoryStore):
             if at > now_us:
                 refusals.append((rule.name, math.ceil((at - now_us) / 1000), "rate", ""))
             plan.append((rule, interval, burst, tat))
-        if refusals:
+        if refusals and not resent:
             name, _, why, detail = refusals[0]
             waits = [w for _, w, _, _ in refusals]
             known = [w for w in waits if w >= 0]
@@ -98,6 +104,9 @@ class MemoryFlow(MemoryStore):
         for rule, size, burst, was in plan:
             if not rule.is_rate:
                 fences.append(rule_take(dataclasses.replace(rule, limit=size)))
+                continue
+            if resent:
+                fences.append(0)
                 continue
             tat = was + rule.cost * size
             hold = self.writable_hash(rule.key)

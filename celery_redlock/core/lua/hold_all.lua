@@ -31,13 +31,22 @@
 --                                     of every refusal (-1: none known, a pause with no end)
 --          {-3, name, cost, most}     a Rate rule asked for more units than it can grant
 --                                     at once (its burst): nothing taken
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+-- The server's clock, read once and only when a control or a rule needs it: a slot
+-- whose name has no control and no rule costs one read (its control hash) more than
+-- its own script.
+local now_ms, now_us
+local function clock()
+  if not now_ms then
+    local t = redis.call('TIME')
+    now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  end
+end
 
 local function controls(key)
   local c = {}
   local raw = redis.call('HGETALL', key)
+  if #raw > 0 then clock() end
   for i = 1, #raw, 2 do
     local untl, value = string.match(raw[i + 1], '^(%d+)|(.*)$')
     untl = tonumber(untl or '0')
@@ -85,6 +94,7 @@ local rules = {}
 local base = 3 + m
 local r = 0
 while ARGV[base + 1] do
+  clock()
   r = r + 1
   local k = n + 1 + 3 * (r - 1)
   local rule = {
@@ -131,10 +141,27 @@ while ARGV[base + 1] do
   rules[r] = rule
   base = base + 5
 end
-if refused then
+-- A re-sent copy of an acquire that got through (a lost reply) finds the primary held by
+-- its own token: it is not refused (its own permits fill the Limits), and its Rates'
+-- units are not taken twice.
+local resent
+local function own()
+  if resent == nil then
+    if kind == 'permit' then
+      resent = redis.call('HEXISTS', KEYS[1], pa[1]) == 1
+    else
+      resent = redis.call('HGET', KEYS[1], 'token') == pa[1]
+    end
+  end
+  return resent
+end
+if refused and not own() then
   return {-2, refused[1], unknown and longest < 0 and -1 or longest, refused[2], refused[3]}
 end
 
+if r > 0 then
+  own() -- before the primary is taken: is this a re-sent copy?
+end
 local got
 if kind == 'permit' then
   got = take_permit(pk, pa)
@@ -151,6 +178,8 @@ for i = 1, r do
   if rule.kind == 'limit' then
     local taken = take_permit({rule.key, rule.fence}, {pa[1], pa[2], pa[3], '0', pa[5], rule.a})
     out[#out + 1] = taken[2]
+  elseif resent then
+    out[#out + 1] = 0
   else
     local tat = rule.tat + rule.cost * rule.a
     redis.call('HSET', rule.key, 'tat', string.format('%d', tat), 'interval', string.format('%d', rule.a), 'burst', rule.burst)

@@ -1,0 +1,171 @@
+"""Flow-control benchmark: the acquire of a run's three holds against one plain ``Lock``.
+
+Run by hand (not part of the test suite)::
+
+    .venv/bin/python bench/bench_flow.py [--cycles 5000] [--blocks 50] [--warmup 500]
+
+It starts its own throwaway redis-server on a free loopback port and stops it by pid at
+the end (also on error or Ctrl-C); every figure comes from the same server in the same
+run. Four ways to take a lock, each on a fresh name per cycle (as a task's run does):
+
+* ``Lock``: a plain lock (``acquire.lua``), the reference;
+* ``Lock, controlled``: what a ``LockedTask`` run with no ``lock_limits`` takes, a lock
+  whose acquire also reads its name's operator controls (``hold_all.lua``);
+* ``Lock + Limit + Rate``: a run with a mutex, a ``Limit("all", 1000)`` and a
+  ``Rate("p:acme", ...)`` that never refuses: three holds in one ``hold_all.lua``;
+* the floor: ``SET NX PX`` of the name by hand (one command, no fence, no record).
+
+The ``acquire`` alone is timed (``time.perf_counter_ns``); the release follows, untimed,
+so that the next cycle starts from the same state. Blocks of the four are interleaved
+(rotating order) so background load hits them alike; p50/p99 over every cycle. Client
+commands per acquire are the server's command count (INFO commandstats) less the calls
+made inside scripts; "server µs" is the server's own time per script call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import _servers
+import redis
+
+from celery_redlock import Lock
+from celery_redlock.core.backend_types import Rule
+from celery_redlock.core.keys import lock_keys, permit_keys, rate_key
+from celery_redlock.core.renewal import shutdown as stop_renewal
+
+#: One cycle: acquire (timed, returns the ns it took), then release.
+Cycle = Callable[[int], int]
+
+
+def _rules() -> list[Rule]:
+    limit = permit_keys("bench:all")
+    rate = lock_keys("bench:p:acme")
+    return [
+        Rule(
+            limit.name,
+            limit.lock,
+            limit.fence,
+            limit.control,
+            limit=1000,
+            notify=limit.notify,
+            waiting=limit.waiting,
+            released=limit.released,
+        ),
+        Rule(rate.name, rate_key("bench:p:acme"), "", rate.control, interval_us=1, burst=10**6),
+    ]
+
+
+def _lock_cycle(client: redis.Redis, flow: str) -> Cycle:
+    rules = _rules()
+
+    def cycle(i: int) -> int:
+        lock = Lock(client, f"bench:flow:{flow}:{i}", ttl=30, auto_renew=False)
+        if flow == "controlled":
+            lock.hold_with((), controlled=True)
+        elif flow == "three":
+            lock.hold_with(rules)
+        clock = time.perf_counter_ns
+        start = clock()
+        got = lock.acquire(blocking=False)
+        took = clock() - start
+        if not got:
+            raise RuntimeError(f"{flow}: acquire refused ({lock.refused_by} {lock.refusal})")
+        lock.release()
+        return took
+
+    return cycle
+
+
+def _floor_cycle(client: redis.Redis) -> Cycle:
+    def cycle(i: int) -> int:
+        key = f"bench:floor:{i}"
+        clock = time.perf_counter_ns
+        start = clock()
+        got = client.set(key, "token", nx=True, px=30_000)
+        took = clock() - start
+        if not got:
+            raise RuntimeError("floor: SET NX refused")
+        client.delete(key)
+        return took
+
+    return cycle
+
+
+VARIANTS: list[tuple[str, Callable[[redis.Redis], Cycle]]] = [
+    ("Lock", lambda c: _lock_cycle(c, "plain")),
+    ("Lock, controlled (a LockedTask run)", lambda c: _lock_cycle(c, "controlled")),
+    ("Lock + Limit + Rate (three holds)", lambda c: _lock_cycle(c, "three")),
+    ("floor: SET NX PX", _floor_cycle),
+]
+
+
+def _stats(admin: redis.Redis) -> dict[str, Any]:
+    return {k: dict(v) for k, v in admin.info("commandstats").items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cycles", type=int, default=5000)
+    parser.add_argument("--blocks", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=500)
+    args = parser.parse_args()
+    with _servers.running() as server:
+        client, admin = server.client(), server.client()
+        made = [(label, make(client)) for label, make in VARIANTS]
+        serial = 0
+        for _, cycle in made:
+            for _ in range(args.warmup):
+                serial += 1
+                cycle(serial)
+        samples: dict[str, list[int]] = {label: [] for label, _ in made}
+        sent: dict[str, int] = dict.fromkeys(samples, 0)
+        server_us: dict[str, list[float]] = {label: [] for label in samples}
+        per_block = max(1, args.cycles // args.blocks)
+        gc.disable()
+        try:
+            for block in range(args.blocks):
+                order = made[block % len(made) :] + made[: block % len(made)]
+                for label, cycle in order:
+                    admin.config_resetstat()
+                    for _ in range(per_block):
+                        serial += 1
+                        samples[label].append(cycle(serial))
+                    stats = _stats(admin)
+                    scripts = stats.get("cmdstat_evalsha", {})
+                    # Ours: the scripts (the calls inside them are not sent by a client);
+                    # the floor: its SET and DEL.
+                    calls = int(scripts.get("calls", 0))
+                    if not calls:
+                        by_hand = ("cmdstat_set", "cmdstat_del")
+                        calls = sum(int(stats.get(c, {}).get("calls", 0)) for c in by_hand)
+                    sent[label] += calls
+                    if scripts:
+                        server_us[label].append(float(scripts["usec_per_call"]))
+        finally:
+            gc.enable()
+        base = statistics.median(samples["Lock"])
+        print(f"redis-server {server.version()}, {args.cycles} acquires each, {args.blocks} blocks")
+        print(f"{'acquire':40} {'p50 µs':>8} {'p99 µs':>8} {'vs Lock':>8} {'trips':>6} "
+              f"{'server µs/script':>17}")  # fmt: skip
+        for label, values in samples.items():
+            values.sort()
+            p50 = statistics.median(values)
+            p99 = values[int(len(values) * 0.99) - 1]
+            per = sent[label] / len(values)
+            inside = statistics.median(server_us[label]) if server_us[label] else float("nan")
+            print(
+                f"{label:40} {p50 / 1000:8.1f} {p99 / 1000:8.1f} {p50 / base:7.2f}x "
+                f"{per:6.2f} {inside:17.2f}"
+            )
+        print("trips: commands a client sent per cycle, acquire and release (one each way)")
+        stop_renewal()
+
+
+if __name__ == "__main__":
+    main()
