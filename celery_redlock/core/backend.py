@@ -97,6 +97,8 @@ _WORDS: dict[type, str] = {}
 _HAS: dict[tuple[type, type], bool] = {}
 #: Each capability's members: the names a backend must have to implement it.
 _MEMBERS: dict[type, tuple[str, ...]] = {}
+#: The capabilities one backend of a type that implements them may still decline.
+_DECLINABLE: set[type] = set()
 
 
 def capability(words: str) -> Callable[[_T], _T]:
@@ -147,11 +149,16 @@ def lacks(backend: Any, what: type) -> str:
 
 
 def has(backend: Any, what: type) -> bool:
-    """True when *backend* implements capability *what* (checked once per type)."""
+    """True when *backend* implements capability *what* (checked once per type), unless
+    this one declines it (``declines(what)``: a Redis Cluster declines what one script
+    on one node cannot do; its ``why_not`` says why)."""
     key = (type(backend), what)
     found = _HAS.get(key)
     if found is None:
         found = _HAS[key] = _implements(backend, what)
+    if found and what in _DECLINABLE:
+        declines = getattr(backend, "declines", None)
+        return not (callable(declines) and declines(what))
     return found
 
 
@@ -342,7 +349,7 @@ class Rates(Protocol):
 
 
 @capability("flow control (lock_limits, and pauses and limits set by an operator)")
-class FlowControl(Protocol):
+class FlowControl(Protocol):  # declinable: see the line after the class
     """A slot with rules or under operator control (:attr:`Slot.flow
     <celery_redlock.core.backend_types.Slot.flow>`) is taken in one step: the controls of
     its name and of each rule are read, every rule is checked, and only when all admit
@@ -360,6 +367,9 @@ class FlowControl(Protocol):
     def controls(self, prefix: str, pattern: str = "*") -> list[Control]:
         """Every control in force under *prefix* whose name matches *pattern*."""
         ...
+
+
+_DECLINABLE.add(FlowControl)
 
 
 @capability("records beside a lock (LockRecords: beat's ticks)")

@@ -168,12 +168,6 @@ class Lock(Lease):
         no rules (ConfigError) and reads no controls."""
         if rules:
             need(self.backend, FlowControl)
-            if getattr(self.backend, "cluster", False):
-                raise ConfigError(
-                    f"lock {self.name!r}: lock_limits are not available on a Redis Cluster "
-                    "(the holds of a run are taken in one script, on one node); use one "
-                    "Redis or a Sentinel-managed master"
-                )
         controlled = controlled and has(self.backend, FlowControl)
         self.slot = dataclasses.replace(self.slot, rules=tuple(rules), controlled=controlled)
 

@@ -4,8 +4,9 @@ slot with rules or under operator control is taken by ``hold_all.lua`` and given
 arguments, and do the same for its rules, in one step; the controls are written by
 ``control.lua`` and read with ``SCAN``.
 
-On a Redis Cluster, a script touches one slot: a slot with rules on other names is
-refused when it is built (:meth:`RedisFlow.why_not`), unless every name shares a hash tag.
+A Redis Cluster runs a script on one node: it declines FlowControl
+(:meth:`RedisFlow.declines`, and :meth:`RedisFlow.why_not` says why), so a worker whose
+tasks set ``lock_limits`` there stops at start-up, and its runs read no controls.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..backend import FlowControl
 from ..backend_types import (
     RECENT_BYTES,
     Control,
@@ -32,7 +34,21 @@ __all__ = ["RedisFlow", "flow_grant", "rule_renewals"]
 
 
 class RedisFlow(RedisCalls):
-    """FlowControl on one Redis."""
+    """FlowControl on one Redis (a Cluster declines it)."""
+
+    def declines(self, capability: type) -> bool:
+        """A Redis Cluster declines FlowControl: a run's holds on several names are one
+        script, which runs on one node."""
+        return self.cluster and capability is FlowControl
+
+    def why_not(self, capability: type) -> str:
+        """Why this backend lacks *capability* (the reason in :func:`~..backend.lacks`)."""
+        if self.cluster and capability is FlowControl:
+            return (
+                "a Redis Cluster runs a script on one node, and a run's holds on several "
+                "names are one script; use one Redis or a Sentinel-managed master"
+            )
+        return ""
 
     def _hold_all(self, slot: Slot, names: list[str], args: list[Any]) -> Any:
         """``hold_all.lua``: the slot's own acquire script (*names*, *args*) with its controls
