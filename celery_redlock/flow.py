@@ -38,7 +38,8 @@ def rules_for(
         what = f"lock_limits key {rule.key!r}"
         name = render_key(task, rule.template, args, kwargs, options, what=what)
         if isinstance(rule, Limit):
-            keys = permit_keys(name, prefix)
+            # A Limit of one is the mutex of its name, as Semaphore(limit=1) is.
+            keys = lock_keys(name, prefix) if rule.limit == 1 else permit_keys(name, prefix)
             out.append(
                 Rule(
                     keys.name,

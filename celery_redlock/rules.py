@@ -149,12 +149,13 @@ class BackOff(Exception):
             raise TypeError(f"BackOff(key=...): a key name, got {key!r}")
         self.seconds = float(seconds)
         self.key = key
-        self.reason = reason or f"back-off for {self.seconds:g}s"
-        super().__init__(self.seconds, key, self.reason)
+        self.reason = reason
+        super().__init__(self.seconds, key, reason)
 
     def __str__(self) -> str:
         where = f" on {self.key!r}" if self.key else ""
-        return f"back-off{where} for {self.seconds:g}s ({self.reason})"
+        why = f" ({self.reason})" if self.reason else ""
+        return f"back-off{where} for {self.seconds:g}s{why}"
 
     @classmethod
     def from_header(

@@ -476,11 +476,11 @@ def back_off(
     if key is None:
         key = lock.name if lock is not None else lock_name_for(task, args, kwargs, None, options)
     task_id = getattr(request, "id", None)
+    why = exc.reason or "BackOff raised"
     if exc.seconds > 0:
-        reason = f"{exc.reason}; from task {task.name}[{task_id}]"
-        control(task.app).pause(key, exc.seconds, reason=reason)
+        control(task.app).pause(key, exc.seconds, reason=f"{why} in {task.name}[{task_id}]")
     log.warning("Task %s[%s] backs off: %r paused for %gs (%s)", task.name, task_id, key,
-                exc.seconds, exc.reason)  # fmt: skip
+                exc.seconds, why)  # fmt: skip
     if task_id is None or getattr(request, "is_eager", False):
         raise exc
     requeue(task, request, key, exc, options, delay=known_delay(options, exc.seconds))

@@ -112,13 +112,15 @@ _WORDS = {
 class Rule:
     """One more hold that an acquisition takes with its slot, in the same step, all or
     nothing (a task's ``lock_limits``): a permit of ``limit`` (a ``Limit``: renewed and
-    released with the slot, fenced by its name's counter) or ``cost`` units of a GCRA
-    rate (a ``Rate``: taken, never given back). Each rule's operator controls are read
-    with it (see :class:`~celery_redlock.core.backend.FlowControl`)."""
+    released with the slot, fenced by its name's counter; a Limit of one is the mutex of
+    its name) or ``cost`` units of a GCRA rate (a ``Rate``: taken, never given back).
+    Each rule's operator controls are read with it (see
+    :class:`~celery_redlock.core.backend.FlowControl`)."""
 
     #: The rule's rendered name (``partner:acme``).
     name: str
-    #: A Limit's permits hash, or a Rate's state (the key a ``RateLimiter`` of the name uses).
+    #: A Limit's permits hash (a Limit of one: the lock hash of its name), or a Rate's
+    #: state (the key a ``RateLimiter`` of the name uses).
     key: str
     #: A Limit's fence counter ("" for a Rate).
     fence: str
@@ -142,8 +144,15 @@ class Rule:
         return self.limit == 0
 
     @property
-    def permit_keys(self) -> LockKeys:
-        """A Limit's keys, as :func:`~.keys.permit_keys` of its name gives them."""
+    def is_mutex(self) -> bool:
+        """True for a Limit of one: the mutex of its name (as ``Semaphore(limit=1)`` is),
+        held where a ``lock_key`` of that name holds it."""
+        return self.limit == 1
+
+    @property
+    def keys(self) -> LockKeys:
+        """A Limit's keys: :func:`~.keys.permit_keys` of its name, or for a Limit of one
+        :func:`~.keys.lock_keys`."""
         return LockKeys(
             name=self.name,
             lock=self.key,

@@ -52,6 +52,8 @@ log_acquire = logging.getLogger("celery_redlock.acquire")
 log_release = logging.getLogger("celery_redlock.release")
 
 TOKEN_BYTES = 20  # 160 random bits per acquisition
+#: How often a blocking acquire refused by a rule with no known wait tries again (s).
+_RULE_POLL = 0.2
 _HOSTNAME = socket.gethostname()
 #: The fields of a holder record that the lock writes itself (owner_info may override).
 _RECORD_OWN = frozenset(("hostname", "pid", "acquired_at"))
@@ -269,6 +271,10 @@ class Lock(Lease):
                 self._event("contended", holder=self.holder, waited=now - begin)
                 return False
             wait = self.ttl if not grant.wait_ms or grant.wait_ms < 0 else grant.wait_ms / 1000
+            if grant.refused_by and grant.wait_ms is None:
+                # A rule's permit frees when its holder ends, with no notice to this name's
+                # waiters: look again a few times a second.
+                wait = min(wait, _RULE_POLL)
             if left is not None:
                 wait = min(wait, left)
             self.backend.wait(self.slot, max(wait, 0.001), grant)

@@ -2,7 +2,7 @@
 and of operators pausing and changing limits, checked step by step against a small
 reference model, on memory and on Redis.
 
-Four lock objects stand for four runs (``auto_renew=False``, a 60 s lease: nothing expires
+Five lock objects stand for five runs (``auto_renew=False``, a 60 s lease: nothing expires
 under the model). Each takes its own key and rules, all or nothing:
 
 ====== ========= =============================================
@@ -12,9 +12,12 @@ object primary   rules
 1      ``p1``    ``Limit("L", 2)``
 2      ``p2``    ``Limit("M", 1)``, ``Rate("R", burst 2)``
 3      ``p0``    ``Limit("L", 2)``, ``Rate("R", burst 2)``
+4      ``M``     ``Limit("p1", 1)``
 ====== ========= =============================================
 
-The Rate refills once an hour, so it grants two units in the whole test. Operators pause
+A Limit of one is the mutex of its name, the one a run whose own key is that name takes:
+objects 0, 2 and 4 exclude each other on ``M``, 1 and 4 on ``p1``. The Rate refills once
+an hour, so it grants two units in the whole test. Operators pause
 and resume any of the names, and set or unset ``L``'s limit. The model predicts each
 acquire (taken, or refused because a name is paused, the primary is held, a Limit is
 full, the Rate is spent); a refusal must leave every hold as it was (no permit taken, no
@@ -46,6 +49,7 @@ RUNS: list[tuple[str, dict[str, int], bool]] = [
     ("p1", {"L": 2}, False),
     ("p2", {"M": 1}, True),
     ("p0", {"L": 2}, True),
+    ("M", {"p1": 1}, False),
 ]
 NAMES = st.sampled_from(["p0", "p1", "p2", "L", "M", "R"])
 OBJECTS = st.integers(min_value=0, max_value=len(RUNS) - 1)
@@ -69,9 +73,10 @@ class FlowModel(RuleBasedStateMachine):
             self.client = self.server.client()
             self.store = RedisBackend.of(self.client)
         self.locks = [self._lock(i) for i in range(len(RUNS))]
-        #: the model: who holds each Limit, each primary; paused names; L's override
-        self.limit_holders: dict[str, set[int]] = {"L": set(), "M": set()}
-        self.primary: dict[str, int | None] = {"p0": None, "p1": None, "p2": None}
+        #: the model: who holds L's permits, and each mutex (a primary, a Limit of one);
+        #: paused names; L's override
+        self.limit_holders: dict[str, set[int]] = {"L": set()}
+        self.mutex: dict[str, int | None] = dict.fromkeys(("p0", "p1", "p2", "M"))
         self.paused: set[str] = set()
         self.override: int | None = None
         self.units = 0  # of R taken
@@ -81,7 +86,7 @@ class FlowModel(RuleBasedStateMachine):
         _, limits, rated = RUNS[i]
         out = []
         for name, limit in limits.items():
-            k = permit_keys(name, self.prefix)
+            k = lock_keys(name, self.prefix) if limit == 1 else permit_keys(name, self.prefix)
             out.append(
                 Rule(k.name, k.lock, k.fence, k.control, limit=limit, notify=k.notify,
                      waiting=k.waiting, released=k.released)
@@ -116,11 +121,17 @@ class FlowModel(RuleBasedStateMachine):
         reasons = set()
         if names & self.paused:
             reasons.add("paused")
-        if any(len(self.limit_holders[n]) >= self._limit_of(n, lim) for n, lim in limits.items()):
-            reasons.add("limit")
+        for n, lim in limits.items():
+            taken = (
+                self.mutex[n] is not None
+                if lim == 1
+                else len(self.limit_holders[n]) >= self._limit_of(n, lim)
+            )
+            if taken:
+                reasons.add("limit")
         if rated and self.units >= 2:
             reasons.add("rate")
-        if not reasons and self.primary[primary] is not None:
+        if not reasons and self.mutex[primary] is not None:
             reasons.add("held")
         return reasons
 
@@ -134,9 +145,12 @@ class FlowModel(RuleBasedStateMachine):
         assert got is (not expected), (i, expected, self.locks[i].refusal)
         if got:
             primary, limits, rated = RUNS[i]
-            self.primary[primary] = i
-            for name in limits:
-                self.limit_holders[name].add(i)
+            self.mutex[primary] = i
+            for name, lim in limits.items():
+                if lim == 1:
+                    self.mutex[name] = i
+                else:
+                    self.limit_holders[name].add(i)
             self.units += 1 if rated else 0
             self.holding[i] = True
             fences = self.locks[i].fences
@@ -152,9 +166,12 @@ class FlowModel(RuleBasedStateMachine):
             return
         self.locks[i].release()
         primary, limits, _ = RUNS[i]
-        self.primary[primary] = None
-        for name in limits:
-            self.limit_holders[name].discard(i)
+        self.mutex[primary] = None
+        for name, lim in limits.items():
+            if lim == 1:
+                self.mutex[name] = None
+            else:
+                self.limit_holders[name].discard(i)
         self.holding[i] = False
 
     @rule(name=NAMES)
@@ -184,7 +201,7 @@ class FlowModel(RuleBasedStateMachine):
             tokens = {h.token for h in self.store.holders(slot)}
             mine = {self.locks[i].token for i in holders}
             assert tokens == mine, (name, len(tokens), len(mine))
-        for name, holder in self.primary.items():
+        for name, holder in self.mutex.items():
             found = self.store.holders(Slot(lock_keys(name, self.prefix)))
             expect = [] if holder is None else [self.locks[holder].token]
             assert [h.token for h in found] == expect, name

@@ -140,11 +140,16 @@ class MemoryBackend(MemoryFlow):
         self, slot: Slot, take: Callable[[], Grant], token: str, ttl_ms: int, record: str,
         fence_ttl_ms: int
     ) -> Grant:  # fmt: skip
-        def rule_take(rule: Rule) -> int:
-            permit = Slot(rule.permit_keys, rule.limit)
-            grant = self._acquire_permit(
-                permit, token, ttl_ms, record, wait=False, fence=fence_ttl_ms
-            )
+        def rule_take(rule: Rule, limit: int) -> int:
+            if rule.is_mutex:
+                grant = self._acquire(
+                    Slot(rule.keys), token, ttl_ms, record, False, fence_ttl_ms, None
+                )
+            else:
+                grant = self._acquire_permit(
+                    Slot(rule.keys, limit), token, ttl_ms, record, wait=False,
+                    fence=fence_ttl_ms,
+                )  # fmt: skip
             return grant.fence or 0
 
         return self._flow_acquire(slot, token, take, rule_take)

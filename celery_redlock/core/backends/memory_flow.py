@@ -6,7 +6,6 @@ at its clock)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +23,18 @@ TakeSlot = Callable[[], Grant]
 
 
 class MemoryFlow(MemoryStore):
-    """FlowControl in this process."""
+    """FlowControl in this process: the steps :class:`~.memory.MemoryBackend` runs for a
+    slot with rules or controls, on its own lock verbs' steps."""
+
+    def _release(
+        self, slot: Slot, token: str, notice_ms: int, done: tuple[str, int] | None
+    ) -> Status:
+        """release.lua / permit_release.lua (the memory backend's)."""
+        raise NotImplementedError
+
+    def _extend(self, slot: Slot, token: str, ms: int, replace: bool) -> int | Status:
+        """extend.lua / permit_extend.lua (the memory backend's)."""
+        raise NotImplementedError
 
     def _controls(self, key: str) -> dict[str, tuple[float, str]]:
         """The controls in force at *key*: kind -> (until: store ms, 0 none; value)."""
@@ -37,13 +47,13 @@ class MemoryFlow(MemoryStore):
         return found
 
     def _flow_acquire(
-        self, slot: Slot, token: str, take: TakeSlot, rule_take: Callable[[Rule], int]
+        self, slot: Slot, token: str, take: TakeSlot, rule_take: Callable[[Rule, int], int]
     ) -> Grant:
-        """hold_all.lua: *take* takes the slot for *token*, *rule_take* one Limit's permit
-        (its fence). A re-sent copy (the slot already *token*'s) is not refused and takes
-        no Rate unit again."""
-        held: dict[str, str] = self.get(slot.keys.lock, "hash") or {}
-        resent = token in held if slot.permits else held.get("token") == token
+        """hold_all.lua: *take* takes the slot for *token*, *rule_take* one Limit (its
+        permit of that many, or its mutex) and gives its fence. A re-sent copy (the slot
+        already *token*'s) is not refused and takes no Rate unit again."""
+        mine: dict[str, str] = self.get(slot.keys.lock, "hash") or {}
+        resent = token in mine if slot.permits else mine.get("token") == token
         refusals: list[tuple[str, float, str, str]] = []
 
         def paused(controls: dict[str, tuple[float, str]], name: str) -> None:
@@ -58,11 +68,17 @@ class MemoryFlow(MemoryStore):
         for rule in slot.rules:
             controls = self._controls(rule.control)
             paused(controls, rule.name)
+            if rule.is_mutex:  # the lock of its name; a permit frees when its holder ends
+                held: dict[str, str] = self.get(rule.key, "hash") or {}
+                if held.get("token") not in (None, token):
+                    refusals.append((rule.name, -1.0, "limit", held.get("info") or ""))
+                plan.append((rule, 1, 0, 0))
+                continue
             if not rule.is_rate:
                 limit = int(controls["limit"][1]) if "limit" in controls else rule.limit
                 live = self.live_permits(rule.key)
                 if len(live) >= limit:
-                    refusals.append((rule.name, float(live[0][0]), "limit", live[0][3]))
+                    refusals.append((rule.name, -1.0, "limit", live[0][3]))
                 plan.append((rule, limit, 0, 0))
                 continue
             interval, burst = rule.interval_us, rule.burst
@@ -103,7 +119,7 @@ class MemoryFlow(MemoryStore):
         fences: list[int] = []
         for rule, size, burst, was in plan:
             if not rule.is_rate:
-                fences.append(rule_take(dataclasses.replace(rule, limit=size)))
+                fences.append(rule_take(rule, size))
                 continue
             if resent:
                 fences.append(0)
@@ -157,6 +173,9 @@ class MemoryFlow(MemoryStore):
         """release_all.lua's rule part: each Limit's permit held by *token* given back."""
         out = []
         for rule in slot.held_rules:
+            if rule.is_mutex:
+                out.append(self._release(Slot(rule.keys), token, notice_ms, None))
+                continue
             permits: dict[str, str] = self.get(rule.key, "hash") or {}
             value = permits.pop(token, None)
             if value is None:
@@ -166,7 +185,7 @@ class MemoryFlow(MemoryStore):
             live = parse_permit(value)[0] > self.now
             if live:
                 self.remember(rule.released, token, notice_ms)
-            self.notice(rule.permit_keys, rule.limit, notice_ms)
+            self.notice(rule.keys, rule.limit, notice_ms)
             out.append(Status.OK if live else Status.GONE)
         return out
 
@@ -174,6 +193,10 @@ class MemoryFlow(MemoryStore):
         """Each Limit's permit held by *token* set to *ms* (extend_items.lua)."""
         out = []
         for rule in slot.held_rules:
+            if rule.is_mutex:
+                found = self._extend(Slot(rule.keys), token, ms, True)
+                out.append(found if isinstance(found, Status) else Status.OK)
+                continue
             permits: dict[str, str] = self.get(rule.key, "hash") or {}
             value = permits.get(token)
             expires, fence, record = parse_permit(value) if value else (0, None, "")

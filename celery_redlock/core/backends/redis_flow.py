@@ -57,7 +57,7 @@ class RedisFlow(RedisCalls):
         argv: list[Any] = [len(names), "permit" if slot.permits else "lock", len(args), *args]
         for rule in slot.rules:
             keys += [rule.key, rule.fence or rule.key, rule.control]
-            kind = "rate" if rule.is_rate else "limit"
+            kind = "rate" if rule.is_rate else "mutex" if rule.is_mutex else "limit"
             size = rule.interval_us if rule.is_rate else rule.limit
             argv += [kind, size, rule.burst, rule.cost, rule.name]
         return self._run(HOLD_ALL, keys, argv)
@@ -68,13 +68,13 @@ class RedisFlow(RedisCalls):
         argv: list[Any] = [len(names), "permit" if slot.permits else "lock", len(args), *args]
         for rule in slot.held_rules:
             keys += [rule.key, rule.notify, rule.waiting, rule.released]
-            argv += [rule.limit, RECENT_BYTES]
+            argv += ["mutex" if rule.is_mutex else "limit", rule.limit, RECENT_BYTES]
         codes = [Status.of(code) for code in self._run(RELEASE_ALL, keys, argv)]
         return Status.first_failure(codes)
 
     def _extend_rules(self, slot: Slot, token: str, ms: int) -> Status:
         """Set the lease of *slot*'s Limits held by *token* to *ms*, in one script."""
-        items = [Renewal(Slot(r.permit_keys, r.limit), token, ms) for r in slot.held_rules]
+        items = [Renewal(Slot(r.keys, r.limit), token, ms) for r in slot.held_rules]
         return (
             Status.first_failure(extend_many(self.client, items, self._pool))
             if items
@@ -148,6 +148,6 @@ def rule_renewals(items: Sequence[Renewal]) -> tuple[list[Renewal], list[list[in
         flat.append(item)
         for rule in item.slot.held_rules:
             own.append(len(flat))
-            flat.append(Renewal(Slot(rule.permit_keys, rule.limit), item.token, item.ms))
+            flat.append(Renewal(Slot(rule.keys, rule.limit), item.token, item.ms))
         where.append(own)
     return flat, where

@@ -8,17 +8,18 @@
 --                fields 'pause' (value: the reason), 'limit' (the permits of a
 --                semaphore) and 'rate' ('<interval us>|<burst, 0: the rule's own>|<as
 --                written>'); a lapsed field counts as absent
--- then three keys per rule: a Limit's permits hash (as permit_acquire.lua's) or a Rate's
---                state (as rate.lua's), the Limit's fence counter (the Rate's state again),
---                the rule's control hash
+-- then three keys per rule: a Limit's permits hash (as permit_acquire.lua's; a Limit of
+--                one: the lock hash of its name, as acquire.lua's) or a Rate's state (as
+--                rate.lua's), the Limit's fence counter (the Rate's state again), the
+--                rule's control hash
 -- ARGV[1]  n: how many keys the primary takes
 -- ARGV[2]  'lock' or 'permit': which script takes the primary
 -- ARGV[3]  m: how many arguments the primary takes, ARGV[4 .. 3 + m]: token, lease ms,
 --          record, wait, fence ttl (as acquire.lua), then its limit (a permit) or its
 --          hand-over (a lock); a Limit rule's permit uses the same token, lease, record
 --          and fence ttl
--- then five per rule: 'limit' or 'rate', the limit or the interval in us, the burst,
---          the cost (units of a Rate), the rule's name
+-- then five per rule: 'limit', 'mutex' (a Limit of one) or 'rate', the limit or the
+--          interval in us, the burst, the cost (units of a Rate), the rule's name
 -- Returns  {1, fence, f1, ..., fk}   taken: the primary's fence, then each rule's (0 for a
 --                                     Rate); a re-sent copy finds its own token and
 --                                     reports the same fences (a Rate's units are taken
@@ -27,8 +28,10 @@
 --          {-2, name, wait ms, why, detail}  refused by a control or a rule, nothing
 --                                     taken: why 'paused' (detail: the reason), 'limit'
 --                                     (detail: the record of its permit that expires
---                                     first) or 'rate'; the wait is the longest known one
---                                     of every refusal (-1: none known, a pause with no end)
+--                                     first, or of its holder) or 'rate'; the wait is the
+--                                     longest known one of every refusal: a pause's end,
+--                                     a rate's slot (-1: none known, such as a Limit's,
+--                                     which frees when a holder ends)
 --          {-3, name, cost, most}     a Rate rule asked for more units than it can grant
 --                                     at once (its burst): nothing taken
 -- The server's clock, read once and only when a control or a rule needs it: a slot
@@ -118,8 +121,14 @@ while ARGV[base + 1] do
         end
       end
       if live >= rule.a then
-        refuse(rule.name, first - now_ms, 'limit', record)
+        -- A permit frees when its holder ends, which its lease does not tell.
+        refuse(rule.name, -1, 'limit', record)
       end
+    end
+  elseif rule.kind == 'mutex' then
+    local cur = redis.call('HMGET', rule.key, 'token', 'info')
+    if cur[1] and cur[1] ~= pa[1] then
+      refuse(rule.name, -1, 'limit', cur[2] or '')
     end
   else
     if c['rate'] then
@@ -177,6 +186,9 @@ for i = 1, r do
   local rule = rules[i]
   if rule.kind == 'limit' then
     local taken = take_permit({rule.key, rule.fence}, {pa[1], pa[2], pa[3], '0', pa[5], rule.a})
+    out[#out + 1] = taken[2]
+  elseif rule.kind == 'mutex' then
+    local taken = take_lock({rule.key, rule.fence}, {pa[1], pa[2], pa[3], '0', pa[5]})
     out[#out + 1] = taken[2]
   elseif resent then
     out[#out + 1] = 0

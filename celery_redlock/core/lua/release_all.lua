@@ -4,14 +4,15 @@
 -- and give_permit(KEYS, ARGV).
 -- KEYS[1 .. n]   the primary's keys, as release.lua (a mutex) or permit_release.lua (a
 --                semaphore) takes them; n = ARGV[1]
--- then four keys per Limit rule, as permit_release.lua takes them: its permits, notify
---                list, waiter mark and released tokens
+-- then four keys per Limit rule, as permit_release.lua (a Limit of one: release.lua)
+--                takes them: its permits (its lock), notify list, waiter mark and
+--                released tokens
 -- ARGV[1]  n: how many keys the primary takes
 -- ARGV[2]  'lock' or 'permit': which script gives the primary back
 -- ARGV[3]  m: how many arguments the primary takes, ARGV[4 .. 3 + m] (token, notice ms,
 --          then as its script takes them)
--- then two per Limit rule: its limit (the most notices its list keeps) and the most bytes
---          of released tokens kept (as permit_release.lua)
+-- then three per Limit rule: 'limit' or 'mutex' (a Limit of one), its limit (the most
+--          notices its list keeps) and the most bytes of released tokens kept
 -- Returns  {primary code, code of each rule}: the codes release.lua and permit_release.lua
 --          return. Every hold is given back whatever the others answer.
 local n = tonumber(ARGV[1])
@@ -26,11 +27,15 @@ else
   out[1] = give_lock(pk, pa)
 end
 local r = 0
-while ARGV[3 + m + 2 * r + 1] do
+while ARGV[3 + m + 3 * r + 1] do
   local k = n + 4 * r
-  local a = 3 + m + 2 * r
-  out[r + 2] = give_permit(
-    {KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]}, {pa[1], pa[2], ARGV[a + 1], ARGV[a + 2]})
+  local a = 3 + m + 3 * r
+  local keys = {KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]}
+  if ARGV[a + 1] == 'mutex' then
+    out[r + 2] = give_lock(keys, {pa[1], pa[2], ARGV[a + 3]})
+  else
+    out[r + 2] = give_permit(keys, {pa[1], pa[2], ARGV[a + 2], ARGV[a + 3]})
+  end
   r = r + 1
 end
 return out
