@@ -222,8 +222,8 @@ def retry(refusal: Refusal) -> NoReturn:
     lock = refusal.lock
     held = held_back(lock)
     if held is not None:
-        # The longest known wait (a pause's end, a rate's slot, a permit's lease), plus
-        # jitter; none known (a pause with no end): the backoff.
+        # The longest known wait (a pause's end, a rate's slot), plus jitter; none known
+        # (a full Limit frees when a holder ends; a pause with no end): the backoff.
         wait = None if held.ttl_ms is None else held.ttl_ms / 1000
         requeue(
             refusal.task,
