@@ -427,7 +427,15 @@ def _controls(session: _Session) -> Controls:
     """The controls of the session's one Redis (usage error on a Redlock quorum, which
     keeps none)."""
     backend = session.clients[0][1]
-    if session.is_redlock or not has(backend, FlowControl):
+    if session.is_redlock:
+        raise CeleryCommandException(
+            f"flow control is not available on a Redlock quorum (redlock_url lists "
+            f"{len(session.clients)} masters): pauses and limits taken all or nothing with "
+            "a run's holds could not be one step on a majority of masters; use one Redis "
+            "(a plain server or a Sentinel-managed master) for tasks that need them",
+            EXIT_USAGE,
+        )
+    if not has(backend, FlowControl):
         raise CeleryCommandException(lacks(backend, FlowControl), EXIT_USAGE)
     return Controls(session.ctx.obj.app, backend=backend, prefix=session.prefix)
 
@@ -542,12 +550,13 @@ def set_(  # noqa: PLR0917 - one parameter per option
         raise CeleryCommandException("--burst goes with --rate", EXIT_USAGE)
     session = _Session(ctx)
     seconds = _duration(for_)
+    _control_call(
+        session, lambda c: c.override(key, limit=limit, rate=rate, burst=burst, seconds=seconds)
+    )
     span = f" for {for_}" if for_ else " until unset"
     if limit is not None:
-        _control_call(session, lambda c: c.set_limit(key, limit, seconds))
         click.echo(f"{key!r}: limit {limit}{span}")
     if rate is not None:
-        _control_call(session, lambda c: c.set_rate(key, rate, burst, seconds))
         more = f", burst {burst}" if burst else ""
         click.echo(f"{key!r}: rate {rate}{more}{span}")
 

@@ -91,23 +91,39 @@ class Controls:
 
     def set_limit(self, key: str, limit: int, seconds: float | None = None) -> None:
         """Runs at once of semaphore *key* (a ``Limit`` rule or a ``lock_limit``)."""
-        if not _whole(limit):
-            raise ConfigError(
-                f"limit must be a whole number >= 1 (runs at once), got {limit!r}; pause the "
-                "key to admit none"
-            )
-        self._set(key, "limit", str(limit), seconds)
+        self.override(key, limit=limit, seconds=seconds)
 
     def set_rate(
         self, key: str, rate: str, burst: int | None = None, seconds: float | None = None
     ) -> None:
         """The rate of a ``Rate`` rule on *key* (``"100/m"``), and its burst (None: the
         rule's own)."""
-        grants, period, text = parse_rate(rate)
-        if burst is not None and not _whole(burst):
-            raise ConfigError(f"burst must be a whole number >= 1, got {burst!r}")
-        interval = max(1, round(period * 1e6 / grants))
-        self._set(key, "rate", f"{interval}|{burst or 0}|{text}", seconds)
+        self.override(key, rate=rate, burst=burst, seconds=seconds)
+
+    def override(
+        self,
+        key: str,
+        *,
+        limit: int | None = None,
+        rate: str | None = None,
+        burst: int | None = None,
+        seconds: float | None = None,
+    ) -> None:
+        """Set *key*'s limit and/or rate (and burst) at once: every value is checked
+        before anything is written, so a bad one changes nothing."""
+        values: list[tuple[str, str]] = []
+        if limit is not None:
+            values.append(("limit", _limit_value(limit)))
+        if rate is not None:
+            values.append(("rate", _rate_value(rate, burst)))
+        elif burst is not None:
+            raise ConfigError("burst goes with a rate (set_rate, or --rate)")
+        if not values:
+            raise ConfigError("give a limit or a rate (or both)")
+        _ms(seconds)
+        self._key(key)
+        for kind, value in values:
+            self._set(key, kind, value, seconds)
 
     def unset(self, key: str) -> bool:
         """Lift *key*'s limit and rate overrides (not a pause); False when there were none."""
@@ -117,6 +133,24 @@ class Controls:
     def overrides(self, pattern: str = "*") -> list[Control]:
         """Every pause and override in force whose key matches the glob *pattern*."""
         return self._backend().controls(self.prefix, pattern)
+
+
+def _limit_value(limit: Any) -> str:
+    if not _whole(limit):
+        raise ConfigError(
+            f"limit must be a whole number >= 1 (runs at once), got {limit!r}; pause the "
+            "key to admit none"
+        )
+    return str(limit)
+
+
+def _rate_value(rate: Any, burst: Any) -> str:
+    """``"<interval us>|<burst, 0: the rule's own>|<rate as written>"``, as stored."""
+    grants, period, text = parse_rate(rate)
+    if burst is not None and not _whole(burst):
+        raise ConfigError(f"burst must be a whole number >= 1, got {burst!r}")
+    interval = max(1, round(period * 1e6 / grants))
+    return f"{interval}|{burst or 0}|{text}"
 
 
 def _whole(value: Any) -> bool:

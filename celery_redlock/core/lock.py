@@ -236,6 +236,7 @@ class Lock(Lease):
             started = time.monotonic()
             grant = self._attempt(token, record, will_wait)  # raises QuorumUnavailable
             self.masters = dict(grant.masters)
+            self.refused_by, self.refusal = grant.refused_by, grant.refusal
             if grant.acquired:
                 valid_until = started + self.ttl - drift(self.ttl)
                 if time.monotonic() < valid_until:
@@ -253,7 +254,6 @@ class Lock(Lease):
             else:
                 self.holder = dict(grant.holder)
                 self.holder_ttl_ms = grant.holder_ttl_ms
-                self.refused_by, self.refusal = grant.refused_by, grant.refusal
                 if grant.superseded:  # nothing to wait for: another message has its place
                     self._event("superseded", holder=self.holder, waited=time.monotonic() - begin)
                     return False

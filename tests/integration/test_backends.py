@@ -55,8 +55,9 @@ from celery_redlock.core import (
     open_backend,
 )
 from celery_redlock.core.admin import ForceRelease, LockInfo, RateInfo
-from celery_redlock.core.backend_types import RECENT_BYTES
+from celery_redlock.core.backend_types import RECENT_BYTES, Rule
 from celery_redlock.core.backends.memory import MemoryBackend
+from celery_redlock.core.keys import permit_keys, rate_key
 
 #: Every backend the suite runs on; a new backend is done when it passes with its name here.
 BACKENDS = ["memory", "redis", "sentinel", "cluster", "quorum"]
@@ -925,3 +926,505 @@ def test_tricky_names_are_held_side_by_side_and_read_back_as_written(target: Any
                 held.release()
         for hold in holds:
             hold.release("t-queued")
+
+
+# -- flow control ----------------------------------------------------------------------------
+def _limit(name: str, limit: int) -> Rule:
+    """A ``Limit(name, limit)`` rule as a run's lock takes it (``flow.rules_for``): a
+    permit of *name*, or for a Limit of one the mutex of *name*."""
+    keys = lock_keys(name, PREFIX) if limit == 1 else permit_keys(name, PREFIX)
+    return Rule(
+        keys.name, keys.lock, keys.fence, keys.control, limit=limit,
+        notify=keys.notify, waiting=keys.waiting, released=keys.released,
+    )  # fmt: skip
+
+
+def _rate(name: str, interval_us: int, burst: int = 1, cost: int = 1) -> Rule:
+    """A ``Rate`` rule on *name*: a unit per *interval_us*, *burst* at once, *cost* a run."""
+    keys = lock_keys(name, PREFIX)
+    return Rule(
+        keys.name, rate_key(name, PREFIX), "", keys.control,
+        interval_us=interval_us, burst=burst, cost=cost,
+    )  # fmt: skip
+
+
+def _ruled(target: Any, name: str, rules: list[Rule], ttl: float = 10, **options: Any) -> Lock:
+    """A run's lock of *name*: it takes *rules* with it and obeys the operator controls."""
+    options.setdefault("auto_renew", False)
+    lock = Lock(target, name, ttl=ttl, **options)
+    lock.hold_with(rules)
+    return lock
+
+
+def _control(target: Any, name: str, kind: str, value: str | None, ttl_ms: int = 0) -> bool:
+    """Set (or lift: None) control *kind* of *name*, as ``celery locks pause / set`` does."""
+    return open_backend(target).set_control(lock_keys(name, PREFIX).control, kind, value, ttl_ms)
+
+
+def _permits(target: Any, name: str) -> int:
+    """How many holds of *name* (a Limit's permits, or its mutex) there are."""
+    return sum(1 for info in read_lock(target, PREFIX, name) if info.state != "queued")
+
+
+def _free_units(target: Any, name: str) -> int | None:
+    """Units a Rate of *name* grants right now (None: it was never used)."""
+    info = read_rate(target, PREFIX, name)
+    return None if info is None else info.free
+
+
+def _without_flow(target: Any, name: str) -> bool:
+    """True on a backend without flow control (a Redlock quorum; a Redis Cluster, whose
+    scripts run on one node), after asserting that a lock's rules are refused there with a
+    ConfigError naming it, and that a lock asked to obey controls alone still works."""
+    quorum = _quorum(target)
+    if not quorum and not getattr(open_backend(target), "cluster", False):
+        return False
+    lock = Lock(target, name, ttl=10, auto_renew=False)
+    with pytest.raises(ConfigError, match="flow control" if quorum else "flow control|lock_limits"):
+        lock.hold_with([_limit(f"{name}:limit", 2)])
+    lock.hold_with([], controlled=True)
+    assert not (quorum and lock.slot.flow)  # a quorum reads no controls
+    assert lock.acquire(blocking=False)
+    lock.release()
+    return True
+
+
+def test_flow_a_refusal_takes_nothing(target: Any, name: str) -> None:
+    """A run refused by one of its rules, or by its own key's holder, holds nothing: its
+    lock stays free, its other Limits' permits are not taken, its Rates' units are not
+    spent (quorum and cluster: rules refused)."""
+    if _without_flow(target, name):
+        return
+    full, other = _limit(f"{name}:full", 1), _limit(f"{name}:other", 5)
+    rate = _rate(f"{name}:rate", 60_000_000, burst=2)  # 1/m, 2 at once
+    holder = _ruled(target, f"{name}:holder", [full])
+    spender = _ruled(target, f"{name}:spender", [rate])
+    assert holder.acquire(blocking=False) and spender.acquire(blocking=False)
+    spender.release()  # a Rate's unit is spent for good: 1 of 2 left
+    assert _free_units(target, rate.name) == 1
+    run = _ruled(target, name, [full, other, rate])
+    assert run.acquire(blocking=False) is False
+    assert (run.refused_by, run.refusal) == (full.name, "limit")
+    assert not run.locked() and read_lock(target, PREFIX, name) == []
+    assert _permits(target, other.name) == 0
+    assert _free_units(target, rate.name) == 1
+    # Refused by a Rate: the Limit's permit is not taken.
+    second = _ruled(target, f"{name}:second", [other, rate])
+    assert second.acquire(blocking=False)  # the last unit
+    third = _ruled(target, f"{name}:third", [other, rate])
+    assert third.acquire(blocking=False) is False
+    assert (third.refused_by, third.refusal) == (rate.name, "rate")
+    assert third.holder_ttl_ms is not None and 0 < third.holder_ttl_ms <= 60_000
+    assert _permits(target, other.name) == 1 and not third.locked()
+    # Refused by its own key's holder (a plain contention): no rule is taken.
+    squatter = Lock(target, f"{name}:fourth", ttl=10, auto_renew=False)
+    assert squatter.acquire(blocking=False)
+    fourth = _ruled(target, f"{name}:fourth", [other])
+    assert fourth.acquire(blocking=False) is False
+    assert (fourth.refused_by, fourth.refusal) == ("", "")
+    assert _permits(target, other.name) == 1
+    for lock in (squatter, second, holder):
+        lock.release()
+
+
+def test_flow_a_full_limit_refuses_with_its_name_and_its_holder(target: Any, name: str) -> None:
+    """A Limit whose permits are all held refuses the next run: refused_by is the Limit's
+    name, refusal "limit", holder the record of the permit that expires first, and no
+    wait is known (a permit frees when its holder ends); once a permit is given back the
+    run gets in (quorum and cluster: rules refused)."""
+    if _without_flow(target, name):
+        return
+    limit = _limit(f"{name}:imports", 2)
+    first = _ruled(target, f"{name}:1", [limit], ttl=5, owner_info={"task_id": "t-1"})
+    second = _ruled(target, f"{name}:2", [limit], ttl=10, owner_info={"task_id": "t-2"})
+    assert first.acquire(blocking=False) and second.acquire(blocking=False)
+    third = _ruled(target, f"{name}:3", [limit])
+    assert third.acquire(blocking=False) is False
+    assert (third.refused_by, third.refusal) == (limit.name, "limit")
+    assert third.holder.get("task_id") == "t-1"  # its permit expires first
+    assert third.holder_ttl_ms is None
+    first.release()
+    assert third.acquire(blocking=False)
+    assert _permits(target, limit.name) == 2
+    second.release()
+    third.release()
+
+
+def test_flow_a_limit_of_one_is_the_mutex_of_its_name(target: Any, name: str) -> None:
+    """A Limit of one and a Lock of its name exclude each other: a run is refused while
+    the Lock holds the name (its record as holder, no known wait), a Lock is refused while
+    a run holds it, and their fences come from one counter (quorum and cluster: rules
+    refused)."""
+    if _without_flow(target, name):
+        return
+    shared = _limit(f"{name}:shared", 1)
+    plain = Lock(target, shared.name, ttl=10, auto_renew=False, owner_info={"task_id": "t-9"})
+    run = _ruled(target, name, [shared])
+    assert plain.acquire(blocking=False)
+    assert run.acquire(blocking=False) is False
+    assert (run.refused_by, run.refusal) == (shared.name, "limit")
+    assert run.holder.get("task_id") == "t-9" and run.holder_ttl_ms is None
+    assert not run.locked()
+    fence = plain.fence or 0
+    plain.release()
+    assert run.acquire(blocking=False)
+    run_fence = run.fences[shared.name]
+    assert run_fence > fence
+    assert plain.acquire(blocking=False) is False
+    holders = open_backend(target).holders(Slot(lock_keys(shared.name, PREFIX)))
+    assert [h.token for h in holders] == [run.token]
+    run.release()
+    assert plain.acquire(blocking=False) and (plain.fence or 0) > run_fence
+    plain.release()
+
+
+def test_flow_a_pause_refuses_runs_until_it_lapses_or_is_lifted(target: Any, name: str) -> None:
+    """A pause of a run's own name, or of one of its rules' names, refuses it ("paused",
+    the reason as holder, the time left as the wait: None with no end); a timed pause
+    lapses by itself, an open one holds until lifted; a Lock that is not a run's (user
+    code) ignores pauses (quorum and cluster: rules refused)."""
+    if _without_flow(target, name):
+        return
+    set_at = time.monotonic()
+    assert _control(target, name, "pause", "maintenance", 300)
+    run = _ruled(target, name, [])
+    assert run.acquire(blocking=False) is False
+    assert (run.refused_by, run.refusal, run.holder) == (name, "paused", {"reason": "maintenance"})
+    assert run.holder_ttl_ms is not None and 0 < run.holder_ttl_ms <= 300
+    plain = Lock(target, name, ttl=10, auto_renew=False)
+    assert plain.acquire(blocking=False)
+    plain.release()
+    assert wait_for(lambda: run.acquire(blocking=False), timeout=3, what="the pause to lapse")
+    assert time.monotonic() - set_at >= 0.25
+    run.release()
+    limit = _limit(f"{name}:partner", 3)
+    assert _control(target, limit.name, "pause", "upstream down")  # no end
+    ruled = _ruled(target, f"{name}:ruled", [limit])
+    assert ruled.acquire(blocking=False) is False
+    assert (ruled.refused_by, ruled.refusal) == (limit.name, "paused")
+    assert ruled.holder == {"reason": "upstream down"} and ruled.holder_ttl_ms is None
+    assert _control(target, limit.name, "pause", None) is True
+    assert _control(target, limit.name, "pause", None) is False  # nothing left to lift
+    assert ruled.acquire(blocking=False)
+    ruled.release()
+
+
+def test_flow_a_blocked_run_gets_in_when_its_pause_ends(target: Any, name: str) -> None:
+    """A blocking acquire refused by a 0.3 s pause waits out the pause's time left and gets
+    in soon after it ends, not after its own timeout (quorum and cluster: rules refused)."""
+    if _without_flow(target, name):
+        return
+    run = _ruled(target, name, [])
+    set_at = time.monotonic()
+    assert _control(target, name, "pause", "deploy", 300)
+    assert run.acquire(blocking=True, timeout=1.5)
+    took = time.monotonic() - set_at
+    run.release()
+    assert 0.25 <= took < 1.2, f"got in {took:.3f} s after a 0.3 s pause"
+
+
+def test_flow_a_run_blocked_by_a_limit_gets_in_soon_after_a_permit_is_given_back(
+    target: Any, name: str
+) -> None:
+    """A blocking acquire refused by a full Limit gets in soon after the holder gives its
+    permit back, not when the holder's lease would have ended or at its own timeout
+    (quorum and cluster: rules refused)."""
+    if _without_flow(target, name):
+        return
+    limit = _limit(f"{name}:limit", 2)
+    other = _ruled(target, f"{name}:other", [limit])
+    assert other.acquire(blocking=False)
+    holder = _ruled(target, f"{name}:holder", [limit])
+    waiter = _ruled(target, f"{name}:waiter", [limit])
+    assert holder.acquire(blocking=False)
+    thread, out = _in_thread(lambda: waiter.acquire(blocking=True, timeout=1.0))
+    wait_for(lambda: waiter.refusal == "limit", timeout=3, what="the waiter's first refusal")
+    released_at = time.monotonic()
+    holder.release()
+    _join_all([thread], 5)
+    assert out.get("result") is True, out
+    waiter.release()
+    other.release()
+    took = out["at"] - released_at
+    assert took < 0.5, f"got in {took:.3f} s after the permit was given back"
+
+
+def test_flow_a_limit_override_admits_fewer_and_holders_above_it_keep_theirs(
+    target: Any, name: str
+) -> None:
+    """A limit set on a Limit's name below its holders admits no new run until they are
+    fewer than it, while those holders keep and give back their permits as usual; lifted,
+    the rule's own limit is back (quorum and cluster: rules refused)."""
+    if _without_flow(target, name):
+        return
+    limit = _limit(f"{name}:imports", 3)
+    runs = [_ruled(target, f"{name}:{i}", [limit]) for i in range(4)]
+    assert runs[0].acquire(blocking=False) and runs[1].acquire(blocking=False)
+    assert _control(target, limit.name, "limit", "1")
+    assert runs[2].acquire(blocking=False) is False
+    assert (runs[2].refused_by, runs[2].refusal) == (limit.name, "limit")
+    assert runs[0].owned() and runs[1].owned() and _permits(target, limit.name) == 2
+    runs[0].release()  # no LockLost: its permit was never taken away
+    assert runs[2].acquire(blocking=False) is False  # 1 held, limit 1
+    runs[1].release()
+    assert runs[2].acquire(blocking=False)
+    assert runs[3].acquire(blocking=False) is False
+    assert _control(target, limit.name, "limit", None)
+    assert runs[3].acquire(blocking=False)
+    runs[2].release()
+    runs[3].release()
+
+
+def test_flow_a_limit_override_of_a_semaphores_own_name_admits_fewer(
+    target: Any, name: str
+) -> None:
+    """A run holding one of 3 permits of its own name (lock_limit=3) obeys a limit of 1 set
+    on that name: a second run is refused until the first gives its permit back (quorum
+    and cluster: rules refused)."""
+    if _without_flow(target, name):
+        return
+    runs = [Semaphore(target, name, 3, ttl=10, auto_renew=False) for _ in range(3)]
+    for run in runs:
+        run.hold_with([], controlled=True)
+    assert _control(target, name, "limit", "1")
+    assert runs[0].acquire(blocking=False)
+    try:
+        assert runs[1].acquire(blocking=False) is False
+    finally:
+        for run in runs:
+            with contextlib.suppress(RedlockError):
+                run.release()
+    assert _control(target, name, "limit", None)
+    assert runs[1].acquire(blocking=False) and runs[2].acquire(blocking=False)
+    runs[1].release()
+    runs[2].release()
+
+
+def test_flow_a_rate_override_replaces_the_rules_rate_and_burst(target: Any, name: str) -> None:
+    """A rate set on a Rate's name replaces the rule's interval, and its burst unless the
+    override's is 0 (quorum and cluster: rules refused)."""
+    if _without_flow(target, name):
+        return
+
+    def starts(rule: Rule, n: int) -> list[bool]:
+        runs = [_ruled(target, f"{rule.name}:{i}", [rule]) for i in range(n)]
+        got = [run.acquire(blocking=False) for run in runs]
+        refused = [run for run in runs if not run.fence]
+        for run in runs:
+            if run.fence:
+                run.release()
+        for run in refused:
+            assert (run.refused_by, run.refusal) == (rule.name, "rate")
+            assert run.holder_ttl_ms is not None and 59_000 < run.holder_ttl_ms <= 60_000
+        return got
+
+    assert starts(_rate(f"{name}:own", 60_000_000), 2) == [True, False]  # 1/m, 1 at once
+    looser = _rate(f"{name}:looser", 60_000_000)
+    assert _control(target, looser.name, "rate", "1000|5|1000/s")
+    assert starts(looser, 5) == [True] * 5
+    stricter = _rate(f"{name}:stricter", 1_000, burst=2)  # 1000/s, 2 at once
+    assert _control(target, stricter.name, "rate", "60000000|0|1/m")  # the rule's burst
+    assert starts(stricter, 3) == [True, True, False]
+
+
+def test_flow_a_weighted_run_takes_its_cost_in_units_at_most_the_burst_at_once(
+    target: Any, name: str
+) -> None:
+    """A Rate taking cost units a run: with burst 4 (interval 1 minute), a cost of 3 leaves
+    1 unit, so a cost of 2 is refused and a cost of 1 admitted; a cost above the burst (the
+    rule's, or an override's) is a ConfigError that takes nothing (quorum: rules refused)."""
+    if _without_flow(target, name):
+        return
+    rate_name = f"{name}:rows"
+
+    def run(cost: int, lock_name: str = name, burst: int = 4) -> Lock:
+        return _ruled(target, lock_name, [_rate(rate_name, 60_000_000, burst=burst, cost=cost)])
+
+    heavy = run(3)
+    assert heavy.acquire(blocking=False)
+    heavy.release()
+    assert _free_units(target, rate_name) == 1
+    refused = run(2)
+    assert refused.acquire(blocking=False) is False and refused.refusal == "rate"
+    assert _free_units(target, rate_name) == 1
+    light = run(1)
+    assert light.acquire(blocking=False)
+    light.release()
+    assert run(1).acquire(blocking=False) is False
+    assert _free_units(target, rate_name) == 0
+    with pytest.raises(ConfigError, match="burst"):
+        run(5, f"{name}:too-big").acquire(blocking=False)
+    assert read_lock(target, PREFIX, f"{name}:too-big") == []
+    other = f"{name}:overridden"
+    assert _control(target, other, "rate", "1000|2|1000/s")
+    with pytest.raises(ConfigError, match="burst"):
+        _ruled(target, f"{name}:over", [_rate(other, 1_000, burst=4, cost=3)]).acquire(
+            blocking=False
+        )
+    assert read_lock(target, PREFIX, f"{name}:over") == [] and _free_units(target, other) is None
+
+
+def test_flow_a_release_gives_back_every_limits_permit(target: Any, name: str) -> None:
+    """A run's release gives back its lock and each of its Limits (a Limit of one: its
+    name's mutex; else a permit): another run then takes them; a re-sent copy of that
+    release is OK (quorum and cluster: rules refused)."""
+    if _without_flow(target, name):
+        return
+    first_limit, second_limit = _limit(f"{name}:a", 1), _limit(f"{name}:b", 2)
+    first = _ruled(target, f"{name}:first", [first_limit, second_limit])
+    second = _ruled(target, f"{name}:second", [first_limit, second_limit])
+    assert first.acquire(blocking=False)
+    assert second.acquire(blocking=False) is False and second.refused_by == first_limit.name
+    assert _permits(target, first_limit.name) == _permits(target, second_limit.name) == 1
+    token, slot = first.token, first.slot
+    assert token is not None
+    first.release()
+    assert _permits(target, first_limit.name) == _permits(target, second_limit.name) == 0
+    assert open_backend(target).release(slot, token, 10_000) is Status.OK  # a re-sent copy
+    assert second.acquire(blocking=False)
+    assert set(second.fences) == {second.name, first_limit.name, second_limit.name}
+    second.release()
+
+
+def test_flow_renewal_and_extend_keep_the_limits_permits_past_their_first_lease(
+    target: Any, name: str
+) -> None:
+    """A run's Limits (mutexes, and permits of a Limit of 2 that both runs hold) live as
+    long as its lock: renewed with it (0.5 s leases held past 1.1 s) and lengthened by
+    extend(); given back, they are free (quorum and cluster: rules refused)."""
+    if _without_flow(target, name):
+        return
+    renewed_limit, extended_limit = _limit(f"{name}:renewed", 1), _limit(f"{name}:extended", 1)
+    shared = _limit(f"{name}:shared", 2)
+    renewed = _ruled(target, f"{name}:r", [renewed_limit, shared], ttl=0.5, auto_renew=True)
+    extended = _ruled(target, f"{name}:e", [extended_limit, shared], ttl=0.5)
+    assert renewed.acquire(blocking=False) and extended.acquire(blocking=False)
+    started = time.monotonic()
+    extended.extend(3)
+    probes = [
+        _ruled(target, f"{name}:probe:{i}", [rule])
+        for i, rule in enumerate((renewed_limit, extended_limit, shared))
+    ]
+    checks = 0
+    while time.monotonic() - started < 1.1:  # bounded: past two of the first leases
+        for probe in probes:
+            assert probe.acquire(blocking=False) is False, f"{probe.name} got in"
+            assert probe.refusal == "limit"
+        checks += 1
+        time.sleep(0.05)
+    assert checks >= 5
+    assert renewed.owned() and extended.owned()
+    renewed.release()
+    extended.release()
+    assert all(probe.acquire(blocking=False) for probe in probes)
+    for probe in probes:
+        probe.release()
+
+
+def test_flow_fences_rise_per_name_and_lock_fences_names_the_lock_and_each_limit(
+    target: Any, name: str
+) -> None:
+    """lock.fences maps the lock's name and each Limit's (not a Rate's) to its fence; each
+    name's fences strictly increase across runs, and a Limit shares its name's counter
+    with a Lock of that name (quorum and cluster: rules refused)."""
+    if _without_flow(target, name):
+        return
+    first, second, third = _limit(f"{name}:a", 2), _limit(f"{name}:b", 2), _limit(f"{name}:c", 1)
+    run = _ruled(target, name, [first, second, third, _rate(f"{name}:rate", 1, burst=100)])
+    seen: dict[str, list[int]] = {name: [], first.name: [], second.name: [], third.name: []}
+    for _ in range(3):
+        assert run.acquire(blocking=False)
+        fences = run.fences
+        assert set(fences) == set(seen) and fences[name] == run.fence
+        for key, fence in fences.items():
+            seen[key].append(fence)
+        run.release()
+        assert run.fences == {}
+        for limit in (first, third):
+            plain = Lock(target, limit.name, ttl=10, auto_renew=False)
+            assert plain.acquire(blocking=False)
+            seen[limit.name].append(plain.fence or 0)
+            plain.release()
+    assert all(_increasing(values) and len(values) >= 3 for values in seen.values()), seen
+
+
+def test_flow_a_resent_acquire_holds_the_lock_and_its_limits_once(target: Any, name: str) -> None:
+    """An acquire with rules re-sent with the same token is granted again with the same
+    fences (its own permit does not refuse it), holds one permit and spends one unit;
+    one release gives everything back (quorum and cluster: rules refused)."""
+    if _without_flow(target, name):
+        return
+    limit, permit = _limit(f"{name}:limit", 1), _limit(f"{name}:permit", 1_000)
+    rate = _rate(f"{name}:rate", 60_000_000, burst=3)
+    backend, token = open_backend(target), "a" * 40
+    slot = Slot(lock_keys(name, PREFIX), rules=(limit, permit, rate))
+    first = backend.acquire(slot, token, 10_000, "{}", wait=False, fence_ttl_ms=0)
+    again = backend.acquire(slot, token, 10_000, "{}", wait=False, fence_ttl_ms=0)
+    assert first.acquired and again.acquired
+    assert len(first.fences) == 3 and min(first.fences[:2]) > 0 and first.fences[2] == 0
+    assert (again.fence, again.fences) == (first.fence, first.fences)
+    assert [h.token for h in backend.holders(slot)] == [token]
+    assert _permits(target, limit.name) == 1 and _permits(target, permit.name) == 1
+    assert _free_units(target, rate.name) == 2
+    other = Slot(lock_keys(f"{name}:other", PREFIX), rules=(limit,))
+    refused = backend.acquire(other, "b" * 40, 10_000, "{}", wait=False, fence_ttl_ms=0)
+    assert not refused.acquired and (refused.refused_by, refused.refusal) == (limit.name, "limit")
+    assert backend.release(slot, token, 10_000) is Status.OK
+    assert not backend.locked(slot) and _permits(target, limit.name) == 0
+    assert _permits(target, permit.name) == 0
+
+
+def test_flow_a_take_over_of_a_queued_hold_obeys_controls_and_takes_the_rules(
+    target: Any, name: str
+) -> None:
+    """The hand-over of an enqueue-time hold to its run goes through flow control: refused
+    while the name is paused (the hold stays queued), then taken with the run's Limit
+    (quorum and cluster: rules refused)."""
+    if _without_flow(target, name):
+        return
+    limit = _limit(f"{name}:limit", 1)
+    hold = QueuedHold(target, name)
+    assert hold.claim("t1", 60).outcome == "queued"
+    assert _control(target, name, "pause", "deploy")
+    run = RunLock(target, name, handover=Handover("t1"), auto_renew=False)
+    run.hold_with([limit])
+    assert run.acquire(blocking=False) is False and run.refusal == "paused"
+    assert hold.claim("t2", 60).owner == "t1"  # still queued for t1
+    assert _permits(target, limit.name) == 0
+    assert _control(target, name, "pause", None)
+    assert run.acquire(blocking=False)
+    assert set(run.fences) == {name, limit.name} and _permits(target, limit.name) == 1
+    assert hold.release("t1") is False  # the hold became the lock
+    run.release()
+    assert _permits(target, limit.name) == 0
+
+
+def test_flow_controls_lists_what_is_in_force(target: Any, name: str) -> None:
+    """controls(prefix, pattern) lists each control in force under the prefix whose name
+    matches: kind, value, time left (None: until lifted); a lapsed or lifted one is gone
+    (quorum and cluster: rules refused)."""
+    if _without_flow(target, name):
+        return
+    backend = open_backend(target)
+    assert _control(target, f"{name}:a", "pause", "why", 60_000)
+    assert _control(target, f"{name}:b", "limit", "2")
+    assert _control(target, f"{name}:c", "rate", "1000|3|1000/s")
+    assert _control(target, f"{name}:d", "pause", "brief", 150)
+    assert wait_for(
+        lambda: all(c.name != f"{name}:d" for c in backend.controls(PREFIX, f"{name}:*")),
+        timeout=3,
+        what="the 150 ms pause to lapse",
+    )
+    found = backend.controls(PREFIX, f"{name}:*")
+    assert [(c.name, c.kind, c.value) for c in found] == [
+        (f"{name}:a", "pause", "why"),
+        (f"{name}:b", "limit", "2"),
+        (f"{name}:c", "rate", "1000|3|1000/s"),
+    ]
+    left = [c.ttl_ms for c in found]
+    assert left[0] is not None and 55_000 < left[0] <= 60_000 and left[1:] == [None, None]
+    assert [c.name for c in backend.controls(PREFIX, f"{name}:a")] == [f"{name}:a"]
+    assert backend.controls(f"other-{uuid.uuid4().hex[:8]}:", "*") == []
+    assert _control(target, f"{name}:b", "limit", None)
+    assert _control(target, f"{name}:b", "limit", None) is False
+    assert [c.name for c in backend.controls(PREFIX, f"{name}:*")] == [f"{name}:a", f"{name}:c"]

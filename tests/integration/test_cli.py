@@ -571,3 +571,171 @@ def test_the_docs_list_sample_matches_a_real_run(
         assert got[:2] == shown[:2]  # name and state
         assert len(got[2]) == len(shown[2])  # task name and a full task id
         assert len(got[-1]) == len(shown[-1])  # a 16-digit fence, or "-"
+
+
+# --------------------------------------------------------------------------- flow control
+CONTROL_FIELDS = {"name", "kind", "control", "value", "ttl_ms"}
+
+
+def _controls_listed(*args: str) -> list[dict[str, Any]]:
+    """The "control" objects of ``ARGS --json`` (list or show), which must exit 0."""
+    result = run(*args, "--json")
+    assert result.exit_code == 0, result.output
+    rows = [row for row in json.loads(result.stdout) if row["kind"] == "control"]
+    assert all(set(row) == CONTROL_FIELDS for row in rows), rows
+    return rows
+
+
+def test_pause_shows_in_list_and_show_refuses_runs_and_resume_lifts_it(
+    locks_on: redis.Redis,
+) -> None:
+    """pause KEY [--for D] [--reason T] exits 0 saying what it did; list and show give the
+    pause in a CONTROLS table and as a "control" JSON object (show exits 0 for a key with
+    only a control); a run's lock of the key is refused with the reason; resume lifts it
+    (exit 0), and exits 1 when there is nothing to lift."""
+    timed = run("pause", "partner:acme", "--for", "10m", "--reason", "maintenance")
+    assert timed.exit_code == 0, timed.output
+    assert timed.stdout.strip() == "paused 'partner:acme' for 10m: maintenance"
+    assert 590_000 < locks_on.pttl("redlock:{partner:acme}:control") <= 600_000
+    open_ended = run("pause", "imports")
+    assert open_ended.exit_code == 0, open_ended.output
+    assert open_ended.stdout.strip() == "paused 'imports' until resumed"
+    assert locks_on.pttl("redlock:{imports}:control") == -1  # until lifted
+
+    listed = _controls_listed("list")
+    assert [(r["name"], r["control"], r["value"]) for r in listed] == [
+        ("imports", "pause", "paused by an operator"),
+        ("partner:acme", "pause", "maintenance"),
+    ]
+    assert listed[0]["ttl_ms"] is None and 590_000 < listed[1]["ttl_ms"] <= 600_000
+    table = run("list").stdout.splitlines()
+    assert table[0] == "CONTROLS" and table[1].split() == ["NAME", "CONTROL", "VALUE", "LEFT"]
+    words = ["imports", "pause", "paused", "by", "an", "operator", "until", "lifted"]
+    assert table[2].split() == words
+    assert table[3].split()[:3] == ["partner:acme", "pause", "maintenance"]
+    left = table[3].split()[3]
+    assert left == "10m00s" or left.startswith("9m5"), left
+    shown = run("show", "partner:acme")
+    assert shown.exit_code == 0, shown.output
+    assert shown.stdout.splitlines()[0] == "CONTROLS" and "maintenance" in shown.stdout
+    assert [r["name"] for r in _controls_listed("show", "partner:acme")] == ["partner:acme"]
+
+    run_lock = Lock(locks_on, "partner:acme", ttl=10, auto_renew=False)
+    run_lock.hold_with([], controlled=True)  # as a task's run takes its lock
+    assert run_lock.acquire(blocking=False) is False
+    assert (run_lock.refusal, run_lock.holder) == ("paused", {"reason": "maintenance"})
+
+    resumed = run("resume", "partner:acme")
+    assert resumed.exit_code == 0 and resumed.stdout.strip() == "resumed 'partner:acme'"
+    again = run("resume", "partner:acme")
+    assert again.exit_code == 1
+    assert "'partner:acme' is not paused" in again.stderr
+    assert run("show", "partner:acme").exit_code == 1  # nothing held, no control
+    assert run_lock.acquire(blocking=False)
+    run_lock.release()
+    assert [r["name"] for r in _controls_listed("list")] == ["imports"]
+
+
+def test_set_and_unset_override_a_keys_limit_and_rate(locks_on: redis.Redis) -> None:
+    """set KEY --limit N / --rate R [--burst B] [--for D] exits 0 saying each change, and
+    list shows each override; unset lifts a key's overrides but not its pause (exit 0),
+    and exits 1 when it has none."""
+    limited = run("set", "imports", "--limit", "2", "--for", "1h")
+    assert limited.exit_code == 0, limited.output
+    assert limited.stdout.strip() == "'imports': limit 2 for 1h"
+    rated = run("set", "p:acme", "--rate", "100/m", "--burst", "5")
+    assert rated.exit_code == 0, rated.output
+    assert rated.stdout.strip() == "'p:acme': rate 100/m, burst 5 until unset"
+    both = run("set", "p:b", "--limit", "3", "--rate", "10/s")
+    assert both.exit_code == 0, both.output
+    said = ["'p:b': limit 3 until unset", "'p:b': rate 10/s until unset"]
+    assert both.stdout.splitlines() == said
+    stored = locks_on.hget("redlock:{p:acme}:control", "rate")
+    assert stored is not None and stored.decode().endswith("|600000|5|100/m")
+
+    listed = _controls_listed("list")
+    assert [(r["name"], r["control"], r["value"]) for r in listed] == [
+        ("imports", "limit", "2"),
+        ("p:acme", "rate", "100/m, burst 5"),
+        ("p:b", "limit", "3"),
+        ("p:b", "rate", "10/s"),
+    ]
+    assert 3_590_000 < listed[0]["ttl_ms"] <= 3_600_000
+    assert [r["ttl_ms"] for r in listed[1:]] == [None, None, None]
+    table = run("list").stdout.splitlines()
+    assert table[0] == "CONTROLS"
+    assert table[3].split() == ["p:acme", "rate", "100/m,", "burst", "5", "until", "lifted"]
+
+    lifted = run("unset", "p:acme")
+    assert lifted.exit_code == 0 and lifted.stdout.strip() == "'p:acme': overrides lifted"
+    none_left = run("unset", "p:acme")
+    assert none_left.exit_code == 1 and "'p:acme' has no override" in none_left.stderr
+    assert run("pause", "p:b").exit_code == 0
+    assert run("unset", "p:b").exit_code == 0
+    assert [(r["name"], r["control"]) for r in _controls_listed("list")] == [
+        ("imports", "limit"),
+        ("p:b", "pause"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("pause", "x", "--for", "-1m"),
+        ("pause", "x", "--for", "0"),
+        ("pause", "x", "--for", "soon"),
+        ("set", "x", "--limit", "2", "--for", "-1m"),
+        ("set", "x", "--rate", "0/s"),
+        ("set", "x", "--rate", "100/m", "--burst", "0"),
+        ("set", "x", "--limit", "0"),
+        ("set", "x", "--limit", "two"),
+        ("set", "x"),
+        ("set", "x", "--burst", "2"),
+        ("set", "x", "--limit", "2", "--burst", "2"),
+        ("resume",),
+    ],
+)
+def test_bad_control_input_exits_2_and_changes_nothing(
+    locks_on: redis.Redis, args: tuple[str, ...]
+) -> None:
+    """A bad duration, rate, burst or limit, set without --limit or --rate, and a missing
+    key are usage errors: exit 2, an error line, no traceback, nothing written."""
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() and "Traceback" not in result.output
+    assert locks_on.keys("*") == []
+
+
+def test_set_with_a_bad_rate_does_not_apply_its_limit(locks_on: redis.Redis) -> None:
+    """set KEY --limit 2 --rate 0/s is refused as a whole: exit 2 and no override written."""
+    result = run("set", "x", "--limit", "2", "--rate", "0/s")
+    assert result.exit_code == 2, result.output
+    assert locks_on.keys("*") == []
+
+
+def test_control_commands_on_redlock_masters_exit_2_and_write_nothing(
+    redis_servers: Callable[[int], list[RedisServer]], configure: Callable[..., None]
+) -> None:
+    """With a list of URLs (Redlock), pause, resume, set and unset exit 2 saying flow
+    control is not available, and write nothing on any master; list still works and
+    shows no CONTROLS."""
+    servers = redis_servers(3)
+    configure([s.url for s in servers])
+    for args in (("pause", "x"), ("resume", "x"), ("set", "x", "--limit", "2"), ("unset", "x")):
+        result = run(*args)
+        assert result.exit_code == 2, (args, result.output)
+        assert "flow control" in result.stderr and "not available" in result.stderr
+    assert all(s.client().keys("*") == [] for s in servers)
+    listed = run("list")
+    assert listed.exit_code == 0 and "CONTROLS" not in listed.stdout
+
+
+def test_control_commands_on_redlock_masters_say_a_quorum_has_no_flow_control(
+    redis_servers: Callable[[int], list[RedisServer]], configure: Callable[..., None]
+) -> None:
+    """The refusal on Redlock masters says why: a quorum (Redlock) has no flow control."""
+    servers = redis_servers(3)
+    configure([s.url for s in servers])
+    result = run("pause", "x")
+    assert result.exit_code == 2
+    assert "quorum" in result.stderr.lower() or "redlock" in result.stderr.lower(), result.stderr

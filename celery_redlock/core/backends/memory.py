@@ -18,6 +18,7 @@ child's: a prefork worker or a beat on ``memory://`` shares nothing with its sib
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 import threading
@@ -113,10 +114,11 @@ class MemoryBackend(MemoryFlow):
         """Take *slot* for *token* (acquire.lua; permit_acquire.lua for permits; with its
         controls and rules, hold_all.lua)."""
 
-        def take() -> Grant:
+        def take(limit: int | None = None) -> Grant:
             if slot.permits:
+                permits = slot if limit is None else dataclasses.replace(slot, limit=limit)
                 return self._acquire_permit(
-                    slot, token, ttl_ms, record, wait=wait, fence=fence_ttl_ms
+                    permits, token, ttl_ms, record, wait=wait, fence=fence_ttl_ms
                 )
             return self._acquire(slot, token, ttl_ms, record, wait, fence_ttl_ms, None)
 
@@ -131,13 +133,13 @@ class MemoryBackend(MemoryFlow):
         (acquire.lua with the hold's key)."""
         mutex_keys(slot)
 
-        def take() -> Grant:
+        def take(_limit: int | None = None) -> Grant:  # a mutex: no limit to change
             return self._acquire(slot, token, ttl_ms, record, wait, fence_ttl_ms, handover)
 
         return self._flow(slot, take, token, ttl_ms, record, fence_ttl_ms) if slot.flow else take()
 
     def _flow(  # noqa: PLR0917 - the acquire's own step, and what a rule's permit takes
-        self, slot: Slot, take: Callable[[], Grant], token: str, ttl_ms: int, record: str,
+        self, slot: Slot, take: Callable[[int | None], Grant], token: str, ttl_ms: int, record: str,
         fence_ttl_ms: int
     ) -> Grant:  # fmt: skip
         def rule_take(rule: Rule, limit: int) -> int:

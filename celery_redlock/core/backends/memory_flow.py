@@ -18,8 +18,8 @@ from .memory_store import MemoryStore, parse_permit, stored_int
 __all__ = ["MemoryFlow"]
 
 #: The verbs' own steps a flow acquire runs (the memory backend's): take the slot as its
-#: acquire does, take one permit of a rule.
-TakeSlot = Callable[[], Grant]
+#: acquire does (with its permits' limit as an operator set it, or None: its own).
+TakeSlot = Callable[[int | None], Grant]
 
 
 class MemoryFlow(MemoryStore):
@@ -62,7 +62,9 @@ class MemoryFlow(MemoryStore):
                 wait = -1.0 if not pause[0] else pause[0] - self.now
                 refusals.append((name, wait, "paused", pause[1]))
 
-        paused(self._controls(slot.keys.control), slot.name)
+        main = self._controls(slot.keys.control)
+        paused(main, slot.name)
+        own_limit = int(main["limit"][1]) if slot.permits and "limit" in main else None
         now_us = round(self.now * 1000)
         plan: list[tuple[Rule, int, int, int]] = []  # rule, limit or interval, burst, tat
         for rule in slot.rules:
@@ -101,7 +103,7 @@ class MemoryFlow(MemoryStore):
             name, _, why, detail = refusals[0]
             waits = [w for _, w, _, _ in refusals]
             known = [w for w in waits if w >= 0]
-            wait = None if not known else int(max(known))
+            wait = None if not known else math.ceil(max(known))
             holder: dict[str, Any] = {"reason": detail} if why == "paused" else {}
             if why == "limit":
                 holder = parse_holder(detail)
@@ -113,7 +115,7 @@ class MemoryFlow(MemoryStore):
                 refused_by=name,
                 refusal=why,
             )
-        grant = take()
+        grant = take(own_limit)
         if not grant.acquired:
             return grant
         fences: list[int] = []

@@ -100,7 +100,8 @@ _WHY_NOT: dict[type, str] = {
     ),
     FlowControl: (
         "several holds taken all or nothing, semaphores and rates among them, could not be "
-        f"one step on a majority of Redlock masters; {_ONE_REDIS}"
+        "one step on a majority of Redlock masters; use one Redis (a plain server or a "
+        "Sentinel-managed master) for it"
     ),
 }
 

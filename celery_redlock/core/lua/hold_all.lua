@@ -22,8 +22,8 @@
 --          interval in us, the burst, the cost (units of a Rate), the rule's name
 -- Returns  {1, fence, f1, ..., fk}   taken: the primary's fence, then each rule's (0 for a
 --                                     Rate); a re-sent copy finds its own token and
---                                     reports the same fences (a Rate's units are taken
---                                     again: fewer grants, never more)
+--                                     reports the same fences, and takes no Rate unit
+--                                     again
 --          the primary's refusal, as acquire.lua / permit_acquire.lua return it
 --          {-2, name, wait ms, why, detail}  refused by a control or a rule, nothing
 --                                     taken: why 'paused' (detail: the reason), 'limit'
