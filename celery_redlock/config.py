@@ -406,6 +406,8 @@ def check_declared(task_name: str, cls: type) -> None:
     )
     if is_set(cls, "lock_limit"):
         check_enqueue_limit(task_name, declared(cls, "lock_on"), declared(cls, "lock_limit"))
+        if declared(cls, "lock_limit") is None and declared(cls, "lock_limits"):
+            check_limits_need_a_lock(task_name)
     check_combination(
         task_name,
         declared(cls, "lock_on"),
@@ -432,6 +434,14 @@ def check_rate_needed(task_name: str, rate: Any, *, no_cap: bool, burst: Any) ->
             f"task {task_name!r}: lock_rate_burst={burst!r} is not valid without a "
             "lock_rate; it must be set together with lock_rate (e.g. lock_rate='10/m')"
         )
+
+
+def check_limits_need_a_lock(task_name: str) -> None:
+    """ConfigError for ``lock_limits`` on a task with ``lock_limit=None`` (no lock)."""
+    raise ConfigError(
+        f"task {task_name!r}: lock_limits must be used with the task's own lock "
+        "(lock_limit >= 1: its rules are taken with it); it has lock_limit=None"
+    )
 
 
 def check_enqueue_limit(task_name: str, lock_on: Any, limit: Any) -> None:
@@ -514,10 +524,7 @@ def resolve(cls: type, spec: TaskSpec, settings: Settings) -> TaskOptions:
     )
     check_enqueue_limit(task_name, values["lock_on"], values["limit"])
     if values["limits"] and values["limit"] is None:
-        raise ConfigError(
-            f"task {task_name!r}: lock_limits must be used with the task's own lock "
-            "(lock_limit >= 1: its rules are taken with it); it has lock_limit=None"
-        )
+        check_limits_need_a_lock(task_name)
     key = spec.key
     if key is None:
         default = values["default_key"]
