@@ -27,7 +27,6 @@ timeline)::
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -171,7 +170,9 @@ class Lock(Lease):
         if rules:
             need(self.backend, FlowControl)
         controlled = controlled and has(self.backend, FlowControl)
-        self.slot = dataclasses.replace(self.slot, rules=tuple(rules), controlled=controlled)
+        if rules or controlled:
+            slot = self.slot
+            self.slot = Slot(slot.keys, slot.limit, tuple(rules), controlled)
 
     @property
     def fences(self) -> dict[str, int]:
