@@ -23,6 +23,7 @@ from test_task_inprocess import Env, forget_results, worker
 
 from celery_redlock import (
     ConfigError,
+    Limit,
     LockedTask,
     RateLimited,
     RateLimiter,
@@ -114,14 +115,17 @@ def test_no_cap_without_a_rate_and_a_burst_without_a_rate_are_refused_at_decorat
 def test_limits_and_rates_on_redlock_masters_are_refused_naming_task_and_option(
     env: Env, redis_servers: Any
 ) -> None:
-    """With redlock_url a list of masters, lock_limit=3 and a lock_rate are refused (with
-    the counter-example); lock_limit=1 is the Redlock mutex and passes."""
+    """With redlock_url a list of masters, lock_limit=3, a lock_rate and lock_limits are
+    refused (with the counter-example, or why); lock_limit=1 is the Redlock mutex and
+    passes."""
     urls = [s.url for s in redis_servers(3)]
     for options, says in (
         ({"lock_limit": 3}, "lock_limit=3: semaphores (a limit above 1"),
         ({"lock_limit": 3}, "B on 2 and 3, C on 1 and 3"),
         ({"lock_rate": "5/s"}, "lock_rate='5/s': rate limits (RateLimiter, lock_rate) are not"),
         ({"lock_rate": "5/s"}, "three grants while each master counted two"),
+        ({"lock_limits": [Limit("all", 2)]}, "lock_limits=(Limit(key='all', limit=2),): flow"),
+        ({"lock_limits": [Limit("all", 2)]}, "could not be one step on a majority"),
     ):
         app = env.app(lock_url=urls)
 
