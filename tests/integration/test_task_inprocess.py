@@ -35,6 +35,7 @@ from servers import RedisServer, wait_for
 from workers import forget_results
 
 from celery_redlock import (
+    BackOff,
     ConfigError,
     Lock,
     LockContended,
@@ -386,14 +387,15 @@ def test_raise_fails_with_lock_contended(env: Env, trace_logs: pytest.LogCapture
 
 
 def test_the_tasks_own_throws_are_kept_beside_the_lock_failures(env: Env) -> None:
-    """throws=(KeyError,) on a LockedTask: KeyError, LockContended, QuorumUnavailable."""
+    """throws=(KeyError,) on a LockedTask: KeyError, LockContended, QuorumUnavailable, and
+    BackOff (a body that backed off until its lock retries ran out)."""
     app = env.app()
 
     @app.task(base=LockedTask, shared=False, lock_key="t:<n>", throws=(KeyError,))
     def picky(n: int) -> int:
         return n
 
-    assert set(picky.throws) == {KeyError, LockContended, QuorumUnavailable}
+    assert set(picky.throws) == {KeyError, LockContended, QuorumUnavailable, BackOff}
     assert picky.throws[0] is KeyError
 
 

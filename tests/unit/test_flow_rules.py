@@ -314,13 +314,12 @@ def test_a_rule_naming_an_unknown_argument_is_refused_at_decoration(app: Celery)
 
 def test_lock_limits_without_the_tasks_own_lock_is_refused(app: Celery) -> None:
     """lock_limits with lock_limit=None (a rate-only task: no lock to take the rules with)
-    is a ConfigError saying the rules need the task's own lock."""
-    task = _task(
-        app, "flow.no_lock", lock_key="a:<account>", lock_limit=None, lock_rate="10/m",
-        lock_limits=[Limit("imports", 2)],
-    )  # fmt: skip
+    is a ConfigError saying the rules need the task's own lock, where the task is made."""
     with pytest.raises(ConfigError, match="lock_limits must be used with the task's own lock"):
-        _run(task, 1, "acme")
+        _task(
+            app, "flow.no_lock", lock_key="a:<account>", lock_limit=None, lock_rate="10/m",
+            lock_limits=[Limit("imports", 2)],
+        )  # fmt: skip
 
 
 def test_an_eager_run_takes_its_limits_and_gives_their_fences(app: Celery) -> None:
