@@ -65,6 +65,13 @@ def rules_for(
                 cost=cost,
             )
         )
+    rates = [r.name for r in out if r.is_rate]
+    if len(set(rates)) < len(rates):
+        twice = sorted({n for n in rates if rates.count(n) > 1})
+        raise ConfigError(
+            f"task {task.name!r}: two Rate rules of lock_limits name {twice[0]!r} for this "
+            "call; one Rate per key (give it the sum of the costs)"
+        )
     return tuple(sorted(out, key=lambda r: (r.name, r.is_rate)))
 
 

@@ -472,3 +472,18 @@ def test_back_off_in_an_eager_body_pauses_its_key_and_is_raised(app: Celery) -> 
         _run(tasks["rated"], 2, "acme")
     assert (refused.value.name, refused.value.why) == ("p:acme", "paused")
     assert "429 from partner" in refused.value.holder["reason"]
+
+
+def test_two_rates_rendering_one_key_for_a_call_are_refused_not_counted_twice(
+    app: Celery,
+) -> None:
+    """Two Rate rules whose keys render to one name for a call would each check the same
+    state before either takes its units (granting more than the burst): the call fails
+    with a ConfigError naming the key; calls where they differ run."""
+    task = _task(
+        app, "flow.two_rates", lock_key="a:<account>",
+        lock_limits=[Rate("p:<partner>", "5/s"), Rate("p:<account>", "5/s")],
+    )  # fmt: skip
+    assert set(_run(task, 1, "acme")) == {"a:1"}
+    with pytest.raises(ConfigError, match=r"two Rate rules of lock_limits name 'p:7'"):
+        _run(task, 7, "7")
