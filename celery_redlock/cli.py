@@ -424,20 +424,19 @@ def _held(session: _Session, name: str) -> list[LockRow]:
 
 # -- operator controls -----------------------------------------------------------------
 def _controls(session: _Session) -> Controls:
-    """The controls of the session's one Redis (usage error on a Redlock quorum, which
-    keeps none)."""
-    backend = session.clients[0][1]
-    if session.is_redlock:
-        raise CeleryCommandException(
-            f"flow control is not available on a Redlock quorum (redlock_url lists "
-            f"{len(session.clients)} masters): pauses and limits taken all or nothing with "
-            "a run's holds could not be one step on a majority of masters; use one Redis "
-            "(a plain server or a Sentinel-managed master) for tasks that need them",
-            EXIT_USAGE,
-        )
-    if not has(backend, FlowControl):
-        raise CeleryCommandException(lacks(backend, FlowControl), EXIT_USAGE)
-    return Controls(session.ctx.obj.app, backend=backend, prefix=session.prefix)
+    """The controls of the session's lock store; a usage error, in the seam's words, where
+    it keeps none (a Redlock quorum)."""
+    store = _control_store(session)
+    if not has(store, FlowControl):
+        raise CeleryCommandException(lacks(store, FlowControl), EXIT_USAGE)
+    return Controls(session.ctx.obj.app, backend=store, prefix=session.prefix)
+
+
+def _control_store(session: _Session) -> Backend:
+    """The session's lock store as the workers see it: its one Redis, or the quorum of
+    its masters."""
+    backends = [backend for _, backend in session.clients]
+    return open_backend(backends) if session.is_redlock else backends[0]
 
 
 def _control_call(session: _Session, change: Callable[[Controls], Any]) -> Any:
@@ -575,11 +574,11 @@ def unset(ctx: click.Context, key: str) -> None:
 
 def _controls_of(session: _Session, pattern: str) -> list[Control]:
     """The controls in force matching *pattern* (none on a Redlock quorum)."""
-    backend = session.clients[0][1]
-    if session.is_redlock or not has(backend, FlowControl):
+    store = _control_store(session)
+    if not has(store, FlowControl):
         return []
     try:
-        return Controls(session.ctx.obj.app, backend=backend, prefix=session.prefix).overrides(
+        return Controls(session.ctx.obj.app, backend=store, prefix=session.prefix).overrides(
             pattern
         )
     except _UNREACHABLE:

@@ -35,8 +35,7 @@ def rules_for(
     cost computed, in one canonical order (by name, then kind)."""
     out = []
     for rule in options.limits:
-        what = f"lock_limits key {rule.key!r}"
-        name = render_key(task, rule.template, args, kwargs, options, what=what)
+        name = render_key(task, rule.template, args, kwargs, options, what="lock_limits key")
         if isinstance(rule, Limit):
             # A Limit of one is the mutex of its name, as Semaphore(limit=1) is.
             keys = lock_keys(name, prefix) if rule.limit == 1 else permit_keys(name, prefix)
@@ -83,7 +82,7 @@ def _cost_of(
     if isinstance(cost, int):
         return cost
     if isinstance(cost, KeyTemplate):
-        value: Any = render_key(task, cost, args, kwargs, options, what=f"cost {rule.cost!r}")
+        value: Any = render_key(task, cost, args, kwargs, options, what="lock_limits cost")
         try:
             value = int(value)
         except ValueError:
@@ -110,5 +109,5 @@ def first_rate_key(
     """The key of the task's first ``Rate`` rule for this call (None: it has none)."""
     for rule in options.limits:
         if isinstance(rule, Rate):
-            return render_key(task, rule.template, args, kwargs, options, what=f"key {rule.key!r}")
+            return render_key(task, rule.template, args, kwargs, options, what="lock_limits key")
     return None

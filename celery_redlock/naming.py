@@ -81,16 +81,13 @@ def render_key(
 
 
 def _unrenderable(task: Any, key: Any, exc: BaseException, what: str = "lock_key") -> ConfigError:
-    """The error for a call whose arguments the lock key cannot be rendered from."""
-    if what != "lock_key":
-        return ConfigError(
-            f"task {task.name!r}: {what} cannot be rendered for this call "
-            f"({type(exc).__name__}: {exc}); pass arguments with a canonical text"
-        )
+    """The error for a call whose arguments key *key* (option *what*) cannot be rendered
+    from."""
+    callable_hint = " or give lock_key a callable" if what == "lock_key" else ""
     return ConfigError(
-        f"task {task.name!r}: lock_key {key!r} cannot be rendered for this call "
+        f"task {task.name!r}: {what} {key!r} cannot be rendered for this call "
         f"({type(exc).__name__}: {exc}); pass arguments with a canonical text (str, int, "
-        "UUID, date, list, dict ...) or give lock_key a callable"
+        f"UUID, date, list, dict ...){callable_hint}"
     )
 
 

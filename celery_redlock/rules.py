@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .core import ConfigError, KeyTemplate
+from .core.errors import cost_above_burst
 from .core.ratelimit import parse_rate
 
 #: A cost template: one placeholder and nothing else.
@@ -108,14 +109,12 @@ class Rate:
 
 
 def check_cost(what: str, cost: Any, burst: int) -> int:
+    """*cost* as a run's units of a rate of *burst*, or a ConfigError that starts with
+    *what*."""
     if isinstance(cost, bool) or not isinstance(cost, int) or cost < 1:
         raise ConfigError(f"{what}: the cost of a run must be a whole number >= 1, got {cost!r}")
     if cost > burst:
-        raise ConfigError(
-            f"{what}: a run asks for {cost} units, more than the rate ever grants at once "
-            f"(its burst, {burst}); it would wait for ever: raise burst to at least {cost} "
-            "or lower the cost"
-        )
+        raise cost_above_burst(what, cost, burst)
     return cost
 
 

@@ -97,8 +97,6 @@ _WORDS: dict[type, str] = {}
 _HAS: dict[tuple[type, type], bool] = {}
 #: Each capability's members: the names a backend must have to implement it.
 _MEMBERS: dict[type, tuple[str, ...]] = {}
-#: The capabilities one backend of a type that implements them may still decline.
-_DECLINABLE: set[type] = set()
 
 
 def capability(words: str) -> Callable[[_T], _T]:
@@ -156,9 +154,9 @@ def has(backend: Any, what: type) -> bool:
     found = _HAS.get(key)
     if found is None:
         found = _HAS[key] = _implements(backend, what)
-    if found and what in _DECLINABLE:
+    if found:
         declines = getattr(backend, "declines", None)
-        return not (callable(declines) and declines(what))
+        return not (declines is not None and declines(what))
     return found
 
 
@@ -349,7 +347,7 @@ class Rates(Protocol):
 
 
 @capability("flow control (lock_limits, and pauses and limits set by an operator)")
-class FlowControl(Protocol):  # declinable: see the line after the class
+class FlowControl(Protocol):
     """A slot with rules or under operator control (:attr:`Slot.flow
     <celery_redlock.core.backend_types.Slot.flow>`) is taken in one step: the controls of
     its name and of each rule are read, every rule is checked, and only when all admit
@@ -367,9 +365,6 @@ class FlowControl(Protocol):  # declinable: see the line after the class
     def controls(self, prefix: str, pattern: str = "*") -> list[Control]:
         """Every control in force under *prefix* whose name matches *pattern*."""
         ...
-
-
-_DECLINABLE.add(FlowControl)
 
 
 @capability("records beside a lock (LockRecords: beat's ticks)")

@@ -18,6 +18,7 @@ __all__ = [
     "NotOwned",
     "QuorumUnavailable",
     "RedlockError",
+    "cost_above_burst",
     "describe_holder",
     "one_line",
 ]
@@ -251,3 +252,13 @@ def describe_holder(holder: Mapping[str, Any]) -> str:
     if holder.get("pid"):
         parts.append(f"pid {holder['pid']}")
     return " ".join(parts) or "another owner"
+
+
+def cost_above_burst(what: str, cost: int, burst: int) -> ConfigError:
+    """The error for a run asking a rate (*what*: ``rate 'p:acme'``) for more units than
+    it ever grants at once: it would wait for ever."""
+    return ConfigError(
+        f"{what}: a run asks for {cost} units, more than the rate ever grants at once (its "
+        f"burst, {burst}); it would wait for ever: raise burst to at least {cost} or lower "
+        "the cost"
+    )

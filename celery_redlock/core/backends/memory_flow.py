@@ -11,9 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..backend_types import Control, Grant, Rule, Slot, Status, parse_holder
-from ..errors import ConfigError
+from ..errors import cost_above_burst
 from ..keys import name_of_key
-from .memory_store import MemoryStore, parse_permit, stored_int
+from .memory_store import MemoryStore, stored_int
 
 __all__ = ["MemoryFlow"]
 
@@ -88,11 +88,7 @@ class MemoryFlow(MemoryStore):
                 given, most = controls["rate"][1].split("|")[:2]
                 interval, burst = int(given), int(most) or burst
             if rule.cost > burst:
-                raise ConfigError(
-                    f"rate {rule.name!r}: a run asks for {rule.cost} units, more than the rate "
-                    f"ever grants at once (its burst, {burst}); raise the Rate's burst or "
-                    "lower the cost"
-                )
+                raise cost_above_burst(f"rate {rule.name!r}", rule.cost, burst)
             state: dict[str, str] = self.get(rule.key, "hash") or {}
             tat = max(stored_int(state.get("tat")) or 0, now_us)
             at = tat + (rule.cost - burst) * interval
@@ -172,43 +168,17 @@ class MemoryFlow(MemoryStore):
         return sorted(found, key=lambda c: (c.name, c.kind))
 
     def _release_rules(self, slot: Slot, token: str, notice_ms: int) -> list[Status]:
-        """release_all.lua's rule part: each Limit's permit held by *token* given back."""
-        out = []
-        for rule in slot.held_rules:
-            if rule.is_mutex:
-                out.append(self._release(Slot(rule.keys), token, notice_ms, None))
-                continue
-            permits: dict[str, str] = self.get(rule.key, "hash") or {}
-            value = permits.pop(token, None)
-            if value is None:
-                out.append(Status.OK if self.remembered(rule.released, token) else Status.GONE)
-                continue
-            self.drop_if_empty(rule.key, permits)
-            live = parse_permit(value)[0] > self.now
-            if live:
-                self.remember(rule.released, token, notice_ms)
-            self.notice(rule.keys, rule.limit, notice_ms)
-            out.append(Status.OK if live else Status.GONE)
-        return out
+        """release_all.lua's rule part: each Limit held by *token* given back, as its own
+        release does."""
+        return [
+            self._release(Slot(rule.keys, rule.limit), token, notice_ms, None)
+            for rule in slot.held_rules
+        ]
 
     def _extend_rules(self, slot: Slot, token: str, ms: int) -> list[Status]:
-        """Each Limit's permit held by *token* set to *ms* (extend_items.lua)."""
+        """Each Limit held by *token* set to *ms* (extend_items.lua)."""
         out = []
         for rule in slot.held_rules:
-            if rule.is_mutex:
-                found = self._extend(Slot(rule.keys), token, ms, True)
-                out.append(found if isinstance(found, Status) else Status.OK)
-                continue
-            permits: dict[str, str] = self.get(rule.key, "hash") or {}
-            value = permits.get(token)
-            expires, fence, record = parse_permit(value) if value else (0, None, "")
-            if expires <= self.now:
-                if value is not None:
-                    del permits[token]
-                    self.drop_if_empty(rule.key, permits)
-                out.append(Status.GONE)
-                continue
-            permits[token] = f"{int(self.now) + ms}|{fence}|{record}"
-            self.expire(rule.key, ms, longer_only=True)
-            out.append(Status.OK)
+            found = self._extend(Slot(rule.keys, rule.limit), token, ms, True)
+            out.append(found if isinstance(found, Status) else Status.OK)
         return out

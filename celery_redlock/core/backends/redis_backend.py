@@ -154,8 +154,6 @@ class RedisBackend(RedisHolds, RedisOperator, RedisFlow):
             if slot.flow:
                 return flow_grant(self._hold_all(slot, names, args), slot)
             reply = self._run(script, names, args)
-        except ConfigError:
-            raise  # a cost above a rate's burst: nothing was taken
         except Exception as exc:
             self._acquire_failed(slot, token, ttl_ms, exc)
         return grant_of(reply, permits=slot.permits)

@@ -25,7 +25,7 @@ from ..backend_types import (
     parse_holder,
     text,
 )
-from ..errors import ConfigError
+from ..errors import cost_above_burst
 from ..keys import name_of_key
 from .redis_calls import RedisCalls
 from .redis_scripts import CONTROL, HOLD_ALL, RELEASE_ALL, extend_many, grant_of
@@ -74,7 +74,7 @@ class RedisFlow(RedisCalls):
 
     def _extend_rules(self, slot: Slot, token: str, ms: int) -> Status:
         """Set the lease of *slot*'s Limits held by *token* to *ms*, in one script."""
-        items = [Renewal(Slot(r.keys, r.limit), token, ms) for r in slot.held_rules]
+        items = _rule_items(Renewal(slot, token, ms))
         return (
             Status.first_failure(extend_many(self.client, items, self._pool))
             if items
@@ -130,11 +130,7 @@ def flow_grant(reply: Any, slot: Slot) -> Grant:
             refusal=why,
         )
     if code == -3:
-        raise ConfigError(
-            f"rate {text(reply[1])!r}: a run asks for {int(reply[2])} units, more than the "
-            f"rate ever grants at once (its burst, {int(reply[3])}); raise the Rate's burst "
-            "or lower the cost"
-        )
+        raise cost_above_burst(f"rate {text(reply[1])!r}", int(reply[2]), int(reply[3]))
     return grant_of(reply, permits=slot.permits)
 
 
@@ -146,8 +142,14 @@ def rule_renewals(items: Sequence[Renewal]) -> tuple[list[Renewal], list[list[in
     for item in items:
         own = [len(flat)]
         flat.append(item)
-        for rule in item.slot.held_rules:
+        for rule_item in _rule_items(item):
             own.append(len(flat))
-            flat.append(Renewal(Slot(rule.keys, rule.limit), item.token, item.ms))
+            flat.append(rule_item)
         where.append(own)
     return flat, where
+
+
+def _rule_items(item: Renewal) -> list[Renewal]:
+    """The renewal of each Limit held with *item*'s slot, by the same token, to the same
+    lease."""
+    return [Renewal(Slot(r.keys, r.limit), item.token, item.ms) for r in item.slot.held_rules]
