@@ -36,7 +36,7 @@ import redis
 
 from celery_redlock import Lock
 from celery_redlock.core.backend_types import Rule
-from celery_redlock.core.keys import lock_keys, permit_keys, rate_key
+from celery_redlock.core.keys import lock_keys, permit_keys
 from celery_redlock.core.renewal import shutdown as stop_renewal
 
 #: One cycle: acquire (timed, returns the ns it took), then release.
@@ -44,20 +44,9 @@ Cycle = Callable[[int], int]
 
 
 def _rules() -> list[Rule]:
-    limit = permit_keys("bench:all")
-    rate = lock_keys("bench:p:acme")
     return [
-        Rule(
-            limit.name,
-            limit.lock,
-            limit.fence,
-            limit.control,
-            limit=1000,
-            notify=limit.notify,
-            waiting=limit.waiting,
-            released=limit.released,
-        ),
-        Rule(rate.name, rate_key("bench:p:acme"), "", rate.control, interval_us=1, burst=10**6),
+        Rule(permit_keys("bench:all"), limit=1000),
+        Rule(lock_keys("bench:p:acme"), interval_us=1, burst=10**6),
     ]
 
 

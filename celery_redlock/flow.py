@@ -12,7 +12,7 @@ from typing import Any
 
 from .core import ConfigError, KeyTemplate
 from .core.backend_types import Rule
-from .core.keys import lock_keys, permit_keys, rate_key
+from .core.keys import lock_keys, permit_keys
 from .naming import check_fields, render_key
 from .rules import Limit, Rate, check_cost
 
@@ -39,30 +39,11 @@ def rules_for(
         if isinstance(rule, Limit):
             # A Limit of one is the mutex of its name, as Semaphore(limit=1) is.
             keys = lock_keys(name, prefix) if rule.limit == 1 else permit_keys(name, prefix)
-            out.append(
-                Rule(
-                    keys.name,
-                    keys.lock,
-                    keys.fence,
-                    keys.control,
-                    limit=rule.limit,
-                    notify=keys.notify,
-                    waiting=keys.waiting,
-                    released=keys.released,
-                )
-            )
+            out.append(Rule(keys, limit=rule.limit))
             continue
         cost = _cost_of(task, rule, args, kwargs, options)
         out.append(
-            Rule(
-                lock_keys(name, prefix).name,
-                rate_key(name, prefix),
-                "",
-                lock_keys(name, prefix).control,
-                interval_us=rule.interval_us,
-                burst=rule.burst,
-                cost=cost,
-            )
+            Rule(lock_keys(name, prefix), interval_us=rule.interval_us, burst=rule.burst, cost=cost)
         )
     rates = [r.name for r in out if r.is_rate]
     if len(set(rates)) < len(rates):

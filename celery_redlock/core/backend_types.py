@@ -117,15 +117,10 @@ class Rule:
     Each rule's operator controls are read with it (see
     :class:`~celery_redlock.core.backend.FlowControl`)."""
 
-    #: The rule's rendered name (``partner:acme``).
-    name: str
-    #: A Limit's permits hash (a Limit of one: the lock hash of its name), or a Rate's
-    #: state (the key a ``RateLimiter`` of the name uses).
-    key: str
-    #: A Limit's fence counter ("" for a Rate).
-    fence: str
-    #: The name's operator controls (:attr:`~.keys.LockKeys.control`).
-    control: str
+    #: The keys of its name: a Limit's from :func:`~.keys.permit_keys` (a Limit of one:
+    #: :func:`~.keys.lock_keys`, the mutex of its name), a Rate's from ``lock_keys`` (its
+    #: state at ``rate``, where a ``RateLimiter`` of the name keeps it).
+    keys: LockKeys
     #: A Limit's permits (0 for a Rate).
     limit: int = 0
     #: A Rate's emission interval in microseconds, and its burst.
@@ -133,10 +128,6 @@ class Rule:
     burst: int = 1
     #: A Rate's units taken by this acquisition.
     cost: int = 1
-    #: A Limit's wake-up list, waiter mark and released tokens (its release wakes a waiter).
-    notify: str = ""
-    waiting: str = ""
-    released: str = ""
 
     @property
     def is_rate(self) -> bool:
@@ -150,18 +141,14 @@ class Rule:
         return self.limit == 1
 
     @property
-    def keys(self) -> LockKeys:
-        """A Limit's keys: :func:`~.keys.permit_keys` of its name, or for a Limit of one
-        :func:`~.keys.lock_keys`."""
-        return LockKeys(
-            name=self.name,
-            lock=self.key,
-            fence=self.fence,
-            notify=self.notify,
-            waiting=self.waiting,
-            released=self.released,
-            control=self.control,
-        )
+    def name(self) -> str:
+        """The rule's rendered name (``partner:acme``)."""
+        return self.keys.name
+
+    @property
+    def key(self) -> str:
+        """What the rule takes: a Limit's permits hash (or lock hash), a Rate's state."""
+        return self.keys.rate if self.is_rate else self.keys.lock
 
 
 @dataclass(frozen=True, slots=True)

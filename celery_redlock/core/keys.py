@@ -70,6 +70,8 @@ class LockKeys:
     #: The name's operator controls (a pause, a limit, a rate: ``celery locks pause`` /
     #: ``set``), a hash read by the acquire of a task's run (see FlowControl).
     control: str = ""
+    #: The state of the name's rate limiter (see :func:`rate_key`).
+    rate: str = ""
 
 
 def normalize_name(name: str) -> str:
@@ -122,6 +124,7 @@ def lock_keys(name: str, prefix: str = "redlock:") -> LockKeys:
         done=f"{base}:done",
         released=f"{base}:recent",
         control=f"{base}:control",
+        rate=f"{base}:rate",
     )
 
 
@@ -154,7 +157,7 @@ def permit_keys(name: str, prefix: str = "redlock:") -> LockKeys:
 def rate_key(name: str, prefix: str = "redlock:") -> str:
     """The key of rate limiter *name*: ``<prefix>{<name>}:rate`` (the hash tag of the lock
     of that name)."""
-    return f"{lock_keys(name, prefix).lock}:rate"
+    return lock_keys(name, prefix).rate
 
 
 def render_value(value: Any) -> str:

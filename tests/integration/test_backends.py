@@ -57,7 +57,7 @@ from celery_redlock.core import (
 from celery_redlock.core.admin import ForceRelease, LockInfo, RateInfo
 from celery_redlock.core.backend_types import RECENT_BYTES, Rule
 from celery_redlock.core.backends.memory import MemoryBackend
-from celery_redlock.core.keys import permit_keys, rate_key
+from celery_redlock.core.keys import permit_keys
 
 #: Every backend the suite runs on; a new backend is done when it passes with its name here.
 BACKENDS = ["memory", "redis", "sentinel", "cluster", "quorum"]
@@ -933,19 +933,12 @@ def _limit(name: str, limit: int) -> Rule:
     """A ``Limit(name, limit)`` rule as a run's lock takes it (``flow.rules_for``): a
     permit of *name*, or for a Limit of one the mutex of *name*."""
     keys = lock_keys(name, PREFIX) if limit == 1 else permit_keys(name, PREFIX)
-    return Rule(
-        keys.name, keys.lock, keys.fence, keys.control, limit=limit,
-        notify=keys.notify, waiting=keys.waiting, released=keys.released,
-    )  # fmt: skip
+    return Rule(keys, limit=limit)
 
 
 def _rate(name: str, interval_us: int, burst: int = 1, cost: int = 1) -> Rule:
     """A ``Rate`` rule on *name*: a unit per *interval_us*, *burst* at once, *cost* a run."""
-    keys = lock_keys(name, PREFIX)
-    return Rule(
-        keys.name, rate_key(name, PREFIX), "", keys.control,
-        interval_us=interval_us, burst=burst, cost=cost,
-    )  # fmt: skip
+    return Rule(lock_keys(name, PREFIX), interval_us=interval_us, burst=burst, cost=cost)
 
 
 def _ruled(target: Any, name: str, rules: list[Rule], ttl: float = 10, **options: Any) -> Lock:

@@ -39,7 +39,7 @@ from servers import RedisServer
 from celery_redlock.core import Lock, Slot, connect
 from celery_redlock.core.backend_types import Rule
 from celery_redlock.core.backends.redis_backend import RedisBackend
-from celery_redlock.core.keys import lock_keys, permit_keys, rate_key
+from celery_redlock.core.keys import lock_keys, permit_keys
 
 TTL = 60.0
 HOUR_US = 3_600_000_000
@@ -87,14 +87,9 @@ class FlowModel(RuleBasedStateMachine):
         out = []
         for name, limit in limits.items():
             k = lock_keys(name, self.prefix) if limit == 1 else permit_keys(name, self.prefix)
-            out.append(
-                Rule(k.name, k.lock, k.fence, k.control, limit=limit, notify=k.notify,
-                     waiting=k.waiting, released=k.released)
-            )  # fmt: skip
+            out.append(Rule(k, limit=limit))
         if rated:
-            control = lock_keys("R", self.prefix).control
-            out.append(Rule("R", rate_key("R", self.prefix), "", control, interval_us=HOUR_US,
-                            burst=2))  # fmt: skip
+            out.append(Rule(lock_keys("R", self.prefix), interval_us=HOUR_US, burst=2))
         return out
 
     def _lock(self, i: int) -> Lock:

@@ -77,10 +77,7 @@ def _hold_limit(app: Celery, key: str, limit: int) -> Lock:
     """Another run's hold of ``Limit(key, limit)`` in *app*'s store: one of its permits,
     or for a Limit of one the mutex of *key* (a Lock of that name)."""
     keys = lock_keys(key) if limit == 1 else permit_keys(key)
-    rule = Rule(
-        keys.name, keys.lock, keys.fence, keys.control, limit=limit,
-        notify=keys.notify, waiting=keys.waiting, released=keys.released,
-    )  # fmt: skip
+    rule = Rule(keys, limit=limit)
     lock = Lock(
         state_for(app).backend(), f"other:{uuid.uuid4().hex[:8]}", ttl=10, auto_renew=False,
         owner_info={"task_name": "proj.other", "task_id": "t-other"},

@@ -68,7 +68,7 @@ class MemoryFlow(MemoryStore):
         now_us = round(self.now * 1000)
         plan: list[tuple[Rule, int, int, int]] = []  # rule, limit or interval, burst, tat
         for rule in slot.rules:
-            controls = self._controls(rule.control)
+            controls = self._controls(rule.keys.control)
             paused(controls, rule.name)
             if rule.is_mutex:  # the lock of its name; a permit frees when its holder ends
                 held: dict[str, str] = self.get(rule.key, "hash") or {}

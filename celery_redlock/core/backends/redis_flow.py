@@ -56,7 +56,7 @@ class RedisFlow(RedisCalls):
         keys = [*names, slot.keys.control]
         argv: list[Any] = [len(names), "permit" if slot.permits else "lock", len(args), *args]
         for rule in slot.rules:
-            keys += [rule.key, rule.fence or rule.key, rule.control]
+            keys += [rule.key, rule.key if rule.is_rate else rule.keys.fence, rule.keys.control]
             kind = "rate" if rule.is_rate else "mutex" if rule.is_mutex else "limit"
             size = rule.interval_us if rule.is_rate else rule.limit
             argv += [kind, size, rule.burst, rule.cost, rule.name]
@@ -67,7 +67,7 @@ class RedisFlow(RedisCalls):
         keys = list(names)
         argv: list[Any] = [len(names), "permit" if slot.permits else "lock", len(args), *args]
         for rule in slot.held_rules:
-            keys += [rule.key, rule.notify, rule.waiting, rule.released]
+            keys += [rule.key, rule.keys.notify, rule.keys.waiting, rule.keys.released]
             argv += ["mutex" if rule.is_mutex else "limit", rule.limit, RECENT_BYTES]
         codes = [Status.of(code) for code in self._run(RELEASE_ALL, keys, argv)]
         return Status.first_failure(codes)
