@@ -52,6 +52,22 @@ def holds_key(server: RedisServer, name: str) -> bool:
         client.close()
 
 
+def warm(lock: Redlock, servers: list[RedisServer], tries: int = 50) -> None:
+    """Acquire and release until every master has answered an acquire (in some round):
+    each is then heard from, and later calls there wait the per-node timeout, not the
+    longer first-contact one. (A majority decides a round, so one round may not wait for
+    a slow master.) Returns once the last release has reached every master."""
+    answered: set[str] = set()
+    for _ in range(tries):
+        assert lock.acquire(blocking=False)
+        answered |= {name for name, said in lock.masters.items() if "acquired" in said}
+        lock.release()
+        if len(answered) == lock.backend.masters:
+            wait_for(lambda: not any(holds_key(s, lock.name) for s in servers), 3, "the release")
+            return
+    raise AssertionError(f"a master never answered an acquire: {lock.masters}")
+
+
 # --------------------------------------------------------------------------- basics
 
 
@@ -312,8 +328,7 @@ def test_majority_paused_raises_quorum_unavailable_promptly_and_leaves_nothing(
     down = servers[: n // 2 + 1]
     live = servers[n // 2 + 1 :]
     lock = Redlock(clients_of(servers), "rl:majority", ttl=2)  # per-node timeout 100 ms
-    assert lock.acquire(blocking=False)  # warm: connections open on every master
-    lock.release()
+    warm(lock, servers)
     for server in down:
         server.pause()
     try:
@@ -352,9 +367,7 @@ def test_paused_master_does_not_slow_an_acquire_the_others_decide(
     """One master SIGSTOPped: acquire and release complete on the other two at once."""
     servers = redis_servers(3)
     lock = Redlock(clients_of(servers), "rl:paused", ttl=2)  # per-node timeout 100 ms
-    for _ in range(2):  # open connections to every master
-        assert lock.acquire(blocking=False)
-        lock.release()
+    warm(lock, servers)
     servers[0].pause()
     try:
         began = time.monotonic()
@@ -371,9 +384,7 @@ def test_an_answer_nobody_waited_for_gives_its_connection_back(redis_servers: Se
     release ran after its acquire (nothing left held there), and it is asked again."""
     servers = redis_servers(3)
     lock = Redlock(clients_of(servers), "rl:parked", ttl=2)
-    for _ in range(2):  # every master heard from: calls are sent directly
-        assert lock.acquire(blocking=False)
-        lock.release()
+    warm(lock, servers)  # every master heard from: calls are sent directly
     quorum = lock.backend
     gates = quorum.gates  # type: ignore[attr-defined]
     servers[0].pause()
@@ -404,9 +415,7 @@ def test_paused_master_whose_vote_is_needed_costs_the_per_node_timeout_then_is_g
     servers = redis_servers(3)
     clients = clients_of(servers)
     lock = Redlock(clients, "rl:needed", ttl=10, per_node_timeout=0.1)
-    for _ in range(2):  # open connections to every master
-        assert lock.acquire(blocking=False)
-        lock.release()
+    warm(lock, servers)
     other = Lock(clients[1], "rl:needed", ttl=10, auto_renew=False)
     assert other.acquire(blocking=False)
     servers[0].pause()
