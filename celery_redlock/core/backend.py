@@ -147,16 +147,11 @@ def lacks(backend: Any, what: type) -> str:
 
 
 def has(backend: Any, what: type) -> bool:
-    """True when *backend* implements capability *what* (checked once per type), unless
-    this one declines it (``declines(what)``: a Redis Cluster declines what one script
-    on one node cannot do; its ``why_not`` says why)."""
+    """True when *backend* implements capability *what* (checked once per type)."""
     key = (type(backend), what)
     found = _HAS.get(key)
     if found is None:
         found = _HAS[key] = _implements(backend, what)
-    if found:
-        declines = getattr(backend, "declines", None)
-        return not (declines is not None and declines(what))
     return found
 
 

@@ -966,17 +966,16 @@ def _free_units(target: Any, name: str) -> int | None:
 
 
 def _without_flow(target: Any, name: str) -> bool:
-    """True on a backend without flow control (a Redlock quorum; a Redis Cluster, whose
-    scripts run on one node), after asserting that a lock's rules are refused there with a
-    ConfigError naming it, and that a lock asked to obey controls alone still works."""
-    quorum = _quorum(target)
-    if not quorum and not getattr(open_backend(target), "cluster", False):
+    """True on a backend without flow control (a Redlock quorum), after asserting that a
+    lock's rules are refused there with a ConfigError naming it, and that a lock asked to
+    obey controls alone still works (reading none)."""
+    if not _quorum(target):
         return False
     lock = Lock(target, name, ttl=10, auto_renew=False)
-    with pytest.raises(ConfigError, match="flow control" if quorum else "flow control|lock_limits"):
+    with pytest.raises(ConfigError, match="flow control"):
         lock.hold_with([_limit(f"{name}:limit", 2)])
     lock.hold_with([], controlled=True)
-    assert not (quorum and lock.slot.flow)  # a quorum reads no controls
+    assert not lock.slot.flow  # a quorum reads no controls
     assert lock.acquire(blocking=False)
     lock.release()
     return True
@@ -985,7 +984,7 @@ def _without_flow(target: Any, name: str) -> bool:
 def test_flow_a_refusal_takes_nothing(target: Any, name: str) -> None:
     """A run refused by one of its rules, or by its own key's holder, holds nothing: its
     lock stays free, its other Limits' permits are not taken, its Rates' units are not
-    spent (quorum and cluster: rules refused)."""
+    spent (quorum: rules refused)."""
     if _without_flow(target, name):
         return
     full, other = _limit(f"{name}:full", 1), _limit(f"{name}:other", 5)
@@ -1024,7 +1023,7 @@ def test_flow_a_full_limit_refuses_with_its_name_and_its_holder(target: Any, nam
     """A Limit whose permits are all held refuses the next run: refused_by is the Limit's
     name, refusal "limit", holder the record of the permit that expires first, and no
     wait is known (a permit frees when its holder ends); once a permit is given back the
-    run gets in (quorum and cluster: rules refused)."""
+    run gets in (quorum: rules refused)."""
     if _without_flow(target, name):
         return
     limit = _limit(f"{name}:imports", 2)
@@ -1046,7 +1045,7 @@ def test_flow_a_full_limit_refuses_with_its_name_and_its_holder(target: Any, nam
 def test_flow_a_limit_of_one_is_the_mutex_of_its_name(target: Any, name: str) -> None:
     """A Limit of one and a Lock of its name exclude each other: a run is refused while
     the Lock holds the name (its record as holder, no known wait), a Lock is refused while
-    a run holds it, and their fences come from one counter (quorum and cluster: rules
+    a run holds it, and their fences come from one counter (quorum: rules
     refused)."""
     if _without_flow(target, name):
         return
@@ -1075,7 +1074,7 @@ def test_flow_a_pause_refuses_runs_until_it_lapses_or_is_lifted(target: Any, nam
     """A pause of a run's own name, or of one of its rules' names, refuses it ("paused",
     the reason as holder, the time left as the wait: None with no end); a timed pause
     lapses by itself, an open one holds until lifted; a Lock that is not a run's (user
-    code) ignores pauses (quorum and cluster: rules refused)."""
+    code) ignores pauses (quorum: rules refused)."""
     if _without_flow(target, name):
         return
     set_at = time.monotonic()
@@ -1104,7 +1103,7 @@ def test_flow_a_pause_refuses_runs_until_it_lapses_or_is_lifted(target: Any, nam
 
 def test_flow_a_blocked_run_gets_in_when_its_pause_ends(target: Any, name: str) -> None:
     """A blocking acquire refused by a 0.3 s pause waits out the pause's time left and gets
-    in soon after it ends, not after its own timeout (quorum and cluster: rules refused)."""
+    in soon after it ends, not after its own timeout (quorum: rules refused)."""
     if _without_flow(target, name):
         return
     run = _ruled(target, name, [])
@@ -1121,7 +1120,7 @@ def test_flow_a_run_blocked_by_a_limit_gets_in_soon_after_a_permit_is_given_back
 ) -> None:
     """A blocking acquire refused by a full Limit gets in soon after the holder gives its
     permit back, not when the holder's lease would have ended or at its own timeout
-    (quorum and cluster: rules refused)."""
+    (quorum: rules refused)."""
     if _without_flow(target, name):
         return
     limit = _limit(f"{name}:limit", 2)
@@ -1147,7 +1146,7 @@ def test_flow_a_limit_override_admits_fewer_and_holders_above_it_keep_theirs(
 ) -> None:
     """A limit set on a Limit's name below its holders admits no new run until they are
     fewer than it, while those holders keep and give back their permits as usual; lifted,
-    the rule's own limit is back (quorum and cluster: rules refused)."""
+    the rule's own limit is back (quorum: rules refused)."""
     if _without_flow(target, name):
         return
     limit = _limit(f"{name}:imports", 3)
@@ -1172,8 +1171,8 @@ def test_flow_a_limit_override_of_a_semaphores_own_name_admits_fewer(
     target: Any, name: str
 ) -> None:
     """A run holding one of 3 permits of its own name (lock_limit=3) obeys a limit of 1 set
-    on that name: a second run is refused until the first gives its permit back (quorum
-    and cluster: rules refused)."""
+    on that name: a second run is refused until the first gives its permit back (quorum: rules
+    refused)."""
     if _without_flow(target, name):
         return
     runs = [Semaphore(target, name, 3, ttl=10, auto_renew=False) for _ in range(3)]
@@ -1195,7 +1194,7 @@ def test_flow_a_limit_override_of_a_semaphores_own_name_admits_fewer(
 
 def test_flow_a_rate_override_replaces_the_rules_rate_and_burst(target: Any, name: str) -> None:
     """A rate set on a Rate's name replaces the rule's interval, and its burst unless the
-    override's is 0 (quorum and cluster: rules refused)."""
+    override's is 0 (quorum: rules refused)."""
     if _without_flow(target, name):
         return
 
@@ -1260,7 +1259,7 @@ def test_flow_a_weighted_run_takes_its_cost_in_units_at_most_the_burst_at_once(
 def test_flow_a_release_gives_back_every_limits_permit(target: Any, name: str) -> None:
     """A run's release gives back its lock and each of its Limits (a Limit of one: its
     name's mutex; else a permit): another run then takes them; a re-sent copy of that
-    release is OK (quorum and cluster: rules refused)."""
+    release is OK (quorum: rules refused)."""
     if _without_flow(target, name):
         return
     first_limit, second_limit = _limit(f"{name}:a", 1), _limit(f"{name}:b", 2)
@@ -1284,7 +1283,7 @@ def test_flow_renewal_and_extend_keep_the_limits_permits_past_their_first_lease(
 ) -> None:
     """A run's Limits (mutexes, and permits of a Limit of 2 that both runs hold) live as
     long as its lock: renewed with it (0.5 s leases held past 1.1 s) and lengthened by
-    extend(); given back, they are free (quorum and cluster: rules refused)."""
+    extend(); given back, they are free (quorum: rules refused)."""
     if _without_flow(target, name):
         return
     renewed_limit, extended_limit = _limit(f"{name}:renewed", 1), _limit(f"{name}:extended", 1)
@@ -1319,7 +1318,7 @@ def test_flow_fences_rise_per_name_and_lock_fences_names_the_lock_and_each_limit
 ) -> None:
     """lock.fences maps the lock's name and each Limit's (not a Rate's) to its fence; each
     name's fences strictly increase across runs, and a Limit shares its name's counter
-    with a Lock of that name (quorum and cluster: rules refused)."""
+    with a Lock of that name (quorum: rules refused)."""
     if _without_flow(target, name):
         return
     first, second, third = _limit(f"{name}:a", 2), _limit(f"{name}:b", 2), _limit(f"{name}:c", 1)
@@ -1344,7 +1343,7 @@ def test_flow_fences_rise_per_name_and_lock_fences_names_the_lock_and_each_limit
 def test_flow_a_resent_acquire_holds_the_lock_and_its_limits_once(target: Any, name: str) -> None:
     """An acquire with rules re-sent with the same token is granted again with the same
     fences (its own permit does not refuse it), holds one permit and spends one unit;
-    one release gives everything back (quorum and cluster: rules refused)."""
+    one release gives everything back (quorum: rules refused)."""
     if _without_flow(target, name):
         return
     limit, permit = _limit(f"{name}:limit", 1), _limit(f"{name}:permit", 1_000)
@@ -1372,7 +1371,7 @@ def test_flow_a_take_over_of_a_queued_hold_obeys_controls_and_takes_the_rules(
 ) -> None:
     """The hand-over of an enqueue-time hold to its run goes through flow control: refused
     while the name is paused (the hold stays queued), then taken with the run's Limit
-    (quorum and cluster: rules refused)."""
+    (quorum: rules refused)."""
     if _without_flow(target, name):
         return
     limit = _limit(f"{name}:limit", 1)
@@ -1395,7 +1394,7 @@ def test_flow_a_take_over_of_a_queued_hold_obeys_controls_and_takes_the_rules(
 def test_flow_controls_lists_what_is_in_force(target: Any, name: str) -> None:
     """controls(prefix, pattern) lists each control in force under the prefix whose name
     matches: kind, value, time left (None: until lifted); a lapsed or lifted one is gone
-    (quorum and cluster: rules refused)."""
+    (quorum: rules refused)."""
     if _without_flow(target, name):
         return
     backend = open_backend(target)

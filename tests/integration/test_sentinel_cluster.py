@@ -29,7 +29,10 @@ from servers import (
 
 from celery_redlock import Lock, QuorumUnavailable, Redlock, connect
 from celery_redlock.core import mask_url
-from celery_redlock.core.keys import lock_keys
+from celery_redlock.core.admin import read_lock, read_rate
+from celery_redlock.core.backend_types import Rule
+from celery_redlock.core.backends import open_backend
+from celery_redlock.core.keys import lock_keys, permit_keys
 from celery_redlock.core.renewal import get_manager
 
 Servers = Callable[[int], list[RedisServer]]
@@ -163,6 +166,88 @@ def test_cluster_waiter_is_woken_by_the_release(redis_cluster: ClusterSetup) -> 
     holder.release()
     thread.join(15)
     assert got and got[0] - released < 1.0
+
+
+def names_in_slots(client: RedisCluster, count: int, key: Callable[[str], str]) -> list[str]:
+    """*count* names "cf:<i>" whose keys (``key(name)``) fall in distinct hash slots on
+    distinct nodes, in the order of their slots."""
+    chosen: dict[str, str] = {}  # node -> name
+    for i in range(1000):
+        name = f"cf:{i}"
+        node = client.get_node_from_key(key(name)).name
+        chosen.setdefault(node, name)
+        if len(chosen) == count:
+            break
+    assert len(chosen) == count, chosen
+    return sorted(chosen.values(), key=lambda n: client.keyslot(key(n)))
+
+
+def test_cluster_run_with_rules_in_other_slots_holds_all_or_nothing(
+    redis_cluster: ClusterSetup,
+) -> None:
+    """A run whose lock, Rate and Limits hash to three nodes' slots: refused by a Limit in
+    a later slot, it keeps nothing (its lock free, the Rate's unit taken in an earlier
+    slot returned); granted, it has a fence per rule, its Limits are renewed past their
+    lease with it, and one release gives them all back. Operator controls there are read
+    in the run's own script and listed from every primary."""
+    client = redis_cluster.client()
+    prefix = "redlock:"
+    rate_name, limit_name, run_name = names_in_slots(client, 3, lambda n: lock_keys(n).lock)
+    rate_slot = client.keyslot(lock_keys(rate_name).lock)
+    # The mutex's slot after the Rate's: the Rate's unit is taken before the mutex refuses.
+    mutex_name = next(
+        n
+        for n in (f"{limit_name}:m{j}" for j in range(100))
+        if client.keyslot(lock_keys(n).lock) > rate_slot
+    )
+    rate = Rule(lock_keys(rate_name), interval_us=60_000_000, burst=2)  # 2 at once, then 1/m
+    limit = Rule(permit_keys(limit_name), limit=2)
+    mutex = Rule(lock_keys(mutex_name), limit=1)
+    rules = [rate, limit, mutex]
+    slots = {client.keyslot(r.key) for r in rules} | {client.keyslot(lock_keys(run_name).lock)}
+    assert len(slots) == 4
+
+    squatter = Lock(client, mutex_name, ttl=10, auto_renew=False)
+    assert squatter.acquire(blocking=False)
+    run = Lock(client, run_name, ttl=0.6)
+    run.hold_with(rules)
+    assert run.acquire(blocking=False) is False
+    assert (run.refused_by, run.refusal) == (mutex_name, "limit")
+    assert read_lock(client, prefix, run_name) == []
+    assert read_lock(client, prefix, limit_name) == []
+    info = read_rate(client, prefix, rate_name)
+    assert info is None or info.free == 2  # the unit taken first was returned
+
+    squatter.release()
+    assert run.acquire(blocking=False)
+    assert set(run.fences) == {run_name, limit_name, mutex_name}  # a Rate has no fence
+    assert run.fences[run_name] == run.fence
+    assert run.fences[mutex_name] > 0 and run.fences[limit_name] > 0
+    info = read_rate(client, prefix, rate_name)
+    assert info is not None and info.free == 1
+    rounds = get_manager().rounds
+    assert wait_for(lambda: get_manager().rounds >= rounds + 3, 5)  # past the 0.6 s lease
+    assert run.owned() and not run.lost
+    for name in (limit_name, mutex_name):
+        held = [h for h in read_lock(client, prefix, name) if h.state != "queued"]
+        assert len(held) == 1, (name, held)
+    run.release()
+    for name in (run_name, limit_name, mutex_name):
+        assert read_lock(client, prefix, name) == [], name
+
+    backend = open_backend(client)
+    assert backend.set_control(lock_keys(limit_name).control, "pause", "partner down", 0)
+    listed = backend.controls(prefix)
+    assert [(c.name, c.kind, c.value) for c in listed] == [(limit_name, "pause", "partner down")]
+    assert run.acquire(blocking=False) is False
+    assert (run.refused_by, run.refusal) == (limit_name, "paused")
+    assert read_lock(client, prefix, run_name) == []
+    plain = Lock(client, limit_name, ttl=5, auto_renew=False)
+    plain.hold_with([], controlled=True)
+    assert plain.acquire(blocking=False) is False  # a pause on its own name, same script
+    assert backend.set_control(lock_keys(limit_name).control, "pause", None, 0)
+    assert run.acquire(blocking=False)
+    run.release()
 
 
 # --------------------------------------------------------------------------- TLS

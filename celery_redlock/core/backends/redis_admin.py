@@ -37,7 +37,16 @@ from ..keys import LockKeys, lock_keys, name_of_key, normalize_name, rate_key
 #: that node's client: passed in, since that backend uses this module).
 Permits = Callable[[Any, Slot], list[Holder]]
 
-__all__ = ["fence_of", "foreign_data_message", "read", "read_rate", "scan", "scan_rates"]
+__all__ = [
+    "fence_of",
+    "foreign_data_message",
+    "node_of",
+    "primaries",
+    "read",
+    "read_rate",
+    "scan",
+    "scan_rates",
+]
 
 #: Keys asked for per SCAN round trip, and hashes read per pipeline.
 SCAN_COUNT = 500
@@ -57,7 +66,7 @@ def scan(client: Any, prefix: str, pattern: str, permits: Permits) -> list[LockI
     (``sync:*``: ``*``, ``?`` and ``[abc]``), sorted by name; one name's permits first
     to expire first."""
     found: list[LockInfo] = []
-    for node in _primaries(client):
+    for node in primaries(client):
         keys = _named(node, prefix, pattern, "*")
         found += _locks(node, [k for k in keys if k.endswith("}")], prefix)
         found += _queued(node, [k for k in keys if k.endswith(_QUEUED)], prefix)
@@ -73,7 +82,7 @@ def read(client: Any, prefix: str, name: str, permits: Permits) -> list[LockInfo
     can have, and when the lock key holds something that is not a lock (foreign data).
     """
     keys = lock_keys(name, prefix)
-    node = _node_of(client, keys.lock)
+    node = node_of(client, keys.lock)
     found = _locks(node, [keys.lock], prefix)
     if not found:
         kind = text(node.type(keys.lock))
@@ -91,7 +100,7 @@ def read(client: Any, prefix: str, name: str, permits: Permits) -> list[LockInfo
 def scan_rates(client: Any, prefix: str, pattern: str = "*") -> list[RateInfo]:
     """The state of every rate limiter whose name matches *pattern*, sorted by name."""
     found: list[RateInfo] = []
-    for node in _primaries(client):
+    for node in primaries(client):
         for key in _named(node, prefix, pattern, ":rate"):
             if key.endswith(_RATE):
                 info = _limiter(node, key, name_of_key(key, prefix))
@@ -103,17 +112,19 @@ def scan_rates(client: Any, prefix: str, pattern: str = "*") -> list[RateInfo]:
 def read_rate(client: Any, prefix: str, name: str) -> RateInfo | None:
     """The state of rate limiter *name*, or None when it is idle (no state)."""
     key = rate_key(name, prefix)
-    return _limiter(_node_of(client, key), key, normalize_name(name))
+    return _limiter(node_of(client, key), key, normalize_name(name))
 
 
-def _primaries(client: Any) -> list[Any]:
+def primaries(client: Any) -> list[Any]:
     """Plain clients to scan: the client itself, or one per primary of a cluster."""
     if isinstance(client, RedisCluster):
         return [client.get_redis_connection(n) for n in client.get_primaries()]  # type: ignore[no-untyped-call]
     return [client]
 
 
-def _node_of(client: Any, key: str) -> Any:
+def node_of(client: Any, key: str) -> Any:
+    """A plain client of the node that serves *key*: the client itself, or a cluster's
+    node of the key's slot."""
     if isinstance(client, RedisCluster):
         return client.get_redis_connection(client.get_node_from_key(key))  # type: ignore[no-untyped-call]
     return client

@@ -251,6 +251,14 @@ class RedisBackend(RedisHolds, RedisOperator, RedisFlow):
                 flat, where = rule_renewals(items)
                 each = extend_many(self.client, flat, self._pool)
                 return [Status.first_failure([each[i] for i in own]) for own in where]
+        if any(item.slot.held_rules for item in items):
+            flat, where = rule_renewals(items)
+            outcomes = self._renew_nodes(flat)
+            return [_first_failure([outcomes[i] for i in own]) for own in where]
+        return self._renew_nodes(items)
+
+    def _renew_nodes(self, items: Sequence[Renewal]) -> list[Status | QuorumUnavailable]:
+        """A cluster's renewal: ``extend_node.lua`` on each node for the items it serves."""
         by_node: dict[str, list[int]] = defaultdict(list)
         nodes: dict[str, Any] = {}
         for i, item in enumerate(items):
@@ -403,6 +411,15 @@ _SENDS: dict[str, Callable[..., _Sending]] = {
     "extend": _send_extend,
     "enqueue": _send_enqueue,
 }
+
+
+def _first_failure(found: Sequence[Status | QuorumUnavailable]) -> Status | QuorumUnavailable:
+    """The outcome of an item renewed with its Limits: the first that did not answer,
+    else the first failure (:meth:`~..backend_types.Status.first_failure`)."""
+    for each in found:
+        if isinstance(each, QuorumUnavailable):
+            return each
+    return Status.first_failure([s for s in found if isinstance(s, Status)])
 
 
 def _granted(reply: Any) -> Grant:

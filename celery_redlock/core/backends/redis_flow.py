@@ -4,22 +4,27 @@ slot with rules or under operator control is taken by ``hold_all.lua`` and given
 arguments, and do the same for its rules, in one step; the controls are written by
 ``control.lua`` and read with ``SCAN``.
 
-A Redis Cluster runs a script on one node: it declines FlowControl
-(:meth:`RedisFlow.declines`, and :meth:`RedisFlow.why_not` says why), so a worker whose
-tasks set ``lock_limits`` there stops at start-up, and its runs read no controls.
+A Redis Cluster runs a script on one node, on the keys of one hash slot; a name's keys
+share its slot (:mod:`~celery_redlock.core.keys`), so a name's controls are read in its
+own acquire there too. A run whose rules name keys in other slots is taken one
+``hold_all.lua`` per slot, in turn: the primary's slot (with the rules that share it)
+first, then the others in slot order, each with no primary (``'none'``); a refusal gives
+back what the earlier slots took, so the run still holds all or nothing once the call
+returns. Its release, extend and renewal go to each slot likewise.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-from ..backend import FlowControl
 from ..backend_types import (
     RECENT_BYTES,
     Control,
     Grant,
     Renewal,
+    Rule,
     Slot,
     Status,
     parse_holder,
@@ -27,59 +32,155 @@ from ..backend_types import (
 )
 from ..errors import cost_above_burst
 from ..keys import name_of_key
+from .redis_admin import node_of, primaries
 from .redis_calls import RedisCalls
 from .redis_scripts import CONTROL, HOLD_ALL, RELEASE_ALL, extend_many, grant_of
 
 __all__ = ["RedisFlow", "flow_grant", "rule_renewals"]
 
+#: How many arguments of a primary's acquire a rule's hold takes (token, lease, record,
+#: wait, fence ttl): what a slot of a cluster with no primary is sent.
+_RULE_ARGS = 5
+
 
 class RedisFlow(RedisCalls):
-    """FlowControl on one Redis (a Cluster declines it)."""
-
-    def declines(self, capability: type) -> bool:
-        """A Redis Cluster declines FlowControl: a run's holds on several names are one
-        script, which runs on one node."""
-        return self.cluster and capability is FlowControl
-
-    def why_not(self, capability: type) -> str:
-        """Why this backend lacks *capability* (the reason in :func:`~..backend.lacks`)."""
-        if self.cluster and capability is FlowControl:
-            return (
-                "a Redis Cluster runs a script on one node, and a run's holds on several "
-                "names are one script; use one Redis or a Sentinel-managed master"
-            )
-        return ""
+    """FlowControl on one Redis or a Redis Cluster."""
 
     def _hold_all(self, slot: Slot, names: list[str], args: list[Any]) -> Any:
         """``hold_all.lua``: the slot's own acquire script (*names*, *args*) with its controls
-        and rules."""
-        keys = [*names, slot.keys.control]
-        argv: list[Any] = [len(names), "permit" if slot.permits else "lock", len(args), *args]
-        for rule in slot.rules:
+        and rules (on a cluster, one call per hash slot: see the module)."""
+        if self.cluster:
+            near, far = self._by_slot(slot, slot.rules)
+            if far:
+                return self._hold_by_slot(slot, near, far, names, args)
+        return self._hold_here(slot, slot.rules, names, args)
+
+    def _hold_here(
+        self, slot: Slot, rules: Sequence[Rule], names: list[str], args: list[Any]
+    ) -> Any:
+        """One ``hold_all.lua``: *slot*'s primary (none when *names* is empty) and *rules*."""
+        keys = [*names, slot.keys.control] if names else []
+        kind = "none" if not names else "permit" if slot.permits else "lock"
+        argv: list[Any] = [len(names), kind, len(args), *args]
+        for rule in rules:
             keys += [rule.key, rule.key if rule.is_rate else rule.keys.fence, rule.keys.control]
             kind = "rate" if rule.is_rate else "mutex" if rule.is_mutex else "limit"
             size = rule.interval_us if rule.is_rate else rule.limit
             argv += [kind, size, rule.burst, rule.cost, rule.name]
         return self._run(HOLD_ALL, keys, argv)
 
+    def _hold_by_slot(
+        self,
+        slot: Slot,
+        near: list[int],
+        far: dict[int, list[int]],
+        names: list[str],
+        args: list[Any],
+    ) -> Any:
+        """The run's holds on a cluster whose rules span several hash slots: a reply as one
+        ``hold_all.lua`` would give (the fences in the order of ``slot.rules``)."""
+        reply = self._hold_here(slot, [slot.rules[i] for i in near], names, args)
+        if int(reply[0]) != 1:
+            return reply
+        fences = dict(zip(near, reply[2:], strict=True))
+        taken = list(near)
+        for where in sorted(far):
+            indexes = far[where]
+            try:
+                got = self._hold_here(slot, [slot.rules[i] for i in indexes], [], args[:_RULE_ARGS])
+            except Exception:
+                self._give_back_taken(slot, taken, str(args[0]), int(args[1]))
+                raise
+            if int(got[0]) != 1:
+                self._give_back_taken(slot, taken, str(args[0]), int(args[1]))
+                return got
+            fences.update(zip(indexes, got[2:], strict=True))
+            taken += indexes
+        return [1, reply[1], *(fences[i] for i in range(len(slot.rules)))]
+
+    def _give_back_taken(self, slot: Slot, taken: list[int], token: str, ttl_ms: int) -> None:
+        """Give back a cluster's run refused (or failed) in a later slot: its primary and
+        Limits (:meth:`_abandon`), and the units of the Rates in *taken* (indexes of
+        ``slot.rules``), best effort: what is not given back expires with its lease."""
+        self._abandon(slot, token, ttl_ms)
+        rates = [i for i in taken if slot.rules[i].is_rate]
+        groups: dict[int, list[Rule]] = {}
+        for i in rates:
+            rule = slot.rules[i]
+            groups.setdefault(self.client.keyslot(rule.key), []).append(rule)
+        for rules in groups.values():
+            keys: list[str] = []
+            argv: list[Any] = [0, "none", 2, token, ttl_ms]
+            for rule in rules:
+                keys += [rule.key] * 4
+                argv += ["rate", rule.interval_us, rule.cost]
+            with contextlib.suppress(Exception):
+                self._run(RELEASE_ALL, keys, argv)
+
+    def _abandon(self, slot: Slot, token: str, notice_ms: int) -> None:
+        """Give back what *token* may hold of *slot* and its rules, best effort, never
+        raising (here: after a cluster's slot refused or failed)."""
+        raise NotImplementedError  # pragma: no cover - RedisBackend has it
+
+    def _by_slot(self, slot: Slot, rules: Sequence[Rule]) -> tuple[list[int], dict[int, list[int]]]:
+        """The indexes of *rules* whose keys share *slot*'s cluster hash slot, and the
+        others' by their hash slot."""
+        here = self.client.keyslot(slot.keys.lock)
+        near: list[int] = []
+        far: dict[int, list[int]] = {}
+        for i, rule in enumerate(rules):
+            where = self.client.keyslot(rule.key)
+            if where == here:
+                near.append(i)
+            else:
+                far.setdefault(where, []).append(i)
+        return near, far
+
     def _release_all(self, slot: Slot, names: list[str], args: list[Any]) -> Status:
-        """``release_all.lua``: the slot's own release (*names*, *args*) and its Limits'."""
+        """``release_all.lua``: the slot's own release (*names*, *args*) and its Limits'
+        (on a cluster, the Limits of other hash slots one call per slot, each given back
+        whatever the others answer)."""
+        held = slot.held_rules
+        if not self.cluster:
+            return self._release_here(slot, held, names, args)
+        near, far = self._by_slot(slot, held)
+        codes = [self._release_here(slot, [held[i] for i in near], names, args)]
+        failed: Exception | None = None
+        for where in sorted(far):
+            try:
+                codes.append(self._release_here(slot, [held[i] for i in far[where]], [], args[:2]))
+            except Exception as exc:  # the others are still given back
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+        return Status.first_failure(codes)
+
+    def _release_here(
+        self, slot: Slot, rules: Sequence[Rule], names: list[str], args: list[Any]
+    ) -> Status:
+        """One ``release_all.lua``: *slot*'s primary (none when *names* is empty) and the
+        Limits *rules*."""
         keys = list(names)
-        argv: list[Any] = [len(names), "permit" if slot.permits else "lock", len(args), *args]
-        for rule in slot.held_rules:
+        kind = "none" if not names else "permit" if slot.permits else "lock"
+        argv: list[Any] = [len(names), kind, len(args), *args]
+        for rule in rules:
             keys += [rule.key, rule.keys.notify, rule.keys.waiting, rule.keys.released]
             argv += ["mutex" if rule.is_mutex else "limit", rule.limit, RECENT_BYTES]
         codes = [Status.of(code) for code in self._run(RELEASE_ALL, keys, argv)]
         return Status.first_failure(codes)
 
     def _extend_rules(self, slot: Slot, token: str, ms: int) -> Status:
-        """Set the lease of *slot*'s Limits held by *token* to *ms*, in one script."""
+        """Set the lease of *slot*'s Limits held by *token* to *ms*: one script (on a
+        cluster, one per hash slot)."""
         items = _rule_items(Renewal(slot, token, ms))
-        return (
-            Status.first_failure(extend_many(self.client, items, self._pool))
-            if items
-            else Status.OK
-        )
+        groups: dict[int, list[Renewal]] = {}
+        for item in items:
+            where = self.client.keyslot(item.slot.keys.lock) if self.cluster else 0
+            groups.setdefault(where, []).append(item)
+        codes: list[Status] = []
+        for group in groups.values():
+            codes += extend_many(self.client, group, self._pool)
+        return Status.first_failure(codes) if codes else Status.OK
 
     def set_control(self, control_key: str, kind: str, value: str | None, ttl_ms: int) -> bool:
         with self._errors(control_key):
@@ -88,12 +189,13 @@ class RedisFlow(RedisCalls):
     def controls(self, prefix: str, pattern: str = "*") -> list[Control]:
         found: list[Control] = []
         with self._errors(prefix):
-            for key in self.client.scan_iter(match=f"{prefix}{{{pattern}}}:control", count=500):
-                found += self._controls_at(text(key), prefix)
+            for node in primaries(self.client):
+                for key in node.scan_iter(match=f"{prefix}{{{pattern}}}:control", count=500):
+                    found += self._controls_at(text(key), prefix)
         return sorted(found, key=lambda c: (c.name, c.kind))
 
     def _controls_at(self, key: str, prefix: str) -> list[Control]:
-        pipe = self.client.pipeline(transaction=False)
+        pipe = node_of(self.client, key).pipeline(transaction=False)
         pipe.hgetall(key)
         pipe.execute_command("TIME")
         fields, (secs, micros) = pipe.execute()

@@ -3,8 +3,9 @@
 -- backend puts acquire.lua and permit_acquire.lua in front of this file as the local
 -- functions take_lock(KEYS, ARGV) and take_permit(KEYS, ARGV).
 -- KEYS[1 .. n]   the primary's keys, as acquire.lua (a mutex) or permit_acquire.lua (a
---                semaphore) takes them; n = ARGV[1]
--- KEYS[n + 1]    the primary's control hash: field -> '<until: server ms, 0 none>|<value>',
+--                semaphore) takes them; n = ARGV[1] (0 with 'none': rules alone, as
+--                the rules of a Redis Cluster slot other than the primary's)
+-- KEYS[n + 1]    the primary's control hash (absent with 'none'): field -> '<until: server ms, 0 none>|<value>',
 --                fields 'pause' (value: the reason), 'limit' (the permits of a
 --                semaphore) and 'rate' ('<interval us>|<burst, 0: the rule's own>|<as
 --                written>'); a lapsed field counts as absent
@@ -13,17 +14,19 @@
 --                rate.lua's), the Limit's fence counter (the Rate's state again), the
 --                rule's control hash
 -- ARGV[1]  n: how many keys the primary takes
--- ARGV[2]  'lock' or 'permit': which script takes the primary
+-- ARGV[2]  'lock' or 'permit': which script takes the primary; 'none': no primary
 -- ARGV[3]  m: how many arguments the primary takes, ARGV[4 .. 3 + m]: token, lease ms,
 --          record, wait, fence ttl (as acquire.lua), then its limit (a permit) or its
 --          hand-over (a lock); a Limit rule's permit uses the same token, lease, record
---          and fence ttl
+--          and fence ttl (with 'none', these five alone)
 -- then five per rule: 'limit', 'mutex' (a Limit of one) or 'rate', the limit or the
 --          interval in us, the burst, the cost (units of a Rate), the rule's name
--- Returns  {1, fence, f1, ..., fk}   taken: the primary's fence, then each rule's (0 for a
---                                     Rate); a re-sent copy finds its own token and
---                                     reports the same fences, and takes no Rate unit
---                                     again
+-- Returns  {1, fence, f1, ..., fk}   taken: the primary's fence (0 with 'none'), then
+--                                     each rule's (0 for a Rate); a re-sent copy finds
+--                                     its own token and reports the same fences, and
+--                                     takes no Rate unit again (with 'none': a Limit of
+--                                     the call holds the token, or a Rate's last
+--                                     taker, field 'by', is the token)
 --          the primary's refusal, as acquire.lua / permit_acquire.lua return it
 --          {-2, name, wait ms, why, detail}  refused by a control or a rule, nothing
 --                                     taken: why 'paused' (detail: the reason), 'limit'
@@ -86,10 +89,14 @@ local function paused(c, name)
   end
 end
 
-local main = controls(KEYS[n + 1])
-paused(main, '')
-if kind == 'permit' and main['limit'] then
-  pa[6] = main['limit'][2]
+local first = n + 1 -- the first rule's first key
+if kind ~= 'none' then
+  local main = controls(KEYS[n + 1])
+  paused(main, '')
+  if kind == 'permit' and main['limit'] then
+    pa[6] = main['limit'][2]
+  end
+  first = n + 2
 end
 
 -- Check every rule before anything is written.
@@ -99,7 +106,7 @@ local r = 0
 while ARGV[base + 1] do
   clock()
   r = r + 1
-  local k = n + 1 + 3 * (r - 1)
+  local k = first - 1 + 3 * (r - 1)
   local rule = {
     kind = ARGV[base + 1], a = tonumber(ARGV[base + 2]), burst = tonumber(ARGV[base + 3]),
     cost = tonumber(ARGV[base + 4]), name = ARGV[base + 5],
@@ -158,8 +165,18 @@ local function own()
   if resent == nil then
     if kind == 'permit' then
       resent = redis.call('HEXISTS', KEYS[1], pa[1]) == 1
-    else
+    elseif kind == 'lock' then
       resent = redis.call('HGET', KEYS[1], 'token') == pa[1]
+    else
+      resent = false
+      for i = 1, r do
+        local rule = rules[i]
+        if rule.kind == 'limit' and redis.call('HEXISTS', rule.key, pa[1]) == 1
+            or rule.kind == 'mutex' and redis.call('HGET', rule.key, 'token') == pa[1]
+            or rule.kind == 'rate' and redis.call('HGET', rule.key, 'by') == pa[1] then
+          resent = true
+        end
+      end
     end
   end
   return resent
@@ -171,10 +188,10 @@ end
 if r > 0 then
   own() -- before the primary is taken: is this a re-sent copy?
 end
-local got
+local got = {1, 0}
 if kind == 'permit' then
   got = take_permit(pk, pa)
-else
+elseif kind == 'lock' then
   got = take_lock(pk, pa)
 end
 if got[1] ~= 1 then
@@ -195,6 +212,9 @@ for i = 1, r do
   else
     local tat = rule.tat + rule.cost * rule.a
     redis.call('HSET', rule.key, 'tat', string.format('%d', tat), 'interval', string.format('%d', rule.a), 'burst', rule.burst)
+    if kind == 'none' then
+      redis.call('HSET', rule.key, 'by', pa[1])
+    end
     local line = tonumber(redis.call('HGET', rule.key, 'line') or '0') or 0
     redis.call('PEXPIRE', rule.key, math.ceil((math.max(tat, line) - now_us) / 1000) + 1)
     out[#out + 1] = 0
