@@ -238,8 +238,12 @@ def test_exhausted_pool_is_not_unavailable(
 
 
 def test_stopped_server_is_unavailable(redis_server: RedisServer) -> None:
-    """Every verb on a stopped server raises QuorumUnavailable naming its address."""
-    client = redis_server.client(socket_connect_timeout=0.5, socket_timeout=0.5)
+    """Every verb on a stopped server raises QuorumUnavailable naming its address (after
+    the client's own retry, here one with no backoff: redis-py's default backs off for
+    seconds per verb)."""
+    client = redis_server.client(
+        socket_connect_timeout=0.5, socket_timeout=0.5, retry=Retry(NoBackoff(), 1)
+    )
     backend, slot, tok = RedisBackend.of(client), mutex(), token()
     take(backend, slot, tok)
     redis_server.stop()
