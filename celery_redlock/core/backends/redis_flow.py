@@ -49,7 +49,7 @@ class RedisFlow(RedisCalls):
     def _hold_all(self, slot: Slot, names: list[str], args: list[Any]) -> Any:
         """``hold_all.lua``: the slot's own acquire script (*names*, *args*) with its controls
         and rules (on a cluster, one call per hash slot: see the module)."""
-        if self.cluster:
+        if self.cluster and slot.rules:
             near, far = self._by_slot(slot, slot.rules)
             if far:
                 return self._hold_by_slot(slot, near, far, names, args)
