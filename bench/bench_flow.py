@@ -3,16 +3,19 @@
 Run by hand (not part of the test suite)::
 
     .venv/bin/python bench/bench_flow.py [--cycles 5000] [--blocks 50] [--warmup 500]
+    .venv/bin/python bench/bench_flow.py --cluster   # a three-master Redis Cluster
 
-It starts its own throwaway redis-server on a free loopback port and stops it by pid at
-the end (also on error or Ctrl-C); every figure comes from the same server in the same
-run. Four ways to take a lock, each on a fresh name per cycle (as a task's run does):
+It starts its own throwaway redis-server on a free loopback port (with ``--cluster``, a
+three-master cluster from the tests' harness) and stops it by pid at the end (also on
+error or Ctrl-C); every figure comes from the same servers in the same run. Four ways to
+take a lock, each on a fresh name per cycle (as a task's run does):
 
 * ``Lock``: a plain lock (``acquire.lua``), the reference;
 * ``Lock, controlled``: what a ``LockedTask`` run with no ``lock_limits`` takes, a lock
   whose acquire also reads its name's operator controls (``hold_all.lua``);
 * ``Lock + Limit + Rate``: a run with a mutex, a ``Limit("all", 1000)`` and a
-  ``Rate("p:acme", ...)`` that never refuses: three holds in one ``hold_all.lua``;
+  ``Rate("p:acme", ...)`` that never refuses: three holds in one ``hold_all.lua`` (on a
+  cluster the three names hash to different slots: one script per slot, in turn);
 * the floor: ``SET NX PX`` of the name by hand (one command, no fence, no record).
 
 The ``acquire`` alone is timed (``time.perf_counter_ns``); the release follows, untimed,
@@ -25,10 +28,13 @@ made inside scripts; "server µs" is the server's own time per script call.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import _servers
@@ -94,8 +100,33 @@ VARIANTS: list[tuple[str, Callable[[redis.Redis], Cycle]]] = [
 ]
 
 
-def _stats(admin: redis.Redis) -> dict[str, Any]:
-    return {k: dict(v) for k, v in admin.info("commandstats").items()}
+def _stats(admins: list[redis.Redis]) -> dict[str, Any]:
+    """INFO commandstats summed over *admins* (calls; usec_per_call of the first that has
+    the command)."""
+    out: dict[str, Any] = {}
+    for admin in admins:
+        for name, fields in admin.info("commandstats").items():
+            mine = out.setdefault(name, {**fields, "calls": 0})
+            mine["calls"] += int(fields.get("calls", 0))
+    return out
+
+
+@contextlib.contextmanager
+def _target(cluster: bool) -> Iterator[tuple[Any, list[redis.Redis], str]]:
+    """The client to bench, a plain client per server (for its stats), and a label."""
+    if not cluster:
+        with _servers.running() as server:
+            yield server.client(), [server.client()], f"redis-server {server.version()}"
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from servers import ClusterSetup  # noqa: PLC0415 - the tests' harness, only here
+
+    setup = ClusterSetup.start()
+    try:
+        admins = [node.client() for node in setup.nodes]
+        yield setup.client(), admins, f"a {len(admins)}-master Redis Cluster"
+    finally:
+        setup.stop()
 
 
 def main() -> None:
@@ -103,9 +134,9 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=5000)
     parser.add_argument("--blocks", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=500)
+    parser.add_argument("--cluster", action="store_true", help="on a Redis Cluster")
     args = parser.parse_args()
-    with _servers.running() as server:
-        client, admin = server.client(), server.client()
+    with _target(args.cluster) as (client, admins, where):
         made = [(label, make(client)) for label, make in VARIANTS]
         serial = 0
         for _, cycle in made:
@@ -121,11 +152,12 @@ def main() -> None:
             for block in range(args.blocks):
                 order = made[block % len(made) :] + made[: block % len(made)]
                 for label, cycle in order:
-                    admin.config_resetstat()
+                    for admin in admins:
+                        admin.config_resetstat()
                     for _ in range(per_block):
                         serial += 1
                         samples[label].append(cycle(serial))
-                    stats = _stats(admin)
+                    stats = _stats(admins)
                     scripts = stats.get("cmdstat_evalsha", {})
                     # Ours: the scripts (the calls inside them are not sent by a client);
                     # the floor: its SET and DEL.
@@ -139,7 +171,7 @@ def main() -> None:
         finally:
             gc.enable()
         base = statistics.median(samples["Lock"])
-        print(f"redis-server {server.version()}, {args.cycles} acquires each, {args.blocks} blocks")
+        print(f"{where}, {args.cycles} acquires each, {args.blocks} blocks")
         print(f"{'acquire':40} {'p50 µs':>8} {'p99 µs':>8} {'vs Lock':>8} {'trips':>6} "
               f"{'server µs/script':>17}")  # fmt: skip
         for label, values in samples.items():

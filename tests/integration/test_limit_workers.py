@@ -178,7 +178,9 @@ def test_twenty_a_second_over_two_workers_hold_and_are_reached_other_keys_run_at
     assert max(e["lock_retries"] for e in calls) <= 5
     other = sorted(e["t"] for e in calls if e["partner"] == "other")
     assert len(other) == 10
-    assert other[-1] - sent < 2.0, "another key waited behind acme's backlog"
+    # acme's backlog lasts 200 / 20 = 10 s from its start (about 8 s after `sent`): a
+    # key that waited behind it would end near then; 4 s leaves room for a loaded machine.
+    assert other[-1] - sent < 4.0, "another key waited behind acme's backlog"
 
 
 def test_a_limit_on_redlock_masters_stops_the_worker_naming_task_and_option(
