@@ -15,7 +15,7 @@ take a lock, each on a fresh name per cycle (as a task's run does):
   whose acquire also reads its name's operator controls (``hold_all.lua``);
 * ``Lock + Limit + Rate``: a run with a mutex, a ``Limit("all", 1000)`` and a
   ``Rate("p:acme", ...)`` that never refuses: three holds in one ``hold_all.lua`` (on a
-  cluster the three names hash to different slots: one script per slot, in turn);
+  cluster the three names hash to different slots: one script per slot, sent at once);
 * the floor: ``SET NX PX`` of the name by hand (one command, no fence, no record).
 
 The ``acquire`` alone is timed (``time.perf_counter_ns``); the release follows, untimed,

@@ -250,6 +250,42 @@ def test_cluster_run_with_rules_in_other_slots_holds_all_or_nothing(
     run.release()
 
 
+def test_cluster_run_whose_rule_slot_moved_is_asked_again_where_it_went(
+    redis_cluster: ClusterSetup,
+) -> None:
+    """A run's scripts go straight to the node of each slot, as the client last knew it:
+    when a rule's (empty) slot has moved to another node since, the answer MOVED sends
+    that slot's script again through the cluster client, and the run holds everything,
+    its Limit on the slot's new node; its release finds it there."""
+    client = redis_cluster.client()
+    prefix = "redlock:"
+    limit_name, run_name = names_in_slots(client, 2, lambda n: permit_keys(n).lock)
+    limit = Rule(permit_keys(limit_name), limit=3)
+    slot = client.keyslot(limit.key)
+    old = client.get_node_from_key(limit.key)
+    admins = {f"{n.host}:{n.port}": n.client() for n in redis_cluster.nodes}
+    new = next(name for name in admins if name != old.name)
+    new_id = admins[new].execute_command("CLUSTER", "MYID")
+    try:
+        for name in sorted(admins, key=lambda n: n != new):  # the new owner first
+            admins[name].execute_command("CLUSTER", "SETSLOT", slot, "NODE", new_id)
+        assert client.get_node_from_key(limit.key).name == old.name  # the client is behind
+        run = Lock(client, run_name, ttl=10, auto_renew=False)
+        run.hold_with([limit])
+        assert run.acquire(blocking=False)
+        assert run.fences[limit_name] > 0
+        assert admins[new].exists(limit.key)
+        with pytest.raises(redis.exceptions.MovedError):  # the old node serves it no more
+            admins[old.name].exists(limit.key)
+        assert [h.state for h in read_lock(client, prefix, limit_name)] == ["held"]
+        run.release()
+        assert read_lock(client, prefix, limit_name) == []
+        assert read_lock(client, prefix, run_name) == []
+    finally:
+        for admin in admins.values():
+            admin.close()
+
+
 # --------------------------------------------------------------------------- TLS
 
 

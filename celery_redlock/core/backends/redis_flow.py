@@ -6,11 +6,16 @@ arguments, and do the same for its rules, in one step; the controls are written 
 
 A Redis Cluster runs a script on one node, on the keys of one hash slot; a name's keys
 share its slot (:mod:`~celery_redlock.core.keys`), so a name's controls are read in its
-own acquire there too. A run whose rules name keys in other slots is taken one
-``hold_all.lua`` per slot, in turn: the primary's slot (with the rules that share it)
-first, then the others in slot order, each with no primary (``'none'``); a refusal gives
-back what the earlier slots took, so the run still holds all or nothing once the call
-returns. Its release, extend and renewal go to each slot likewise.
+own acquire there too. A run whose rules name keys in other slots sends one
+``hold_all.lua`` per slot: the primary's (with the rules that share its slot) and one with
+no primary (``'none'``) for each other slot, all written to their nodes before any answer
+is read (:class:`~.redis_sent.RedisSent`, on the connection pool of each slot's node), so
+the run costs one round trip whatever the slots. When any slot refuses, what the others
+granted is given back before the call returns (permits released, Rate units returned),
+so the run holds all or nothing once the call returns. Its release goes to each slot the
+same way; extend and renewal go to each slot too. A slot that moved to another node since
+the client last looked answers MOVED: its script is sent again through the cluster
+client, which finds the slot's node.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from typing import Any
+
+from redis import exceptions as rx
 
 from ..backend_types import (
     RECENT_BYTES,
@@ -34,7 +41,8 @@ from ..errors import cost_above_burst
 from ..keys import name_of_key
 from .redis_admin import node_of, primaries
 from .redis_calls import RedisCalls
-from .redis_scripts import CONTROL, HOLD_ALL, RELEASE_ALL, extend_many, grant_of
+from .redis_scripts import CONTROL, HOLD_ALL, RELEASE_ALL, Script, extend_many, grant_of
+from .redis_sent import RedisSent
 
 __all__ = ["RedisFlow", "flow_grant", "rule_renewals"]
 
@@ -59,15 +67,7 @@ class RedisFlow(RedisCalls):
         self, slot: Slot, rules: Sequence[Rule], names: list[str], args: list[Any]
     ) -> Any:
         """One ``hold_all.lua``: *slot*'s primary (none when *names* is empty) and *rules*."""
-        keys = [*names, slot.keys.control] if names else []
-        kind = "none" if not names else "permit" if slot.permits else "lock"
-        argv: list[Any] = [len(names), kind, len(args), *args]
-        for rule in rules:
-            keys += [rule.key, rule.key if rule.is_rate else rule.keys.fence, rule.keys.control]
-            kind = "rate" if rule.is_rate else "mutex" if rule.is_mutex else "limit"
-            size = rule.interval_us if rule.is_rate else rule.limit
-            argv += [kind, size, rule.burst, rule.cost, rule.name]
-        return self._run(HOLD_ALL, keys, argv)
+        return self._run(HOLD_ALL, *_hold_call(slot, rules, names, args))
 
     def _hold_by_slot(
         self,
@@ -77,26 +77,54 @@ class RedisFlow(RedisCalls):
         names: list[str],
         args: list[Any],
     ) -> Any:
-        """The run's holds on a cluster whose rules span several hash slots: a reply as one
-        ``hold_all.lua`` would give (the fences in the order of ``slot.rules``)."""
-        reply = self._hold_here(slot, [slot.rules[i] for i in near], names, args)
-        if int(reply[0]) != 1:
-            return reply
-        fences = dict(zip(near, reply[2:], strict=True))
-        taken = list(near)
-        for where in sorted(far):
-            indexes = far[where]
+        """The run's holds on a cluster whose rules span several hash slots, one script per
+        slot, all written before any answer is read: a reply as one ``hold_all.lua`` would
+        give (the fences in the order of ``slot.rules``). When any slot refuses, what the
+        others granted is given back first."""
+        groups = [near, *(far[where] for where in sorted(far))]
+        sent = [
+            self._send_hold(slot, [slot.rules[i] for i in group], names, args)
+            if n == 0
+            else self._send_hold(slot, [slot.rules[i] for i in group], [], args[:_RULE_ARGS])
+            for n, group in enumerate(groups)
+        ]
+        replies: list[Any] = []
+        for each in sent:
             try:
-                got = self._hold_here(slot, [slot.rules[i] for i in indexes], [], args[:_RULE_ARGS])
-            except Exception:
-                self._give_back_taken(slot, taken, str(args[0]), int(args[1]))
-                raise
-            if int(got[0]) != 1:
-                self._give_back_taken(slot, taken, str(args[0]), int(args[1]))
-                return got
-            fences.update(zip(indexes, got[2:], strict=True))
-            taken += indexes
-        return [1, reply[1], *(fences[i] for i in range(len(slot.rules)))]
+                replies.append(each.result())
+            except Exception as exc:  # read the others' too: their connections go back
+                replies.append(exc)
+        granted = [not isinstance(r, Exception) and int(r[0]) == 1 for r in replies]
+        if all(granted):
+            fences: dict[int, Any] = {}
+            for group, reply in zip(groups, replies, strict=True):
+                fences.update(zip(group, reply[2:], strict=True))
+            return [1, replies[0][1], *(fences[i] for i in range(len(slot.rules)))]
+        taken = [i for group, ok in zip(groups, granted, strict=True) if ok for i in group]
+        self._give_back_taken(slot, taken, str(args[0]), int(args[1]))
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return _refusal(replies)
+
+    def _send_hold(
+        self, slot: Slot, rules: Sequence[Rule], names: list[str], args: list[Any]
+    ) -> RedisSent:
+        """One ``hold_all.lua`` (as :meth:`_hold_here`), written now (:meth:`_send_now`)."""
+        return self._send_now(HOLD_ALL, *_hold_call(slot, rules, names, args))
+
+    def _send_now(self, script: Script, keys: list[str], argv: list[Any]) -> RedisSent:
+        """*script* written now on a connection of the cluster node that serves its keys'
+        slot, its answer read later (``result()``); a slot that moved meanwhile is asked
+        again through the cluster client, which finds its node."""
+
+        def moved(exc: Exception) -> Any:
+            if isinstance(exc, (rx.MovedError, rx.AskError)):
+                return self._run(script, keys, argv)
+            raise exc
+
+        pool = node_of(self.client, keys[0]).connection_pool
+        return RedisSent(pool, script, keys, argv, _same, moved, _nothing)
 
     def _give_back_taken(self, slot: Slot, taken: list[int], token: str, ttl_ms: int) -> None:
         """Give back a cluster's run refused (or failed) in a later slot: its primary and
@@ -144,12 +172,15 @@ class RedisFlow(RedisCalls):
         if not self.cluster:
             return self._release_here(slot, held, names, args)
         near, far = self._by_slot(slot, held)
-        codes = [self._release_here(slot, [held[i] for i in near], names, args)]
+        calls = [_release_call(slot, [held[i] for i in near], names, args)]
+        calls += [_release_call(slot, [held[i] for i in far[w]], [], args[:2]) for w in sorted(far)]
+        sent = [self._send_now(RELEASE_ALL, keys, argv) for keys, argv in calls]
+        codes: list[Status] = []
         failed: Exception | None = None
-        for where in sorted(far):
+        for each in sent:  # every answer read (each connection given back), then any error
             try:
-                codes.append(self._release_here(slot, [held[i] for i in far[where]], [], args[:2]))
-            except Exception as exc:  # the others are still given back
+                codes += [Status.of(code) for code in each.result()]
+            except Exception as exc:
                 failed = failed or exc
         if failed is not None:
             raise failed
@@ -158,16 +189,9 @@ class RedisFlow(RedisCalls):
     def _release_here(
         self, slot: Slot, rules: Sequence[Rule], names: list[str], args: list[Any]
     ) -> Status:
-        """One ``release_all.lua``: *slot*'s primary (none when *names* is empty) and the
-        Limits *rules*."""
-        keys = list(names)
-        kind = "none" if not names else "permit" if slot.permits else "lock"
-        argv: list[Any] = [len(names), kind, len(args), *args]
-        for rule in rules:
-            keys += [rule.key, rule.keys.notify, rule.keys.waiting, rule.keys.released]
-            argv += ["mutex" if rule.is_mutex else "limit", rule.limit, RECENT_BYTES]
-        codes = [Status.of(code) for code in self._run(RELEASE_ALL, keys, argv)]
-        return Status.first_failure(codes)
+        """One ``release_all.lua``: *slot*'s primary and its Limits *rules*."""
+        codes = self._run(RELEASE_ALL, *_release_call(slot, rules, names, args))
+        return Status.first_failure([Status.of(code) for code in codes])
 
     def _extend_rules(self, slot: Slot, token: str, ms: int) -> Status:
         """Set the lease of *slot*'s Limits held by *token* to *ms*: one script (on a
@@ -209,6 +233,60 @@ class RedisFlow(RedisCalls):
                 continue
             out.append(Control(name, text(kind), value, end - now if end else None))
         return out
+
+
+def _hold_call(
+    slot: Slot, rules: Sequence[Rule], names: list[str], args: list[Any]
+) -> tuple[list[str], list[Any]]:
+    """The keys and arguments of ``hold_all.lua`` for *slot*'s primary (its acquire's
+    *names* and *args*; none when *names* is empty) and *rules*."""
+    keys = [*names, slot.keys.control] if names else []
+    kind = "none" if not names else "permit" if slot.permits else "lock"
+    argv: list[Any] = [len(names), kind, len(args), *args]
+    for rule in rules:
+        keys += [rule.key, rule.key if rule.is_rate else rule.keys.fence, rule.keys.control]
+        kind = "rate" if rule.is_rate else "mutex" if rule.is_mutex else "limit"
+        size = rule.interval_us if rule.is_rate else rule.limit
+        argv += [kind, size, rule.burst, rule.cost, rule.name]
+    return keys, argv
+
+
+def _release_call(
+    slot: Slot, rules: Sequence[Rule], names: list[str], args: list[Any]
+) -> tuple[list[str], list[Any]]:
+    """The keys and arguments of ``release_all.lua`` for *slot*'s primary (its release's
+    *names* and *args*; none when *names* is empty) and the Limits *rules*."""
+    keys = list(names)
+    kind = "none" if not names else "permit" if slot.permits else "lock"
+    argv: list[Any] = [len(names), kind, len(args), *args]
+    for rule in rules:
+        keys += [rule.key, rule.keys.notify, rule.keys.waiting, rule.keys.released]
+        argv += ["mutex" if rule.is_mutex else "limit", rule.limit, RECENT_BYTES]
+    return keys, argv
+
+
+def _refusal(replies: list[Any]) -> Any:
+    """The reply of a cluster's run that some slot refused (*replies*: each slot's, the
+    primary's first): the primary's own refusal when its holder refused it; a cost above
+    a burst; else the first rule's refusal, with the longest known wait of them all."""
+    first = replies[0]
+    if int(first[0]) not in {1, -2}:
+        return first
+    for reply in replies:
+        if int(reply[0]) == -3:
+            return reply
+    refused = [r for r in replies if int(r[0]) == -2]
+    waits = [int(r[2]) for r in refused if int(r[2]) >= 0]
+    head = refused[0]
+    return [-2, head[1], max(waits) if waits else -1, head[3], head[4]]
+
+
+def _same(reply: Any) -> Any:
+    return reply
+
+
+def _nothing(_heard: bool) -> None:
+    return None
 
 
 def flow_grant(reply: Any, slot: Slot) -> Grant:
