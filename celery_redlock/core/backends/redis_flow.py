@@ -82,18 +82,12 @@ class RedisFlow(RedisCalls):
         give (the fences in the order of ``slot.rules``). When any slot refuses, what the
         others granted is given back first."""
         groups = [near, *(far[where] for where in sorted(far))]
-        sent = [
-            self._send_hold(slot, [slot.rules[i] for i in group], names, args)
-            if n == 0
-            else self._send_hold(slot, [slot.rules[i] for i in group], [], args[:_RULE_ARGS])
-            for n, group in enumerate(groups)
+        calls = [_hold_call(slot, [slot.rules[i] for i in near], names, args)]
+        calls += [
+            _hold_call(slot, [slot.rules[i] for i in group], [], args[:_RULE_ARGS])
+            for group in groups[1:]
         ]
-        replies: list[Any] = []
-        for each in sent:
-            try:
-                replies.append(each.result())
-            except Exception as exc:  # read the others' too: their connections go back
-                replies.append(exc)
+        replies = self._at_once(HOLD_ALL, calls)
         granted = [not isinstance(r, Exception) and int(r[0]) == 1 for r in replies]
         if all(granted):
             fences: dict[int, Any] = {}
@@ -107,16 +101,31 @@ class RedisFlow(RedisCalls):
                 raise reply
         return _refusal(replies)
 
-    def _send_hold(
-        self, slot: Slot, rules: Sequence[Rule], names: list[str], args: list[Any]
-    ) -> RedisSent:
-        """One ``hold_all.lua`` (as :meth:`_hold_here`), written now (:meth:`_send_now`)."""
-        return self._send_now(HOLD_ALL, *_hold_call(slot, rules, names, args))
+    def _at_once(self, script: Script, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        """*script* with each call's keys and arguments, each written on a connection of
+        the cluster node that serves its keys' slot before any answer is read: each call's
+        reply, or the error it met (a call not sent because an earlier one could not be
+        sent: that error). Every answer sent for is read, every connection given back."""
+        sent: list[RedisSent] = []
+        failed: Exception | None = None
+        for keys, argv in calls:
+            try:
+                sent.append(self._send_now(script, keys, argv))
+            except Exception as exc:  # a client-side error: read what was sent, then say so
+                failed = exc
+                break
+        replies: list[Any] = []
+        for each in sent:
+            try:
+                replies.append(each.result())
+            except Exception as exc:
+                replies.append(exc)
+        return replies + [failed] * (len(calls) - len(sent))
 
     def _send_now(self, script: Script, keys: list[str], argv: list[Any]) -> RedisSent:
-        """*script* written now on a connection of the cluster node that serves its keys'
-        slot, its answer read later (``result()``); a slot that moved meanwhile is asked
-        again through the cluster client, which finds its node."""
+        """*script* written now on a connection of the node that serves its keys' slot,
+        its answer read later (``result()``); a slot that moved meanwhile is asked again
+        through the cluster client, which finds its node."""
 
         def moved(exc: Exception) -> Any:
             if isinstance(exc, (rx.MovedError, rx.AskError)):
@@ -127,7 +136,7 @@ class RedisFlow(RedisCalls):
         return RedisSent(pool, script, keys, argv, _same, moved, _nothing)
 
     def _give_back_taken(self, slot: Slot, taken: list[int], token: str, ttl_ms: int) -> None:
-        """Give back a cluster's run refused (or failed) in a later slot: its primary and
+        """Give back a cluster's run that a slot refused (or failed in): its primary and
         Limits (:meth:`_abandon`), and the units of the Rates in *taken* (indexes of
         ``slot.rules``), best effort: what is not given back expires with its lease."""
         self._abandon(slot, token, ttl_ms)
@@ -166,25 +175,18 @@ class RedisFlow(RedisCalls):
 
     def _release_all(self, slot: Slot, names: list[str], args: list[Any]) -> Status:
         """``release_all.lua``: the slot's own release (*names*, *args*) and its Limits'
-        (on a cluster, the Limits of other hash slots one call per slot, each given back
-        whatever the others answer)."""
+        (on a cluster, one call per hash slot, sent at once: see :meth:`_at_once`)."""
         held = slot.held_rules
         if not self.cluster:
             return self._release_here(slot, held, names, args)
         near, far = self._by_slot(slot, held)
         calls = [_release_call(slot, [held[i] for i in near], names, args)]
         calls += [_release_call(slot, [held[i] for i in far[w]], [], args[:2]) for w in sorted(far)]
-        sent = [self._send_now(RELEASE_ALL, keys, argv) for keys, argv in calls]
-        codes: list[Status] = []
-        failed: Exception | None = None
-        for each in sent:  # every answer read (each connection given back), then any error
-            try:
-                codes += [Status.of(code) for code in each.result()]
-            except Exception as exc:
-                failed = failed or exc
-        if failed is not None:
-            raise failed
-        return Status.first_failure(codes)
+        replies = self._at_once(RELEASE_ALL, calls)  # each given back whatever the others say
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return Status.first_failure([Status.of(code) for reply in replies for code in reply])
 
     def _release_here(
         self, slot: Slot, rules: Sequence[Rule], names: list[str], args: list[Any]

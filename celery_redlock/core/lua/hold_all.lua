@@ -5,10 +5,10 @@
 -- KEYS[1 .. n]   the primary's keys, as acquire.lua (a mutex) or permit_acquire.lua (a
 --                semaphore) takes them; n = ARGV[1] (0 with 'none': rules alone, as
 --                the rules of a Redis Cluster slot other than the primary's)
--- KEYS[n + 1]    the primary's control hash (absent with 'none'): field -> '<until: server ms, 0 none>|<value>',
---                fields 'pause' (value: the reason), 'limit' (the permits of a
---                semaphore) and 'rate' ('<interval us>|<burst, 0: the rule's own>|<as
---                written>'); a lapsed field counts as absent
+-- KEYS[n + 1]    the primary's control hash (absent with 'none'): field -> '<until:
+--                server ms, 0 none>|<value>', fields 'pause' (value: the reason), 'limit'
+--                (the permits of a semaphore) and 'rate' ('<interval us>|<burst, 0: the
+--                rule's own>|<as written>'); a lapsed field counts as absent
 -- then three keys per rule: a Limit's permits hash (as permit_acquire.lua's; a Limit of
 --                one: the lock hash of its name, as acquire.lua's) or a Rate's state (as
 --                rate.lua's), the Limit's fence counter (the Rate's state again), the

@@ -14,11 +14,12 @@
 --          then as its script takes them)
 -- then three per Limit rule: 'limit' or 'mutex' (a Limit of one), its limit (the most
 --          notices its list keeps) and the most bytes of released tokens kept; or per
---          Rate rule given back (a Redis Cluster's run refused in a later slot: its
+--          Rate rule given back (a Redis Cluster's run that another slot refused: its
 --          units are returned): 'rate', its interval in us, its cost (its four keys: its
 --          state, then anything in its slot)
--- Returns  {primary code (1 with 'none'), code of each rule}: the codes release.lua and permit_release.lua
---          return. Every hold is given back whatever the others answer.
+-- Returns  {primary code (1 with 'none'), code of each rule}: the codes release.lua and
+--          permit_release.lua return. Every hold is given back whatever the others
+--          answer.
 local n = tonumber(ARGV[1])
 local m = tonumber(ARGV[3])
 local pk, pa = {}, {}
