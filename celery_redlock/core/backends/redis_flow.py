@@ -128,7 +128,7 @@ class RedisFlow(RedisCalls):
         through the cluster client, which finds its node."""
 
         def moved(exc: Exception) -> Any:
-            if isinstance(exc, (rx.MovedError, rx.AskError)):
+            if _moved(exc):
                 return self._run(script, keys, argv)
             raise exc
 
@@ -281,6 +281,15 @@ def _refusal(replies: list[Any]) -> Any:
     waits = [int(r[2]) for r in refused if int(r[2]) >= 0]
     head = refused[0]
     return [-2, head[1], max(waits) if waits else -1, head[3], head[4]]
+
+
+def _moved(exc: Exception) -> bool:
+    """True for a node's answer that the slot is served elsewhere (MOVED, ASK): a
+    ``MovedError`` or ``AskError`` where redis-py's parser maps them for a plain
+    connection (8.1 does), else a plain ``ResponseError`` whose text says so (5.0)."""
+    if isinstance(exc, (rx.MovedError, rx.AskError)):
+        return True
+    return isinstance(exc, rx.ResponseError) and str(exc).startswith(("MOVED ", "ASK "))
 
 
 def _same(reply: Any) -> Any:
