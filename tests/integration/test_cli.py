@@ -393,6 +393,33 @@ def test_cluster_list_scans_every_primary(
     client.close()
 
 
+def test_cluster_pause_is_listed_from_its_node_and_refuses_a_run_there(
+    redis_cluster: ClusterSetup, configure: Callable[..., None]
+) -> None:
+    """On a Redis Cluster, pause writes each key's control on the node of its slot, list
+    finds the pauses on every primary, a run's lock of a paused key is refused there, and
+    resume lifts it."""
+    configure(redis_cluster.nodes[0].url, cluster=True)
+    client = redis_cluster.client()
+    names = [f"partner:{i}" for i in range(12)]
+    owners = {client.get_node_from_key(f"redlock:{{{n}}}:control").name for n in names}
+    assert len(owners) == 3, "the names should spread over all three primaries"
+    for name in names:
+        paused = run("pause", name, "--reason", "down")
+        assert paused.exit_code == 0, paused.output
+    assert sorted(r["name"] for r in _controls_listed("list")) == sorted(names)
+    run_lock = Lock(client, names[5], ttl=10, auto_renew=False)
+    run_lock.hold_with([], controlled=True)  # as a task's run takes its lock
+    assert run_lock.acquire(blocking=False) is False
+    assert (run_lock.refusal, run_lock.holder) == ("paused", {"reason": "down"})
+    resumed = run("resume", names[5])
+    assert resumed.exit_code == 0, resumed.output
+    assert run_lock.acquire(blocking=False)
+    run_lock.release()
+    assert names[5] not in {r["name"] for r in _controls_listed("list")}
+    client.close()
+
+
 @pytest.mark.slow
 def test_entry_point_works_in_a_real_celery_process(
     redis_client: redis.Redis, shared_redis: RedisServer, hold: Callable[..., Lock]
