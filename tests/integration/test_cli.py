@@ -374,15 +374,24 @@ def test_redlock_list_shows_one_row_per_master_and_release_clears_every_master(
     assert not any(c.exists("redlock:{sync:42}") for c in clients[:2])
 
 
+def _cluster_session(
+    redis_cluster: ClusterSetup, configure: Callable[..., None], stem: str
+) -> tuple[Any, list[str]]:
+    """The command pointed at *redis_cluster*; a client of it, and 12 names "<stem>:<i>"
+    whose keys (a name's keys share its slot) fall on all three primaries."""
+    configure(redis_cluster.nodes[0].url, cluster=True)
+    client = redis_cluster.client()
+    names = [f"{stem}:{i}" for i in range(12)]
+    owners = {client.get_node_from_key(f"redlock:{{{n}}}").name for n in names}
+    assert len(owners) == 3, "the names should spread over all three primaries"
+    return client, names
+
+
 def test_cluster_list_scans_every_primary(
     redis_cluster: ClusterSetup, configure: Callable[..., None], hold: Callable[..., Lock]
 ) -> None:
     """On a Redis Cluster, list finds locks on every primary node."""
-    configure(redis_cluster.nodes[0].url, cluster=True)
-    client = redis_cluster.client()
-    names = [f"job:{i}" for i in range(12)]
-    slots_owner = {client.get_node_from_key(f"redlock:{{{n}}}").name for n in names}
-    assert len(slots_owner) == 3, "the names should spread over all three primaries"
+    client, names = _cluster_session(redis_cluster, configure, "job")
     for name in names:
         hold(client, name)
     result = run("list", "--json")
@@ -399,11 +408,7 @@ def test_cluster_pause_is_listed_from_its_node_and_refuses_a_run_there(
     """On a Redis Cluster, pause writes each key's control on the node of its slot, list
     finds the pauses on every primary, a run's lock of a paused key is refused there, and
     resume lifts it."""
-    configure(redis_cluster.nodes[0].url, cluster=True)
-    client = redis_cluster.client()
-    names = [f"partner:{i}" for i in range(12)]
-    owners = {client.get_node_from_key(f"redlock:{{{n}}}:control").name for n in names}
-    assert len(owners) == 3, "the names should spread over all three primaries"
+    client, names = _cluster_session(redis_cluster, configure, "partner")
     for name in names:
         paused = run("pause", name, "--reason", "down")
         assert paused.exit_code == 0, paused.output

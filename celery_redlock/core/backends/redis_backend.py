@@ -244,18 +244,19 @@ class RedisBackend(RedisHolds, RedisOperator, RedisFlow):
         a server without script flags)."""
         if not items:
             return []
-        if not self.cluster:
-            with self._errors(items[0].slot.name):
-                if not any(item.slot.held_rules for item in items):
-                    return [*extend_many(self.client, items, self._pool)]
-                flat, where = rule_renewals(items)
-                each = extend_many(self.client, flat, self._pool)
-                return [Status.first_failure([each[i] for i in own]) for own in where]
-        if any(item.slot.held_rules for item in items):
-            flat, where = rule_renewals(items)
-            outcomes = self._renew_nodes(flat)
-            return [_first_failure([outcomes[i] for i in own]) for own in where]
-        return self._renew_nodes(items)
+        if not any(item.slot.held_rules for item in items):
+            return self._renew_flat(items)
+        flat, where = rule_renewals(items)  # each item's Limits renewed beside it
+        outcomes = self._renew_flat(flat)
+        return [_first_failure([outcomes[i] for i in own]) for own in where]
+
+    def _renew_flat(self, items: Sequence[Renewal]) -> list[Status | QuorumUnavailable]:
+        """*items* renewed as they are: one ``extend_many.lua`` on a plain Redis, else
+        :meth:`_renew_nodes`."""
+        if self.cluster:
+            return self._renew_nodes(items)
+        with self._errors(items[0].slot.name):
+            return [*extend_many(self.client, items, self._pool)]
 
     def _renew_nodes(self, items: Sequence[Renewal]) -> list[Status | QuorumUnavailable]:
         """A cluster's renewal: ``extend_node.lua`` on each node for the items it serves."""
@@ -414,8 +415,8 @@ _SENDS: dict[str, Callable[..., _Sending]] = {
 
 
 def _first_failure(found: Sequence[Status | QuorumUnavailable]) -> Status | QuorumUnavailable:
-    """The outcome of an item renewed with its Limits: the first that did not answer,
-    else the first failure (:meth:`~..backend_types.Status.first_failure`)."""
+    """The outcome of an item renewed with its Limits: the first that did not answer (a
+    cluster node), else the first failure (:meth:`~..backend_types.Status.first_failure`)."""
     for each in found:
         if isinstance(each, QuorumUnavailable):
             return each

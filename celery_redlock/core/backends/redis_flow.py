@@ -147,7 +147,7 @@ class RedisFlow(RedisCalls):
             groups.setdefault(self.client.keyslot(rule.key), []).append(rule)
         for rules in groups.values():
             keys: list[str] = []
-            argv: list[Any] = [0, "none", 2, token, ttl_ms]
+            argv = _primary(slot, [], [token, ttl_ms])
             for rule in rules:
                 keys += [rule.key] * 4
                 argv += ["rate", rule.interval_us, rule.cost]
@@ -180,6 +180,8 @@ class RedisFlow(RedisCalls):
         if not self.cluster:
             return self._release_here(slot, held, names, args)
         near, far = self._by_slot(slot, held)
+        if not far:
+            return self._release_here(slot, held, names, args)
         calls = [_release_call(slot, [held[i] for i in near], names, args)]
         calls += [_release_call(slot, [held[i] for i in far[w]], [], args[:2]) for w in sorted(far)]
         replies = self._at_once(RELEASE_ALL, calls)  # each given back whatever the others say
@@ -243,8 +245,7 @@ def _hold_call(
     """The keys and arguments of ``hold_all.lua`` for *slot*'s primary (its acquire's
     *names* and *args*; none when *names* is empty) and *rules*."""
     keys = [*names, slot.keys.control] if names else []
-    kind = "none" if not names else "permit" if slot.permits else "lock"
-    argv: list[Any] = [len(names), kind, len(args), *args]
+    argv = _primary(slot, names, args)
     for rule in rules:
         keys += [rule.key, rule.key if rule.is_rate else rule.keys.fence, rule.keys.control]
         kind = "rate" if rule.is_rate else "mutex" if rule.is_mutex else "limit"
@@ -253,14 +254,20 @@ def _hold_call(
     return keys, argv
 
 
+def _primary(slot: Slot, names: list[str], args: list[Any]) -> list[Any]:
+    """The first arguments of ``hold_all.lua`` and ``release_all.lua``: how many keys the
+    primary takes, which script takes it ('none': no primary), and its own arguments."""
+    kind = "none" if not names else "permit" if slot.permits else "lock"
+    return [len(names), kind, len(args), *args]
+
+
 def _release_call(
     slot: Slot, rules: Sequence[Rule], names: list[str], args: list[Any]
 ) -> tuple[list[str], list[Any]]:
     """The keys and arguments of ``release_all.lua`` for *slot*'s primary (its release's
     *names* and *args*; none when *names* is empty) and the Limits *rules*."""
     keys = list(names)
-    kind = "none" if not names else "permit" if slot.permits else "lock"
-    argv: list[Any] = [len(names), kind, len(args), *args]
+    argv = _primary(slot, names, args)
     for rule in rules:
         keys += [rule.key, rule.keys.notify, rule.keys.waiting, rule.keys.released]
         argv += ["mutex" if rule.is_mutex else "limit", rule.limit, RECENT_BYTES]
