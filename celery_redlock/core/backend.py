@@ -186,14 +186,19 @@ class Backend(Protocol):
         ...
 
     def acquire(
-        self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
-    ) -> Grant:
+        self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int,
+        deadline: float | None = None
+    ) -> Grant:  # fmt: skip
         """One attempt to take *slot* for *token* for *ttl_ms*, storing *record* (JSON)
         as the holder record. Acquired: the fence, strictly greater than every earlier
         fence of the name (its counter lives *fence_ttl_ms* after its last use, 0:
         forever; a counter that is gone restarts above any value it could have
         reached). Refused: the holder's record and lease left. *wait*: the caller will
-        block for a release notice (:meth:`wait`), so a release must send one."""
+        block for a release notice (:meth:`wait`), so a release must send one.
+        *deadline* (a ``time.monotonic()``): past it the caller waits for no more answers;
+        a backend of several members ends its round there and reports what it knows
+        (refused, never unavailable, for members it stopped waiting for); one server's
+        call is bounded by its own timeouts."""
         ...
 
     def release(self, slot: Slot, token: str, notice_ms: int) -> Status:

@@ -51,6 +51,9 @@ log_acquire = logging.getLogger("celery_redlock.acquire")
 log_release = logging.getLogger("celery_redlock.release")
 
 TOKEN_BYTES = 20  # 160 random bits per acquisition
+#: How long an attempt after a wait may outlast the caller's timeout: the last look,
+#: when the wait ended at the timeout (s).
+LAST_TRY = 0.005
 #: How often a blocking acquire refused by a rule with no known wait tries again (s).
 _RULE_POLL = 0.2
 _HOSTNAME = socket.gethostname()
@@ -231,11 +234,12 @@ class Lock(Lease):
         begin = time.monotonic()
         deadline = None if timeout is None else begin + timeout
         record = self._holder_record()
+        answer_by = None  # the first attempt has its members' whole timeout
         while True:
             token = os.urandom(TOKEN_BYTES).hex()  # 160 fresh CSPRNG bits per attempt
             will_wait = blocking and (deadline is None or time.monotonic() < deadline)
             started = time.monotonic()
-            grant = self._attempt(token, record, will_wait)  # raises QuorumUnavailable
+            grant = self._attempt(token, record, will_wait, answer_by)  # QuorumUnavailable
             self.masters = dict(grant.masters)
             self.refused_by, self.refusal = grant.refused_by, grant.refusal
             if grant.acquired:
@@ -279,11 +283,20 @@ class Lock(Lease):
             if left is not None:
                 wait = min(wait, left)
             self.backend.wait(self.slot, max(wait, 0.001), grant)
+            if deadline is not None:  # a later attempt ends with the caller's timeout
+                answer_by = max(deadline, time.monotonic() + LAST_TRY)
 
-    def _attempt(self, token: str, record: str, wait: bool) -> Grant:
-        """One attempt at the backend (a subclass may take something over with it)."""
+    def _attempt(self, token: str, record: str, wait: bool, deadline: float | None) -> Grant:
+        """One attempt at the backend, its answers awaited until *deadline* at the latest
+        (a subclass may take something over with it)."""
         return self.backend.acquire(
-            self.slot, token, self.ttl_ms, record, wait=wait, fence_ttl_ms=self.fence_ttl_ms
+            self.slot,
+            token,
+            self.ttl_ms,
+            record,
+            wait=wait,
+            fence_ttl_ms=self.fence_ttl_ms,
+            deadline=deadline,
         )
 
     def _give_back(self, token: str) -> Status:

@@ -247,9 +247,9 @@ class RunLock(Lock):
         #: hand-over was refused).
         self.queued_owner: str | None = None
 
-    def _attempt(self, token: str, record: str, wait: bool) -> Grant:
+    def _attempt(self, token: str, record: str, wait: bool, deadline: float | None) -> Grant:
         if self._holds is None or self.handover is None:
-            return super()._attempt(token, record, wait)
+            return super()._attempt(token, record, wait, deadline)
         grant = self._holds.take_over(
             self.slot,
             token,

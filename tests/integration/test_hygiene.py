@@ -55,6 +55,7 @@ from celery_redlock.core import (
     connect,
     get_manager,
 )
+from celery_redlock.core.backends.redis_client import lock_client
 from celery_redlock.core.threads import MAX_WORKERS
 
 #: What may be added to each figure after any number of calls, per server watched: a
@@ -545,13 +546,14 @@ def test_exhausted_pool_is_not_unavailable(
     admins: list[redis.Redis],
     fault_proxy: Callable[[RedisServer], FaultProxy],
 ) -> None:
-    """With every connection of a 2-connection pool checked out by the caller, acquiring
-    raises redis' own pool error (MaxConnectionsError / "Too many connections"), not
-    QuorumUnavailable, leaves no lock behind, and works once the connections are back
-    (the old core said "Redis unavailable", so LockedTask retried forever)."""
+    """With every connection of the lock traffic's 2-connection pool (the user's cap, on
+    the lock client's own pool) checked out, acquiring raises redis' own pool error
+    (MaxConnectionsError / "Too many connections"), not QuorumUnavailable, leaves no lock
+    behind, and works once the connections are back (the old core said "Redis
+    unavailable", so LockedTask retried forever)."""
     kind = "redlock" if primitive == "Redlock" else "redis"
     target = tiny_target(kind, pool, three_servers, fault_proxy, timeout=0.2)
-    clients = target if isinstance(target, list) else [target]
+    clients = [lock_client(c) for c in (target if isinstance(target, list) else [target])]
     taken = [(c, checkout(c.connection_pool)) for c in clients for _ in range(2)]
 
     def acquire() -> object:
@@ -631,24 +633,40 @@ def test_wrong_argument_type_is_named(
 
 
 # -- exact loss reports -------------------------------------------------------------------
+class OwnPool(redis.ConnectionPool):
+    """A pool class of a user's own: the lock traffic goes through it as it is."""
+
+
 def evalsha_calls(admin: redis.Redis) -> int:
     """How many EVALSHA the server has run (a release is one)."""
     return int(admin.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 
 
-@pytest.mark.parametrize("how", ["reply past socket_timeout", "connection reset"])
+@pytest.mark.parametrize(
+    "how", ["reply past socket_timeout, a client re-sending on timeouts", "connection reset"]
+)
 def test_release_whose_reply_is_lost_counts_as_released(
     how: str,
     three_servers: list[RedisServer],
     admins: list[redis.Redis],
     fault_proxy: Callable[[RedisServer], FaultProxy],
 ) -> None:
-    """``Lock.release()`` whose reply is lost after the server ran it is re-sent by redis-py
-    (Retry(NoBackoff(), 3)); the copy finds its token remembered as released: no
-    LockLost, the key is gone (a release that read "gone" as lost would raise here)."""
+    """``Lock.release()`` whose reply is lost after the server ran it is re-sent (by the
+    lock client's one retry after a reset connection; after a timeout, only by a client
+    that re-sends on timeouts, which the Sentinel-managed clients below stand for); the
+    copy finds its token remembered as released: no LockLost, the key is gone (a release
+    that read "gone" as lost would raise here)."""
     proxy = fault_proxy(three_servers[0])
-    timeout = 0.3 if how == "reply past socket_timeout" else 5.0
-    client = proxy.client(socket_timeout=timeout, retry=Retry(NoBackoff(), 3), **RESEND)
+    if how == "connection reset":
+        client = proxy.client()  # redis-py's defaults
+    else:
+        # A pool class of the user's own is used as it is (as a Sentinel-managed master's
+        # is), with its retry policy: here one that re-sends after a timeout.
+        own = OwnPool(
+            host=proxy.host, port=proxy.port, socket_timeout=0.3, retry=Retry(NoBackoff(), 3),
+            **RESEND,
+        )  # fmt: skip
+        client = redis.Redis(connection_pool=own)
     admin = admins[0]
     try:
         lock = Lock(client, "lost-reply", ttl=10)

@@ -109,8 +109,9 @@ class MemoryBackend(MemoryFlow):
     # -- an acquisition's life ------------------------------------------------------------
     @atomic
     def acquire(
-        self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
-    ) -> Grant:
+        self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int,
+        deadline: float | None = None
+    ) -> Grant:  # fmt: skip
         """Take *slot* for *token* (acquire.lua; permit_acquire.lua for permits; with its
         controls and rules, hold_all.lua)."""
 

@@ -67,6 +67,7 @@ from .quorum_calls import (
     Round,
     Verb,
     answered,
+    cut_off,
     describe_failure,
     silent,
 )
@@ -125,8 +126,9 @@ class QuorumBackend(QuorumCalls):
 
     # -- an acquisition's life --------------------------------------------------------
     def acquire(
-        self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
-    ) -> Grant:
+        self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int,
+        deadline: float | None = None
+    ) -> Grant:  # fmt: skip
         """One Redlock attempt (see the module docstring)."""
         n, q, name = self.masters, self.quorum, slot.name
         timeout = self.timeout(ttl_ms)
@@ -141,9 +143,10 @@ class QuorumBackend(QuorumCalls):
                 sent.then(Verb("release", (slot, token, ttl_ms)), where)
 
             try:
-                # A refusal waits for every answer (up to the timeout): who holds what on
-                # each member tells a holder with a majority from a split vote.
-                results = sent.wait(lambda r: sum(1 for v in r if _granted(v)) >= q)
+                # A refusal waits for every answer (up to the timeout, or the caller's
+                # deadline): who holds what on each member tells a holder with a majority
+                # from a split vote. One holder refusing on a quorum decides it at once.
+                results = sent.wait(lambda r: _decided(r, q), until=deadline)
             except BaseException:  # a member's client-side error: raised, after a give-back
                 give_back(range(n))
                 raise
@@ -172,9 +175,13 @@ class QuorumBackend(QuorumCalls):
                     f"{slot.keys.lock!r} ({'; '.join(f'{m}: {o}' for m, o in outcomes.items())}): "
                     "something other than celery-redlock writes under the lock key prefix"
                 )
-            if len(fences) + len(held) < q:
-                # Too few members answered to decide anything: an outage, not contention.
-                raise self.unavailable(name, outcomes)
+            heard = len(fences) + len(held)
+            if heard < q:
+                if heard + sum(1 for v in results if cut_off(v)) < q:
+                    # Too few members answered to decide anything: an outage, not contention.
+                    raise self.unavailable(name, outcomes)
+                if not held:  # the caller's deadline came first: out of time, not an outage
+                    return Grant(False, masters=outcomes)
             unknown = n - len(fences) - len(held)
             # Contention. Group the refusals by holder record (one per acquisition).
             groups = Counter(_record_key(g) for g in held.values())
@@ -410,6 +417,21 @@ class QuorumBackend(QuorumCalls):
     def why_not(self, capability: type) -> str:
         """Why a quorum lacks *capability* (the reason in :func:`~..backend.lacks`)."""
         return _WHY_NOT.get(capability, f"a Redlock quorum of {self.masters} masters")
+
+
+def _decided(results: Sequence[Any], quorum: int) -> bool:
+    """An acquire's round can end: a quorum granted, or one holder refused on a quorum
+    (it holds the lock, whatever the others say)."""
+    granted = 0
+    refused: dict[Any, int] = {}
+    for value in results:
+        if isinstance(value, Grant):
+            if value.acquired:
+                granted += 1
+            else:
+                key = _record_key(value)
+                refused[key] = refused.get(key, 0) + 1
+    return granted >= quorum or any(count >= quorum for count in refused.values())
 
 
 def _granted(value: Any) -> bool:

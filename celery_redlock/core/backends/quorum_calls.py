@@ -40,6 +40,7 @@ from ..errors import ConfigError, QuorumUnavailable
 from .quorum_gate import BUSY, NoAnswer, gate_of
 
 __all__ = [
+    "CUT",
     "FIRST_CONTACT",
     "MIN_TIMEOUT",
     "READ_TIMEOUT",
@@ -52,6 +53,7 @@ __all__ = [
     "Round",
     "Verb",
     "answered",
+    "cut_off",
     "describe_failure",
     "silent",
 ]
@@ -63,6 +65,8 @@ MIN_TIMEOUT = 0.05
 #: How many timeouts a member this process never heard from is waited for: its first
 #: call connects and shakes hands (TLS, AUTH) before it answers.
 FIRST_CONTACT = 3
+#: Why a member was not waited for: the caller's own deadline came first.
+CUT = "not heard from before the caller's deadline"
 #: The longest the caller blocks on one member's answer before it looks at the others'
 #: again: a stopped member delays a decided outcome by at most this.
 SLICE = 0.0005
@@ -141,8 +145,10 @@ class Round:
             self.close()
             raise
 
-    def wait(self, decided: Decided) -> list[Any]:
-        """Each member's answer once *decided(results)*, all answered, or the timeout.
+    def wait(self, decided: Decided, until: float | None = None) -> list[Any]:
+        """Each member's answer once *decided(results)*, all answered, or the timeout
+        (or *until*, a ``time.monotonic()`` of the caller's, when that comes first: a
+        member not heard from by then is :data:`CUT`, not late).
 
         The caller blocks on one sent call at a time, for at most :data:`SLICE` while
         others are outstanding: an answer that comes is read at once; a slice without one
@@ -150,6 +156,9 @@ class Round:
         a stopped member costs a decided outcome at most a slice.
         """
         deadline = time.monotonic() + self.timeout
+        cut = until is not None and until < deadline
+        if until is not None and cut:
+            deadline = until
         pending = set(self.futures)
         turn = 0
         while (pending or self.sent) and not decided(self.results):
@@ -175,8 +184,12 @@ class Round:
         late = time.monotonic() >= deadline
         for pos, value in enumerate(self.results):
             if value is _PENDING:
-                why = f"no answer within {self.timeout * 1000:.0f} ms"
-                self.results[pos] = NoAnswer(why if late else "not waited for")
+                if not late:
+                    self.results[pos] = NoAnswer("not waited for")
+                elif cut:
+                    self.results[pos] = NoAnswer(CUT)
+                else:
+                    self.results[pos] = NoAnswer(f"no answer within {self.timeout * 1000:.0f} ms")
         return self.results
 
     def _collect(self, pending: set[cf.Future[Any]]) -> None:
@@ -393,6 +406,11 @@ class QuorumCalls:
 def answered(value: Any) -> bool:
     """A member's answer is a value, not a failure (an exception in its place)."""
     return not isinstance(value, BaseException)
+
+
+def cut_off(value: Any) -> bool:
+    """Not waited for past the caller's deadline (:data:`CUT`): it may still answer."""
+    return isinstance(value, NoAnswer) and str(value) == CUT
 
 
 def silent(value: Any) -> bool:

@@ -68,6 +68,10 @@ from .redis_sent import RedisSent
 __all__ = ["RedisBackend", "cannot_decide", "check_client", "is_client", "server_refused"]
 
 
+#: How long after its time a wait's ``BLPOP`` may answer before the wait ends without it.
+WAIT_SLACK = 0.002
+
+
 class RedisBackend(RedisHolds, RedisOperator, RedisFlow):
     """The backend of one Redis client (every capability of the seam): :meth:`of` gives
     the one of a client object. The lock verbs are here, the other capabilities'
@@ -81,11 +85,11 @@ class RedisBackend(RedisHolds, RedisOperator, RedisFlow):
         """The backend of *client* in this process (one per client object, kept while used)."""
         ref = _backends.get(id(client))
         backend = None if ref is None else ref()
-        if backend is None or backend.client is not client:
+        if backend is None or backend.given is not client:
             with _backends_lock:
                 ref = _backends.get(id(client))
                 backend = None if ref is None else ref()
-                if backend is None or backend.client is not client:
+                if backend is None or backend.given is not client:
                     backend = cls(client)
                     _backends[id(client)] = new = weakref.ref(backend)
                     weakref.finalize(backend, _forget, id(client), new)
@@ -111,18 +115,19 @@ class RedisBackend(RedisHolds, RedisOperator, RedisFlow):
         return ("redis", host, kwargs.get("port"), kwargs.get("db", 0))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, RedisBackend) and other.client is self.client
+        return isinstance(other, RedisBackend) and other.given is self.given
 
     def __hash__(self) -> int:
-        return hash(id(self.client))
+        return hash(id(self.given))
 
     def __repr__(self) -> str:
         return f"<RedisBackend {self.describe()}>"
 
     # -- an acquisition's life --------------------------------------------------------
     def acquire(
-        self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
-    ) -> Grant:
+        self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int,
+        deadline: float | None = None
+    ) -> Grant:  # fmt: skip
         keys = slot.keys
         names = [keys.lock, keys.fence, keys.waiting]
         args: list[Any] = [token, ttl_ms, record, "1" if wait else "0", fence_ttl_ms]
@@ -308,7 +313,12 @@ class RedisBackend(RedisHolds, RedisOperator, RedisFlow):
     def wait(self, slot: Slot, seconds: float, refused: Grant | None = None) -> None:
         """One ``BLPOP`` on the notify list, on a connection taken from the pool with a read
         deadline of its own (a wait longer than the socket timeout is still one command,
-        and the client's retry policy never re-sends it), always given back."""
+        and the client's retry policy never re-sends it), always given back.
+
+        The deadline is the caller's, not the server's: Redis ends a blocked command on
+        its timer (``hz``: up to 100 ms late). A wait not answered :data:`WAIT_SLACK`
+        after its time closes its connection (the server then drops the ``BLPOP`` and no
+        notice is taken)."""
         client, key = self.client, slot.keys.notify
         if self.cluster:
             client = client.get_redis_connection(client.get_node_from_key(key))
@@ -318,7 +328,7 @@ class RedisBackend(RedisHolds, RedisOperator, RedisFlow):
             conn = checkout(pool)
             try:
                 conn.send_command("BLPOP", key, f"{seconds:.3f}")
-                if conn.can_read(timeout=seconds + 1.0):
+                if conn.can_read(timeout=seconds + WAIT_SLACK):
                     conn.read_response()
                 else:  # no reply in time: the connection is in an unknown state
                     conn.disconnect()

@@ -22,21 +22,24 @@ from ..connect import address_of
 from ..errors import ConfigError, QuorumUnavailable
 from ..keys import LockKeys
 from .redis_admin import foreign_data_message
-from .redis_client import cannot_decide, check_client
+from .redis_client import cannot_decide, check_client, lock_client
 from .redis_scripts import Script, pool_of, run
 
 __all__ = ["RedisCalls", "mutex_keys"]
 
 
 class RedisCalls:
-    """One redis-py client as the backend's verbs call it."""
+    """One redis-py client as the backend's verbs call it: *given* is the user's client
+    (what the backend is the backend of), ``client`` the one its calls go through
+    (:func:`~.redis_client.lock_client`: the same server, the lock clients' policy)."""
 
     def __init__(self, client: Any) -> None:
         check_client(client)
-        self.client = client
+        self.given = client
+        self.client = lock_client(client)
         self.cluster = isinstance(client, RedisCluster)
         #: Where a script's connection comes from (None: the client's own evalsha).
-        self._pool = None if self.cluster else pool_of(client)
+        self._pool = None if self.cluster else pool_of(self.client)
         self._address: str | None = None
 
     def describe(self) -> str:

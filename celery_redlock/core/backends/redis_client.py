@@ -1,21 +1,32 @@
 """The redis-py client as the Redis backend uses it: what is one (:func:`is_client`),
-what its errors mean (:func:`cannot_decide`, :func:`server_refused`), and a connection
-from its pool for a command with a read deadline of its own (:func:`checkout`).
+the client its lock traffic goes through (:func:`lock_client`), what its errors mean
+(:func:`cannot_decide`, :func:`server_refused`), and a connection from its pool for a
+command with a read deadline of its own (:func:`checkout`).
 """
 
 from __future__ import annotations
 
 import inspect
 import re
+import threading
+import weakref
 from typing import Any
 
 import redis
 from redis import exceptions as rx
 from redis.cluster import RedisCluster
 
+from ..connect import LOCK_CLIENT_DEFAULTS, lock_retry
 from ..errors import ConfigError
 
-__all__ = ["cannot_decide", "check_client", "checkout", "is_client", "server_refused"]
+__all__ = [
+    "cannot_decide",
+    "check_client",
+    "checkout",
+    "is_client",
+    "lock_client",
+    "server_refused",
+]
 
 
 def is_client(value: Any) -> bool:
@@ -31,6 +42,89 @@ def check_client(client: Any) -> None:
             f"got {type(client).__module__}.{type(client).__name__}; build one with "
             "celery_redlock.connect(url)"
         )
+
+
+# -- the lock traffic's own connections ---------------------------------------------------
+#: The pool classes whose connections :func:`lock_client` makes again with its own policy.
+_PLAIN_POOLS = (redis.ConnectionPool, redis.BlockingConnectionPool)
+#: Each plain pool's lock client, while the pool lives (see :func:`lock_client`).
+_lock_clients: weakref.WeakKeyDictionary[Any, redis.Redis] = weakref.WeakKeyDictionary()
+_lock_clients_lock = threading.Lock()
+
+
+def lock_client(client: Any) -> Any:
+    """The client that carries this package's calls to *client*'s server.
+
+    A ``redis.Redis`` on a plain pool (``ConnectionPool``, ``BlockingConnectionPool``: what
+    ``redis.Redis(host, port)`` and ``from_url`` build) gets a client of its own on a pool
+    of its own: the same server, class, credentials, TLS and database
+    (``pool.connection_kwargs``), the same connection cap, and the lock clients' policy
+    (:func:`~celery_redlock.core.connect.lock_retry`: one immediate retry on a broken
+    connection, none after a timeout; socket timeouts of at most
+    :data:`~celery_redlock.core.connect.LOCK_CLIENT_DEFAULTS`'). The user's client keeps its
+    own policy for the user's calls, whatever it is: redis-py 6+ retries a refused connect
+    three times with exponential backoff by default (seconds per command), and a lock call
+    that waits on that stalls a Redlock on a dead master and starves the renewal of every
+    other lock. The lock client lives as long as the user's pool: it is made on first use
+    and disconnected when that pool is collected.
+
+    Any other client (a Sentinel-managed master, whose pool follows the sentinels; a
+    cluster, which routes calls itself; a client that holds a single connection) is used as
+    it is.
+    """
+    if not isinstance(client, redis.Redis) or getattr(client, "connection", None) is not None:
+        return client
+    pool = getattr(client, "connection_pool", None)
+    if type(pool) not in _PLAIN_POOLS:
+        return client
+    ours = _lock_clients.get(pool)
+    if ours is None:
+        with _lock_clients_lock:
+            ours = _lock_clients.get(pool)
+            if ours is None:
+                ours = _lock_clients[pool] = _make_lock_client(pool)
+    return ours
+
+
+def _make_lock_client(pool: Any) -> redis.Redis:
+    kwargs = dict(pool.connection_kwargs)
+    kwargs["retry"] = lock_retry()
+    # redis-py < 6 retries only the errors named here, and adds TimeoutError to them with
+    # retry_on_timeout; newer ones add them to the Retry object's own.
+    kwargs["retry_on_error"] = [rx.ConnectionError]
+    if "retry_on_timeout" in kwargs:
+        kwargs["retry_on_timeout"] = False
+    for key in ("socket_timeout", "socket_connect_timeout"):
+        ours, theirs = LOCK_CLIENT_DEFAULTS[key], kwargs.get(key)
+        kwargs[key] = ours if theirs is None else min(theirs, ours)
+    # RESP2 and no CLIENT SETINFO (redis-py 8 takes it from driver_info, 5-7 from
+    # lib_name/lib_version; None turns it off in each): a new connection sends no HELLO and
+    # needs no reply before its first command (unless AUTH, SELECT or a client name ask for
+    # one), so a connection made while the server is slow still sends the script at once.
+    # Every reply of the scripts reads the same in RESP2 and RESP3.
+    kwargs["protocol"] = 2
+    if "maint_notifications_config" in kwargs:  # redis-py 8: a RESP3 feature, off in RESP2
+        kwargs["maint_notifications_config"] = None
+    kwargs.pop("maint_notifications_pool_handler", None)  # the user's pool's own
+    for key in ("driver_info", "lib_name", "lib_version"):
+        if key in kwargs:
+            kwargs[key] = None
+    made: Any
+    if type(pool) is redis.BlockingConnectionPool:
+        made = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
+            connection_class=pool.connection_class,
+            max_connections=pool.max_connections,
+            timeout=pool.timeout,
+            **kwargs,
+        )
+    else:
+        made = redis.ConnectionPool(
+            connection_class=pool.connection_class,
+            max_connections=pool.max_connections,
+            **kwargs,
+        )
+    weakref.finalize(pool, made.disconnect)
+    return redis.Redis(connection_pool=made)
 
 
 # -- what a failure means --------------------------------------------------------------
