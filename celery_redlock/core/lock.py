@@ -289,6 +289,10 @@ class Lock(Lease):
     def _attempt(self, token: str, record: str, wait: bool, deadline: float | None) -> Grant:
         """One attempt at the backend, its answers awaited until *deadline* at the latest
         (a subclass may take something over with it)."""
+        if deadline is None:
+            return self.backend.acquire(
+                self.slot, token, self.ttl_ms, record, wait=wait, fence_ttl_ms=self.fence_ttl_ms
+            )
         return self.backend.acquire(
             self.slot,
             token,

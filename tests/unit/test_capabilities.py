@@ -110,8 +110,9 @@ class _LockVerbsOnly:
         return "a store of the lock verbs only"
 
     def acquire(
-        self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int
-    ) -> Grant:
+        self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int,
+        deadline: float | None = None,
+    ) -> Grant:  # fmt: skip
         return self.inner.acquire(slot, token, ttl_ms, record, wait=wait, fence_ttl_ms=fence_ttl_ms)
 
     def release(self, slot: Slot, token: str, notice_ms: int) -> Status:

@@ -297,7 +297,7 @@ class QuorumCalls:
             raise ConfigError(f"per_node_timeout must be > 0 seconds, got {per_node_timeout!r}")
         self.members: tuple[Member, ...] = tuple(checked)
         #: Each member's gate (shared with every quorum that has the member).
-        self.gates = [gate_of(m) for m in self.members]
+        self.gates = [gate_of(i) for i in ids]
         #: Each member as one that sends (None: its calls go through the pool).
         self.senders: list[Sends | None] = [given(m, Sends) for m in self.members]
         self.masters = len(self.members)

@@ -24,9 +24,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
-import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from .. import process, threads
@@ -56,9 +55,8 @@ class Gate:
     call of ours running (a pool that allows 2 connections serves a Redlock and a
     waiter) and a member that stops answering ties up one thread, not the pool. A
     member whose call has run longer than a round's timeout is stuck (silent,
-    paused): it is sent nothing more until that call returns. One gate per member
-    backend, shared by every quorum that has it (a Redlock made for each call builds
-    a new quorum over the same masters, whose backends are shared per client).
+    paused): it is sent nothing more until that call returns. One gate per server
+    (:func:`gate_of`), shared by every quorum that has it.
     """
 
     def __init__(self) -> None:
@@ -187,17 +185,24 @@ class Gate:
                 future.set_exception(error)
 
 
-_gates: weakref.WeakKeyDictionary[Any, Gate] = weakref.WeakKeyDictionary()
+#: Each member's gate, by the member's identity (its server): it outlives the quorum,
+#: the backend and the client objects that reach that server (a Redlock made for each
+#: call, on clients made for each call, still finds its masters heard from, and a master
+#: stuck in a call of ours is stuck for every client of it).
+_gates: dict[Hashable, Gate] = {}
 _gates_lock = threading.Lock()
 
 
-def gate_of(member: Any) -> Gate:
-    """The one gate of *member* in this process (made on first use)."""
-    with _gates_lock:
-        gate = _gates.get(member)
-        if gate is None:
-            gate = _gates[member] = Gate()
-        return gate
+def gate_of(identity: Hashable) -> Gate:
+    """The one gate in this process of the member whose ``identity()`` is *identity*
+    (made on first use)."""
+    gate = _gates.get(identity)
+    if gate is None:
+        with _gates_lock:
+            gate = _gates.get(identity)
+            if gate is None:
+                gate = _gates[identity] = Gate()
+    return gate
 
 
 class _Reaper:
@@ -237,7 +242,7 @@ _reaper = _Reaper()
 
 def _after_fork() -> None:
     global _gates, _gates_lock, _reaper
-    _gates = weakref.WeakKeyDictionary()  # a child has none of its parent's calls
+    _gates = {}  # a child has none of its parent's calls
     _gates_lock = threading.Lock()
     _reaper = _Reaper()
 

@@ -18,6 +18,7 @@ a read deadline of its own, takes one and gives it back itself.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections import defaultdict
@@ -172,7 +173,7 @@ class RedisBackend(RedisHolds, RedisOperator, RedisFlow):
         # The script may have run (a lost reply), or stopped at foreign data after
         # writing: take back whatever this token may hold (see _abandon). A copy that
         # reaches the server after the last give-back lives out its lease.
-        self._abandon(slot, token, ttl_ms)
+        self._abandon(slot, token, ttl_ms, here=not _timed_out(exc))
         if foreign:
             raise ConfigError(foreign_data_message(self.client, slot.keys, exc)) from exc
         raise self.unavailable(slot.name, exc) from exc
@@ -200,15 +201,17 @@ class RedisBackend(RedisHolds, RedisOperator, RedisFlow):
         before = behind if isinstance(behind, RedisSent) else None
         return RedisSent(self._pool, script, names, argv, finish, fail, answered, before)
 
-    def _abandon(self, slot: Slot, token: str, notice_ms: int) -> None:
-        """Take back what *token* may hold, best effort, never raising: here once, and
-        when that does not get through (the server still does not answer), once more a
-        little later from the process's give-back thread (:func:`.redis_giveback.later`). What is
-        not taken back expires with its lease."""
-        try:
-            self.release(slot, token, notice_ms)
-        except Exception:
-            redis_giveback.later(lambda: self.release(slot, token, notice_ms))
+    def _abandon(self, slot: Slot, token: str, notice_ms: int, *, here: bool = True) -> None:
+        """Take back what *token* may hold, best effort, never raising: here once (not
+        after the server timed out: the caller does not wait a second socket timeout),
+        and when that does not get through, once more a little later from the process's
+        give-back thread (:func:`.redis_giveback.later`). What is not taken back expires
+        with its lease."""
+        if here:
+            with contextlib.suppress(Exception):
+                self.release(slot, token, notice_ms)
+                return
+        redis_giveback.later(lambda: self.release(slot, token, notice_ms))
 
     def release(self, slot: Slot, token: str, notice_ms: int) -> Status:
         keys = slot.keys
@@ -360,6 +363,11 @@ class RedisBackend(RedisHolds, RedisOperator, RedisFlow):
             if slot.permits:
                 return len(PERMITS(self.client, [slot.keys.lock], [])) // 4 >= slot.limit
             return bool(self.client.exists(slot.keys.lock))
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """The server did not answer within the socket timeout (a slow or stopped server)."""
+    return isinstance(exc, (rx.TimeoutError, TimeoutError))
 
 
 #: What a sent verb writes: the script, its keys and arguments, how its answer reads, and
