@@ -21,6 +21,7 @@ import redis
 from servers import RedisServer, wait_for
 
 from celery_redlock import Lock, QuorumUnavailable, Redlock, connect
+from celery_redlock.core.backends.redis_client import checkout
 
 Servers = Callable[[int], list[RedisServer]]
 
@@ -225,7 +226,7 @@ def test_the_users_client_keeps_its_own_policy(redis_server: RedisServer) -> Non
     its own settings (retry policy, timeouts, protocol)."""
     client = redis.Redis(host=redis_server.host, port=redis_server.port, max_connections=1)
     settings = dict(client.connection_pool.connection_kwargs)
-    user_conn = client.connection_pool.get_connection()  # the user's only connection
+    user_conn = checkout(client.connection_pool)  # the user's only connection
     try:
         with Lock(client, "own:policy", ttl=5):
             pass  # runs although the user's pool has nothing to give
