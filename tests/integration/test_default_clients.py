@@ -125,8 +125,8 @@ def test_majority_down_is_quorum_unavailable_within_two_seconds(
     try:
         for name in ("first", "second"):  # the second call too, once they are known bad
             began = time.monotonic()
-            with pytest.raises(QuorumUnavailable) as caught:
-                Redlock(clients, name, ttl=30).acquire(timeout=30)
+            with pytest.raises(QuorumUnavailable) as caught:  # per-node timeout 500 ms
+                Redlock(clients, name, ttl=10).acquire(timeout=30)
             assert time.monotonic() - began < 2.0
             assert caught.value.needed == 2 and caught.value.total == 3
     finally:
@@ -214,7 +214,7 @@ def test_one_redis_frozen_is_unavailable_within_the_lock_socket_timeout(
         began = time.monotonic()
         with pytest.raises(QuorumUnavailable):
             Lock(client, "frozen:one", ttl=10).acquire(blocking=False)
-        assert time.monotonic() - began < 2.0 + SLACK
+        assert time.monotonic() - began < 2.0 + 5 * SLACK  # one socket timeout, on a busy CI
     finally:
         redis_server.resume()
     assert wait_for(lambda: Lock(client, "frozen:two", ttl=10).acquire(blocking=False), 5)

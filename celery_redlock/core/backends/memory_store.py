@@ -163,11 +163,16 @@ class MemoryStore:
         return None if value is None else int(value)
 
     def next_fence(self, key: str, fence_ttl_ms: int) -> int:
-        """``INCR`` of the fence counter; a missing one restarts from the wall clock in
-        microseconds (with an idle lifetime), above anything it could have counted to."""
+        """``INCR`` of the fence counter; a missing one (with an idle lifetime) restarts
+        from the wall clock in microseconds rounded up to the next step of min(1 s, that
+        lifetime), above anything it could have counted to (acquire.lua says why)."""
         current = self.counter(key)
         if current is None:
-            current = time.time_ns() // 1000 if fence_ttl_ms > 0 else 0
+            if fence_ttl_ms > 0:
+                step = min(1_000_000, fence_ttl_ms * 1000)
+                current = (time.time_ns() // 1000 // step + 1) * step - 1
+            else:
+                current = 0
             self.put(key, "string", "")
         self.entries[key].value = str(current + 1)  # INCR keeps an expiry
         if fence_ttl_ms > 0:

@@ -225,8 +225,7 @@ class QuorumBackend(QuorumCalls):
         def raised(results: Sequence[Any]) -> int:
             return sum(1 for v in results if answered(v) and v >= fence)
 
-        call: Call = lambda m: m.raise_fence(slot, fence, fence_ttl_ms)  # noqa: E731
-        round_ = Round(self, call, timeout, lower)
+        round_ = Round(self, Verb("raise_fence", (slot, fence, fence_ttl_ms)), timeout, lower)
         try:
             results = round_.wait(lambda r: raised(r) >= need)
         finally:

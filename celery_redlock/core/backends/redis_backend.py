@@ -343,7 +343,7 @@ class RedisBackend(RedisHolds, RedisOperator, RedisFlow):
 
     def raise_fence(self, slot: Slot, fence: int, fence_ttl_ms: int) -> int:
         with self._guard(slot):
-            return int(RAISE_FENCE(self.client, [slot.keys.fence], [fence, fence_ttl_ms]))
+            return int(self._run(RAISE_FENCE, [slot.keys.fence], [fence, fence_ttl_ms]))
 
     # -- reads ------------------------------------------------------------------------
     def holders(self, slot: Slot) -> list[Holder]:
@@ -423,12 +423,20 @@ def _send_enqueue(
 
 
 #: The verbs :meth:`RedisBackend.send` sends, and what each writes.
+def _send_raise_fence(
+    backend: RedisBackend, slot: Slot, fence: int, fence_ttl_ms: int
+) -> _Sending:
+    argv = [fence, fence_ttl_ms]
+    return RAISE_FENCE, [slot.keys.fence], argv, int, partial(backend._failed, slot)
+
+
 _SENDS: dict[str, Callable[..., _Sending]] = {
     "acquire": _send_acquire,
     "release": _send_release,
     "release_done": _send_release_done,
     "extend": _send_extend,
     "enqueue": _send_enqueue,
+    "raise_fence": _send_raise_fence,
 }
 
 

@@ -10,8 +10,11 @@
 --          (optional; absent: it will not)
 -- ARGV[5]  idle lifetime of the fence counter in ms (optional; 0 or absent: never
 --          expires). A counter that is gone (expired, or never made) restarts from the
---          server's clock in microseconds, above any value it could have reached by
---          counting, so fences still increase after it expired.
+--          server's clock in microseconds, rounded up to the next whole step of
+--          min(1 s, that lifetime): above any value it could have reached by counting
+--          (fewer than one a microsecond), so fences still increase after it expired;
+--          and Redlock masters whose clocks agree to the step restart a new name's
+--          counters alike, so their fences agree and none needs raising.
 -- KEYS[4]  queued hold of this lock (optional: a hand-over, see enqueue.lua): the
 --          acquisition takes over the enqueue-time hold of task ARGV[6], in this one step
 -- ARGV[6]  with KEYS[4]: the task id taking over; kept in the lock's 'owner' field
@@ -60,8 +63,9 @@ local fence_ttl = tonumber(ARGV[5] or '0')
 if fence_ttl > 0 then
   if fence == 1 then -- the counter was gone: restart it above anything it counted to
     local now = redis.call('TIME')
-    redis.call('SET', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])), 'PX', fence_ttl)
-    fence = redis.call('INCR', KEYS[2])
+    local step = math.min(1000000, fence_ttl * 1000)
+    fence = (math.floor((tonumber(now[1]) * 1000000 + tonumber(now[2])) / step) + 1) * step
+    redis.call('SET', KEYS[2], string.format('%.0f', fence), 'PX', fence_ttl)
   else
     redis.call('PEXPIRE', KEYS[2], fence_ttl)
   end
