@@ -19,6 +19,7 @@ import itertools
 import json
 import logging
 import os
+import pickle
 import re
 import threading
 import time
@@ -49,7 +50,7 @@ from celery_redlock.core.backend_types import Slot, Status
 from celery_redlock.core.backends.redis_backend import RedisBackend
 from celery_redlock.core.keys import LockKeys
 from celery_redlock.core.lock import Lock as CoreLock
-from celery_redlock.interrupt import Watch, watch_of
+from celery_redlock.interrupt import LockLostInterrupt, Watch, watch_of
 from celery_redlock.state import state_for
 from celery_redlock.task import needs_postrun_net
 
@@ -938,8 +939,9 @@ def _victim(app: Celery, env: Env, policy: str, ttl: float) -> Any:
         try:
             for _ in range(steps):
                 time.sleep(step)
-        except LockLost:
+        except LockLost as exc:
             env.rec.set("lost_at", time.time())
+            env.push("lost", {"type": type(exc).__name__, "name": exc.name, "text": str(exc)})
             raise
         return {"lost": self.lock.lost, "owned": self.lock.owned()}
 
@@ -969,6 +971,10 @@ def test_stolen_lock_raises_lock_lost_in_the_body(
     assert type(exc).__name__ == "LockLost"
     assert "victim" in str(exc)
     assert isinstance(exc, LockLost) and exc.name == "victim"
+    # What the body itself caught names the lock too (the async-exception path).
+    seen = wait_for(lambda: env.items("lost"), timeout=1)[0]
+    assert seen["type"] == "LockLostInterrupt" and seen["name"] == "victim", seen
+    assert seen["text"].startswith("lock 'victim': lost while the task ran ("), seen
     lost_at = float(wait_for(lambda: env.rec.get("lost_at"), timeout=1))
     assert 0 < lost_at - stolen_at < ttl / 3 + 0.5, lost_at - stolen_at
     assert any("lost while running" in m for m in messages(logs, logging.WARNING))
@@ -995,6 +1001,49 @@ def test_stolen_lock_with_warn_lets_the_body_finish_flagged(
     assert any("victim" in m and "lost while running" in m and "warn" in m for m in warnings)
 
 
+@pytest.mark.parametrize("policy", ["raise", "warn"])
+def test_every_loss_line_names_the_rendered_lock(
+    env: Env, logs: pytest.LogCaptureFixture, policy: str
+) -> None:
+    """Each line that reports a loss (renewal, the body's watch, the release after it)
+    names the lock by its rendered name, and so do the errors the body and caller see."""
+    app = env.app()
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_key="sync:<user_id>",
+              lock_ttl=0.9, lock_on_lost=policy)  # fmt: skip
+    def sync(self: Any, user_id: int) -> bool:
+        env.push("started", 1)
+        try:
+            for _ in range(60):  # 1.5 s in small steps: the async exception lands between them
+                time.sleep(0.025)
+        except LockLost as exc:
+            copy = pickle.loads(pickle.dumps(exc))  # as a result backend stores it
+            env.push("caught", [str(exc), type(copy) is LockLostInterrupt and str(copy)])
+            raise
+        return bool(self.lock.lost)
+
+    with worker(app, pool="threads", concurrency=1):
+        result = sync.delay(42)
+        wait_for(lambda: env.items("started"))
+        assert env.locks.delete("redlock:{sync:42}") == 1
+        outcome = result.get(timeout=10, propagate=False)
+    lines = [m for m in messages(logs, logging.WARNING) if "lost" in m.lower()]
+    # The renewal's "LOST", the watch's "lost while running", and the release's own line.
+    assert any("LOST after" in m for m in lines), lines
+    assert any("lost while running" in m and f"lock_on_lost={policy}" in m for m in lines), lines
+    assert all("'sync:42'" in m for m in lines), lines
+    if policy == "raise":
+        caught, copied = env.items("caught")[0]
+        assert caught.startswith("lock 'sync:42': lost while the task ran ("), caught
+        assert copied == caught
+        assert isinstance(outcome, LockLost) and str(outcome).startswith("lock 'sync:42': ")
+    else:
+        assert outcome is True  # the body ran on, flagged
+        assert any("lost before release" in m for m in lines), lines
+        release_line = [m for m in lines if m.startswith(f"Task {sync.name}[")]
+        assert release_line and "(lock_on_lost=warn)" in release_line[0], lines
+
+
 def test_stolen_lock_interrupts_a_main_thread_body_by_signal(env: Env) -> None:
     """A direct call in the main thread gets LockLost even inside one long sleep (signal path)."""
     app = env.app()
@@ -1010,6 +1059,10 @@ def test_stolen_lock_interrupts_a_main_thread_body_by_signal(env: Env) -> None:
         stealer.join()
     assert time.monotonic() - begin < 0.3 + 1.2 / 3 + 0.5
     assert env.rec.get("lost_at") is not None
+    # What the body itself caught names the lock too (the signal path).
+    seen = env.items("lost")[0]
+    assert seen["type"] == "LockLostInterrupt" and seen["name"] == "victim", seen
+    assert seen["text"].startswith("lock 'victim': lost while the task ran ("), seen
     assert env.items("started")[0] == {"thread": "MainThread", "signal": True}
     assert env.held_keys() == []
 
