@@ -32,6 +32,7 @@ import redis
 from celery import Celery, signals
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
+from celery.result import AsyncResult
 from servers import RedisServer, wait_for
 from workers import forget_results
 
@@ -43,6 +44,7 @@ from celery_redlock import (
     LockedTask,
     LockLost,
     QuorumUnavailable,
+    install,
     is_skipped,
 )
 from celery_redlock import run as run_module
@@ -253,6 +255,94 @@ def test_per_call_template_with_an_unknown_name_fails_at_the_call(env: Env) -> N
     with pytest.raises(ConfigError, match=r"'inproc.sync'.*<usr>.*did you mean <user_id>"):
         sync.apply_async((42,), lock_key="o:<usr>")
     assert env.server.client().llen(app.conf.task_default_queue) == 0
+
+
+def _per_call_app(env: Env) -> tuple[Celery, Any]:
+    """An app with one locked task, ``inproc.sync``, that de-duplicates at publish."""
+    app = env.app()
+
+    @app.task(base=LockedTask, shared=False, name="inproc.sync", lock_key="sync:<user_id>",
+              lock_on="enqueue+run")  # fmt: skip
+    def sync(user_id: int) -> list[str]:
+        return env.held_keys()
+
+    app.finalize()
+    return app, sync
+
+
+#: where -> (the call, what the error names as the call, the task it names)
+PER_CALL_REFUSED: dict[str, tuple[Callable[[Celery, Any], Any], str, str]] = {
+    "apply_async": (lambda app, sync: sync.apply_async((42,), lock_on_duplicate="raise"),
+                    "apply_async", "inproc.sync"),
+    "signature": (lambda app, sync: sync.signature((42,), lock_on_duplicate="raise"),
+                  "signature", "inproc.sync"),
+    "signature.set": (lambda app, sync: sync.s(42).set(lock_on_duplicate="raise").apply_async(),
+                      "apply_async", "inproc.sync"),
+    "send_task": (lambda app, sync: app.send_task("inproc.sync", (42,), lock_on_duplicate="raise"),
+                  "send_task", "inproc.sync"),
+    "send_task-unknown": (lambda app, sync: app.send_task("elsewhere.sync", (42,),
+                                                          lock_on_duplicate="raise"),
+                          "send_task", "elsewhere.sync"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("where", list(PER_CALL_REFUSED))
+def test_a_lock_option_passed_per_call_is_refused_naming_task_option_and_fix(
+    env: Env, where: str
+) -> None:
+    """lock_on_duplicate passed per call (apply_async, a signature, send_task) is a
+    ConfigError naming the task, the option and where to set it; nothing is published
+    and no key is held."""
+    app, sync = _per_call_app(env)
+    call, verb, task = PER_CALL_REFUSED[where]
+    with pytest.raises(ConfigError) as info:
+        call(app, sync)
+    text = str(info.value)
+    assert text.startswith(
+        f"task {task!r}: lock_on_duplicate cannot be passed per call "
+        f"({verb}(lock_on_duplicate='raise') would be ignored): "
+    ), text
+    assert "@app.task(base=LockedTask, lock_on_duplicate='raise')" in text
+    assert "app.conf.redlock_lock_on_duplicate" in text
+    assert "lock_key is the one lock option a call may pass" in text
+    assert env.server.client().llen(app.conf.task_default_queue) == 0
+    assert env.held_keys() == []
+
+
+def test_per_call_once_misspelt_options_and_delay_are_refused(env: Env) -> None:
+    """once= (celery-once's) and a misspelt lock option are refused at the call with the
+    fix; delay() takes no options (Celery refuses the unknown argument)."""
+    app, sync = _per_call_app(env)
+    with pytest.raises(ConfigError, match=r"^task 'inproc.sync': send_task\(once=.*migrating"):
+        app.send_task("inproc.sync", (42,), once={"graceful": True})
+    with pytest.raises(ConfigError, match=r"lock_keys='x'\) is not an option.*mean lock_key\?"):
+        sync.apply_async((42,), lock_keys="x")
+    with pytest.raises(ConfigError, match=r"lock_ttl cannot be passed per call"):
+        sync.subtask((42,), lock_ttl=5)
+    with pytest.raises(TypeError, match="lock_on_duplicate"):
+        sync.delay(42, lock_on_duplicate="raise")
+    # None, as Celery's own signatures drop it, is no option at all
+    assert sync.apply_async((42,), lock_on_duplicate=None, once=None).id
+    assert env.server.client().llen(app.conf.task_default_queue) == 1
+
+
+def test_per_call_lock_key_works_through_signatures_and_send_task(env: Env) -> None:
+    """lock_key per call names the run's lock through a signature's options, send_task by
+    name, and send_task from an installed app that does not know the task (the worker
+    renders the template)."""
+    app, sync = _per_call_app(env)
+    client = env.app()
+    client.conf.task_default_queue = app.conf.task_default_queue
+    install(client)
+    with worker(app):
+        by_set = sync.s(42).set(lock_key="s:<user_id>").apply_async()
+        assert by_set.get(timeout=10) == ["redlock:{s:42}"]
+        by_signature = sync.signature((43,), lock_key="sig-43").apply_async()
+        assert by_signature.get(timeout=10) == ["redlock:{sig-43}"]
+        by_name = app.send_task("inproc.sync", (44,), lock_key="by-name")
+        assert by_name.get(timeout=10) == ["redlock:{by-name}"]
+        blind = client.send_task("inproc.sync", (45,), lock_key="blind:<user_id>")
+        assert AsyncResult(blind.id, app=app).get(timeout=10) == ["redlock:{blind:45}"]
 
 
 # ------------------------------------------------------ 2. bad options fail at decoration
