@@ -11,10 +11,12 @@ or a test whose row is gone, fails.
 
 from __future__ import annotations
 
+import functools
 import gc
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -163,7 +165,10 @@ def _their_ttl(env: Env) -> int:
 
 def _run_block(env: Env, code: str) -> dict[str, Any]:
     """Execute a block of the page as module ``proj`` with its own app; its names."""
-    namespace: dict[str, Any] = {**NAMES, "app": _app(env), "__name__": "proj"}
+    # The block's @app.task makes its tasks on this app alone (shared=False): a shared task
+    # would be added to every app finalized later in this process.
+    app = SimpleNamespace(task=functools.partial(_app(env).task, shared=False))
+    namespace: dict[str, Any] = {**NAMES, "app": app, "__name__": "proj"}
     namespace["AlreadyQueued"] = AlreadyQueued
     exec(compile(code, "docs/migrating.md", "exec"), namespace)  # the page's code
     return namespace
