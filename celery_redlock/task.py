@@ -136,9 +136,10 @@ class LockedTask(Task):  # type: ignore[misc]
         (see :mod:`celery_redlock.dedup`). Any other lock option, and celery-once's
         ``once=``, is refused with a ``ConfigError`` (see :mod:`celery_redlock.per_call`).
         """
-        spec = type(self).redlock_spec
-        signature = spec.signature if spec is not None else None
-        options = call_options(self.name, signature, options, "apply_async")
+        if options:  # delay() passes none
+            spec = type(self).redlock_spec
+            signature = spec.signature if spec is not None else None
+            options = call_options(self.name, signature, options, "apply_async")
         return publish(self, args, kwargs, options, super().apply_async)
 
     def signature(self, args: Any = None, *starargs: Any, **starkwargs: Any) -> Any:
