@@ -22,6 +22,7 @@ from .core.events import add_hook
 from .dedup import publish
 from .flags import register_flags
 from .observability import enable_prometheus_by_default, logging_hook
+from .per_call import call_options
 from .state import state_for
 from .task import LockedTask, apply_redlock_tasks
 from .worker import (
@@ -82,10 +83,17 @@ def wrap_send_task(app: Any) -> None:
         task = options.get("task_type")
         if task is None:
             task = _locked_task(app, name)
+            if task is None and _unknown(app, name):
+                # A task this process does not know (a publisher without the task
+                # modules): its lock_key still goes to the worker, in the header.
+                options = call_options(str(name), None, options, "send_task")
         elif isinstance(task, LockedTask) or not _finalizes_redlock_tasks(app):
             task = None
         if not isinstance(task, LockedTask):
             return current(name, args, kwargs, **options)
+        spec = type(task).redlock_spec
+        signature = spec.signature if spec is not None else None
+        options = call_options(task.name, signature, options, "send_task")
         return publish(task, args, kwargs, options, functools.partial(current, name))
 
     send_task.redlock_wrapped = True  # type: ignore[attr-defined]
@@ -98,6 +106,11 @@ def _finalizes_redlock_tasks(app: Any) -> bool:
         return False
     app.finalize(auto=True)
     return True
+
+
+def _unknown(app: Any, name: Any) -> bool:
+    """True when no task *name* is registered in this process (of a finalized app)."""
+    return isinstance(name, str) and app.finalized and name not in app.tasks
 
 
 def _locked_task(app: Any, name: Any) -> Any:

@@ -10,7 +10,8 @@ interrupts that body's thread:
 * in any other thread (thread pools, in-process test workers), by an asynchronous
   exception (``PyThreadState_SetAsyncExc``), raised at the body's next bytecode.
 
-Either way the body sees a :class:`LockLostInterrupt` (a :class:`LockLost`). With
+Either way the body sees a :class:`LockLostInterrupt` (a :class:`LockLost`) that names
+the lock and why it was lost. With
 ``"warn"`` the loss is only logged (the body can read ``self.lock.lost``). Each value
 is a :class:`LostPolicy` registered in ``policies.LOST``; a task's is resolved once, with
 its options (``options.lost``).
@@ -42,10 +43,37 @@ _INTERRUPT_SIGNAL = getattr(signal, "SIGUSR2", None)
 
 
 class LockLostInterrupt(LockLost):
-    """Raised into a running body when its lock is lost (``lock_on_lost="raise"``)."""
+    """Raised into a running body when its lock is lost (``lock_on_lost="raise"``).
 
-    def __init__(self, name: str = "", reason: str = "the lock was lost while the task ran"):
+    ``name`` is the lock's rendered name (``sync:42``), ``reason`` why it was lost.
+    """
+
+    def __init__(self, name: str = "", reason: str = "lost while the task ran") -> None:
         super().__init__(name, reason)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The class raised into a thread is a subclass made for one lock (_interrupt_for);
+        # a copy (a result backend, a pool's pipe) is the public class.
+        return (LockLostInterrupt, (self.name, self.reason))
+
+
+def _interrupt_for(lock: Any) -> type[LockLostInterrupt]:
+    """A :class:`LockLostInterrupt` whose construction without arguments names *lock*.
+
+    ``PyThreadState_SetAsyncExc`` takes an exception class, not an instance, and raises
+    it by calling it with no arguments; this subclass carries the lock's name and the
+    reason as its defaults, and shows as ``LockLostInterrupt`` in tracebacks.
+    """
+    name = str(lock.name)
+    reason = f"lost while the task ran ({lock.lost_reason or 'the lease ran out'})"
+
+    class Interrupt(LockLostInterrupt):
+        def __init__(self, name: str = name, reason: str = reason) -> None:
+            super().__init__(name, reason)
+
+    Interrupt.__name__ = Interrupt.__qualname__ = "LockLostInterrupt"
+    Interrupt.__module__ = __name__
+    return Interrupt
 
 
 @dataclass(frozen=True)
@@ -64,17 +92,17 @@ LOST.register(LostPolicy("raise", interrupts=True))
 LOST.register(LostPolicy("warn", interrupts=False))
 
 
-#: Threads (idents) a signal was sent to and not yet delivered.
-_pending_signals: set[int] = set()
+#: Threads (idents) a signal was sent to and not yet delivered, with what it raises there.
+_pending_signals: dict[int, LockLostInterrupt] = {}
 _handler_installed = False
 _previous_handler: Any = None
 
 
 def _signal_handler(signum: int, frame: Any) -> None:
     ident = threading.get_ident()
-    if ident in _pending_signals:
-        _pending_signals.discard(ident)
-        raise LockLostInterrupt()
+    pending = _pending_signals.pop(ident, None)
+    if pending is not None:
+        raise pending
     if callable(_previous_handler):
         _previous_handler(signum, frame)
 
@@ -125,7 +153,7 @@ class Watch:
                 del _watches[id(lock)]
             if self.sent:
                 if self.use_signal:
-                    _pending_signals.discard(self.thread)
+                    _pending_signals.pop(self.thread, None)
                 else:
                     # Withdraw an interrupt not yet delivered (NULL clears the pending one).
                     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread), None)
@@ -143,12 +171,13 @@ class Watch:
             if not self.policy.interrupts or not self.running or self.sent:
                 return
             self.sent = True
+            interrupt = _interrupt_for(lock)
             if self.use_signal and _INTERRUPT_SIGNAL is not None:
-                _pending_signals.add(self.thread)
+                _pending_signals[self.thread] = interrupt()
                 signal.pthread_kill(self.thread, _INTERRUPT_SIGNAL)
             else:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                    ctypes.c_ulong(self.thread), ctypes.py_object(LockLostInterrupt)
+                    ctypes.c_ulong(self.thread), ctypes.py_object(interrupt)
                 )
 
 

@@ -93,7 +93,7 @@ class Rate:
             raise ConfigError(f"{what}: burst must be a whole number >= 1, got {self.burst!r}")
         cost: Any = self.cost
         if isinstance(cost, str):
-            if not _ONE_FIELD.match(cost):
+            if not _ONE_FIELD.match(cost) or cost == "<*>":
                 raise ConfigError(f"{what}: cost {cost!r} must name one argument, like '<rows>'")
             cost = KeyTemplate(cost)
         elif isinstance(cost, int) and not isinstance(cost, bool):

@@ -50,7 +50,8 @@ from .contention import SKIPPED, is_skipped
 from .core import ConfigError, Lock, LockContended, QuorumUnavailable
 from .dedup import publish
 from .flow import check_limits
-from .naming import KEY_HEADER, compile_key, lock_name_for
+from .naming import compile_key, lock_name_for
+from .per_call import call_options, check_call_options
 from .rules import BackOff, limits_option
 from .run import acquire_for_request, lock_of, release_for_request, run_locked, use_postrun_net
 from .state import state_for
@@ -132,21 +133,26 @@ class LockedTask(Task):  # type: ignore[misc]
 
         With ``lock_on="enqueue"`` or ``"enqueue+run"``, a call whose lock is already
         queued (or running) is a duplicate: ``lock_on_duplicate`` decides what it returns
-        (see :mod:`celery_redlock.dedup`).
+        (see :mod:`celery_redlock.dedup`). Any other lock option, and celery-once's
+        ``once=``, is refused with a ``ConfigError`` (see :mod:`celery_redlock.per_call`).
         """
-        key = options.pop("lock_key", None)
-        if key is not None:
-            if not isinstance(key, str) or not key:
-                raise ConfigError(
-                    f"task {self.name!r}: apply_async(lock_key={key!r}) must be a non-empty "
-                    "string (a name like 'sync:42' or a template like 'sync:<user_id>')"
-                )
+        if options:  # delay() passes none
             spec = type(self).redlock_spec
-            if "<" in key and spec is not None:
-                # A wrong placeholder is the caller's mistake: say so here, not in the worker.
-                compile_key(self.name, key, spec.signature)
-            options["headers"] = {**(options.get("headers") or {}), KEY_HEADER: key}
+            signature = spec.signature if spec is not None else None
+            options = call_options(self.name, signature, options, "apply_async")
         return publish(self, args, kwargs, options, super().apply_async)
+
+    def signature(self, args: Any = None, *starargs: Any, **starkwargs: Any) -> Any:
+        """Like Celery's (``s()``, ``si()``); a lock option a call cannot pass is refused
+        here, where the signature is made, not when a canvas publishes it later."""
+        sig = super().signature(args, *starargs, **starkwargs)
+        spec = type(self).redlock_spec
+        check_call_options(
+            self.name, spec.signature if spec is not None else None, sig.options, "signature"
+        )
+        return sig
+
+    subtask = signature
 
 
 for _option in OPTIONS:

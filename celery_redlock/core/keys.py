@@ -43,6 +43,8 @@ MAX_NAME_LENGTH = 200
 _HEAD = 120
 _PLACEHOLDER = re.compile(r"<([^<>]*)>")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: The placeholder of every argument of a call (``"proj.report:<*>"``).
+ALL_ARGUMENTS = "*"
 #: Stored names that get a backslash in front in their hash tag, and the tags that have one.
 _ESCAPED = ("}", "\\")
 _ESCAPES = ("\\}", "\\\\")
@@ -216,8 +218,11 @@ class KeyTemplate:
     """A key template such as ``"sync:<user_id>"``.
 
     ``<name>`` is replaced by the rendered value of argument ``name``; ``<a.b>``
-    reads attribute or key ``b`` of argument ``a``. ``fields`` lists the argument
-    names the template needs, so callers can check them against a signature early.
+    reads attribute or key ``b`` of argument ``a``; ``<*>`` is every argument of the
+    call by name, rendered as one JSON object with sorted keys (``{"day":"d1",
+    "full":false}``), so two calls share the name exactly when all their arguments are
+    equal. ``fields`` lists the argument names the template needs, so callers can
+    check them against a signature early (``<*>`` needs none).
     """
 
     def __init__(self, template: str) -> None:
@@ -231,6 +236,10 @@ class KeyTemplate:
         for m in _PLACEHOLDER.finditer(template):
             if m.start() > pos:
                 self._parts.append((template[pos : m.start()], None))
+            if m.group(1) == ALL_ARGUMENTS:
+                self._parts.append(("", ()))
+                pos = m.end()
+                continue
             path = tuple(m.group(1).split("."))
             if not all(_IDENT.match(p) for p in path):
                 raise ConfigError(
@@ -240,9 +249,7 @@ class KeyTemplate:
             pos = m.end()
         if pos < len(template):
             self._parts.append((template[pos:], None))
-        self.fields: tuple[str, ...] = tuple(
-            dict.fromkeys(p[0] for _, p in self._parts if p is not None)
-        )
+        self.fields: tuple[str, ...] = tuple(dict.fromkeys(p[0] for _, p in self._parts if p))
 
     def render(self, arguments: Mapping[str, Any]) -> str:
         """Fill the template from *arguments* (argument name -> value)."""
@@ -250,6 +257,9 @@ class KeyTemplate:
         for text, path in self._parts:
             if path is None:
                 out.append(text)
+                continue
+            if not path:
+                out.append(render_value(dict(arguments)))
                 continue
             try:
                 value: Any = arguments[path[0]]

@@ -7,13 +7,17 @@ and the in-process worker come from test_task_inprocess.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
+import re
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -426,6 +430,51 @@ def test_chord_header_duplicates_still_complete_the_chord(env: Env) -> None:
         result = chord([part.s(1), part.s(1), part.s(2)])(total.s())
         assert result.get(timeout=15) in (3, 4)
     assert sorted(env.items("parts")) in ([1, 2], [1, 1, 2])
+
+
+def _dedup_doc_block(containing: str) -> str:
+    """The Python block of docs/dedup.md that contains *containing*, as printed."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "dedup.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", page, re.S) if containing in b]
+    return block
+
+
+def test_the_documented_chord_callback_handles_skipped_header_results(env: Env) -> None:
+    """docs/dedup.md's chord, run as printed on an in-process worker: the duplicate acme
+    member is skipped with the marker the page shows, and the callback adds up the rows
+    of the runs and names the call the duplicate was folded into."""
+    app = env.app()
+
+    def write_export(account: str) -> int:
+        env.push("exports", account)
+        env.hold_until(f"go:{account}")
+        return len(account)
+
+    # The block's @app.task makes its tasks on this app alone (shared=False): a shared
+    # task would be added to every app finalized later in this process.
+    namespace: dict[str, Any] = {
+        "app": SimpleNamespace(task=functools.partial(app.task, shared=False)),
+        "write_export": write_export,
+        "__name__": "proj",
+    }
+    exec(_dedup_doc_block("def summarize"), namespace)  # the page's code: sends the chord
+    result = namespace["result"]
+    members = result.parent.results
+    with worker(app, concurrency=2):
+        wait_for(lambda: members[1].ready(), timeout=15, what="the duplicate member skipped")
+        env.rec.set("go:globex", 1)
+        env.rec.set("go:acme", 1)
+        summary = result.get(timeout=15)
+    skipped = members[1].get(timeout=5)
+    assert is_skipped(skipped)
+    assert summary == {"rows": 4 + 6, "duplicates": {"export:acme": members[0].id}}
+    assert sorted(env.items("exports")) == ["acme", "globex"]
+    # the marker as the page shows it: the same keys, the reason in the same words
+    shown = eval(_dedup_doc_block('"celery_redlock.skipped": True'))  # the page's literal
+    assert sorted(skipped) == sorted(shown)
+    assert skipped["reason"] == f"duplicate of task {members[0].id} (running)"
+    assert skipped["lock"] == shown["lock"] == "export:acme"
+    assert skipped["task_id"] == members[0].id
 
 
 def test_group_duplicates_are_skipped_visibly_and_chain_steps_run(env: Env) -> None:

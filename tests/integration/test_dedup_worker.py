@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -278,6 +279,27 @@ def test_a_requeued_killed_run_keeps_its_place_and_every_id_runs(
     _runs_never_overlap(server, key, kills)
     log = w.text()
     assert log.count("kept for its redelivered copy") == 2, log[-3000:]
+    # docs/dedup.md quotes this line: the same words, with its example's names and numbers
+    ours = {"dd.hold": "proj.sync_user", f"hold:{key}": "sync:42"}
+    kept = [_shape(line, ours) for line in log.splitlines() if "kept for its redel" in line]
+    assert _shape(_dedup_doc_kept_line(), {}) in kept, (_dedup_doc_kept_line(), kept)
+
+
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def _shape(line: str, names: dict[str, str]) -> str:
+    """*line* with *names* replaced, task ids as <id> and every number as <n>."""
+    for name, example in names.items():
+        line = line.replace(name, example)
+    return re.sub(r"\d+", "<n>", _UUID.sub("<id>", line.strip()))
+
+
+def _dedup_doc_kept_line() -> str:
+    """The kept-for-redelivery line docs/dedup.md quotes."""
+    page = (ROOT / "docs" / "dedup.md").read_text().splitlines()
+    (line,) = [ln.strip() for ln in page if ln.strip().startswith("[") and "kept for" in ln]
+    return line
 
 
 def test_beat_every_half_second_never_overlaps_nor_backs_up_two_second_runs(

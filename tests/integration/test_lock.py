@@ -278,9 +278,9 @@ def test_expired_holder_cannot_release_or_extend_the_new_holders_lock(
     assert old_fence is not None and new.fence is not None and new.fence > old_fence
     mine = token_of(redis_client, new)
 
-    with pytest.raises(LockLost):
+    with pytest.raises(LockLost, match=r"^lock 'own:expired': "):
         old.extend()
-    with pytest.raises(LockLost):
+    with pytest.raises(LockLost, match=r"^lock 'own:expired': "):
         old.release()
     assert token_of(redis_client, new) == mine
     assert redis_client.hget(new.keys.lock, "fence") == str(new.fence).encode()

@@ -1,17 +1,22 @@
-"""docs/migrating.md: each documented mapping from celery-once and celery-singleton, run
+"""docs/migrating.md as printed: each mapping from celery-once and celery-singleton, run
 next to the original library with the same calls (publish side, no worker unless the
 mapping is about the run).
 
-Each case names the option line the page documents; the test fails if the page no
-longer says it.
+The options are read from the page: the first code span of each cell of a mapping table
+is evaluated as the keyword arguments of ``@app.task(...)`` (theirs on the left, ours on
+the right), the settings rows are executed, and the Python blocks are executed as
+printed (``# before`` and ``# after`` in apps of their own). A row without a test here,
+or a test whose row is gone, fails.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
+import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,15 +25,86 @@ from celery import Celery
 from servers import RedisServer, wait_for
 from test_task_inprocess import Env, forget_results, worker
 
-from celery_redlock import AlreadyQueued, LockedTask
+from celery_redlock import AlreadyQueued, ConfigError, LockedTask, RedlockError
+from celery_redlock.config import SETTINGS
+from celery_redlock.state import state_for
 
 celery_once = pytest.importorskip("celery_once")
 celery_singleton = pytest.importorskip("celery_singleton")
-from celery_singleton.exceptions import DuplicateTaskError  # noqa: E402
+from celery_singleton.exceptions import (  # noqa: E402
+    CelerySingletonException,
+    DuplicateTaskError,
+)
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "migrating.md"
+PAGE = (Path(__file__).resolve().parents[2] / "docs" / "migrating.md").read_text()
+#: What the page's code may name.
+NAMES = {
+    "QueueOnce": celery_once.QueueOnce,
+    "Singleton": celery_singleton.Singleton,
+    "LockedTask": LockedTask,
+}
 
 
+# -- reading the page ----------------------------------------------------------------------
+def _section(heading: str) -> str:
+    """The text under ``## <heading>`` up to the next ``## ``."""
+    return PAGE.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def _table(text: str) -> list[list[str]]:
+    """The cells of the first table in *text* (header and rule dropped)."""
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    first = text.splitlines().index(rows[0])
+    table = []
+    for line in text.splitlines()[first:]:
+        if not line.startswith("|"):
+            break
+        table.append([cell.strip() for cell in line.strip().strip("|").split(" | ")])
+    return table[2:]
+
+
+def _spans(cell: str) -> list[str]:
+    return re.findall(r"`([^`]*)`", cell)
+
+
+def _mappings(heading: str) -> dict[str, dict[str, Any]]:
+    """The section's mapping table: their options (the left cell's first code span, as
+    printed) -> ours, each evaluated as ``@app.task`` keyword arguments."""
+    found = {}
+    for left, right in _table(_section(heading)):
+        theirs, ours = _spans(left)[0], _spans(right)[0]
+        found[theirs] = {
+            "theirs": eval(f"dict({theirs})", dict(NAMES)),  # the page's code
+            "ours": eval(f"dict({ours})", dict(NAMES)),
+        }
+    return found
+
+
+def _blocks(heading: str) -> list[str]:
+    """The section's Python blocks, as printed."""
+    return re.findall(r"```python\n(.*?)```", _section(heading), re.S)
+
+
+ONCE = _mappings("celery-once (`QueueOnce`)")
+SINGLETON = _mappings("celery-singleton (`Singleton`)")
+
+ONCE_CASES = {
+    "plain": "base=QueueOnce",
+    "graceful": 'base=QueueOnce, once={"graceful": True}',
+    "keys": 'base=QueueOnce, once={"keys": ["user_id"]}',
+    "no_keys": 'base=QueueOnce, once={"keys": []}',
+    "timeout": 'base=QueueOnce, once={"timeout": 600}',
+    "unlock_before_run": 'base=QueueOnce, once={"unlock_before_run": True}',
+}
+SINGLETON_CASES = {
+    "plain": "base=Singleton",
+    "unique_on": 'base=Singleton, unique_on=["user_id"]',
+    "raise_on_duplicate": "base=Singleton, raise_on_duplicate=True",
+    "lock_expiry": "base=Singleton, lock_expiry=600",
+}
+
+
+# -- fixtures and helpers ---------------------------------------------------------------------
 @pytest.fixture
 def env(shared_redis: RedisServer, redis_client: redis.Redis) -> Iterator[Env]:
     """The shared throwaway server, flushed; apps closed after."""
@@ -44,11 +120,15 @@ def env(shared_redis: RedisServer, redis_client: redis.Redis) -> Iterator[Env]:
         e.rec.close()
 
 
-def _app(env: Env) -> Celery:
-    app = env.app()
+def _url(env: Env) -> str:
     # both libraries keep one client per process for the first URL they see: the
     # session's shared server, db 4, is the only one they are ever given here
-    url = f"{env.base}/4"
+    return f"{env.base}/4"
+
+
+def _app(env: Env) -> Celery:
+    app = env.app()
+    url = _url(env)
     app.conf.ONCE = {
         "backend": "celery_once.backends.Redis",
         "settings": {"url": url, "default_timeout": 3600},
@@ -57,85 +137,24 @@ def _app(env: Env) -> Celery:
     return app
 
 
-@dataclass(frozen=True)
-class Mapping:
-    """One documented row: their task options, ours, and the line the page shows."""
-
-    theirs: dict[str, Any]
-    ours: dict[str, Any]
-    documented: str
-
-
-ONCE = {
-    "default": Mapping(
-        {},
-        {"lock_on": "enqueue+run", "lock_on_duplicate": "raise", "lock_key": "once:<user_id>"},
-        '`base=LockedTask, lock_on="enqueue+run", lock_on_duplicate="raise"`',
-    ),
-    "graceful": Mapping(
-        {"once": {"graceful": True}},
-        {"lock_on": "enqueue+run", "lock_on_duplicate": "return", "lock_key": "once:<user_id>"},
-        '`lock_on_duplicate="return"` (the default)',
-    ),
-    "keys": Mapping(
-        {"once": {"keys": ["user_id"], "graceful": True}},
-        {"lock_on": "enqueue+run", "lock_key": "proj.sync:<user_id>"},
-        '`lock_key="proj.sync:<user_id>"`',
-    ),
-    "timeout": Mapping(
-        {"once": {"timeout": 600, "graceful": True}},
-        {"lock_on": "enqueue+run", "lock_key": "once:<user_id>", "lock_enqueue_ttl": 600},
-        "`lock_enqueue_ttl=600`",
-    ),
-    "unlock_before_run": Mapping(
-        {"once": {"unlock_before_run": True, "graceful": True}},
-        {"lock_on": "enqueue", "lock_key": "once:<user_id>"},
-        '| `once={"unlock_before_run": True}` | `lock_on="enqueue"` |',
-    ),
-}
-
-SINGLETON = {
-    "default": Mapping(
-        {},
-        {"lock_on": "enqueue+run", "lock_key": "single:<user_id>:<full>"},
-        '`base=LockedTask, lock_on="enqueue+run"` (`lock_on_duplicate="return"` is the default)',
-    ),
-    "unique_on": Mapping(
-        {"unique_on": ["user_id"]},
-        {"lock_on": "enqueue+run", "lock_key": "proj.sync:<user_id>"},
-        '| `unique_on=["user_id"]` | `lock_key="proj.sync:<user_id>"` |',
-    ),
-    "raise_on_duplicate": Mapping(
-        {"raise_on_duplicate": True},
-        {"lock_on": "enqueue+run", "lock_key": "single:<user_id>", "lock_on_duplicate": "raise"},
-        '`lock_on_duplicate="raise"` (`AlreadyQueued` with `task_id`, `ttl`, `state`)',
-    ),
-    "lock_expiry": Mapping(
-        {"lock_expiry": 600, "unique_on": ["user_id"]},
-        {"lock_on": "enqueue+run", "lock_key": "single:<user_id>", "lock_enqueue_ttl": 600},
-        "`lock_enqueue_ttl=600` (default 3600 s",
-    ),
-}
-
-
 def _tasks(
-    env: Env, base: type, mapping: Mapping
-) -> tuple[Celery, Callable[..., Any], Callable[..., Any]]:
-    """(app, their task, our task) with the mapping's options; bodies record each run."""
+    env: Env, mapping: dict[str, Any]
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(their task, our task) with the row's options; the bodies record each run."""
     app = _app(env)
 
-    @app.task(base=base, shared=False, name="mig.theirs", **mapping.theirs)
+    @app.task(shared=False, name="proj.theirs", **mapping["theirs"])
     def theirs(user_id: int, full: bool = False) -> int:
         env.push("theirs", user_id)
         return user_id
 
-    @app.task(base=LockedTask, shared=False, name="mig.ours", **mapping.ours)
+    @app.task(shared=False, name="proj.sync", **mapping["ours"])
     def ours(user_id: int, full: bool = False) -> int:
         env.push("ours", user_id)
         env.hold_until(f"go:{user_id}")
         return user_id
 
-    return app, theirs, ours
+    return theirs, ours
 
 
 def _their_ttl(env: Env) -> int:
@@ -144,68 +163,201 @@ def _their_ttl(env: Env) -> int:
     return max(int(theirs.ttl(key)) for key in theirs.scan_iter())
 
 
-def test_every_mapping_is_on_the_page() -> None:
-    """The page states each mapping this module runs."""
-    page = DOC.read_text()
-    for mapping in [*ONCE.values(), *SINGLETON.values()]:
-        assert mapping.documented in page, mapping.documented
+def _run_block(env: Env, code: str) -> dict[str, Any]:
+    """Execute a block of the page as module ``proj`` with its own app; its names."""
+    # The block's @app.task makes its tasks on this app alone (shared=False): a shared task
+    # would be added to every app finalized later in this process.
+    app = SimpleNamespace(task=functools.partial(_app(env).task, shared=False))
+    namespace: dict[str, Any] = {**NAMES, "app": app, "__name__": "proj"}
+    namespace["AlreadyQueued"] = AlreadyQueued
+    exec(compile(code, "docs/migrating.md", "exec"), namespace)  # the page's code
+    return namespace
 
 
-@pytest.mark.parametrize("case", ["default", "graceful", "keys", "timeout"])
-def test_celery_once_mapping_refuses_the_same_calls(env: Env, case: str) -> None:
-    """QueueOnce and its mapping refuse the same second calls; ours returns the queued
-    task's result where celery-once's graceful returns a REJECTED placeholder, and raises
-    AlreadyQueued with the holder's task id where it raises its own AlreadyQueued."""
-    mapping = ONCE[case]
-    _, theirs, ours = _tasks(env, celery_once.QueueOnce, mapping)
+def _before_after(block: str) -> tuple[str, str]:
+    before, after = block.split("# after\n", 1)
+    return before.split("# before\n", 1)[1], after
+
+
+# -- the page and the tests agree ---------------------------------------------------------
+def test_every_row_has_a_test_and_every_test_a_row() -> None:
+    """The mapping tables hold exactly the rows this module runs, and every mapping of a
+    plain task (all arguments) keys ours on all arguments too."""
+    assert sorted(ONCE) == sorted(ONCE_CASES.values())
+    assert sorted(SINGLETON) == sorted(SINGLETON_CASES.values())
+    for plain in (ONCE["base=QueueOnce"], SINGLETON["base=Singleton"]):
+        assert plain["ours"]["lock_key"] == "proj.sync:<*>"
+
+
+# -- settings ---------------------------------------------------------------------------------
+def test_settings_rows_configure_the_same_behaviour(env: Env) -> None:
+    """Each settings row, executed as printed on both sides (URL: a throwaway Redis), gives
+    the same answer to a duplicate; a row that names settings names real ones."""
+    rows = _table(_section("Settings"))
+    assert len(rows) == 5
+    url = _url(env)
+
+    def executed(cell: str) -> Celery:
+        app = env.app()
+        for span in _spans(cell):
+            exec(span, {"app": app, "URL": url})  # the page's code
+        return app
+
+    # ONCE -> redlock_url and redlock_lock_enqueue_ttl
+    theirs_app, ours_app = executed(rows[0][0]), executed(rows[0][1])
+    assert ours_app.conf.redlock_url == url
+    assert state_for(ours_app).settings.enqueue_ttl == 3600
+    theirs = theirs_app.task(base=celery_once.QueueOnce, shared=False, name="s.once")(_body)
+    ours = ours_app.task(base=LockedTask, shared=False, name="s.ours", lock_on="enqueue+run",
+                         lock_on_duplicate="raise")(_body)  # fmt: skip
+    theirs.delay(1), ours.delay(1)
+    with pytest.raises(celery_once.AlreadyQueued):
+        theirs.delay(1)
+    with pytest.raises(AlreadyQueued):
+        ours.delay(1)
+    assert 3590 <= env.server.client(db=4).ttl("redlock:{s.ours}:queued") <= 3600
+    # singleton's names -> ours
+    for name in _spans(rows[1][1]):
+        assert name in SETTINGS, name
+    # singleton_raise_on_duplicate -> redlock_lock_on_duplicate
+    theirs_app, ours_app = executed(rows[2][0]), executed(rows[2][1])
+    theirs_app.conf.singleton_backend_url = url
+    ours_app.conf.redlock_url = url
+    theirs = theirs_app.task(base=celery_singleton.Singleton, shared=False, name="s.single")(_body)
+    ours = ours_app.task(base=LockedTask, shared=False, name="s.ours2",
+                         lock_on="enqueue+run")(_body)  # fmt: skip
+    theirs.delay(1), ours.delay(1)
+    with pytest.raises(DuplicateTaskError):
+        theirs.delay(1)
+    with pytest.raises(AlreadyQueued):
+        ours.delay(1)
+    # redlock_lock_on makes every locked task de-duplicate at publish
+    ours_app = executed(rows[3][1])
+    ours_app.conf.redlock_url = url
+    ours = ours_app.task(base=LockedTask, shared=False, name="s.ours3")(_body)
+    assert ours.delay(1).id == ours.delay(1).id
+
+
+def _body(user_id: int) -> int:
+    return user_id
+
+
+# -- celery-once ------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["plain", "graceful", "keys", "no_keys", "timeout"])
+def test_celery_once_row_refuses_the_same_calls(env: Env, case: str) -> None:
+    """QueueOnce and the row's options refuse the same second calls and queue the same
+    others; ours returns the queued task's result where celery-once's graceful returns a
+    REJECTED placeholder, and raises its own AlreadyQueued with the holder's task id."""
+    theirs, ours = _tasks(env, ONCE[ONCE_CASES[case]])
     first_theirs, first_ours = theirs.delay(1), ours.delay(1)
-    other = 2 if case != "keys" else 1  # keys: a call differing only in `full` is a duplicate
-    call = {"full": True} if case == "keys" else {}
-    if case == "default":
+    same = {"keys": [((1,), {"full": True})], "no_keys": [((2,), {})]}.get(case, [])
+    same += [((), {"user_id": 1})]  # a keyword is the same argument in both
+    other = {"keys": [((2,), {})], "no_keys": []}.get(case, [((2,), {}), ((1,), {"full": True})])
+    for args, kwargs in same:
+        if case == "graceful":
+            rejected = theirs.delay(*args, **kwargs)
+            assert rejected.state == "REJECTED" and rejected.id is None
+            assert ours.delay(*args, **kwargs).id == first_ours.id
+            continue
         with pytest.raises(celery_once.AlreadyQueued):
-            theirs.delay(1)
+            theirs.delay(*args, **kwargs)
         with pytest.raises(AlreadyQueued) as info:
-            ours.delay(1)
+            ours.delay(*args, **kwargs)
         assert info.value.task_id == first_ours.id
-        return
-    dup_theirs, dup_ours = theirs.delay(other, **call), ours.delay(other, **call)
-    if case == "keys":
-        assert dup_theirs.state == "REJECTED" and dup_theirs.id is None
-        assert dup_ours.id == first_ours.id
-    else:  # a different user is no duplicate in either
-        assert dup_theirs.id not in (None, first_theirs.id)
-        assert dup_ours.id != first_ours.id
-        assert theirs.delay(1).state == "REJECTED"
-        assert ours.delay(1).id == first_ours.id
+    for args, kwargs in other:  # e.g. report.delay("d1"); report.delay("d2"): both queued
+        assert theirs.delay(*args, **kwargs).id not in (None, first_theirs.id)
+        assert ours.delay(*args, **kwargs).id not in (None, first_ours.id)
     if case == "timeout":
-        their_ttl = _their_ttl(env)
-        assert 590 <= their_ttl <= 600
-        assert 590_000 <= env.locks.pttl("redlock:{once:1}:queued") <= 600_000
+        assert 590 <= _their_ttl(env) <= 600
+        name = 'proj.sync:{"full":false,"user_id":1}'
+        assert 590_000 <= env.locks.pttl(f"redlock:{{{name}}}:queued") <= 600_000
+
+
+def test_celery_once_keys_as_passed_ours_with_defaults(env: Env) -> None:
+    """What the page says behaves differently: celery-once keys on the arguments as
+    passed, so an explicit default is another key there; here it is the same call."""
+    theirs, ours = _tasks(env, ONCE["base=QueueOnce"])
+    theirs.delay(1), ours.delay(1)
+    assert theirs.delay(1, full=False).id is not None  # queued again
+    with pytest.raises(AlreadyQueued):
+        ours.delay(1, full=False)
 
 
 def test_celery_once_unlock_before_run_maps_to_enqueue(env: Env) -> None:
     """unlock_before_run / lock_on="enqueue": once the first call runs, the next one is
     queued (not refused); ours still keeps the two runs apart."""
-    _, _, ours = _tasks(env, celery_once.QueueOnce, ONCE["unlock_before_run"])
+    _, ours = _tasks(env, ONCE[ONCE_CASES["unlock_before_run"]])
     with worker(ours.app, concurrency=2):
         first = ours.delay(1)
         wait_for(lambda: env.items("ours") == [1])
         second = ours.delay(1)
         assert second.id != first.id
-        assert ours.delay(1).id == second.id  # and that one is queued once
+        with pytest.raises(AlreadyQueued) as info:  # and that one is queued once
+            ours.delay(1)
+        assert info.value.task_id == second.id
         env.rec.set("go:1", 1)
         assert second.get(timeout=15) == 1 and first.get(timeout=15) == 1
     assert env.items("ours") == [1, 1]
 
 
-@pytest.mark.parametrize("case", ["default", "unique_on", "raise_on_duplicate", "lock_expiry"])
-def test_celery_singleton_mapping_refuses_the_same_calls(env: Env, case: str) -> None:
-    """Singleton and its mapping refuse the same second calls: both return the existing
-    task's AsyncResult, or both raise with its task id."""
-    mapping = SINGLETON[case]
-    _, theirs, ours = _tasks(env, celery_singleton.Singleton, mapping)
+def test_celery_once_example_runs_as_printed(env: Env) -> None:
+    """The page's before/after block: both refuse a second call of user 42 (any `full`),
+    queue user 7, and hold a queued key for 600 s."""
+    before, after = _before_after(_blocks("celery-once (`QueueOnce`)")[0])
+    theirs, ours = _run_block(env, before)["sync"], _run_block(env, after)["sync"]
+    assert ours.name == "proj.sync"
+    first = ours.delay(42)
+    theirs.delay(42)
+    assert theirs.delay(42, full=True).state == "REJECTED"
+    assert ours.delay(42, full=True).id == first.id
+    assert theirs.delay(7).id is not None and ours.delay(7).id != first.id
+    assert 590 <= _their_ttl(env) <= 600
+    assert 590_000 <= env.locks.pttl("redlock:{proj.sync:42}:queued") <= 600_000
+
+
+def test_celery_once_exceptions_and_attributes_as_stated(env: Env) -> None:
+    """celery-once's AlreadyQueued does not catch ours; countdown/message became ttl and
+    str(exc); ours carries the holder's task id and state."""
+    theirs, ours = _tasks(env, ONCE["base=QueueOnce"])
+    theirs.delay(1)
+    first = ours.delay(1)
+    with pytest.raises(celery_once.AlreadyQueued) as their_error:
+        theirs.delay(1)
+    assert 3590 < their_error.value.countdown <= 3600
+    assert their_error.value.message.startswith("Expires in ")
+    assert not issubclass(AlreadyQueued, celery_once.AlreadyQueued)
+    with pytest.raises(AlreadyQueued) as our_error:
+        try:
+            ours.delay(1)
+        except celery_once.AlreadyQueued:  # pragma: no cover - the point: it does not catch
+            pytest.fail("celery_once.AlreadyQueued caught celery_redlock.AlreadyQueued")
+    exc = our_error.value
+    assert isinstance(exc, RedlockError)
+    assert exc.ttl is not None and 3590 < exc.ttl <= 3600
+    assert exc.task_id == first.id and exc.state == "queued" and exc.holder
+    assert first.id in str(exc) and 'proj.sync:{"full":false,"user_id":1}' in str(exc)
+
+
+def test_per_call_duplicate_snippet_runs_as_printed(env: Env) -> None:
+    """The page's try/except gives the holder's result for a duplicate, and the new
+    call's result otherwise, on the plain QueueOnce row's task."""
+    (snippet,) = [b for b in _blocks("celery-once (`QueueOnce`)") if "except" in b]
+    _, sync = _tasks(env, ONCE["base=QueueOnce"])
+    namespace = {"sync": sync, "AlreadyQueued": AlreadyQueued}
+    exec(snippet, namespace)  # the page's code
+    first = namespace["result"]
+    assert first.id is not None
+    exec(snippet, namespace)
+    assert namespace["result"].id == first.id
+
+
+# -- celery-singleton ---------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["plain", "unique_on", "raise_on_duplicate", "lock_expiry"])
+def test_celery_singleton_row_refuses_the_same_calls(env: Env, case: str) -> None:
+    """Singleton and the row's options refuse the same second calls: both return the
+    existing task's AsyncResult, or both raise with its task id."""
+    theirs, ours = _tasks(env, SINGLETON[SINGLETON_CASES[case]])
     first_theirs, first_ours = theirs.delay(1), ours.delay(1)
-    call = {"full": True} if case == "unique_on" else {}
     if case == "raise_on_duplicate":
         with pytest.raises(DuplicateTaskError) as their_error:
             theirs.delay(1)
@@ -213,15 +365,59 @@ def test_celery_singleton_mapping_refuses_the_same_calls(env: Env, case: str) ->
             ours.delay(1)
         assert their_error.value.task_id == first_theirs.id
         assert our_error.value.task_id == first_ours.id
+        assert not issubclass(AlreadyQueued, CelerySingletonException)
         return
+    call = {"full": True} if case == "unique_on" else {}
     assert theirs.delay(1, **call).id == first_theirs.id
     assert ours.delay(1, **call).id == first_ours.id
     assert theirs.delay(2).id != first_theirs.id
     assert ours.delay(2).id != first_ours.id
-    if case == "default":  # all arguments count in both
+    if case == "plain":  # all arguments count in both
         assert theirs.delay(1, full=True).id != first_theirs.id
         assert ours.delay(1, full=True).id != first_ours.id
+        # what behaves differently: theirs hashes arguments as passed, ours as bound
+        assert theirs.delay(user_id=1).id != first_theirs.id
+        assert ours.delay(user_id=1).id == first_ours.id
     if case == "lock_expiry":
-        their_ttl = _their_ttl(env)
-        assert 590 <= their_ttl <= 600
-        assert 590_000 <= env.locks.pttl("redlock:{single:1}:queued") <= 600_000
+        assert 590 <= _their_ttl(env) <= 600
+        name = 'proj.sync:{"full":false,"user_id":1}'
+        assert 590_000 <= env.locks.pttl(f"redlock:{{{name}}}:queued") <= 600_000
+
+
+def test_celery_singleton_example_runs_as_printed(env: Env) -> None:
+    """The page's before/after block: both raise for a second call of user 42 with the
+    first task's id, and queue user 7."""
+    before, after = _before_after(_blocks("celery-singleton (`Singleton`)")[0])
+    theirs, ours = _run_block(env, before)["sync"], _run_block(env, after)["sync"]
+    first_theirs, first_ours = theirs.delay(42), ours.delay(42)
+    with pytest.raises(DuplicateTaskError) as their_error:
+        theirs.delay(42, full=True)
+    with pytest.raises(AlreadyQueued) as our_error:
+        ours.delay(42, full=True)
+    assert their_error.value.task_id == first_theirs.id
+    assert our_error.value.task_id == first_ours.id
+    assert theirs.delay(7).id != first_theirs.id and ours.delay(7).id != first_ours.id
+    assert 590 <= _their_ttl(env) <= 600
+
+
+# -- options passed per call ------------------------------------------------------------------
+def test_once_per_call_is_refused_with_the_printed_error(env: Env) -> None:
+    """apply_async(once=...) on a LockedTask raises the ConfigError the page prints, and
+    publishes nothing."""
+    section = _section("Options passed per call")
+    printed = re.search(r"```\n(ConfigError: .*?)\n```", section, re.S)
+    assert printed is not None
+    _, sync = _tasks(env, ONCE["base=QueueOnce"])
+    with pytest.raises(ConfigError) as info:
+        sync.apply_async((42,), once={"graceful": True})
+    assert f"ConfigError: {info.value}" == printed.group(1)
+    assert env.held_keys() == []
+    assert sync.delay(42).id is not None  # the key was not taken by the refused call
+
+
+def test_plain_queue_once_tasks_keep_their_once_option(env: Env) -> None:
+    """A QueueOnce task still reads its own per-call once= on an app where celery-redlock
+    is installed (a migration done task by task)."""
+    theirs, _ = _tasks(env, ONCE["base=QueueOnce"])
+    theirs.delay(1)
+    assert theirs.apply_async((1,), once={"graceful": True}).state == "REJECTED"

@@ -19,6 +19,7 @@ import itertools
 import json
 import logging
 import os
+import pickle
 import re
 import threading
 import time
@@ -31,6 +32,7 @@ import redis
 from celery import Celery, signals
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
+from celery.result import AsyncResult
 from servers import RedisServer, wait_for
 from workers import forget_results
 
@@ -42,6 +44,7 @@ from celery_redlock import (
     LockedTask,
     LockLost,
     QuorumUnavailable,
+    install,
     is_skipped,
 )
 from celery_redlock import run as run_module
@@ -49,7 +52,7 @@ from celery_redlock.core.backend_types import Slot, Status
 from celery_redlock.core.backends.redis_backend import RedisBackend
 from celery_redlock.core.keys import LockKeys
 from celery_redlock.core.lock import Lock as CoreLock
-from celery_redlock.interrupt import Watch, watch_of
+from celery_redlock.interrupt import LockLostInterrupt, Watch, watch_of
 from celery_redlock.state import state_for
 from celery_redlock.task import needs_postrun_net
 
@@ -252,6 +255,94 @@ def test_per_call_template_with_an_unknown_name_fails_at_the_call(env: Env) -> N
     with pytest.raises(ConfigError, match=r"'inproc.sync'.*<usr>.*did you mean <user_id>"):
         sync.apply_async((42,), lock_key="o:<usr>")
     assert env.server.client().llen(app.conf.task_default_queue) == 0
+
+
+def _per_call_app(env: Env) -> tuple[Celery, Any]:
+    """An app with one locked task, ``inproc.sync``, that de-duplicates at publish."""
+    app = env.app()
+
+    @app.task(base=LockedTask, shared=False, name="inproc.sync", lock_key="sync:<user_id>",
+              lock_on="enqueue+run")  # fmt: skip
+    def sync(user_id: int) -> list[str]:
+        return env.held_keys()
+
+    app.finalize()
+    return app, sync
+
+
+#: where -> (the call, what the error names as the call, the task it names)
+PER_CALL_REFUSED: dict[str, tuple[Callable[[Celery, Any], Any], str, str]] = {
+    "apply_async": (lambda app, sync: sync.apply_async((42,), lock_on_duplicate="raise"),
+                    "apply_async", "inproc.sync"),
+    "signature": (lambda app, sync: sync.signature((42,), lock_on_duplicate="raise"),
+                  "signature", "inproc.sync"),
+    "signature.set": (lambda app, sync: sync.s(42).set(lock_on_duplicate="raise").apply_async(),
+                      "apply_async", "inproc.sync"),
+    "send_task": (lambda app, sync: app.send_task("inproc.sync", (42,), lock_on_duplicate="raise"),
+                  "send_task", "inproc.sync"),
+    "send_task-unknown": (lambda app, sync: app.send_task("elsewhere.sync", (42,),
+                                                          lock_on_duplicate="raise"),
+                          "send_task", "elsewhere.sync"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("where", list(PER_CALL_REFUSED))
+def test_a_lock_option_passed_per_call_is_refused_naming_task_option_and_fix(
+    env: Env, where: str
+) -> None:
+    """lock_on_duplicate passed per call (apply_async, a signature, send_task) is a
+    ConfigError naming the task, the option and where to set it; nothing is published
+    and no key is held."""
+    app, sync = _per_call_app(env)
+    call, verb, task = PER_CALL_REFUSED[where]
+    with pytest.raises(ConfigError) as info:
+        call(app, sync)
+    text = str(info.value)
+    assert text.startswith(
+        f"task {task!r}: lock_on_duplicate cannot be passed per call "
+        f"({verb}(lock_on_duplicate='raise') would be ignored): "
+    ), text
+    assert "@app.task(base=LockedTask, lock_on_duplicate='raise')" in text
+    assert "app.conf.redlock_lock_on_duplicate" in text
+    assert "lock_key is the one lock option a call may pass" in text
+    assert env.server.client().llen(app.conf.task_default_queue) == 0
+    assert env.held_keys() == []
+
+
+def test_per_call_once_misspelt_options_and_delay_are_refused(env: Env) -> None:
+    """once= (celery-once's) and a misspelt lock option are refused at the call with the
+    fix; delay() takes no options (Celery refuses the unknown argument)."""
+    app, sync = _per_call_app(env)
+    with pytest.raises(ConfigError, match=r"^task 'inproc.sync': send_task\(once=.*migrating"):
+        app.send_task("inproc.sync", (42,), once={"graceful": True})
+    with pytest.raises(ConfigError, match=r"lock_keys='x'\) is not an option.*mean lock_key\?"):
+        sync.apply_async((42,), lock_keys="x")
+    with pytest.raises(ConfigError, match=r"lock_ttl cannot be passed per call"):
+        sync.subtask((42,), lock_ttl=5)
+    with pytest.raises(TypeError, match="lock_on_duplicate"):
+        sync.delay(42, lock_on_duplicate="raise")
+    # None, as Celery's own signatures drop it, is no option at all
+    assert sync.apply_async((42,), lock_on_duplicate=None, once=None).id
+    assert env.server.client().llen(app.conf.task_default_queue) == 1
+
+
+def test_per_call_lock_key_works_through_signatures_and_send_task(env: Env) -> None:
+    """lock_key per call names the run's lock through a signature's options, send_task by
+    name, and send_task from an installed app that does not know the task (the worker
+    renders the template)."""
+    app, sync = _per_call_app(env)
+    client = env.app()
+    client.conf.task_default_queue = app.conf.task_default_queue
+    install(client)
+    with worker(app):
+        by_set = sync.s(42).set(lock_key="s:<user_id>").apply_async()
+        assert by_set.get(timeout=10) == ["redlock:{s:42}"]
+        by_signature = sync.signature((43,), lock_key="sig-43").apply_async()
+        assert by_signature.get(timeout=10) == ["redlock:{sig-43}"]
+        by_name = app.send_task("inproc.sync", (44,), lock_key="by-name")
+        assert by_name.get(timeout=10) == ["redlock:{by-name}"]
+        blind = client.send_task("inproc.sync", (45,), lock_key="blind:<user_id>")
+        assert AsyncResult(blind.id, app=app).get(timeout=10) == ["redlock:{blind:45}"]
 
 
 # ------------------------------------------------------ 2. bad options fail at decoration
@@ -938,8 +1029,9 @@ def _victim(app: Celery, env: Env, policy: str, ttl: float) -> Any:
         try:
             for _ in range(steps):
                 time.sleep(step)
-        except LockLost:
+        except LockLost as exc:
             env.rec.set("lost_at", time.time())
+            env.push("lost", {"type": type(exc).__name__, "name": exc.name, "text": str(exc)})
             raise
         return {"lost": self.lock.lost, "owned": self.lock.owned()}
 
@@ -969,6 +1061,10 @@ def test_stolen_lock_raises_lock_lost_in_the_body(
     assert type(exc).__name__ == "LockLost"
     assert "victim" in str(exc)
     assert isinstance(exc, LockLost) and exc.name == "victim"
+    # What the body itself caught names the lock too (the async-exception path).
+    seen = wait_for(lambda: env.items("lost"), timeout=1)[0]
+    assert seen["type"] == "LockLostInterrupt" and seen["name"] == "victim", seen
+    assert seen["text"].startswith("lock 'victim': lost while the task ran ("), seen
     lost_at = float(wait_for(lambda: env.rec.get("lost_at"), timeout=1))
     assert 0 < lost_at - stolen_at < ttl / 3 + 0.5, lost_at - stolen_at
     assert any("lost while running" in m for m in messages(logs, logging.WARNING))
@@ -995,6 +1091,49 @@ def test_stolen_lock_with_warn_lets_the_body_finish_flagged(
     assert any("victim" in m and "lost while running" in m and "warn" in m for m in warnings)
 
 
+@pytest.mark.parametrize("policy", ["raise", "warn"])
+def test_every_loss_line_names_the_rendered_lock(
+    env: Env, logs: pytest.LogCaptureFixture, policy: str
+) -> None:
+    """Each line that reports a loss (renewal, the body's watch, the release after it)
+    names the lock by its rendered name, and so do the errors the body and caller see."""
+    app = env.app()
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_key="sync:<user_id>",
+              lock_ttl=0.9, lock_on_lost=policy)  # fmt: skip
+    def sync(self: Any, user_id: int) -> bool:
+        env.push("started", 1)
+        try:
+            for _ in range(60):  # 1.5 s in small steps: the async exception lands between them
+                time.sleep(0.025)
+        except LockLost as exc:
+            copy = pickle.loads(pickle.dumps(exc))  # as a result backend stores it
+            env.push("caught", [str(exc), type(copy) is LockLostInterrupt and str(copy)])
+            raise
+        return bool(self.lock.lost)
+
+    with worker(app, pool="threads", concurrency=1):
+        result = sync.delay(42)
+        wait_for(lambda: env.items("started"))
+        assert env.locks.delete("redlock:{sync:42}") == 1
+        outcome = result.get(timeout=10, propagate=False)
+    lines = [m for m in messages(logs, logging.WARNING) if "lost" in m.lower()]
+    # The renewal's "LOST", the watch's "lost while running", and the release's own line.
+    assert any("LOST after" in m for m in lines), lines
+    assert any("lost while running" in m and f"lock_on_lost={policy}" in m for m in lines), lines
+    assert all("'sync:42'" in m for m in lines), lines
+    if policy == "raise":
+        caught, copied = env.items("caught")[0]
+        assert caught.startswith("lock 'sync:42': lost while the task ran ("), caught
+        assert copied == caught
+        assert isinstance(outcome, LockLost) and str(outcome).startswith("lock 'sync:42': ")
+    else:
+        assert outcome is True  # the body ran on, flagged
+        assert any("lost before release" in m for m in lines), lines
+        release_line = [m for m in lines if m.startswith(f"Task {sync.name}[")]
+        assert release_line and "(lock_on_lost=warn)" in release_line[0], lines
+
+
 def test_stolen_lock_interrupts_a_main_thread_body_by_signal(env: Env) -> None:
     """A direct call in the main thread gets LockLost even inside one long sleep (signal path)."""
     app = env.app()
@@ -1010,6 +1149,10 @@ def test_stolen_lock_interrupts_a_main_thread_body_by_signal(env: Env) -> None:
         stealer.join()
     assert time.monotonic() - begin < 0.3 + 1.2 / 3 + 0.5
     assert env.rec.get("lost_at") is not None
+    # What the body itself caught names the lock too (the signal path).
+    seen = env.items("lost")[0]
+    assert seen["type"] == "LockLostInterrupt" and seen["name"] == "victim", seen
+    assert seen["text"].startswith("lock 'victim': lost while the task ran ("), seen
     assert env.items("started")[0] == {"thread": "MainThread", "signal": True}
     assert env.held_keys() == []
 

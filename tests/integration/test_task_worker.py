@@ -265,6 +265,8 @@ def test_stolen_lock_raises_lock_lost_in_a_sleeping_prefork_child(
     lost = _events(server, "lost")[0]
     # one renewal interval is ttl/3 = 0.5 s; allow a command timeout and scheduling on top
     assert lost["t"] - stolen < 1.5, lost
+    # The body's LockLostInterrupt names the lock (its rendered name) and why it was lost.
+    assert lost["error"].startswith(f"lock 'steal:{name}': lost while the task ran ("), lost
     result.get(propagate=False, timeout=10)
     assert result.state == "FAILURE"
     assert "LockLost" in repr(result.result)

@@ -25,15 +25,61 @@ pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_testing_page_runs_as_written(pytester: pytest.Pytester) -> None:
+def _files(heading: str) -> dict[str, str]:
+    """The files a section of docs/testing.md shows: each Python block under its label
+    (a line such as ``conftest.py`` in backquotes, then a colon), as printed."""
+    page = (ROOT / "docs" / "testing.md").read_text()
+    section = page.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    found = re.findall(r"^`(\w+)\.py`[^\n]*:\n\n```python\n(.*?)```", section, re.S | re.M)
+    return dict(found)
+
+
+@pytest.mark.parametrize(
+    "plugins",
+    [(), ("-p", "no:celery", "-p", "celery.contrib.pytest")],
+    ids=["pytest-celery", "celery.contrib.pytest"],
+)
+def test_the_testing_page_runs_as_written(
+    pytester: pytest.Pytester, plugins: tuple[str, ...]
+) -> None:
     """docs/testing.md's conftest.py and test file, copied as they are into an empty
-    directory, pass in a fresh pytest process with no server running for them."""
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "testing.md").read_text(), re.S)
-    assert len(blocks) == 2, "docs/testing.md should show a conftest.py and one test file"
-    pytester.makeconftest(blocks[0])
-    pytester.makepyfile(test_sync=blocks[1])
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=120)
+    directory, pass in a fresh pytest process with no server running for them, with
+    pytest-celery installed or with Celery's plugin loaded by -p instead."""
+    files = _files("A complete test")
+    assert sorted(files) == ["conftest", "test_sync"]
+    pytester.makeconftest(files["conftest"])
+    pytester.makepyfile(test_sync=files["test_sync"])
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *plugins, timeout=120)
     result.assert_outcomes(passed=3)
+
+
+def test_without_celerys_plugin_the_fixtures_are_missing_as_the_page_says(
+    pytester: pytest.Pytester,
+) -> None:
+    """Neither pytest-celery nor -p celery.contrib.pytest: the page's test fails with the
+    error the page names."""
+    files = _files("A complete test")
+    pytester.makeconftest(files["conftest"])
+    pytester.makepyfile(test_sync=files["test_sync"])
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:celery", timeout=120)
+    page = " ".join((ROOT / "docs" / "testing.md").read_text().split())
+    assert "fails with \"fixture 'celery_app' not found\"" in page
+    result.stdout.fnmatch_lines(["*fixture 'celery_app' not found*"])
+
+
+def test_the_own_app_eager_section_runs_as_written(pytester: pytest.Pytester) -> None:
+    """docs/testing.md's own-app files (the app, its conftest.py, its tests) pass as
+    printed, with no server and without Celery's pytest plugin: a key held by the test
+    in the app's memory:// store skips the eager call."""
+    files = _files("Your own app, eager")
+    assert sorted(files) == ["conftest", "proj", "test_proj"]
+    # The one change: the app's Redis is a closed port, so that nothing here can reach a
+    # server on localhost:6379 (the page's point is that nothing tries).
+    pytester.makepyfile(proj=files["proj"].replace("redis://localhost:6379", "redis://127.0.0.1:9"))
+    pytester.makeconftest(files["conftest"])
+    pytester.makepyfile(test_proj=files["test_proj"])
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:celery", timeout=120)
+    result.assert_outcomes(passed=2)
 
 
 # The in-process worker below is the user's: pytest-celery's celery_app on the plugin's

@@ -120,6 +120,7 @@ def test_a_limit_key_is_a_name_or_a_template() -> None:
         ({"rate": "10/m", "cost": "<rows><more>"}, "must name one argument"),
         ({"rate": "10/m", "cost": "rows"}, "must name one argument"),
         ({"rate": "10/m", "cost": "n:<rows>"}, "must name one argument"),
+        ({"rate": "10/m", "cost": "<*>"}, "must name one argument"),
         ({"rate": "10/m", "cost": 1.5}, "cost must be an int, an argument template"),
     ],
 )

@@ -10,6 +10,7 @@ name reads the app's settings, it does not connect.
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -133,3 +134,61 @@ def test_positional_keyword_and_defaulted_spellings_of_one_call_lock_one_name(
         lock_name_for(task, (7,), {"region": "eu", "dry": False, "limit": 3}),
     }
     assert names == {"k:7:eu:false"}
+
+
+@pytest.fixture(scope="module")
+def star_tasks() -> Iterator[dict[Callable[..., Any], Any]]:
+    """One LockedTask per signature with ``lock_key="k:<*>"`` (every argument)."""
+    app = Celery("binder-star", broker="memory://", set_as_current=False)
+    app.conf.redlock_url = "redis://127.0.0.1:9/1"
+    app.finalize()
+    made = {}
+    for number, fun in enumerate(dict.fromkeys(fun for fun, _ in CASES)):
+        made[fun] = app.task(
+            base=LockedTask, shared=False, name=f"binder.star{number}", lock_key="k:<*>"
+        )(fun)
+    try:
+        yield made
+    finally:
+        app.close()
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    fun=st.sampled_from(list(dict.fromkeys(fun for fun, _ in CASES))),
+    args=st.lists(st.integers(0, 9), max_size=5).map(tuple),
+    kwargs=st.dictionaries(st.sampled_from(NAMES), st.integers(0, 9), max_size=4),
+)
+def test_star_is_every_argument_as_bind_names_it(
+    star_tasks: dict[Any, Any], fun: Any, args: tuple[int, ...], kwargs: dict[str, int]
+) -> None:
+    """``<*>`` renders every argument of the call, bound with defaults applied (``**kwargs``
+    entries by name), as one JSON object with sorted keys: two calls share a name exactly
+    when they bind to the same arguments."""
+    task = star_tasks[fun]
+    try:
+        bound = inspect.signature(fun).bind(*args, **kwargs)
+    except TypeError as exc:
+        with pytest.raises(TypeError) as info:
+            lock_name_for(task, args, dict(kwargs))
+        assert str(info.value) == f"{task.name}(): {exc}"
+        return
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    arguments.update(arguments.pop("extra", {}))
+    want = "k:" + json.dumps(arguments, sort_keys=True, separators=(",", ":"))
+    assert lock_name_for(task, args, dict(kwargs)) == want
+
+
+def test_star_names_one_call_alike_however_it_is_spelt(star_tasks: dict[Any, Any]) -> None:
+    """f(7), f(user_id=7) and f(7, "eu", dry=False) are one name under ``<*>``; another
+    value of any argument is another name; a task without arguments renders ``{}``."""
+    task = star_tasks[f_plain]
+    names = {
+        lock_name_for(task, (7,), {}),
+        lock_name_for(task, (), {"user_id": 7}),
+        lock_name_for(task, (7, "eu"), {"dry": False, "limit": 10}),
+    }
+    assert names == {'k:{"dry":false,"limit":10,"region":"eu","user_id":7}'}
+    assert lock_name_for(task, (7,), {"limit": 11}) not in names
+    assert lock_name_for(star_tasks[f_none], (), {}) == "k:{}"
