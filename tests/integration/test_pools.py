@@ -1,7 +1,7 @@
 """LockedTask on a real worker of every pool Celery ships (`celery -A tests.apps.poolapp worker
 -P <pool>` subprocesses): runs, renewal past the lease, exclusion on one key, a lost lock
-interrupting its body, the start-up lines, and (prefork) a SIGKILLed child's key freed by
-the main process at once.
+interrupting its body, the start-up lines, and a killed run's key freed at once (prefork:
+a SIGKILLed child, by the main process; gevent and eventlet: revoke(terminate=True)).
 
 One worker per pool serves all of that pool's tests (a module fixture parametrised by pool:
 pytest runs each pool's tests together), leases are short, and the bodies only sleep and
@@ -175,22 +175,29 @@ def test_the_worker_says_once_at_start_what_its_pool_cannot_do(pool_worker: Work
     assert "could not watch pool child" not in text
 
 
-def test_a_sigkilled_child_frees_its_key_at_once(
+def test_a_killed_run_frees_its_key_at_once(
     client: Celery, server: RedisServer, pool_worker: Worker
 ) -> None:
-    """prefork: SIGKILL the child running a body that holds a 30 s lease: the main process
-    frees the key within a few seconds, not after the lease."""
-    if pool_worker.pool != "prefork":
-        pytest.skip("a pool without child processes: nothing to kill but the whole worker")
+    """A run holding a 30 s lease is killed: prefork, its child SIGKILLed (the main process
+    frees the key); gevent and eventlet, revoke(terminate=True) (the green thread is killed
+    and its run releases). Either way the key is free within seconds, and the next run runs."""
+    pool = pool_worker.pool
+    if pool in ("threads", "solo"):
+        pytest.skip(f"{pool}: no child to kill, and Celery cannot terminate a running task")
     name = uuid.uuid4().hex[:8]
     result = client.send_task(f"{APP}.hold", args=(name, 20))
     wait_for(lambda: _events(server, "hold-start"), 20, "the body to start")
-    child = _events(server, "hold-start")[0]["pid"]
-    assert child != pool_worker.proc.pid
     assert _lock_exists(server, f"hold:{name}")
     killed = time.monotonic()
-    os.kill(child, signal.SIGKILL)
+    if pool == "prefork":
+        child = _events(server, "hold-start")[0]["pid"]
+        assert child != pool_worker.proc.pid
+        os.kill(child, signal.SIGKILL)
+    else:
+        result.revoke(terminate=True)
     wait_for(lambda: not _lock_exists(server, f"hold:{name}"), 10, "the key to be freed")
     assert time.monotonic() - killed < 5, "freed at once, not after the 30 s lease"
     result.get(propagate=False, timeout=10)
-    assert result.state == "FAILURE"
+    assert result.state == ("FAILURE" if pool == "prefork" else "REVOKED")
+    after = client.send_task(f"{APP}.hold", args=(name, 0))
+    assert after.get(timeout=20) == name
