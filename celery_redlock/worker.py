@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 import weakref
@@ -68,6 +69,9 @@ _receivers_lock = threading.Lock()
 #: Task ids whose gone child a LockedRequest is handling now (in the main thread): the
 #: task_failure receiver leaves them to it (see gone_child_handled).
 _handling: set[str] = set()
+#: The pid of this worker's main process (set by its bootstep, before the pool is made);
+#: a forked pool child inherits it and has another pid.
+_worker_pid: int | None = None
 
 
 def watch_app(state: AppState) -> None:
@@ -84,6 +88,8 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         """*kwargs*: the worker's options, the flags among them by setting name."""
         super().__init__(parent, **kwargs)
+        global _worker_pid
+        _worker_pid = os.getpid()
         app = parent.app
         self.state = state = state_for(app)
         state.overrides.update(flag_overrides(kwargs))
@@ -363,7 +369,11 @@ def _on_rejected(sender: Any = None, message: Any = None, **_: Any) -> None:
 
 
 def _on_process_init(**_: Any) -> None:
-    """A new prefork pool child: no metrics that nothing can scrape (see observability)."""
+    """A new prefork pool child: no metrics that nothing can scrape (see observability).
+    The solo pool sends this signal in the worker's own process, whose metrics its
+    exporter does scrape: they stay on there."""
+    if os.getpid() == _worker_pid:
+        return
     drop_unscrapable_metrics()
 
 

@@ -120,3 +120,12 @@ def queued(name: str) -> str:
 def waiting(name: str) -> str:
     """Waits for its key: on a solo worker that blocks the whole worker (warned at start)."""
     return name
+
+
+@app.task(base=LockedTask, lock_key="metrics:<n>")
+def metrics_state(n: int) -> dict[str, object]:
+    """A locked run that reports whether its process counts into Prometheus."""
+    from celery_redlock import observability  # noqa: PLC0415 - only this task needs it
+    from celery_redlock.core import events  # noqa: PLC0415
+
+    return {"hook": observability.prometheus_hook in events._hooks, "pid": os.getpid()}

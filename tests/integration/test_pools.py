@@ -169,6 +169,17 @@ def test_a_call_locked_at_publish_runs_and_frees_its_key(
     assert not server.client(db=1).exists(f"redlock:{{queued:{name}}}:queued")
 
 
+def test_metrics_count_where_the_worker_exports_them(client: Celery, pool_worker: Worker) -> None:
+    """Prometheus lock metrics stay on where a body runs in the worker's own process (solo
+    sends worker_process_init there too), and are off in a prefork child, whose private
+    registry nothing scrapes (no PROMETHEUS_MULTIPROC_DIR)."""
+    seen = client.send_task(f"{APP}.metrics_state", args=(uuid.uuid4().int % 10**6,))
+    state = seen.get(timeout=20)
+    in_child = pool_worker.pool == "prefork"
+    assert (state["pid"] != pool_worker.proc.pid) is in_child
+    assert state["hook"] is not in_child
+
+
 def test_the_worker_says_once_at_start_what_its_pool_cannot_do(pool_worker: Worker) -> None:
     """A pool without children says so in one start-up line (prefork says nothing); solo
     warns of its task with lock_on_contended="wait"; no pool trips over its "pid"."""
