@@ -85,7 +85,9 @@ def _pidfd(pid: int) -> int | None:
         return None
     try:
         fd: int = opener(pid)
-    except OSError:  # gone already, or a kernel without pidfds: /proc instead
+    except (OSError, OverflowError, ValueError):
+        # Gone already, a kernel without pidfds, or not a pid at all: /proc instead (which
+        # finds no such process, so the callback runs at once and finds nothing running).
         return None
     return fd
 

@@ -8,7 +8,12 @@ interrupts that body's thread:
 * in the main thread, by a signal (``SIGUSR2``) whose handler raises: it also cuts
   a blocking call short (a long ``time.sleep``, a socket read);
 * in any other thread (thread pools, in-process test workers), by an asynchronous
-  exception (``PyThreadState_SetAsyncExc``), raised at the body's next bytecode.
+  exception (``PyThreadState_SetAsyncExc``), raised at the body's next bytecode;
+* in a green thread (``-P gevent`` or ``-P eventlet``, which monkey-patch ``threading``:
+  the renewal thread is a green thread too), by a callback on the event loop that throws
+  the exception into the body's green thread (``greenlet.throw``), so it ends the body's
+  blocking call (``time.sleep``, a socket read), where the body yields. A body that never
+  yields starves the renewal as well (see :mod:`celery_redlock.pools`).
 
 Either way the body sees a :class:`LockLostInterrupt` (a :class:`LockLost`) that names
 the lock and why it was lost. With
@@ -26,9 +31,12 @@ code after the body returned.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import signal
+import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +128,48 @@ def _signal_usable() -> bool:
     return True
 
 
+#: (the current green thread, a function that runs a callback on its event loop) when
+#: green threads run bodies (gevent or eventlet patched ``threading``); found on first
+#: use. A worker's pool monkey-patches before the app and its tasks are imported.
+_GreenNow = Callable[[], tuple[Any, Callable[[Callable[[], object]], object]]]
+_green_now: _GreenNow | None = None
+_green_known = False
+
+
+def _gevent_now() -> tuple[Any, Callable[[Callable[[], object]], object]]:
+    import gevent  # noqa: PLC0415 - only where gevent patched threading
+
+    return gevent.getcurrent(), gevent.get_hub().loop.run_callback
+
+
+def _eventlet_now() -> tuple[Any, Callable[[Callable[[], object]], object]]:
+    from eventlet import greenthread, hubs  # noqa: PLC0415 - only under eventlet's patch
+
+    return greenthread.getcurrent(), functools.partial(hubs.get_hub().schedule_call_global, 0)
+
+
+def _find_green() -> _GreenNow | None:
+    """How to reach a body's green thread, when gevent or eventlet patched ``threading``
+    (each asked through its public API); None with real threads."""
+    monkey = sys.modules.get("gevent.monkey")
+    patched = getattr(monkey, "is_module_patched", None)
+    if callable(patched) and patched("threading"):
+        return _gevent_now
+    patcher = sys.modules.get("eventlet.patcher")
+    patched = getattr(patcher, "is_monkey_patched", None)
+    if callable(patched) and patched("thread"):
+        return _eventlet_now
+    return None
+
+
+def _green() -> _GreenNow | None:
+    global _green_now, _green_known
+    if not _green_known:
+        _green_now = _find_green()
+        _green_known = True
+    return _green_now
+
+
 #: Held by lost() and stop() while they decide (see the module doc), and by watch() and
 #: stop() to add and remove a watch. One for all watches: each holds it for a few
 #: dictionary and attribute operations, and a lost lock is rare.
@@ -133,17 +183,24 @@ _watches: dict[int, Watch] = {}
 class Watch:
     """The body running under one lock: its thread, and what a loss does to it."""
 
-    __slots__ = ("policy", "running", "sent", "task_name", "thread", "use_signal")
+    __slots__ = ("green", "policy", "running", "sent", "task_name", "thread", "use_signal")
 
     def __init__(self, task_name: str, policy: LostPolicy) -> None:
         self.task_name = task_name
         #: ``lock_on_lost``: "raise" interrupts the body, "warn" only logs.
         self.policy = policy
-        self.thread = thread = threading.get_ident()
         self.running = True
+        self.sent = False
+        green = _green()
+        #: (the body's green thread, its event loop's run-callback) under gevent/eventlet.
+        self.green = green() if green is not None else None
+        if self.green is not None:
+            self.thread = 0
+            self.use_signal = False
+            return
+        self.thread = thread = threading.get_ident()
         #: True: interrupted by a signal (main thread); False: by an asynchronous exception.
         self.use_signal = thread == threading.main_thread().ident and _signal_usable()
-        self.sent = False
 
     def stop(self, lock: Any) -> None:
         """The body has ended: no interrupt reaches its thread after this returns."""
@@ -151,12 +208,13 @@ class Watch:
             self.running = False
             if _watches.get(id(lock)) is self:
                 del _watches[id(lock)]
-            if self.sent:
+            if self.sent and self.green is None:
                 if self.use_signal:
                     _pending_signals.pop(self.thread, None)
                 else:
                     # Withdraw an interrupt not yet delivered (NULL clears the pending one).
                     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread), None)
+            # A green interrupt not yet delivered finds running False and does nothing.
 
     def lost(self, lock: Any) -> None:
         """Log the loss of *lock*; with policy "raise", interrupt the body if it still runs."""
@@ -172,13 +230,24 @@ class Watch:
                 return
             self.sent = True
             interrupt = _interrupt_for(lock)
-            if self.use_signal and _INTERRUPT_SIGNAL is not None:
+            if self.green is not None:
+                body, run_callback = self.green
+                run_callback(functools.partial(self._throw, body, interrupt))
+            elif self.use_signal and _INTERRUPT_SIGNAL is not None:
                 _pending_signals[self.thread] = interrupt()
                 signal.pthread_kill(self.thread, _INTERRUPT_SIGNAL)
             else:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(
                     ctypes.c_ulong(self.thread), ctypes.py_object(interrupt)
                 )
+
+    def _throw(self, body: Any, interrupt: type[LockLostInterrupt]) -> None:
+        """On the green event loop: raise the interrupt in the body's green thread, where
+        it waits (a switch), unless the body has ended meanwhile. No ``_guard`` here: green
+        threads switch only where they block, and nothing blocks while holding it, so no
+        other green thread is inside it now (and the loop must not block on it)."""
+        if self.running and not body.dead:
+            body.throw(interrupt())
 
 
 def watch(lock: Any, task_name: str, policy: LostPolicy) -> Watch:

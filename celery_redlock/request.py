@@ -7,7 +7,7 @@ names, so a process that only publishes never imports Celery's worker request.
 from __future__ import annotations
 
 import functools
-import os
+import logging
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
@@ -18,6 +18,8 @@ from . import child_watch
 from .worker import gone_child_handled, installed_state, key_headers, release_for_gone_child
 
 __all__ = ["LockedRequest"]
+
+log = logging.getLogger("celery_redlock.release")
 
 
 class LockedRequest(Request):  # type: ignore[misc]  # celery is untyped
@@ -56,12 +58,32 @@ class LockedRequest(Request):  # type: ignore[misc]  # celery is untyped
             self._release_gone("TimeLimitExceeded")
 
     def on_accepted(self, pid: int, time_accepted: float) -> None:
-        """Celery's handling; then a pool child running a locked task is watched, so that
-        its lock is released (or kept for a requeued message) as soon as it exits,
-        whether or not Celery notices at once (see :mod:`celery_redlock.child_watch`)."""
+        """Celery's handling; then, on a pool whose tasks run in child processes (prefork),
+        the child running a locked task is watched, so that its lock is released (or kept
+        for a requeued message) as soon as it exits, whether or not Celery notices at once
+        (see :mod:`celery_redlock.child_watch`).
+
+        Other pools pass something else as *pid* (gevent and eventlet: the id of a green
+        thread; threads and solo: the worker's own pid): the bootstep learnt the pool from
+        its class (``state.pool``), and only a pool with children is watched. The message is
+        acknowledged by now (unless ``acks_late``): an error in this bookkeeping is logged
+        and the run goes on, never dropped with it.
+        """
         super().on_accepted(pid, time_accepted)
-        if isinstance(pid, int) and pid != os.getpid() and installed_state(self.task) is not None:
-            child_watch.watch(pid, functools.partial(self._child_exited, pid))
+        try:
+            state = installed_state(self.task)
+            pool = state.pool if state is not None else None
+            if pool is not None and pool.children and isinstance(pid, int):
+                child_watch.watch(pid, functools.partial(self._child_exited, pid))
+        except Exception:
+            log.exception(
+                "task %s[%s]: could not watch pool child %r; the run goes on, and a lock "
+                "its child leaves behind is freed when Celery reports the child lost, or "
+                "expires within its TTL",
+                getattr(self.task, "name", "?"),
+                self.id,
+                pid,
+            )
 
     def _child_exited(self, pid: int) -> None:
         """In the watcher thread: the child that ran this request exited. If the run still

@@ -13,6 +13,7 @@ from typing import Any
 
 from .config import Settings, TaskOptions, load_settings, resolve
 from .core import Backend, Lock, RateLimiter, RunLock, Semaphore, connect, open_backend, process
+from .pools import Pool
 
 __all__ = ["AppState", "state_for"]
 
@@ -32,6 +33,8 @@ class AppState:
         self.installed = False
         #: True when this worker sends task events (-E): task-lock-* events go out too.
         self.send_events = False
+        #: The pool of the worker this process runs (set by its bootstep; None elsewhere).
+        self.pool: Pool | None = None
         self._settings: Settings | None = None
         self._clients: Any = None
         self._backend: tuple[Any, Backend] | None = None

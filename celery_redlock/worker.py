@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 import weakref
@@ -28,7 +29,7 @@ from redis.exceptions import AuthenticationError, BusyLoadingError
 
 from .child_watch import alive
 from .config import StartupConfigError, capabilities_needed
-from .core import renewal
+from .core import process, renewal
 from .core.backend import QueuedHolds, has, lacks
 from .core.connect import mask_url
 from .core.errors import ConfigError, RedlockError
@@ -38,6 +39,7 @@ from .flags import flag_overrides
 from .flow import hold_rules
 from .naming import KEY_HEADER, lock_name_for
 from .observability import drop_unscrapable_metrics
+from .pools import pool_of
 from .state import AppState, state_for
 from .task import LockedTask, apply_redlock_tasks
 
@@ -52,6 +54,7 @@ __all__ = [
     "key_headers",
     "release_all_held",
     "release_for_gone_child",
+    "warn_pool_limits",
     "warn_statedb_scheduler",
     "watch_app",
 ]
@@ -66,6 +69,9 @@ _receivers_lock = threading.Lock()
 #: Task ids whose gone child a LockedRequest is handling now (in the main thread): the
 #: task_failure receiver leaves them to it (see gone_child_handled).
 _handling: set[str] = set()
+#: The pid of this worker's main process (set by its bootstep, before the pool is made);
+#: a forked pool child inherits it and has another pid.
+_worker_pid: int | None = None
 
 
 def watch_app(state: AppState) -> None:
@@ -82,16 +88,19 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         """*kwargs*: the worker's options, the flags among them by setting name."""
         super().__init__(parent, **kwargs)
+        global _worker_pid
+        _worker_pid = os.getpid()
         app = parent.app
         self.state = state = state_for(app)
         state.overrides.update(flag_overrides(kwargs))
         state.send_events = bool(getattr(parent, "task_events", False))
+        state.pool = pool_of(getattr(parent, "pool_cls", None))
         state.reset()
         try:
             apply_redlock_tasks(app)
             if not state.disabled:
                 settings = state.settings  # check now: a bad setting stops the worker here
-                if _forks_children(parent):
+                if state.pool.children:
                     settings.check_single_process(
                         "this worker's prefork pool runs tasks in child processes"
                     )
@@ -109,6 +118,7 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
             )
             return
         log.info("celery-redlock: %s", state.settings.describe())
+        warn_pool_limits(parent.app, state)
         if state.settings.in_process:
             return  # memory://: nothing to reach
         clients = state.clients()
@@ -141,12 +151,34 @@ def warn_statedb_scheduler(options: Any = None, **_: Any) -> None:
         )
 
 
-def _forks_children(worker: Any) -> bool:
-    """True when *worker*'s pool runs tasks in forked child processes (prefork)."""
-    from celery.concurrency import prefork  # noqa: PLC0415 - a worker's start only
-
-    pool = getattr(worker, "pool_cls", None)
-    return isinstance(pool, type) and issubclass(pool, prefork.TaskPool)
+def warn_pool_limits(app: Any, state: AppState) -> None:
+    """Say once, at start-up, what this worker's pool cannot do for a locked run (one
+    INFO line; see :mod:`celery_redlock.pools`), and warn of tasks whose
+    ``lock_on_contended="wait"`` would block a solo worker whole."""
+    pool = state.pool
+    if pool is None:
+        return
+    line = pool.limits()
+    if line is not None:
+        log.info("%s", line)
+    if not pool.solo:
+        return
+    waiting = []
+    for name, task in sorted(app.tasks.items()):
+        if not (isinstance(task, LockedTask) and type(task).redlock_spec is not None):
+            continue
+        with contextlib.suppress(ConfigError):  # check_locked_tasks said so already
+            if state.options_for(task).contended.name == "wait":
+                waiting.append(repr(name))
+    if waiting:
+        who = f"task {waiting[0]} has" if len(waiting) == 1 else f"tasks {', '.join(waiting)} have"
+        log.warning(
+            "celery-redlock: %s lock_on_contended='wait', but this worker's pool is solo: "
+            "a run waiting for its key blocks the whole worker (no other task starts) for up "
+            "to lock_wait_timeout; use lock_on_contended='retry' (re-queued with backoff) or "
+            "a pool that runs several tasks at once (-P threads, prefork or gevent)",
+            who,
+        )
 
 
 def check_locked_tasks(app: Any, state: AppState) -> None:
@@ -337,7 +369,11 @@ def _on_rejected(sender: Any = None, message: Any = None, **_: Any) -> None:
 
 
 def _on_process_init(**_: Any) -> None:
-    """A new prefork pool child: no metrics that nothing can scrape (see observability)."""
+    """A new prefork pool child: no metrics that nothing can scrape (see observability).
+    The solo pool sends this signal in the worker's own process, whose metrics its
+    exporter does scrape: they stay on there."""
+    if os.getpid() == _worker_pid:
+        return
     drop_unscrapable_metrics()
 
 
@@ -436,6 +472,10 @@ def release_for_gone_child(
                 return
             holder = running[0]
             pid = holder.get("pid")
+            if pid == process.pid():
+                # The run is in this process (a pool without children: threads, solo,
+                # gevent, eventlet): it releases its own lock as it ends.
+                return
             deadline = time.monotonic() + ttl
             while isinstance(pid, int) and alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.02)

