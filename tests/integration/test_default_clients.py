@@ -176,7 +176,7 @@ def test_blocking_acquire_returns_at_its_timeout_with_a_master_frozen(
         began = time.monotonic()
         assert not waiter.acquire(timeout=timeout)
         elapsed = time.monotonic() - began
-        assert timeout <= elapsed < timeout + 0.05, elapsed
+        assert timeout <= elapsed < timeout + SLACK, elapsed  # a few ms, on a busy CI
     finally:
         servers[0].resume()
         holder.release()

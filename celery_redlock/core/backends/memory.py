@@ -110,10 +110,11 @@ class MemoryBackend(MemoryFlow):
     @atomic
     def acquire(
         self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int,
-        deadline: float | None = None
+        deadline: float | None = None, fence_step_ms: int = 0
     ) -> Grant:  # fmt: skip
         """Take *slot* for *token* (acquire.lua; permit_acquire.lua for permits; with its
-        controls and rules, hold_all.lua)."""
+        controls and rules, hold_all.lua). *fence_step_ms*: a mutex's counter restart
+        rounds up to that step (a quorum's member: see acquire.lua's ARGV[8])."""
 
         def take(limit: int | None = None) -> Grant:
             if slot.permits:
@@ -121,7 +122,9 @@ class MemoryBackend(MemoryFlow):
                 return self._acquire_permit(
                     permits, token, ttl_ms, record, wait=wait, fence=fence_ttl_ms
                 )
-            return self._acquire(slot, token, ttl_ms, record, wait, fence_ttl_ms, None)
+            return self._acquire(
+                slot, token, ttl_ms, record, wait, fence_ttl_ms, None, fence_step_ms
+            )
 
         return self._flow(slot, take, token, ttl_ms, record, fence_ttl_ms) if slot.flow else take()
 
@@ -166,6 +169,7 @@ class MemoryBackend(MemoryFlow):
         wait: bool,
         fence_ttl_ms: int,
         handover: Handover | None,
+        step_ms: int = 0,
     ) -> Grant:
         keys = slot.keys
         held: dict[str, str] = self.get(keys.lock, "hash") or {}
@@ -189,7 +193,7 @@ class MemoryBackend(MemoryFlow):
             return Grant(
                 False, holder=info, holder_ttl_ms=left, superseded=True, queued_owner=owner
             )
-        fence = self.next_fence(keys.fence, fence_ttl_ms)
+        fence = self.next_fence(keys.fence, fence_ttl_ms, step_ms)
         lock = self.writable_hash(keys.lock)
         lock.update(token=token, fence=str(fence), info=record)
         self.expire(keys.lock, ttl_ms)

@@ -162,14 +162,15 @@ class MemoryStore:
             raise ForeignData(key, "a string that is not a fence counter")
         return None if value is None else int(value)
 
-    def next_fence(self, key: str, fence_ttl_ms: int) -> int:
+    def next_fence(self, key: str, fence_ttl_ms: int, step_ms: int = 0) -> int:
         """``INCR`` of the fence counter; a missing one (with an idle lifetime) restarts
-        from the wall clock in microseconds rounded up to the next step of min(1 s, that
-        lifetime), above anything it could have counted to (acquire.lua says why)."""
+        from the wall clock in microseconds, above anything it could have counted to,
+        rounded up to the next step of min(*step_ms*, that lifetime) when one is given
+        (acquire.lua says why)."""
         current = self.counter(key)
         if current is None:
             if fence_ttl_ms > 0:
-                step = min(1_000_000, fence_ttl_ms * 1000)
+                step = max(1, min(step_ms, fence_ttl_ms) * 1000)
                 current = (time.time_ns() // 1000 // step + 1) * step - 1
             else:
                 current = 0

@@ -81,6 +81,10 @@ __all__ = [
     "QuorumBackend",
 ]
 
+#: The step a member's fence counter restart rounds up to (acquire.lua's ARGV[8]): the
+#: masters of a new name restart alike when their clocks agree to it, so their fences
+#: agree and no write-back round is needed.
+FENCE_STEP_MS = 1000
 _ONE_REDIS = "use one Redis (a plain server, a Sentinel-managed master or a Cluster) for it"
 #: Why a quorum lacks each capability it lacks (what :func:`~..backend.need` says).
 _WHY_NOT: dict[type, str] = {
@@ -132,9 +136,8 @@ class QuorumBackend(QuorumCalls):
         """One Redlock attempt (see the module docstring)."""
         n, q, name = self.masters, self.quorum, slot.name
         timeout = self.timeout(ttl_ms)
-        verb = Verb(
-            "acquire", (slot, token, ttl_ms, record), {"wait": wait, "fence_ttl_ms": fence_ttl_ms}
-        )
+        options = {"wait": wait, "fence_ttl_ms": fence_ttl_ms, "fence_step_ms": FENCE_STEP_MS}
+        verb = Verb("acquire", (slot, token, ttl_ms, record), options)
         sent = Round(self, verb, timeout)
 
         try:

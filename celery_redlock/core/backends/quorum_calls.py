@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
 from ..backend import Backend, DoneMarks, Records, Sends, Sent, capability, given, need
-from ..backend_types import Slot
+from ..backend_types import Grant, Slot
 from ..errors import ConfigError, QuorumUnavailable
 from .quorum_gate import BUSY, NoAnswer, gate_of
 
@@ -76,6 +76,14 @@ SLICE = 0.0005
 class Member(Backend, DoneMarks, Records, Protocol):
     """What a quorum needs of each member: the lock verbs, done marks and records, and
     two verbs only a quorum uses."""
+
+    def acquire(
+        self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int,
+        deadline: float | None = None, fence_step_ms: int = 0
+    ) -> Grant:  # fmt: skip
+        """:meth:`Backend.acquire`, a counter restart rounded up to *fence_step_ms* (see
+        acquire.lua's ARGV[8]): a quorum's members restart a new name's counter alike."""
+        ...
 
     def identity(self) -> Hashable:
         """What makes two members the same server (a quorum refuses a master listed

@@ -44,7 +44,14 @@ from ..errors import ConfigError, QuorumUnavailable
 from . import redis_giveback
 from .redis_admin import fence_of, foreign_data_message
 from .redis_calls import mutex_keys
-from .redis_client import cannot_decide, check_client, checkout, is_client, server_refused
+from .redis_client import (
+    cannot_decide,
+    check_client,
+    checkout,
+    is_client,
+    plain_pool,
+    server_refused,
+)
 from .redis_flow import RedisFlow, flow_grant, rule_renewals
 from .redis_holds import RedisHolds, queued_of
 from .redis_operator import RedisOperator
@@ -83,7 +90,18 @@ class RedisBackend(RedisHolds, RedisOperator, RedisFlow):
 
     @classmethod
     def of(cls, client: Any) -> RedisBackend:
-        """The backend of *client* in this process (one per client object, kept while used)."""
+        """The backend of *client* in this process: one per plain pool, living as long as
+        the pool (a Lock made per call finds it made); one per client object for any other
+        client, kept while used."""
+        pool = plain_pool(client)
+        if pool is not None:
+            backend = _pool_backends.get(pool)
+            if backend is None:
+                with _backends_lock:
+                    backend = _pool_backends.get(pool)
+                    if backend is None:
+                        backend = _pool_backends[pool] = cls(client)
+            return backend
         ref = _backends.get(id(client))
         backend = None if ref is None else ref()
         if backend is None or backend.given is not client:
@@ -127,14 +145,17 @@ class RedisBackend(RedisHolds, RedisOperator, RedisFlow):
     # -- an acquisition's life --------------------------------------------------------
     def acquire(
         self, slot: Slot, token: str, ttl_ms: int, record: str, *, wait: bool, fence_ttl_ms: int,
-        deadline: float | None = None
+        deadline: float | None = None, fence_step_ms: int = 0
     ) -> Grant:  # fmt: skip
+        """*fence_step_ms*: a mutex's counter restart rounds up to that step (a quorum's
+        member: acquire.lua's ARGV[8])."""
         keys = slot.keys
         names = [keys.lock, keys.fence, keys.waiting]
-        args: list[Any] = [token, ttl_ms, record, "1" if wait else "0", fence_ttl_ms]
         if slot.permits:
+            args: list[Any] = [token, ttl_ms, record, "1" if wait else "0", fence_ttl_ms]
             args.append(slot.limit)
             return self._acquire(slot, token, ttl_ms, PERMIT_ACQUIRE, args, names)
+        args = _acquire_argv(token, ttl_ms, record, wait, fence_ttl_ms, fence_step_ms)
         return self._acquire(slot, token, ttl_ms, ACQUIRE, args, names)
 
     def take_over(
@@ -375,12 +396,22 @@ def _timed_out(exc: BaseException) -> bool:
 _Sending = tuple[Script, list[str], list[Any], Callable[[Any], Any], Callable[[Exception], Any]]
 
 
+def _acquire_argv(  # noqa: PLR0917 - acquire.lua's arguments, in its order
+    token: str, ttl_ms: int, record: str, wait: bool, fence_ttl_ms: int, fence_step_ms: int
+) -> list[Any]:
+    """acquire.lua's ARGV for a mutex without a hand-over."""
+    argv: list[Any] = [token, ttl_ms, record, "1" if wait else "0", fence_ttl_ms]
+    if fence_step_ms:
+        argv += ["", "0", fence_step_ms]
+    return argv
+
+
 def _send_acquire(
     backend: RedisBackend, slot: Slot, token: str, ttl_ms: int, record: str, *,
-    wait: bool, fence_ttl_ms: int
+    wait: bool, fence_ttl_ms: int, fence_step_ms: int = 0
 ) -> _Sending:  # fmt: skip
     keys = slot.keys
-    argv = [token, ttl_ms, record, "1" if wait else "0", fence_ttl_ms]
+    argv = _acquire_argv(token, ttl_ms, record, wait, fence_ttl_ms, fence_step_ms)
     taken = partial(backend._acquire_failed, slot, token, ttl_ms)
     return ACQUIRE, [keys.lock, keys.fence, keys.waiting], argv, _granted, taken
 
@@ -456,8 +487,11 @@ def _lease(reply: Any) -> int | Status:
     return code if code > 0 else Status.of(code)
 
 
-#: Each client's backend, by id(client): weak, so a backend (and the client it keeps)
-#: goes when nothing uses it.
+#: The backend of each plain pool, while the pool lives (it holds none of the user's
+#: objects: see RedisCalls).
+_pool_backends: weakref.WeakKeyDictionary[Any, RedisBackend] = weakref.WeakKeyDictionary()
+#: Any other client's backend, by id(client): weak, so a backend (and the client it
+#: keeps) goes when nothing uses it.
 _backends: dict[int, weakref.ref[RedisBackend]] = {}
 #: Reentrant: a backend dropped in a reference cycle is finalized (_forget) by the cyclic
 #: garbage collector, which may run at any allocation, also inside ``of()`` while this

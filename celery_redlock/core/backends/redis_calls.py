@@ -29,14 +29,16 @@ __all__ = ["RedisCalls", "mutex_keys"]
 
 
 class RedisCalls:
-    """One redis-py client as the backend's verbs call it: *given* is the user's client
-    (what the backend is the backend of), ``client`` the one its calls go through
-    (:func:`~.redis_client.lock_client`: the same server, the lock clients' policy)."""
+    """One redis-py client as the backend's verbs call it: ``client`` is the one its calls
+    go through (:func:`~.redis_client.lock_client`: the same server, the lock clients'
+    policy), ``given`` what the backend is the backend of: the user's client when its
+    calls go through it, else the lock client (which holds nothing of the user's, so the
+    backend can live as long as the user's pool without keeping it alive)."""
 
     def __init__(self, client: Any) -> None:
         check_client(client)
-        self.given = client
         self.client = lock_client(client)
+        self.given = self.client
         self.cluster = isinstance(client, RedisCluster)
         #: Where a script's connection comes from (None: the client's own evalsha).
         self._pool = None if self.cluster else pool_of(self.client)

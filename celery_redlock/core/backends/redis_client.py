@@ -25,6 +25,7 @@ __all__ = [
     "checkout",
     "is_client",
     "lock_client",
+    "plain_pool",
     "server_refused",
 ]
 
@@ -65,17 +66,16 @@ def lock_client(client: Any) -> Any:
     own policy for the user's calls, whatever it is: redis-py 6+ retries a refused connect
     three times with exponential backoff by default (seconds per command), and a lock call
     that waits on that stalls a Redlock on a dead master and starves the renewal of every
-    other lock. The lock client lives as long as the user's pool: it is made on first use
-    and disconnected when that pool is collected.
+    other lock. The lock client is made on first use and kept while the user's pool lives
+    or a backend uses it (a ``Lock`` whose client was made inline outlives that client);
+    its connections close when it is collected.
 
     Any other client (a Sentinel-managed master, whose pool follows the sentinels; a
     cluster, which routes calls itself; a client that holds a single connection) is used as
     it is.
     """
-    if not isinstance(client, redis.Redis) or getattr(client, "connection", None) is not None:
-        return client
-    pool = getattr(client, "connection_pool", None)
-    if type(pool) not in _PLAIN_POOLS:
+    pool = plain_pool(client)
+    if pool is None:
         return client
     ours = _lock_clients.get(pool)
     if ours is None:
@@ -84,6 +84,15 @@ def lock_client(client: Any) -> Any:
             if ours is None:
                 ours = _lock_clients[pool] = _make_lock_client(pool)
     return ours
+
+
+def plain_pool(client: Any) -> Any:
+    """*client*'s pool when it is a plain one, whose lock traffic :func:`lock_client` gives
+    connections of its own; None for any other client."""
+    if not isinstance(client, redis.Redis) or getattr(client, "connection", None) is not None:
+        return None
+    pool = getattr(client, "connection_pool", None)
+    return pool if type(pool) in _PLAIN_POOLS else None
 
 
 def _make_lock_client(pool: Any) -> redis.Redis:
@@ -123,7 +132,6 @@ def _make_lock_client(pool: Any) -> redis.Redis:
             max_connections=pool.max_connections,
             **kwargs,
         )
-    weakref.finalize(pool, made.disconnect)
     return redis.Redis(connection_pool=made)
 
 

@@ -10,17 +10,24 @@
 --          (optional; absent: it will not)
 -- ARGV[5]  idle lifetime of the fence counter in ms (optional; 0 or absent: never
 --          expires). A counter that is gone (expired, or never made) restarts from the
---          server's clock in microseconds, rounded up to the next whole step of
---          min(1 s, that lifetime): above any value it could have reached by counting
---          (fewer than one a microsecond), so fences still increase after it expired;
---          and Redlock masters whose clocks agree to the step restart a new name's
---          counters alike, so their fences agree and none needs raising.
+--          server's clock in microseconds, above any value it could have reached by
+--          counting (fewer than one a microsecond), so fences still increase after it
+--          expired.
 -- KEYS[4]  queued hold of this lock (optional: a hand-over, see enqueue.lua): the
 --          acquisition takes over the enqueue-time hold of task ARGV[6], in this one step
 -- ARGV[6]  with KEYS[4]: the task id taking over; kept in the lock's 'owner' field
 -- ARGV[7]  with KEYS[4]: '1' refuses when the queued hold belongs to another task id
 --          (this message was superseded or is a duplicate); '0' takes the lock anyway
 --          (a retry of a task that already ran keeps its place)
+-- ARGV[8]  the restart's step in ms (optional; with it, ARGV[6] and ARGV[7] are passed
+--          as '' and '0' when there is no KEYS[4]): the restart rounds up to the next
+--          whole step of min(ARGV[8], ARGV[5]). A Redlock asks its masters for a step of
+--          1 s, so masters whose clocks agree to the second restart a new name's counter
+--          alike and their fences agree (no write-back round); a step no longer than the
+--          counter's idle lifetime keeps a restart after expiry above the last one. A
+--          counter deleted within the step restarts at the same value: Redlock's
+--          write-back covers one master that lost it, as it covers a master restarted
+--          without persistence.
 -- With KEYS[4], a lock kept for task ARGV[6]'s redelivered copy (park.lua: its token is
 -- 'parked:' .. ARGV[6]) is taken over as if free, whoever holds the queued hold.
 -- Returns  {1, fence}          acquired; also when the key already holds ARGV[1]
@@ -63,7 +70,10 @@ local fence_ttl = tonumber(ARGV[5] or '0')
 if fence_ttl > 0 then
   if fence == 1 then -- the counter was gone: restart it above anything it counted to
     local now = redis.call('TIME')
-    local step = math.min(1000000, fence_ttl * 1000)
+    local step = math.min(tonumber(ARGV[8] or '0') * 1000, fence_ttl * 1000)
+    if step < 1 then
+      step = 1
+    end
     fence = (math.floor((tonumber(now[1]) * 1000000 + tonumber(now[2])) / step) + 1) * step
     redis.call('SET', KEYS[2], string.format('%.0f', fence), 'PX', fence_ttl)
   else

@@ -64,10 +64,8 @@ if redis.call('HLEN', KEYS[1]) >= limit then
   end
 end
 local fence_ttl = tonumber(ARGV[5] or '0')
-if fence_ttl > 0 and redis.call('EXISTS', KEYS[2]) == 0 then -- restart: see acquire.lua
-  local step = math.min(1000000, fence_ttl * 1000)
-  local start = math.floor((tonumber(t[1]) * 1000000 + tonumber(t[2])) / step) * step
-  redis.call('SET', KEYS[2], string.format('%.0f', start + step - 1))
+if fence_ttl > 0 and redis.call('EXISTS', KEYS[2]) == 0 then
+  redis.call('SET', KEYS[2], t[1] .. string.format('%06d', tonumber(t[2])))
 end
 local fence = redis.call('INCR', KEYS[2])
 if fence_ttl > 0 then
