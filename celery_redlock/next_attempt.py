@@ -224,8 +224,7 @@ def _fail_first(nxt: _Next, exception: BaseException | None) -> bool:
         nxt.task.backend.store_result(nxt.task_id, exc, states.FAILURE, request=nxt.request)
     except Exception as error:
         log.warning(
-            "Task %s[%s]: the result backend refuses writes (%s); its lock retry is "
-            "published now",
+            "Task %s[%s]: the result backend refuses writes (%s); its lock retry is published now",
             nxt.task.name,
             nxt.task_id,
             error,

@@ -6,6 +6,8 @@ Configured from the environment, as tests/apps/limitsapp.py:
 REDLOCK_TEST_BROKER   broker URL
 REDLOCK_TEST_BACKEND  result backend URL (a real Redis)
 REDLOCK_TEST_LOCKS    redlock_url
+REDLOCK_TEST_RECORD   a Redis URL where the worker counts each message it received and
+                      each attempt whose trace ended (with its state)
 
 Each task has a backend of its own (``@app.task(backend=...)``, Celery's public option): a
 real Redis result backend that, for the states it names, waits between Celery's read of the
@@ -17,11 +19,13 @@ loaded machine can do.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
 
-from celery import Celery
+import redis
+from celery import Celery, signals
 from celery.backends.redis import RedisBackend
 from kombu.exceptions import OperationalError
 
@@ -48,6 +52,29 @@ FAST: dict[str, Any] = {
     "lock_retry_backoff": 0.01,
     "lock_retry_backoff_max": 0.02,
 }
+
+
+_record: redis.Redis | None = None
+
+
+def _count(event: str, name: str, **fields: Any) -> None:
+    global _record
+    if _record is None:
+        _record = redis.Redis.from_url(os.environ["REDLOCK_TEST_RECORD"])
+    _record.rpush("events", json.dumps({"event": event, "task": name, **fields}))
+
+
+@signals.task_received.connect
+def _received(request: Any = None, **_: Any) -> None:
+    """Main process: one message of a task received."""
+    _count("received", request.name)
+
+
+@signals.task_postrun.connect
+def _ended(sender: Any = None, state: Any = None, **_: Any) -> None:
+    """The child: one attempt's trace ended (Celery stores a FAILURE for an internal error
+    after this, paused at most twice)."""
+    _count("ended", sender.name, state=state)
 
 
 class HookedBackend(RedisBackend):  # type: ignore[misc]
