@@ -52,8 +52,8 @@ from .dedup import (
 )
 from .flow import first_rate_key, hold_rules
 from .interrupt import LockLostInterrupt, on_lost, watch
-from .next_attempt import give_back_on_loss
 from .naming import lock_name_for
+from .next_attempt import give_back_on_loss
 from .observability import send_task_event
 from .rules import BackOff
 from .state import AppState, state_for
