@@ -17,7 +17,7 @@ store its outcome in between::
     tracer: write RETRY                                                   RETRY, for ever
 
 So :func:`defer` keeps the next attempt's message here, and it is published after the
-store, by the first of these, each run by Celery in the thread that ran the attempt:
+store, from one of these signals, which Celery sends in the thread that ran the attempt:
 
 * ``task_retry``: Celery sends it after storing RETRY and calling ``task.on_retry``. The
   usual path. A publish that fails then leaves RETRY stored with nothing to follow, so
@@ -31,6 +31,9 @@ store, by the first of these, each run by Celery in the thread that ran the atte
   next attempt is published at once (while the backend refuses writes, no order of ours
   can make what it stores true; once it answers, the next attempt's outcome is the last).
 * ``task_failure``: after Celery stored that FAILURE; the next attempt's outcome replaces it.
+  Should Celery's write fail after ours succeeded (or the task's ``on_failure`` raise),
+  nothing follows in a prefork child (a solo or threads pool reports a second internal
+  error, which publishes it): the next run this thread re-queues publishes it first, logged.
 
 A task that stores no errors (``ignore_result`` without ``store_errors_even_if_ignored``)
 has nothing stored to order: its next attempt is published at ``task_retry`` or at once
