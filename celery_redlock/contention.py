@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
-from celery.exceptions import Ignore, Reject, Retry
+from celery.exceptions import Ignore, Retry
 
 from .core.backend_types import Queued, RateGrant
 from .core.errors import (
@@ -37,6 +37,7 @@ from .core.errors import (
 )
 from .core.queued import QueuedHold
 from .core.ratelimit import slot_lead
+from .next_attempt import defer
 from .policies import CONTENDED, DUPLICATE
 from .rules import BackOff
 
@@ -306,8 +307,8 @@ def requeue(
     *delay*: the countdown (default: the backoff for this retry); *rate_slot*: the run was
     promised a slot by its rate limiter and asks for it when it comes back.
 
-    Raises ``Retry`` (re-queued), *exc* (the budget is spent) or ``Reject`` (the new
-    message could not be published).
+    Raises ``Retry`` (re-queued: the new message is published after Celery stored this
+    attempt's RETRY, see :mod:`celery_redlock.next_attempt`) or *exc* (the budget is spent).
     """
     headers = dict(getattr(request, "headers", None) or {})
     done = int(headers.get(RETRIES_HEADER) or getattr(request, RETRIES_HEADER, 0) or 0)
@@ -357,10 +358,8 @@ def requeue(
             delay,
             exc,
         )
-    try:
-        sig.apply_async()
-    except Exception as publish_error:
-        raise Reject(publish_error, requeue=False) from publish_error
+    # Published once Celery has stored this attempt's RETRY, never before: see next_attempt.
+    defer(task, request, sig, delay)
     raise Retry(reason, exc=exc, when=delay, sig=sig)
 
 

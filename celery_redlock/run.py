@@ -53,6 +53,7 @@ from .dedup import (
 from .flow import first_rate_key, hold_rules
 from .interrupt import LockLostInterrupt, on_lost, watch
 from .naming import lock_name_for
+from .next_attempt import give_back_on_loss
 from .observability import send_task_event
 from .rules import BackOff
 from .state import AppState, state_for
@@ -202,7 +203,14 @@ def acquire_for_request(
     try:
         _acquire(run, state, handover)
     except Retry:
-        raise  # re-queued under the same task id: it keeps its hold
+        # Re-queued under the same task id: it keeps its hold, unless that re-queue cannot
+        # be published (next_attempt publishes it once Celery stored RETRY).
+        if handover is not None:
+            owner = handover.owner
+            give_back_on_loss(
+                owner, lambda: give_back_hold(task.app, name, owner, "could not be re-queued")
+            )
+        raise
     except BaseException:
         if handover is not None:
             give_back_hold(task.app, name, handover.owner, "did not start")

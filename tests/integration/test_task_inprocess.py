@@ -46,6 +46,7 @@ from celery_redlock import (
     QuorumUnavailable,
     install,
     is_skipped,
+    next_attempt,
 )
 from celery_redlock import run as run_module
 from celery_redlock.core.backend_types import Slot, Status
@@ -561,6 +562,57 @@ def test_retry_requeues_with_backoff_outside_the_tasks_own_retry_budget(
     a_end = next(e["t"] for e in env.items("ended") if e["id"] == a.id)
     b_start = next(e["t"] for e in env.items("started") if e["id"] == b.id)
     assert b_start > a_end
+
+
+def test_a_lock_retry_is_published_after_its_retry_state_is_stored(env: Env) -> None:
+    """A run refused by a held key: when its next attempt is published, the result backend
+    already holds this attempt's RETRY; a BackOff's re-queue likewise. Eager and direct
+    calls, which re-queue nothing, leave no next attempt behind."""
+    app = env.app()
+    job = _counting(app, env, lock_on_contended="retry", lock_retry_backoff=0.01)
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="inproc.backs_off", lock_key="bo")
+    def backs_off(self: Any) -> str:
+        if not getattr(self.request, "redlock_retries", 0):
+            raise BackOff(0.05)
+        return "ran"
+
+    seen: dict[str, str] = {}
+
+    def at_publish(headers: Any = None, **_: Any) -> None:
+        if headers and headers.get("redlock_retries") and headers["id"] not in seen:
+            seen[headers["id"]] = app.backend.get_task_meta(headers["id"])["status"]
+
+    outside = Lock(env.locks, "down:1", ttl=10, owner_info={"task_id": "outside"})
+    assert outside.acquire(blocking=False)
+    signals.before_task_publish.connect(at_publish, weak=False)
+    try:
+        with worker(app):
+            refused = job.delay(1)
+            wait_for(lambda: refused.id in seen)
+            outside.release()
+            assert refused.get(timeout=10) == "ran"
+            backed = backs_off.delay()
+            assert backed.get(timeout=10) == "ran"
+    finally:
+        signals.before_task_publish.disconnect(at_publish)
+        if outside.owned():
+            outside.release()
+    assert seen == {refused.id: "RETRY", backed.id: "RETRY"}
+
+    eager = env.app(task_always_eager=True)
+    eager_job = _counting(eager, env, "inproc.eager_counted", lock_on_contended="retry")
+
+    @eager.task(base=LockedTask, shared=False, name="inproc.eager_backs_off", lock_key="bo")
+    def eager_backs_off() -> str:
+        raise BackOff(0)
+
+    with pytest.raises(Exception, match="BackOff"):  # as Celery's eager result rebuilds it
+        eager_backs_off.delay().get()
+    with pytest.raises(BackOff):
+        eager_backs_off()
+    assert eager_job.delay(1).get() == "ran"
+    assert getattr(next_attempt._local, "next", None) is None
 
 
 def test_retry_budget_spent_fails_with_lock_contended(

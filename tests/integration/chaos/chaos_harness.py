@@ -110,8 +110,8 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str, step: float
 def last_message_gone(events: list[dict[str, Any]], task_ids: list[str]) -> set[str]:
     """Of *task_ids*, those with a message nobody received: fewer first deliveries
     (``received``, not redelivered) than messages published, the first one and one per
-    ``retried`` (recorded after the retry's publish). Counts, not order: a retry's
-    message may be received elsewhere before its ``retried`` record is written."""
+    ``retried`` (recorded from the signal that publishes the retry). Counts, not order: a
+    retry's message may be received elsewhere before its ``retried`` record is written."""
     published: Counter[str] = Counter()
     delivered: Counter[str] = Counter()
     for e in events:

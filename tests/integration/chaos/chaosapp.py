@@ -96,8 +96,8 @@ def _received(request: Any = None, **_: Any) -> None:
 
 @task_retry.connect
 def _retried(request: Any = None, **_: Any) -> None:
-    """The process that ran the attempt: the task's retry message is published (Celery
-    marks RETRY only after the publish)."""
+    """The process that ran the attempt: Celery stored its RETRY; the task's retry message
+    is published from this same signal (by celery_redlock, before or after this record)."""
     task_id = getattr(request, "id", None)
     if task_id is not None:
         record("retried", task_id=task_id, t=time.monotonic())
