@@ -61,6 +61,7 @@ def _wait(seconds: float, io: bool) -> None:
 @app.task(
     base=LockedTask,
     bind=True,
+    shared=False,  # imported by the test process too: never added to its other apps
     lock_key="turn:<key>",
     lock_ttl=1.2,
     lock_retry_backoff=0.05,
@@ -86,7 +87,14 @@ def turn(self: LockedTask, key: str, seconds: float, io: bool = False) -> int:
     return fence
 
 
-@app.task(base=LockedTask, bind=True, lock_key="steal:<name>", lock_ttl=0.9, lock_on_lost="raise")
+@app.task(
+    base=LockedTask,
+    bind=True,
+    shared=False,
+    lock_key="steal:<name>",
+    lock_ttl=0.9,
+    lock_on_lost="raise",
+)
 def stealable(self: LockedTask, name: str, seconds: float, step: float) -> str:
     """Sleep *seconds* in steps of *step* under a 0.9 s lease; record when LockLost arrives
     inside the body."""
@@ -102,7 +110,9 @@ def stealable(self: LockedTask, name: str, seconds: float, step: float) -> str:
     return name
 
 
-@app.task(base=LockedTask, bind=True, lock_key="hold:<name>", lock_on_contended="raise")
+@app.task(
+    base=LockedTask, bind=True, shared=False, lock_key="hold:<name>", lock_on_contended="raise"
+)
 def hold(self: LockedTask, name: str, seconds: float) -> str:
     """Hold hold:<name> (the 30 s default lease) for a while, recording the start."""
     record("hold-start", name=name, fence=self.lock.fence)
@@ -110,19 +120,19 @@ def hold(self: LockedTask, name: str, seconds: float) -> str:
     return name
 
 
-@app.task(base=LockedTask, lock_key="queued:<name>", lock_on="enqueue+run")
+@app.task(base=LockedTask, shared=False, lock_key="queued:<name>", lock_on="enqueue+run")
 def queued(name: str) -> str:
     """Taken at publish, held until the run ends (one queued-or-running per key)."""
     return name
 
 
-@app.task(base=LockedTask, lock_key="waiting:<name>", lock_on_contended="wait")
+@app.task(base=LockedTask, shared=False, lock_key="waiting:<name>", lock_on_contended="wait")
 def waiting(name: str) -> str:
     """Waits for its key: on a solo worker that blocks the whole worker (warned at start)."""
     return name
 
 
-@app.task(base=LockedTask, lock_key="metrics:<n>")
+@app.task(base=LockedTask, shared=False, lock_key="metrics:<n>")
 def metrics_state(n: int) -> dict[str, object]:
     """A locked run that reports whether its process counts into Prometheus."""
     from celery_redlock import observability  # noqa: PLC0415 - only this task needs it
