@@ -479,6 +479,33 @@ def test_a_master_that_lost_its_scripts_gets_them_inline(redis_servers: Servers)
     assert wait_for(lambda: not holds_key(servers[1], "rl:noscript"), 2)
 
 
+def test_new_names_restart_alike_on_every_master_so_no_fence_is_written_back(
+    redis_servers: Servers,
+) -> None:
+    """Names never seen before (sync:<user_id>): every master restarts the counter at the
+    same whole second of its clock, so the fences agree and the acquire needs no second
+    round (no raise_fence script); only a name whose restart straddles a second may."""
+    servers = redis_servers(3)
+    clients = clients_of(servers)
+    warm(Redlock(clients, "rl:warm", ttl=10), servers)
+    admins = [s.client() for s in servers]
+    for admin in admins:
+        admin.config_resetstat()
+    agreed = 0
+    for i in range(20):
+        lock = Redlock(clients, f"rl:new:{i}", ttl=10, auto_renew=False)
+        assert lock.acquire(blocking=False)
+        fence_key = lock_keys(lock.name).fence
+        assert wait_for(lambda k=fence_key: all(a.exists(k) for a in admins), 3, "counters")
+        counters = {int(a.get(fence_key)) for a in admins}
+        agreed += counters == {lock.fence}
+        assert lock.fence is not None and lock.fence % 1_000_000 == 0  # a whole second, in us
+        lock.release()
+    assert agreed >= 18, f"only {agreed} of 20 new names restarted alike"
+    scripts = sum(a.info("commandstats")["cmdstat_evalsha"]["calls"] for a in admins)
+    assert scripts <= 20 * 3 * 2 + 3 * 2, f"{scripts} scripts: write-back rounds were sent"
+
+
 def test_fence_ttl_on_redlock_keeps_a_ttl_on_every_masters_counter(
     redis_servers: Servers,
 ) -> None:

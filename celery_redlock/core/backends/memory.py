@@ -114,7 +114,7 @@ class MemoryBackend(MemoryFlow):
     ) -> Grant:  # fmt: skip
         """Take *slot* for *token* (acquire.lua; permit_acquire.lua for permits; with its
         controls and rules, hold_all.lua). *fence_step_ms*: a mutex's counter restart
-        rounds up to that step (a quorum's member: see acquire.lua's ARGV[8])."""
+        rounds up to that step (a quorum's member: see acquire.lua's ARGV[6])."""
 
         def take(limit: int | None = None) -> Grant:
             if slot.permits:

@@ -81,7 +81,7 @@ __all__ = [
     "QuorumBackend",
 ]
 
-#: The step a member's fence counter restart rounds up to (acquire.lua's ARGV[8]): the
+#: The step a member's fence counter restart rounds up to (acquire.lua's ARGV[6]): the
 #: masters of a new name restart alike when their clocks agree to it, so their fences
 #: agree and no write-back round is needed.
 FENCE_STEP_MS = 1000

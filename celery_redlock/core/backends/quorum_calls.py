@@ -82,7 +82,7 @@ class Member(Backend, DoneMarks, Records, Protocol):
         deadline: float | None = None, fence_step_ms: int = 0
     ) -> Grant:  # fmt: skip
         """:meth:`Backend.acquire`, a counter restart rounded up to *fence_step_ms* (see
-        acquire.lua's ARGV[8]): a quorum's members restart a new name's counter alike."""
+        acquire.lua's ARGV[6]): a quorum's members restart a new name's counter alike."""
         ...
 
     def identity(self) -> Hashable:

@@ -148,7 +148,7 @@ class RedisBackend(RedisHolds, RedisOperator, RedisFlow):
         deadline: float | None = None, fence_step_ms: int = 0
     ) -> Grant:  # fmt: skip
         """*fence_step_ms*: a mutex's counter restart rounds up to that step (a quorum's
-        member: acquire.lua's ARGV[8])."""
+        member: acquire.lua's ARGV[6])."""
         keys = slot.keys
         names = [keys.lock, keys.fence, keys.waiting]
         if slot.permits:
@@ -402,7 +402,7 @@ def _acquire_argv(  # noqa: PLR0917 - acquire.lua's arguments, in its order
     """acquire.lua's ARGV for a mutex without a hand-over."""
     argv: list[Any] = [token, ttl_ms, record, "1" if wait else "0", fence_ttl_ms]
     if fence_step_ms:
-        argv += ["", "0", fence_step_ms]
+        argv.append(fence_step_ms)
     return argv
 
 

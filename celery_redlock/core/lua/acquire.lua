@@ -19,13 +19,12 @@
 -- ARGV[7]  with KEYS[4]: '1' refuses when the queued hold belongs to another task id
 --          (this message was superseded or is a duplicate); '0' takes the lock anyway
 --          (a retry of a task that already ran keeps its place)
--- ARGV[8]  the restart's step in ms (optional; with it, ARGV[6] and ARGV[7] are passed
---          as '' and '0' when there is no KEYS[4]): the restart rounds up to the next
---          whole step of min(ARGV[8], ARGV[5]). A Redlock asks its masters for a step of
---          1 s, so masters whose clocks agree to the second restart a new name's counter
---          alike and their fences agree (no write-back round); a step no longer than the
---          counter's idle lifetime keeps a restart after expiry above the last one. A
---          counter deleted within the step restarts at the same value: Redlock's
+-- ARGV[6]  without KEYS[4]: the restart's step in ms (optional): a restart rounds up to
+--          the next whole step of min(ARGV[6], ARGV[5]). A Redlock asks its masters for a
+--          step of 1 s, so masters whose clocks agree to the second restart a new name's
+--          counter alike and their fences agree (no write-back round); a step no longer
+--          than the counter's idle lifetime keeps a restart after expiry above the last
+--          one. A counter deleted within the step restarts at the same value: Redlock's
 --          write-back covers one master that lost it, as it covers a master restarted
 --          without persistence.
 -- With KEYS[4], a lock kept for task ARGV[6]'s redelivered copy (park.lua: its token is
@@ -70,7 +69,7 @@ local fence_ttl = tonumber(ARGV[5] or '0')
 if fence_ttl > 0 then
   if fence == 1 then -- the counter was gone: restart it above anything it counted to
     local now = redis.call('TIME')
-    local step = math.min(tonumber(ARGV[8] or '0') * 1000, fence_ttl * 1000)
+    local step = KEYS[4] and 0 or math.min(tonumber(ARGV[6] or '0') * 1000, fence_ttl * 1000)
     if step < 1 then
       step = 1
     end
