@@ -123,6 +123,14 @@ class RenewalManager:
             if not self._locks:
                 self._next_round = _NEVER
 
+    def renew_soon(self) -> None:
+        """Renew every held lock in a round that starts now, not at the next interval (the
+        master of some of them moved: a lock missing there is reported lost at once)."""
+        with self._cond:
+            if self._locks:
+                self._next_round = time.monotonic()
+                self._cond.notify()
+
     def held(self) -> list[Renewable]:
         """The locks this process currently keeps alive."""
         with self._cond:

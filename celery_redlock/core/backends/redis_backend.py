@@ -213,10 +213,12 @@ class RedisBackend(RedisHolds, RedisOperator, RedisFlow):
         """An acquire, release, release_done, extend or enqueue of a mutex written now on
         a connection of the client's pool, its answer read later (a quorum's fan-out, a
         publish's claim: see :mod:`.redis_sent`); None for anything else (a cluster, a
-        permit, another verb)."""
+        Sentinel-managed master, a permit, another verb)."""
         slot = args[0] if args else None
         build = _SENDS.get(verb)
         if build is None or self._pool is None or not isinstance(slot, Slot) or slot.permits:
+            return None
+        if self._sentinel is not None:  # each script checks where it lands (sentinel_watch)
             return None
         script, names, argv, finish, fail = build(self, *args, **kwargs)
         before = behind if isinstance(behind, RedisSent) else None
@@ -285,7 +287,7 @@ class RedisBackend(RedisHolds, RedisOperator, RedisFlow):
         if self.cluster:
             return self._renew_nodes(items)
         with self._errors(items[0].slot.name):
-            return [*extend_many(self.client, items, self._pool)]
+            return [*extend_many(self.client, items, self._pool, self._run)]
 
     def _renew_nodes(self, items: Sequence[Renewal]) -> list[Status | QuorumUnavailable]:
         """A cluster's renewal: ``extend_node.lua`` on each node for the items it serves."""

@@ -1,6 +1,7 @@
 """How the Redis backend (:mod:`.redis_backend`) calls its server: :class:`RedisCalls`, the
 part every group of its verbs shares (the client, the pool a script's connection comes
-from, and what an error means for a verb).
+from, and what an error means for a verb). A script for a Sentinel-managed master goes
+through that pool's :class:`~.sentinel_watch.MasterWatch`.
 
 Errors: see :func:`~.redis_client.cannot_decide` for what is reported as
 :class:`~celery_redlock.core.errors.QuorumUnavailable`; an error reply about the data at a
@@ -24,6 +25,7 @@ from ..keys import LockKeys
 from .redis_admin import foreign_data_message
 from .redis_client import cannot_decide, check_client, lock_client
 from .redis_scripts import Script, pool_of, run
+from .sentinel_watch import is_sentinel_master, watch_of
 
 __all__ = ["RedisCalls", "mutex_keys"]
 
@@ -42,6 +44,8 @@ class RedisCalls:
         self.cluster = isinstance(client, RedisCluster)
         #: Where a script's connection comes from (None: the client's own evalsha).
         self._pool = None if self.cluster else pool_of(self.client)
+        #: The pool of a Sentinel-managed master (its scripts go through its watch).
+        self._sentinel = self._pool if is_sentinel_master(self._pool) else None
         self._address: str | None = None
 
     def describe(self) -> str:
@@ -63,7 +67,9 @@ class RedisCalls:
         return _Errors(self, slot.name, partial(foreign_data_message, self.client, slot.keys))
 
     def _run(self, script: Script, keys: list[str], args: list[Any]) -> Any:
-        return run(script, self.client, self._pool, keys, args)
+        if self._sentinel is None:
+            return run(script, self.client, self._pool, keys, args)
+        return watch_of(self._sentinel).run(self._sentinel, script, keys, args)
 
 
 class _Errors:

@@ -20,6 +20,7 @@ from ..connect import LOCK_CLIENT_DEFAULTS, lock_retry
 from ..errors import ConfigError
 
 __all__ = [
+    "MasterChanging",
     "cannot_decide",
     "check_client",
     "checkout",
@@ -136,6 +137,14 @@ def _make_lock_client(pool: Any) -> redis.Redis:
 
 
 # -- what a failure means --------------------------------------------------------------
+class MasterChanging(rx.RedisError):
+    """A script for a Sentinel-managed master was not run: the server the connection
+    reached is not the master the sentinels name now, or a failover of that master is
+    under way, or the server says a later master replaced it (see
+    :mod:`.sentinel_watch`). Nothing was changed; a later call goes to the new master.
+    Not a ``ConnectionError``: a client's retry policy does not wait and re-send it."""
+
+
 #: What redis-py's pools say when they have no connection to give: ``ConnectionPool`` on
 #: redis-py < 5.3 (later ones raise ``MaxConnectionsError``), ``BlockingConnectionPool``.
 _POOL_EXHAUSTED = frozenset(("Too many connections", "No connection available."))
@@ -144,10 +153,10 @@ _POOL_EXHAUSTED = frozenset(("Too many connections", "No connection available.")
 _CLUSTER_TROUBLE = ("cannot be connected", "not covered", "could not agree", "No targets")
 #: Error codes of a server that cannot serve right now, whatever the data: out of memory,
 #: a read-only replica, a busy script, a failed save, no replicas, a master down, loading,
-#: a cluster slot moving.
+#: a cluster slot moving, a demoted Sentinel master (REPLACED, from master_guard.lua).
 _SERVER_STATE = re.compile(
-    r"(?:^|-|caused error: )(?:OOM|READONLY|BUSY|MISCONF|NOREPLICAS|MASTERDOWN|LOADING|TRYAGAIN)"
-    r"(?: |$)"
+    r"(?:^|-|caused error: )"
+    r"(?:OOM|READONLY|BUSY|MISCONF|NOREPLICAS|MASTERDOWN|LOADING|TRYAGAIN|REPLACED)(?: |$)"
 )
 _SERVER_STATE_ERRORS = (
     rx.OutOfMemoryError,
@@ -161,6 +170,7 @@ def cannot_decide(exc: BaseException) -> bool:
     """True when *exc* means the server could not decide the call (report it as
     unavailable: a later attempt may succeed), False for what a retry cannot mend.
 
+    - A Sentinel-managed master that is changing (:class:`MasterChanging`): unavailable.
     - A connection error or timeout (redis-py's, or an ``OSError`` from the socket):
       the server is down or did not answer in time, and may have run the call. A failed
       ``AUTH`` is one too (as the server is, for this client, unusable right now).
@@ -176,6 +186,8 @@ def cannot_decide(exc: BaseException) -> bool:
     """
     if isinstance(exc, rx.MaxConnectionsError):
         return False
+    if isinstance(exc, MasterChanging):
+        return True
     if isinstance(exc, rx.ConnectionError):
         return str(exc) not in _POOL_EXHAUSTED
     if isinstance(exc, (rx.TimeoutError, OSError, rx.ClusterError, rx.SlotNotCoveredError)):

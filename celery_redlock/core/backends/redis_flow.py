@@ -207,7 +207,7 @@ class RedisFlow(RedisCalls):
             groups.setdefault(where, []).append(item)
         codes: list[Status] = []
         for group in groups.values():
-            codes += extend_many(self.client, group, self._pool)
+            codes += extend_many(self.client, group, self._pool, self._run)
         return Status.first_failure(codes) if codes else Status.OK
 
     def set_control(self, control_key: str, kind: str, value: str | None, ttl_ms: int) -> bool:

@@ -17,7 +17,7 @@ cluster client, or one that keeps a single connection, goes through its own
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from typing import Any
 
@@ -38,6 +38,7 @@ __all__ = [
     "EXTEND_NODE",
     "FORCE_RELEASE",
     "HOLD_ALL",
+    "MASTER_MARK",
     "PARK",
     "PERMITS",
     "PERMIT_ACQUIRE",
@@ -53,30 +54,54 @@ __all__ = [
     "permit_holders",
     "pool_of",
     "run",
+    "send_script",
 ]
+
+
+#: The first line of every script: what master_guard.lua sets (nil without it).
+_PRELUDE = "local fence_floor\n"
+
+
+def _lua(filename: str) -> str:
+    return resources.files("celery_redlock.core").joinpath("lua", filename).read_text("utf-8")
 
 
 class Script:
     """A Lua script of this package: the file, then any shared parts appended to it; in
     front of it, each of *functions* (Lua function name -> file) as a local function of
     ``(KEYS, ARGV)``, so that a script can run another's steps on keys and arguments it
-    chooses."""
+    chooses. :attr:`guarded` is the same script with ``master_guard.lua`` in front, for
+    a Sentinel-managed master."""
 
-    __slots__ = ("name", "sha", "source")
+    __slots__ = ("_body", "_guarded", "name", "sha", "source")
 
     def __init__(
         self, filename: str, *parts: str, functions: Mapping[str, str] | None = None
     ) -> None:
-        folder = resources.files("celery_redlock.core").joinpath("lua")
         self.name = filename
         head = "".join(
-            f"local function {fn}(KEYS, ARGV)\n{folder.joinpath(f).read_text('utf-8')}end\n"
-            for fn, f in (functions or {}).items()
+            f"local function {fn}(KEYS, ARGV)\n{_lua(f)}end\n" for fn, f in (functions or {}).items()
         )
-        self.source = head + "".join(
-            folder.joinpath(f).read_text("utf-8") for f in (filename, *parts)
-        )
-        self.sha = hashlib.sha1(self.source.encode("utf-8"), usedforsecurity=False).hexdigest()
+        self._body = head + "".join(_lua(f) for f in (filename, *parts))
+        self._guarded: Script | None = None
+        self._set_source(_PRELUDE + self._body)
+
+    def _set_source(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode("utf-8"), usedforsecurity=False).hexdigest()
+
+    @property
+    def guarded(self) -> Script:
+        """This script behind ``master_guard.lua``: it takes one key and one argument
+        more, last (the replaced-master mark, the master's config-epoch)."""
+        guarded = self._guarded
+        if guarded is None:
+            guarded = Script.__new__(Script)
+            guarded.name = f"{self.name} (guarded)"
+            guarded._body, guarded._guarded = self._body, None
+            guarded._set_source(_PRELUDE + _lua("master_guard.lua") + self._body)
+            self._guarded = guarded
+        return guarded
 
     def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run on *client* (``EVALSHA``; ``EVAL`` when the server has not cached it yet)."""
@@ -104,13 +129,14 @@ def run(script: Script, client: Any, pool: Any, keys: Sequence[str], args: Seque
     conn = checkout(pool)
     try:
         return conn.retry.call_with_retry(
-            lambda: _send(conn, script, keys, args), lambda _error: conn.disconnect()
+            lambda: send_script(conn, script, keys, args), lambda _error: conn.disconnect()
         )
     finally:
         pool.release(conn)
 
 
-def _send(conn: Any, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+def send_script(conn: Any, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    """*script* on the connected *conn* (``EVALSHA``; ``EVAL`` after ``NOSCRIPT``): its reply."""
     conn.send_packed_command(conn.pack_command("EVALSHA", script.sha, len(keys), *keys, *args))
     try:
         return conn.read_response()
@@ -142,6 +168,7 @@ RELEASE_ALL = Script(
     "release_all.lua", functions={"give_lock": "release.lua", "give_permit": "permit_release.lua"}
 )
 CONTROL = Script("control.lua")
+MASTER_MARK = Script("master_mark.lua")
 
 
 def grant_of(reply: Any, *, permits: bool) -> Grant:
@@ -168,11 +195,22 @@ def permit_holders(reply: Any) -> list[Holder]:
     return sorted(found, key=lambda h: h.ttl_ms or 0)
 
 
-def extend_many(client: Any, items: Sequence[Renewal], pool: Any = None) -> list[Status]:
+def extend_many(
+    client: Any,
+    items: Sequence[Renewal],
+    pool: Any = None,
+    send: Callable[[Script, list[str], list[Any]], Any] | None = None,
+) -> list[Status]:
     """Set each item's lease to its ``ms`` where its token still holds it, on one node in
-    one ``extend_many.lua`` (every key in one slot on a cluster): a status per item."""
+    one ``extend_many.lua`` (every key in one slot on a cluster): a status per item.
+    *send* runs the script instead of :func:`run` (the backend's own way, see
+    :meth:`~.redis_calls.RedisCalls._run`)."""
     args: list[Any] = []
     for item in items:
         args += [item.token, item.ms]
-    reply = run(EXTEND_MANY, client, pool, [item.slot.keys.lock for item in items], args)
+    keys = [item.slot.keys.lock for item in items]
+    if send is not None:
+        reply = send(EXTEND_MANY, keys, args)
+    else:
+        reply = run(EXTEND_MANY, client, pool, keys, args)
     return [Status.of(code) for code in reply]

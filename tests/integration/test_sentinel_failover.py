@@ -1,0 +1,401 @@
+"""Sentinel failovers, planned (``SENTINEL FAILOVER``) and not (a SIGKILLed master), with
+real sentinels: no key gets two holders that were not told, fences never repeat or go
+back, and each process follows the new master from the sentinels' announcement on.
+
+A master, a replica and three sentinels (``down-after-milliseconds`` 1000) from
+``SentinelSetup``; locks through ``connect("sentinel://...")``, as a worker builds them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kombu
+import pytest
+import redis
+from celery import Celery
+from servers import RedisServer, SentinelSetup, wait_for
+from workers import Worker
+
+from celery_redlock import Lock, QuorumUnavailable, connect
+from celery_redlock.core.backends.sentinel_watch import MasterWatch, watch_of
+from celery_redlock.core.keys import lock_keys
+
+APP = "tests.apps.failoverapp"
+RABBIT = "amqp://guest:guest@127.0.0.1:5672//"
+
+
+def sentinel_url(setup: SentinelSetup) -> str:
+    """The URL a worker is given: every sentinel, and the master's name."""
+    return ";".join(setup.sentinel_urls) + f"?master={setup.master_name}"
+
+
+def watch(client: redis.Redis) -> MasterWatch:
+    """The watch of a Sentinel client's pool in this process."""
+    return watch_of(client.connection_pool)
+
+
+def listeners() -> list[threading.Thread]:
+    """This process's sentinel listener threads."""
+    return [t for t in threading.enumerate() if t.name.startswith("celery-redlock-sentinel-")]
+
+
+def address_of(server: RedisServer) -> tuple[str, int]:
+    """(host, port) of a server."""
+    return (server.host, server.port)
+
+
+def role_of(server: RedisServer) -> str:
+    """'master' or 'slave', as the server says."""
+    client = server.client(socket_timeout=1)
+    try:
+        role = client.execute_command("ROLE")[0]
+    finally:
+        client.close()
+    return role.decode() if isinstance(role, bytes) else str(role)
+
+
+class SentinelEvents:
+    """Every event the sentinels publish, with the wall-clock time it arrived here."""
+
+    def __init__(self, setup: SentinelSetup) -> None:
+        self.seen: list[tuple[float, str, str]] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._listen, args=(host, port), daemon=True)
+            for host, port in setup.sentinels
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _listen(self, host: str, port: int) -> None:
+        client = redis.Redis(host, port, socket_timeout=2)
+        pubsub = client.pubsub()
+        try:
+            pubsub.psubscribe("*")
+            while not self._stop.is_set():
+                with contextlib.suppress(redis.RedisError):
+                    message = pubsub.get_message(timeout=0.2)
+                    if message and message["type"] == "pmessage":
+                        channel = message["channel"].decode()
+                        if "hello" not in channel:
+                            self.seen.append((time.time(), channel, message["data"].decode()))
+        finally:
+            pubsub.close()
+            client.close()
+
+    def first(self, channel: str, after: float = 0.0, containing: str = "") -> float | None:
+        """When *channel* was first heard after *after* (None: not yet)."""
+        for at, name, data in list(self.seen):
+            if name == channel and at >= after and containing in data:
+                return at
+        return None
+
+    def stop(self) -> None:
+        """Stop listening."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(5)
+
+
+def _rabbitmq_up() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 5672), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------- the watch
+
+
+def test_one_watch_per_pool_with_a_thread_per_sentinel_gone_with_the_client(
+    sentinel_setup: SentinelSetup,
+) -> None:
+    """Locks on a Sentinel client start one listener per sentinel for the client's pool,
+    however many locks and threads use it; a dropped client takes its listeners and their
+    sentinel connections with it; a forked child starts its own and its parent's go on."""
+    setup = sentinel_setup
+    before = len(listeners())
+    admin = [redis.Redis(h, p) for h, p in setup.sentinels]
+
+    def subscribers() -> int:
+        return sum(
+            sum(1 for c in s.client_list() if c.get("cmd") in ("psubscribe", "ping"))
+            for s in admin
+        )
+
+    idle = subscribers()
+    client = connect(sentinel_url(setup))
+    for i in range(50):  # locks made and dropped in a loop, from several threads
+        lock = Lock(client, f"flat:{i % 5}", ttl=5, auto_renew=False)
+        assert lock.acquire(blocking=False)
+        lock.release()
+    def use(n: int) -> None:
+        with Lock(client, f"t:{n}", ttl=5):
+            pass
+
+    workers = [threading.Thread(target=use, args=(n,)) for n in range(8)]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join(10)
+    assert len(listeners()) - before == 3
+    assert wait_for(lambda: subscribers() - idle == 3, 5, "one subscription per sentinel")
+    assert watch(client).view == (address_of(setup.master), 0)
+
+    pid = os.fork()
+    if pid == 0:  # the child: its own watch once it locks, the parent's threads are not here
+        code = 1
+        try:
+            inherited = len(listeners())
+            Lock(client, "child", ttl=5, auto_renew=False).acquire()
+            code = 0 if (inherited, len(listeners())) == (0, 3) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert len(listeners()) - before == 3
+
+    del client, lock, workers
+    gc.collect()
+    assert wait_for(lambda: len(listeners()) == before, 5, "the listeners to stop")
+    assert wait_for(lambda: subscribers() == idle, 5, "their subscriptions to close")
+    for s in admin:
+        s.close()
+
+
+def test_a_replaced_master_refuses_callers_that_have_not_heard(
+    sentinel_setup: SentinelSetup,
+) -> None:
+    """A master marked as replaced by a later config-epoch (as every process that hears
+    the switch marks the old one) refuses a caller that still thinks it is the master:
+    the call is reported unavailable, nothing is written, and the next call asks the
+    sentinels again."""
+    setup = sentinel_setup
+    client = connect(sentinel_url(setup))
+    lock = Lock(client, "marked", ttl=5, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    lock.release()
+    setup.master.client().set("redlock:replaced-master-epoch", 7)
+    with pytest.raises(QuorumUnavailable, match="replaced as the master"):
+        lock.acquire(blocking=False)
+    assert not setup.master.client().exists(lock_keys("marked").lock)
+    setup.master.client().delete("redlock:replaced-master-epoch")
+    assert lock.acquire(blocking=False)
+    lock.release()
+
+
+@pytest.mark.slow
+def test_fences_from_the_new_master_top_every_fence_of_the_old_one(
+    sentinel_setup: SentinelSetup,
+) -> None:
+    """SENTINEL FAILOVER while a process that has not heard of it (a plain client of the
+    old master) keeps taking the lock there, after the promotion: the first fence the new
+    master hands out is above all of them, and each later one is above the one before."""
+    setup = sentinel_setup
+    client = connect(sentinel_url(setup))
+    lock = Lock(client, "fenced", ttl=5, auto_renew=False)
+    fences = []
+    for _ in range(3):
+        assert lock.acquire(blocking=False)
+        fences.append(lock.fence)
+        lock.release()
+    stale = Lock(setup.master.client(), "fenced", ttl=0.05, auto_renew=False)
+    setup.sentinel().sentinels[0].execute_command("SENTINEL", "FAILOVER", setup.master_name)
+    wait_for(lambda: role_of(setup.replica) == "master", 10, "the promotion")
+    old_fences = []
+    for _ in range(200):  # counted up on the old master after the promotion
+        assert stale.acquire(blocking=False)
+        old_fences.append(stale.fence)
+        stale.release()
+    assert old_fences[-1] > fences[-1]
+    wait_for(lambda: watch(client).view[0] == address_of(setup.replica), 15, "the switch")
+    new_fences = []
+    for _ in range(3):
+        assert lock.acquire(blocking=False)
+        new_fences.append(lock.fence)
+        lock.release()
+    assert setup.replica.client().exists(lock_keys("fenced").fence)
+    assert new_fences[0] > max(old_fences), (fences, old_fences[-3:], new_fences)
+    assert new_fences == sorted(set(new_fences))
+
+
+# --------------------------------------------------------------------------- two workers
+
+KEYS = 3  # keys the stream calls
+BODY = 2.0  # seconds a run holds its key
+TTL = 3.0  # its lease (renewed every second)
+EVERY = 0.25  # seconds between two calls on one key
+
+
+class Stream:
+    """A thread that calls ``hold(k, BODY)`` for each key every EVERY seconds."""
+
+    def __init__(self, app: Celery, queue: str) -> None:
+        self.app, self.queue = app, queue
+        self.sent = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(EVERY):
+            for key in range(KEYS):
+                self.app.send_task(f"{APP}.hold", args=(key, BODY), queue=self.queue)
+                self.sent += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def _overlaps(runs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Every pair of runs of one key whose holds overlap (runs sorted by start)."""
+    pairs = []
+    for i, first in enumerate(runs):
+        for later in runs[i + 1 :]:
+            if later["start"] >= first["end"]:
+                break
+            pairs.append((first, later))
+    return pairs
+
+
+@pytest.mark.slow
+def test_failover_planned_and_not_under_a_stream_of_runs_on_two_workers(
+    sentinel_setup: SentinelSetup, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Two prefork workers (3 children each) run a stream of locked runs on 3 keys while
+    the sentinels fail over on command, then again after the new master is SIGKILLed.
+    From the runs' own records: no two runs of a key overlap unless one of them was told
+    (LockLost in its body), each key's fences rise in the order its runs started, and a
+    worker logs a WARNING naming the locks it held when the master changed."""
+    setup = sentinel_setup
+    events = SentinelEvents(setup)
+    queue = f"failover-{uuid.uuid4().hex[:8]}"
+    broker = RABBIT if _rabbitmq_up() else f"redis://127.0.0.1:{redis_server.port}/0"
+    record = redis_server.client(db=3)
+    env = {
+        "REDLOCK_TEST_BROKER": broker,
+        "REDLOCK_TEST_LOCKS": sentinel_url(setup),
+        "REDLOCK_TEST_RECORD": f"redis://127.0.0.1:{redis_server.port}/3",
+        "REDLOCK_TEST_TTL": str(TTL),
+    }
+    workers = [
+        Worker(APP, env, tmp_path / f"w{i}.log", concurrency=3, extra=("-Q", queue))
+        for i in range(2)
+    ]
+    app = Celery("client", broker=broker)
+    stream = Stream(app, queue)
+    timeline: dict[str, float] = {}
+    try:
+        for w in workers:
+            w.wait_ready()
+        stream.start()
+        wait_for(lambda: record.llen("runs") >= 6, 30, "runs before the failover")
+
+        # A planned failover: the old master stays a writable master until converted.
+        old, new = setup.master, setup.replica
+        timeline["failover"] = time.time()
+        setup.sentinel().sentinels[0].execute_command("SENTINEL", "FAILOVER", setup.master_name)
+        wait_for(lambda: role_of(old) == "slave", 30, "the old master's conversion", interval=0.05)
+        timeline["converted"] = time.time()
+        time.sleep(2)
+
+        # An unplanned one: the new master is SIGKILLed, the old one promoted back.
+        timeline["kill"] = time.time()
+        new.kill()
+        wait_for(lambda: role_of(old) == "master", 30, "the second failover", interval=0.05)
+        timeline["promoted back"] = time.time()
+        time.sleep(5)
+        stream.stop()
+        time.sleep(BODY + 1.5)  # the last runs end and record themselves
+    finally:
+        stream.stop()
+        events.stop()
+        for w in workers:
+            w.stop()
+        app.close()
+        if broker == RABBIT:
+            with kombu.Connection(RABBIT) as conn:
+                conn.default_channel.queue_delete(queue)
+
+    runs = [json.loads(r) for r in record.lrange("runs", 0, -1)]
+    by_key: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for run in runs:
+        by_key[run["key"]].append(run)
+    for key_runs in by_key.values():
+        key_runs.sort(key=lambda r: r["start"])
+    logs = "".join(w.text() for w in workers)
+    _report(timeline, events, by_key, logs)
+
+    phases = [
+        ("before", 0, timeline["failover"]),
+        ("planned", timeline["failover"], timeline["kill"]),
+        ("killed", timeline["kill"], float("inf")),
+    ]
+    for phase, since, until in phases:
+        assert sum(since <= r["start"] < until for r in runs) >= 6, phase
+    untold = [
+        (a, b)
+        for key_runs in by_key.values()
+        for a, b in _overlaps(key_runs)
+        if a["told"] is None and b["told"] is None
+    ]
+    assert not untold, untold
+    for key, key_runs in by_key.items():
+        fences = [r["fence"] for r in key_runs]
+        backwards = [(a, b) for a, b in itertools.pairwise(key_runs) if b["fence"] <= a["fence"]]
+        assert not backwards, (key, fences)
+    assert "while this process held" in logs, "no WARNING when the master moved under locks"
+
+
+def _report(
+    timeline: dict[str, float],
+    events: SentinelEvents,
+    by_key: dict[int, list[dict[str, Any]]],
+    logs: str,
+) -> None:
+    """Print what the run measured (shown with ``pytest -s``)."""
+    t0 = timeline["failover"]
+    kill = timeline["kill"]
+    marks = {
+        "send-slaveof-noone": events.first("+failover-state-send-slaveof-noone", t0),
+        "promoted": events.first("+promoted-slave", t0),
+        "switch": events.first("+switch-master", t0),
+        "convert-to-slave": events.first("+convert-to-slave", t0),
+        "kill: sdown": events.first("+sdown", kill, "master"),
+        "kill: switch": events.first("+switch-master", kill),
+    }
+    print("\nplanned failover at 0.000 s; killed the new master at %.3f s" % (kill - t0))
+    for name, at in marks.items():
+        print(f"  {name:20s} {'-' if at is None else f'{at - t0:7.3f} s'}")
+    print(f"  old master converted {timeline['converted'] - t0:7.3f} s (ROLE polled)")
+    for key, runs in sorted(by_key.items()):
+        told = [r for r in runs if r["told"] is not None]
+        pairs = _overlaps(runs)
+        print(
+            f"key {key}: {len(runs)} runs, {len(told)} told of a loss, {len(pairs)} overlaps "
+            + ", ".join(f"{min(a['end'], b['end']) - b['start']:.3f} s" for a, b in pairs)
+        )
+        around = [r for r in runs if t0 - 2 <= r["start"] <= t0 + 14 or kill - 2 <= r["start"]]
+        print(
+            "  fences (start s: fence): "
+            + ", ".join(f"{r['start'] - t0:.2f}: {r['fence']}" for r in around)
+        )
+    warnings = [line for line in logs.splitlines() if "while this process held" in line]
+    print(f"{len(warnings)} WARNING lines, first: {warnings[0] if warnings else None}")
