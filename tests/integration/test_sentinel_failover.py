@@ -199,12 +199,51 @@ def test_a_replaced_master_refuses_callers_that_have_not_heard(
 
 
 @pytest.mark.slow
+def test_no_lock_is_granted_on_the_old_master_once_its_replica_is_being_promoted(
+    sentinel_setup: SentinelSetup,
+) -> None:
+    """SENTINEL FAILOVER under a tight loop of acquires on new names: every lock the old
+    master granted is on the promoted replica (from the leader's order to promote it
+    until the switch, calls are refused, not granted by a master whose writes the
+    replica no longer receives), and once the sentinels name the new master, calls are
+    granted there again."""
+    setup = sentinel_setup
+    client = connect(sentinel_url(setup))
+    new_master = address_of(setup.replica)
+    granted: list[tuple[str, int]] = []
+    refused = 0
+    assert Lock(client, "warm", ttl=1, auto_renew=False).acquire(blocking=False)
+    setup.sentinel().sentinels[0].execute_command("SENTINEL", "FAILOVER", setup.master_name)
+    deadline = time.monotonic() + 15
+    for i in itertools.count():
+        if watch(client).view == (new_master, 1) or time.monotonic() > deadline:
+            break
+        lock = Lock(client, f"p:{i}", ttl=30, auto_renew=False)
+        try:
+            if lock.acquire(blocking=False):
+                granted.append((lock.keys.lock, lock.fence or 0))
+        except QuorumUnavailable:
+            refused += 1
+            time.sleep(0.002)
+    assert watch(client).view == (new_master, 1)
+    assert refused > 0 and len(granted) > 100, (refused, len(granted))
+    replica = setup.replica.client()
+    missing = [key for key, _ in granted if not replica.exists(key)]
+    assert not missing, f"{len(missing)} of {len(granted)} locks granted by the old master"
+    after = Lock(client, "after", ttl=5, auto_renew=False)
+    assert after.acquire(blocking=False)
+    assert replica.exists(after.keys.lock)
+    after.release()
+
+
+@pytest.mark.slow
 def test_fences_from_the_new_master_top_every_fence_of_the_old_one(
     sentinel_setup: SentinelSetup,
 ) -> None:
     """SENTINEL FAILOVER while a process that has not heard of it (a plain client of the
-    old master) keeps taking the lock there, after the promotion: the first fence the new
-    master hands out is above all of them, and each later one is above the one before."""
+    old master) keeps taking the lock there, after the promotion: once the sentinels name
+    the new master, a new client's first fence there is above all of the old master's,
+    the client made before the failover locks there too, and fences go on rising."""
     setup = sentinel_setup
     client = connect(sentinel_url(setup))
     lock = Lock(client, "fenced", ttl=5, auto_renew=False)
@@ -222,15 +261,58 @@ def test_fences_from_the_new_master_top_every_fence_of_the_old_one(
         old_fences.append(stale.fence)
         stale.release()
     assert old_fences[-1] > fences[-1]
-    wait_for(lambda: watch(client).view[0] == address_of(setup.replica), 15, "the switch")
+    new_master = address_of(setup.replica)
+    wait_for(lambda: setup.master_addresses() == [new_master] * 3, 15, "the switch")
+    fresh = Lock(connect(sentinel_url(setup)), "fenced", ttl=5, auto_renew=False)
+    assert fresh.acquire(blocking=False)  # a client made now: on the new master anyway
+    first = fresh.fence
+    fresh.release()
+    assert first is not None and first > max(old_fences), (fences, old_fences[-3:], first)
     new_fences = []
     for _ in range(3):
         assert lock.acquire(blocking=False)
+        assert setup.replica.client().exists(lock.keys.lock), "locked on the new master"
         new_fences.append(lock.fence)
         lock.release()
-    assert setup.replica.client().exists(lock_keys("fenced").fence)
-    assert new_fences[0] > max(old_fences), (fences, old_fences[-3:], new_fences)
+    assert new_fences[0] > first
+    # The client marked the old master as replaced before it locked on the new one.
+    assert setup.master.client().get("redlock:replaced-master-epoch") == b"1"
     assert new_fences == sorted(set(new_fences))
+
+
+@pytest.mark.slow
+def test_a_lock_missing_on_the_new_master_is_reported_lost_at_the_switch(
+    sentinel_setup: SentinelSetup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A held lock (30 s lease: renewed every 10 s) that the promoted replica lacks, as
+    one written too late to be replicated: when the sentinels announce the switch, its
+    holder is told at once (on_lost, within a second), and a WARNING names it with the
+    old and new master; a lock the new master has is kept."""
+    setup = sentinel_setup
+    client = connect(sentinel_url(setup))
+    lost: list[float] = []
+    missing = Lock(client, "missing", ttl=30, on_lost=lambda _lock: lost.append(time.time()))
+    kept = Lock(client, "kept", ttl=30)
+    assert missing.acquire(blocking=False) and kept.acquire(blocking=False)
+    replica = setup.replica.client()
+    wait_for(lambda: replica.exists(missing.keys.lock) and replica.exists(kept.keys.lock), 5)
+    replica.config_set("replica-read-only", "no")  # a write the replica keeps to itself
+    replica.delete(missing.keys.lock)
+    events = SentinelEvents(setup)
+    try:
+        caplog.set_level("INFO", "celery_redlock.failover")
+        setup.sentinel().sentinels[0].execute_command("SENTINEL", "FAILOVER", setup.master_name)
+        wait_for(lambda: lost, 15, "the loss to be reported")
+        switched = events.first("+switch-master")
+    finally:
+        events.stop()
+    assert switched is not None and lost[0] - switched < 1.0, (switched, lost)
+    assert missing.lost and not kept.lost and kept.owned()
+    warning = next(r for r in caplog.records if r.levelname == "WARNING")
+    text = warning.getMessage()
+    assert "'missing'" in text and "'kept'" in text
+    assert f"{setup.master.port}" in text and f"{setup.replica.port}" in text
+    kept.release()
 
 
 # --------------------------------------------------------------------------- two workers
