@@ -63,7 +63,8 @@ _PRELUDE = "local fence_floor\n"
 
 
 def _lua(filename: str) -> str:
-    return resources.files("celery_redlock.core").joinpath("lua", filename).read_text("utf-8")
+    folder = resources.files("celery_redlock.core").joinpath("lua")
+    return folder.joinpath(filename).read_text("utf-8")
 
 
 class Script:
@@ -80,15 +81,22 @@ class Script:
     ) -> None:
         self.name = filename
         head = "".join(
-            f"local function {fn}(KEYS, ARGV)\n{_lua(f)}end\n" for fn, f in (functions or {}).items()
+            f"local function {fn}(KEYS, ARGV)\n{_lua(f)}end\n"
+            for fn, f in (functions or {}).items()
         )
         self._body = head + "".join(_lua(f) for f in (filename, *parts))
         self._guarded: Script | None = None
-        self._set_source(_PRELUDE + self._body)
+        self._set_source(_PRELUDE)
 
-    def _set_source(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode("utf-8"), usedforsecurity=False).hexdigest()
+    def _set_source(self, prelude: str) -> None:
+        """The source: *prelude* in front of the body, after its ``#!lua`` line if any
+        (script flags are read from the first line only)."""
+        body, flags = self._body, ""
+        if body.startswith("#!"):
+            flags, _, body = body.partition("\n")
+            flags += "\n"
+        self.source = flags + prelude + body
+        self.sha = hashlib.sha1(self.source.encode("utf-8"), usedforsecurity=False).hexdigest()
 
     @property
     def guarded(self) -> Script:
@@ -99,7 +107,7 @@ class Script:
             guarded = Script.__new__(Script)
             guarded.name = f"{self.name} (guarded)"
             guarded._body, guarded._guarded = self._body, None
-            guarded._set_source(_PRELUDE + _lua("master_guard.lua") + self._body)
+            guarded._set_source(_PRELUDE + _lua("master_guard.lua"))
             self._guarded = guarded
         return guarded
 

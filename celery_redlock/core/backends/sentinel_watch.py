@@ -240,9 +240,7 @@ class MasterWatch:
         host = self._forced_ip if self._forced_ip is not None else str(state["ip"])
         return MasterView((host, int(state["port"])), int(state.get("config-epoch", 0)))
 
-    def _adopt(
-        self, view: MasterView, sentinel: Any
-    ) -> tuple[MasterView, MasterView] | None:
+    def _adopt(self, view: MasterView, sentinel: Any) -> tuple[MasterView, MasterView] | None:
         """Follow *view* when it is newer than the known one (under the lock); the old and
         new view when the master moved."""
         old = self._view
@@ -410,17 +408,17 @@ class MasterWatch:
         if kind != "pmessage":
             return
         channel, words = text(message["channel"]), text(message["data"]).split()
-        if channel == "+switch-master":  # "<name> <old ip> <old port> <new ip> <new port>"
-            if words[:1] == [self.service]:
-                self._catch_up(sentinel)
+        # +switch-master: "<name> <old ip> <old port> <new ip> <new port>"
+        if channel == "+switch-master" and words[:1] == [self.service]:
+            self._catch_up(sentinel)
         elif channel == "+failover-state-send-slaveof-noone":
             # "slave <ip:port> <ip> <port> @ <master name> <master ip> <master port>"
             at = words.index("@") if "@" in words else -1
             if at >= 0 and words[at + 1 : at + 2] == [self.service]:
                 self._pause(sentinel, words[at + 2 : at + 4])
-        elif channel.startswith("-failover-abort"):  # "master <name> <ip> <port>"
-            if words[1:2] == [self.service]:
-                self._resume(f"the sentinels gave the failover up ({channel})")
+        # -failover-abort-*: "master <name> <ip> <port>"
+        elif channel.startswith("-failover-abort") and words[1:2] == [self.service]:
+            self._resume(f"the sentinels gave the failover up ({channel})")
 
     def _catch_up(self, sentinel: Any) -> None:
         """Follow what *sentinel* names now, when it is newer than what is known here."""
