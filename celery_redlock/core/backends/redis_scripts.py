@@ -58,10 +58,6 @@ __all__ = [
 ]
 
 
-#: The first line of every script: what master_guard.lua sets (nil without it).
-_PRELUDE = "local fence_floor\n"
-
-
 def _lua(filename: str) -> str:
     folder = resources.files("celery_redlock.core").joinpath("lua")
     return folder.joinpath(filename).read_text("utf-8")
@@ -86,7 +82,7 @@ class Script:
         )
         self._body = head + "".join(_lua(f) for f in (filename, *parts))
         self._guarded: Script | None = None
-        self._set_source(_PRELUDE)
+        self._set_source("")
 
     def _set_source(self, prelude: str) -> None:
         """The source: *prelude* in front of the body, after its ``#!lua`` line if any
@@ -107,7 +103,7 @@ class Script:
             guarded = Script.__new__(Script)
             guarded.name = f"{self.name} (guarded)"
             guarded._body, guarded._guarded = self._body, None
-            guarded._set_source(_PRELUDE + _lua("master_guard.lua"))
+            guarded._set_source(_lua("master_guard.lua"))
             self._guarded = guarded
         return guarded
 

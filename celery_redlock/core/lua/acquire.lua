@@ -27,9 +27,10 @@
 --          one. A counter deleted within the step restarts at the same value: Redlock's
 --          write-back covers one master that lost it, as it covers a master restarted
 --          without persistence.
--- fence_floor (set by master_guard.lua in front of this script on a Sentinel-managed
---          master; nil elsewhere): the fence is at least fence_floor + the server's
---          clock in microseconds, and the counter is raised to it
+-- ARGV.fence_floor  (a field, not a position: set by master_guard.lua in front of this
+--          script on a Sentinel-managed master; nil elsewhere) the fence is at least
+--          ARGV.fence_floor + the server's clock in microseconds, and the counter is
+--          raised to it
 -- With KEYS[4], a lock kept for task ARGV[6]'s redelivered copy (park.lua: its token is
 -- 'parked:' .. ARGV[6]) is taken over as if free, whoever holds the queued hold.
 -- Returns  {1, fence}          acquired; also when the key already holds ARGV[1]
@@ -68,9 +69,9 @@ if queued and not parked and queued[1] and queued[1] ~= ARGV[6] and ARGV[7] == '
   return {-1, queued[2] or '', redis.call('PTTL', KEYS[4]), queued[1]}
 end
 local fence = redis.call('INCR', KEYS[2])
-if fence_floor then -- a Sentinel-managed master: no fence below its epoch's floor
+if ARGV.fence_floor then -- a Sentinel-managed master: no fence below its epoch's floor
   local now = redis.call('TIME')
-  local least = fence_floor + tonumber(now[1]) * 1000000 + tonumber(now[2])
+  local least = ARGV.fence_floor + tonumber(now[1]) * 1000000 + tonumber(now[2])
   if fence < least then
     fence = least
     redis.call('SET', KEYS[2], string.format('%d', least))

@@ -69,6 +69,7 @@ local m = tonumber(ARGV[3])
 local pk, pa = {}, {}
 for i = 1, n do pk[i] = KEYS[i] end
 for i = 1, m do pa[i] = ARGV[3 + i] end
+pa.fence_floor = ARGV.fence_floor -- a Sentinel-managed master's (master_guard.lua)
 
 local refused, longest, unknown = nil, -1, false
 local function refuse(name, wait, why, detail)
@@ -202,10 +203,12 @@ local out = {1, got[2]}
 for i = 1, r do
   local rule = rules[i]
   if rule.kind == 'limit' then
-    local taken = take_permit({rule.key, rule.fence}, {pa[1], pa[2], pa[3], '0', pa[5], rule.a})
+    local taken = take_permit({rule.key, rule.fence},
+      {pa[1], pa[2], pa[3], '0', pa[5], rule.a, fence_floor = pa.fence_floor})
     out[#out + 1] = taken[2]
   elseif rule.kind == 'mutex' then
-    local taken = take_lock({rule.key, rule.fence}, {pa[1], pa[2], pa[3], '0', pa[5]})
+    local taken = take_lock({rule.key, rule.fence},
+      {pa[1], pa[2], pa[3], '0', pa[5], fence_floor = pa.fence_floor})
     out[#out + 1] = taken[2]
   elseif resent then
     out[#out + 1] = 0

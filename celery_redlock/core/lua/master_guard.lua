@@ -9,8 +9,9 @@
 -- Fails    'REPLACED <mark>' when the mark is above ARGV[#ARGV]: this server was the
 --          master the caller thinks it is, and a later master has replaced it; nothing
 --          ran. The caller asks the sentinels again.
--- Sets     fence_floor = ARGV[#ARGV] * 10^12: acquire.lua and permit_acquire.lua hand
---          out no fence below fence_floor + the server's clock in microseconds, so every
+-- Sets     ARGV.fence_floor = ARGV[#ARGV] * 10^12 (a field of the script's ARGV, not a
+--          position): acquire.lua and permit_acquire.lua hand out no fence below it
+--          plus the server's clock in microseconds (hold_all.lua passes it on), so every
 --          fence from the master of a later config-epoch is above every fence from an
 --          earlier one, whatever the counters replicated before the promotion, while
 --          the two masters' clocks agree within 10^12 us (11.5 days).
@@ -18,7 +19,9 @@ local KEYS, ARGV, master_epoch, replaced_mark = (function(keys, args)
   local k, a = {}, {}
   for i = 1, #keys - 1 do k[i] = keys[i] end
   for i = 1, #args - 1 do a[i] = args[i] end
-  return k, a, tonumber(args[#args]), keys[#keys]
+  local epoch = tonumber(args[#args])
+  a.fence_floor = epoch * 1000000000000
+  return k, a, epoch, keys[#keys]
 end)(KEYS, ARGV)
 local replaced = tonumber(redis.call('GET', replaced_mark) or '-1')
 if replaced > master_epoch then
@@ -26,4 +29,3 @@ if replaced > master_epoch then
     ' this server was replaced as the Sentinel master at config-epoch ' ..
     string.format('%d', replaced))
 end
-fence_floor = master_epoch * 1000000000000

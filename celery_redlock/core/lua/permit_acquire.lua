@@ -11,7 +11,7 @@
 -- ARGV[4]  '1' when the caller will block for a release notice if every permit is held
 -- ARGV[5]  idle lifetime of the fence counter in ms (0: never expires); see acquire.lua
 -- ARGV[6]  the limit: how many permits may be held at once (integer >= 1)
--- fence_floor  as in acquire.lua (a Sentinel-managed master)
+-- ARGV.fence_floor  as in acquire.lua (a Sentinel-managed master)
 -- Returns  {1, fence}               acquired; also when KEYS[1] already holds an unexpired
 --                                   ARGV[1] (a re-sent acquire: same fence, lease reset)
 --          {0, record, left, held}  every permit is held: the record and ms left of the
@@ -69,8 +69,8 @@ if fence_ttl > 0 and redis.call('EXISTS', KEYS[2]) == 0 then
   redis.call('SET', KEYS[2], t[1] .. string.format('%06d', tonumber(t[2])))
 end
 local fence = redis.call('INCR', KEYS[2])
-if fence_floor then -- a Sentinel-managed master: no fence below its epoch's floor (acquire.lua)
-  local least = fence_floor + tonumber(t[1]) * 1000000 + tonumber(t[2])
+if ARGV.fence_floor then -- a Sentinel-managed master: no fence below its floor (acquire.lua)
+  local least = ARGV.fence_floor + tonumber(t[1]) * 1000000 + tonumber(t[2])
   if fence < least then
     fence = least
     redis.call('SET', KEYS[2], string.format('%d', least))
