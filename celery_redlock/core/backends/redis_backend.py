@@ -45,6 +45,7 @@ from . import redis_giveback
 from .redis_admin import fence_of, foreign_data_message
 from .redis_calls import mutex_keys
 from .redis_client import (
+    MasterChanging,
     cannot_decide,
     check_client,
     checkout,
@@ -188,6 +189,8 @@ class RedisBackend(RedisHolds, RedisOperator, RedisFlow):
     def _acquire_failed(self, slot: Slot, token: str, ttl_ms: int, exc: Exception) -> NoReturn:
         """Raise what an acquire that met *exc* raises, after taking back what its token
         may hold when the script may have run."""
+        if isinstance(exc, MasterChanging):  # refused before the script did anything
+            raise self.unavailable(slot.name, exc) from exc
         foreign = isinstance(exc, rx.ResponseError) and not server_refused(exc)
         if not foreign and not cannot_decide(exc):
             raise exc  # never sent, or a bug: nothing to take back

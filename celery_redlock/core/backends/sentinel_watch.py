@@ -195,10 +195,11 @@ class MasterWatch:
 
     # -- what the sentinels say -------------------------------------------------------
     def refresh(self, want: tuple[str, int] | None = None) -> MasterView:
-        """Ask the sentinels (in the order the client prefers them) for the master, and
-        follow it when it is of a later config-epoch than the one known here; with
-        *want*, stop at the first sentinel that names that address. Raises
-        :class:`MasterChanging` when no sentinel answers."""
+        """Ask every sentinel for the master, and follow the one of the latest
+        config-epoch when it is later than the one known here (or, when most sentinels
+        agree on an earlier one, the sentinels' config was reset: follow that). With
+        *want*, return at once when another thread has learned that address meanwhile.
+        Raises :class:`MasterChanging` when no sentinel answers."""
         with self._lock:
             view = self._view
             if want is not None and view is not None and view.address == want:
@@ -213,15 +214,15 @@ class MasterWatch:
                     continue
                 if named is not None:
                     found.append((named, sentinel))
-                    if want is not None and named.address == want:
-                        break
             if not found:
                 raise MasterChanging(
                     f"no sentinel names a master for {self.service!r}"
                     + (f" ({'; '.join(errors)})" if errors else "")
                 )
             best, sentinel = max(found, key=lambda each: each[0].epoch)
-            moved = self._adopt(best, sentinel)
+            agree = sum(named == best for named, _ in found)
+            reset = agree > len(self._manager.sentinels) // 2
+            moved = self._adopt(best, sentinel, reset=reset)
             view = self._view
         if moved is not None:
             self._announce(*moved)
@@ -240,13 +241,16 @@ class MasterWatch:
         host = self._forced_ip if self._forced_ip is not None else str(state["ip"])
         return MasterView((host, int(state["port"])), int(state.get("config-epoch", 0)))
 
-    def _adopt(self, view: MasterView, sentinel: Any) -> tuple[MasterView, MasterView] | None:
-        """Follow *view* when it is newer than the known one (under the lock); the old and
-        new view when the master moved."""
+    def _adopt(
+        self, view: MasterView, sentinel: Any, *, reset: bool = False
+    ) -> tuple[MasterView, MasterView] | None:
+        """Follow *view* when it is newer than the known one (under the lock), or, with
+        *reset* (most sentinels name it), when it differs; the old and new view when the
+        master moved."""
         old = self._view
-        if old is not None and view.epoch <= old.epoch:
+        if old is not None and view.epoch <= old.epoch and not (reset and view != old):
             return None
-        if old is not None and old.address != view.address:
+        if old is not None and old.address != view.address and view.epoch > old.epoch:
             self._mark_replaced(old.address, view.epoch)  # before anything goes to the new one
         self._view = view
         self._paused_until = 0.0
@@ -320,28 +324,29 @@ class MasterWatch:
         pool = self._pool()
         manager = get_manager()
         held = [lock for lock in manager.held() if _on_pool(lock.backend, pool)]
-        moved = (
-            f"Sentinel master {self.service!r} moved from {_host(old.address)} (config-epoch "
-            f"{old.epoch}) to {_host(new.address)} (config-epoch {new.epoch})"
-        )
+        moved = (self.service, _host(old.address), old.epoch, _host(new.address), new.epoch)
         if not held:
-            log.info("%s; this process holds no lock there", moved)
+            log.info(
+                "Sentinel master %r moved from %s (config-epoch %d) to %s (config-epoch %d); "
+                "this process holds no lock there",
+                *moved,
+            )
             return
         manager.renew_soon()
         names = ", ".join(
             f"{lock.name!r} (fence {getattr(lock, 'fence', None)})" for lock in held[:20]
         )
-        more = f" and {len(held) - 20} more" if len(held) > 20 else ""
+        if len(held) > 20:
+            names += f" and {len(held) - 20} more"
         log.warning(
-            "%s while this process held %d lock(s) there: %s%s. Each is renewed on the new "
-            "master now: one written to the old master too late to be replicated is "
-            "reported LOST (lock_on_lost), and another holder may have taken it meanwhile; "
-            "fences from the new master are above every fence of the old one. See "
-            "docs/sentinel-cluster.md, 'Failover'.",
-            moved,
+            "Sentinel master %r moved from %s (config-epoch %d) to %s (config-epoch %d) while "
+            "this process held %d lock(s) there: %s. Each is renewed on the new master now: a "
+            "lock the old master took too late to replicate is reported LOST (lock_on_lost) "
+            "and may have had another holder meanwhile; fences from the new master are above "
+            "every fence of the old one",
+            *moved,
             len(held),
             names,
-            more,
         )
 
     # -- the listeners ----------------------------------------------------------------
