@@ -66,6 +66,34 @@ def role_of(server: RedisServer) -> str:
     return role.decode() if isinstance(role, bytes) else str(role)
 
 
+class Promotion:
+    """A thread that polls a replica's ROLE every 5 ms and keeps when it became a master."""
+
+    def __init__(self, server: RedisServer) -> None:
+        self.at: float | None = None
+        self._thread = threading.Thread(target=self._poll, args=(server,), daemon=True)
+        self._thread.start()
+
+    def _poll(self, server: RedisServer) -> None:
+        client = server.client(socket_timeout=1)
+        deadline = time.monotonic() + 30
+        try:
+            while self.at is None and time.monotonic() < deadline:
+                with contextlib.suppress(redis.RedisError):
+                    if client.execute_command("ROLE")[0] in (b"master", "master"):
+                        self.at = time.time()
+                time.sleep(0.005)
+        finally:
+            client.close()
+
+
+def logged_at(line: str) -> float:
+    """The wall-clock time of a worker log line ("[2026-01-01 10:00:00,123: ...")."""
+    stamp = line[1 : line.index(":", 18)]
+    seconds, millis = stamp.split(",")
+    return time.mktime(time.strptime(seconds, "%Y-%m-%d %H:%M:%S")) + int(millis) / 1000
+
+
 class SentinelEvents:
     """Every event the sentinels publish, with the wall-clock time it arrived here."""
 
@@ -394,10 +422,12 @@ def test_failover_planned_and_not_under_a_stream_of_runs_on_two_workers(
 
         # A planned failover: the old master stays a writable master until converted.
         old, new = setup.master, setup.replica
+        promotion = Promotion(new)
         timeline["failover"] = time.time()
         setup.sentinel().sentinels[0].execute_command("SENTINEL", "FAILOVER", setup.master_name)
         wait_for(lambda: role_of(old) == "slave", 30, "the old master's conversion", interval=0.05)
         timeline["converted"] = time.time()
+        timeline["promoted"] = promotion.at or float("nan")
         time.sleep(2)
 
         # An unplanned one: the new master is SIGKILLed, the old one promoted back.
@@ -468,7 +498,22 @@ def _report(
     print("\nplanned failover at 0.000 s; killed the new master at %.3f s" % (kill - t0))
     for name, at in marks.items():
         print(f"  {name:20s} {'-' if at is None else f'{at - t0:7.3f} s'}")
+    print(f"  replica promoted     {timeline['promoted'] - t0:7.3f} s (ROLE polled)")
     print(f"  old master converted {timeline['converted'] - t0:7.3f} s (ROLE polled)")
+    held_back = [
+        logged_at(line) - t0 for line in logs.splitlines() if "is under way: lock calls" in line
+    ]
+    following = [
+        logged_at(line) - t0
+        for line in logs.splitlines()
+        if "moved from" in line and logged_at(line) < kill
+    ]
+    if held_back and following:
+        print(
+            f"  {len(held_back)} processes held calls back from {min(held_back):.3f}-"
+            f"{max(held_back):.3f} s and followed the new master at {min(following):.3f}-"
+            f"{max(following):.3f} s"
+        )
     for key, runs in sorted(by_key.items()):
         told = [r for r in runs if r["told"] is not None]
         pairs = _overlaps(runs)
