@@ -500,19 +500,15 @@ def _report(
         print(f"  {name:20s} {'-' if at is None else f'{at - t0:7.3f} s'}")
     print(f"  replica promoted     {timeline['promoted'] - t0:7.3f} s (ROLE polled)")
     print(f"  old master converted {timeline['converted'] - t0:7.3f} s (ROLE polled)")
-    held_back = [
-        logged_at(line) - t0 for line in logs.splitlines() if "is under way: lock calls" in line
-    ]
-    following = [
-        logged_at(line) - t0
-        for line in logs.splitlines()
-        if "moved from" in line and logged_at(line) < kill
-    ]
-    if held_back and following:
+    for phase, since, until in (("planned", t0, kill), ("killed", kill, float("inf"))):
+        lines = [line for line in logs.splitlines() if since <= logged_at(line) < until]
+        held_back = [logged_at(line) - t0 for line in lines if "is under way: lock" in line]
+        followed = [logged_at(line) - t0 for line in lines if "moved from" in line]
         print(
-            f"  {len(held_back)} processes held calls back from {min(held_back):.3f}-"
-            f"{max(held_back):.3f} s and followed the new master at {min(following):.3f}-"
-            f"{max(following):.3f} s"
+            f"  {phase}: {len(held_back)} processes held calls back at "
+            f"{min(held_back, default=0):.3f}-{max(held_back, default=0):.3f} s, "
+            f"{len(followed)} followed the new master at "
+            f"{min(followed, default=0):.3f}-{max(followed, default=0):.3f} s"
         )
     for key, runs in sorted(by_key.items()):
         told = [r for r in runs if r["told"] is not None]
