@@ -501,7 +501,8 @@ def _report(
     print(f"  replica promoted     {timeline['promoted'] - t0:7.3f} s (ROLE polled)")
     print(f"  old master converted {timeline['converted'] - t0:7.3f} s (ROLE polled)")
     for phase, since, until in (("planned", t0, kill), ("killed", kill, float("inf"))):
-        lines = [line for line in logs.splitlines() if since <= logged_at(line) < until]
+        stamped = [line for line in logs.splitlines() if line[:3] == "[20"]
+        lines = [line for line in stamped if since <= logged_at(line) < until]
         held_back = [logged_at(line) - t0 for line in lines if "is under way: lock" in line]
         followed = [logged_at(line) - t0 for line in lines if "moved from" in line]
         print(
