@@ -28,9 +28,10 @@ from celery import Celery
 from servers import RedisServer, SentinelSetup, wait_for
 from workers import Worker
 
-from celery_redlock import Lock, QuorumUnavailable, connect
+from celery_redlock import Lock, QuorumUnavailable, Semaphore, connect
+from celery_redlock.core.backend_types import Rule
 from celery_redlock.core.backends.sentinel_watch import CHANNELS, MasterWatch, watch_of
-from celery_redlock.core.keys import lock_keys
+from celery_redlock.core.keys import lock_keys, permit_keys
 
 APP = "tests.apps.failoverapp"
 RABBIT = "amqp://guest:guest@127.0.0.1:5672//"
@@ -304,6 +305,18 @@ def test_fences_from_the_new_master_top_every_fence_of_the_old_one(
         new_fences.append(lock.fence)
         lock.release()
     assert new_fences[0] > first
+    # A semaphore's permit and a run's Limit rule get the new master's floor too.
+    floor = 10**12 + int(time.time() * 1e6) - 10**6  # epoch 1, the clock a second ago
+    permit = Semaphore(client, "fenced:permits", 3, ttl=5, auto_renew=False)
+    assert permit.acquire(blocking=False)
+    ruled = Lock(client, "fenced:run", ttl=5, auto_renew=False)
+    ruled.hold_with([Rule(permit_keys("fenced:limit"), limit=2)])
+    assert ruled.acquire(blocking=False)
+    assert permit.fence is not None and permit.fence > floor
+    assert ruled.fences["fenced:limit"] > floor and ruled.fence is not None
+    assert ruled.fence > floor
+    permit.release()
+    ruled.release()
     # The client marked the old master as replaced before it locked on the new one.
     assert setup.master.client().get("redlock:replaced-master-epoch") == b"1"
     assert new_fences == sorted(set(new_fences))
