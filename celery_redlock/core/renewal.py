@@ -170,9 +170,7 @@ class RenewalManager:
                     # no thread and starts a new one, even while this one is still exiting.
                     self._thread = None
                     break
-                wake = self._next_round
-                for lock in self._locks.values():
-                    wake = min(wake, lock.valid_until)
+                wake = min(self._next_round, _soonest(self._locks.values()))
                 delay = wake - time.monotonic()
                 if delay > 0:
                     timeout = min(delay, IDLE_WAIT)
@@ -194,11 +192,12 @@ class RenewalManager:
                     self._round(locks, interval)
                     self.rounds += 1
                 else:
-                    for lock in locks:
-                        if lock.valid_until <= now:
-                            _safely(lock.expire_if_past, now)
+                    _expire_past(locks, now)
             except Exception:  # the thread must outlive any error
                 log.exception("renewal round failed; the next round will try again")
+            # No lock is referenced while the thread waits: a released lock (and the
+            # client it holds) goes when its owner drops it, not up to IDLE_WAIT later.
+            locks = []
 
     def _finished(self, backend: Backend, _future: cf.Future[Any]) -> None:
         self._inflight.pop(backend, None)
@@ -238,6 +237,17 @@ class RenewalManager:
                 continue
             for (lock, item), outcome in zip(batch, outcomes, strict=True):
                 _safely(lock.renewed, started, item.token, outcome)
+
+
+def _soonest(locks: Any) -> float:
+    """The earliest local deadline of *locks* (infinity for none)."""
+    return min((lock.valid_until for lock in locks), default=_NEVER)
+
+
+def _expire_past(locks: list[Renewable], now: float) -> None:
+    for lock in locks:
+        if lock.valid_until <= now:
+            _safely(lock.expire_if_past, now)
 
 
 def _interval(ttl: float) -> float:
