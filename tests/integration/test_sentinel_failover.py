@@ -441,16 +441,16 @@ def test_failover_planned_and_not_under_a_stream_of_runs_on_two_workers(
         wait_for(lambda: role_of(old) == "slave", 30, "the old master's conversion", interval=0.05)
         timeline["converted"] = time.time()
         timeline["promoted"] = promotion.at or float("nan")
-        time.sleep(2)
+        time.sleep(1)
 
         # An unplanned one: the new master is SIGKILLed, the old one promoted back.
         timeline["kill"] = time.time()
         new.kill()
         wait_for(lambda: role_of(old) == "master", 30, "the second failover", interval=0.05)
         timeline["promoted back"] = time.time()
-        time.sleep(5)
+        time.sleep(4.5)
         stream.stop()
-        time.sleep(BODY + 1.5)  # the last runs end and record themselves
+        time.sleep(BODY + 1.0)  # the last runs end and record themselves
     finally:
         stream.stop()
         events.stop()
