@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import itertools
 import json
 import os
@@ -25,6 +26,7 @@ import kombu
 import pytest
 import redis
 from celery import Celery
+from redis.sentinel import Sentinel
 from servers import RedisServer, SentinelSetup, wait_for
 from workers import Worker
 
@@ -224,6 +226,26 @@ def test_a_replaced_master_refuses_callers_that_have_not_heard(
     assert not setup.master.client().exists(lock_keys("marked").lock)
     setup.master.client().delete("redlock:replaced-master-epoch")
     assert lock.acquire(blocking=False)
+    lock.release()
+
+
+@pytest.mark.skipif(
+    "force_master_ip" not in inspect.signature(Sentinel.__init__).parameters,
+    reason="this redis-py has no force_master_ip",
+)
+def test_a_sentinel_client_that_forces_the_master_ip_locks_there(
+    sentinel_setup: SentinelSetup,
+) -> None:
+    """A Sentinel client whose connections go to a forced IP ("localhost" here, as for a
+    master behind NAT) locks and unlocks: the watch names the master as its connections
+    reach it, not as the sentinels spell it."""
+    setup = sentinel_setup
+    sentinel = Sentinel(setup.sentinels, force_master_ip="localhost", socket_timeout=2)
+    client = sentinel.master_for(setup.master_name, socket_timeout=2)
+    lock = Lock(client, "forced", ttl=5, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    assert setup.master.client().exists(lock.keys.lock)
+    assert watch(client).view == (("localhost", setup.master.port), 0)
     lock.release()
 
 
