@@ -3,12 +3,13 @@ celery-singleton's enqueue-time locks, in one run.
 
 Run by hand (not part of the test suite)::
 
-    .venv/bin/python bench/bench_dedup.py [--calls 5000] [--reps 5]
+    .venv/bin/python bench/bench_dedup.py [--calls 5000] [--reps 5] [--pin split|same|none]
 
 It starts its own throwaway redis-server on a free loopback port (no persistence) and
 stops it by pid at the end, also on error or Ctrl-C. The broker (db 0) and every lock
 (db 1 for celery-redlock, db 2 for celery-once, db 3 for celery-singleton) live on that
-one server; no worker runs: only the publishing side is timed. Each variant publishes
+one server; no worker runs: only the publishing side is timed. ``--pin`` places the
+server and this process as in bench_lock.py (split by default). Each variant publishes
 ``--calls`` calls of a one-argument task from this process, as fast as it can, with a
 new argument per call (every call is sent: the enqueue-time lock is taken, never
 refused), then its queue and its locks are deleted (outside the clock). The variants:
@@ -159,11 +160,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=5000, help="calls per variant and rep")
     parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions")
     parser.add_argument("--warmup", type=int, default=300, help="calls per variant, untimed")
+    _servers.add_pin_option(parser)
     options = parser.parse_args()
+    pin, server_cpus, client_cpus = _servers.placement(options.pin)
+    _servers.pin_self(client_cpus)
     logging.disable(logging.INFO)  # the duplicate variant logs one line per refused call
     warnings.simplefilter("ignore")
     rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    with _servers.running() as server:
+    with _servers.running(cpus=server_cpus) as server:
         publish = build(server.port)
         client = server.client()
 
@@ -192,8 +196,9 @@ def main() -> None:
     plain, floor = median["plain"], median["floor"]
     print(
         f"apply_async publish rate, {options.calls} calls x {options.reps} reps, "
-        f"redis-server {version}, one process (median calls/s, ratio to plain, ratio to "
-        "the by-hand floor):"
+        f"redis-server {version}, one process, "
+        f"{_servers.describe_pin(pin, server_cpus, client_cpus)} (median calls/s, ratio to "
+        "plain, ratio to the by-hand floor):"
     )
     for variant in VARIANTS:
         spread = ", ".join(f"{r:,.0f}" for r in rates[variant])
