@@ -347,8 +347,6 @@ class Run:
     publish_seconds: float
     tasks: int
     commands: dict[str, float] = field(default_factory=dict)
-    #: server microseconds per call of each command (INFO commandstats usec_per_call)
-    usec: dict[str, float] = field(default_factory=dict)
     cpu: dict[str, Any] = field(default_factory=dict)
     #: keys the run left in the lock db, per task (LockedTask: fence counters and
     #: wake-up lists; the locks themselves are checked to be gone)
@@ -358,6 +356,8 @@ class Run:
     #: task completions the clock spans (``--publish before`` starts it at the first
     #: body, so it spans one fewer than ran); 0: all of ``tasks``
     timed: int = 0
+    #: server microseconds per call of each command (INFO commandstats usec_per_call)
+    usec: dict[str, float] = field(default_factory=dict)
 
     @property
     def rate(self) -> float:
