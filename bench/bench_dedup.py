@@ -67,10 +67,9 @@ QUEUES = {
 FLOOR_BUDGET = 0.97
 
 
-def build(port: int) -> dict[str, Callable[[int], Any]]:
-    """One Celery app with one task per variant (each on its own queue): for each variant,
-    the call that publishes one call of it with argument *n*."""
-    import redis  # noqa: PLC0415
+def tasks_of(port: int) -> dict[str, Any]:
+    """One Celery app with one task per variant (each on its own queue; the floor's is a
+    plain task): the task objects, by variant."""
     from celery import Celery  # noqa: PLC0415 - after sys.path is set
     from celery_once import QueueOnce  # noqa: PLC0415
     from celery_singleton import Singleton  # noqa: PLC0415
@@ -128,7 +127,16 @@ def build(port: int) -> dict[str, Callable[[int], Any]]:
     }
     tasks["floor"] = app.task(name="b.floor", shared=False, queue="q-floor")(body)
     app.finalize()
+    return tasks
+
+
+def build(port: int) -> dict[str, Callable[[int], Any]]:
+    """For each variant, the call that publishes one call of it with argument *n*."""
+    import redis  # noqa: PLC0415
     from kombu.utils.uuid import uuid  # noqa: PLC0415 - the task ids Celery makes itself
+
+    base = f"redis://127.0.0.1:{port}"
+    tasks = tasks_of(port)
 
     hand = redis.Redis.from_url(f"{base}/1")  # the lock server, as a hand-written one
 
