@@ -1,7 +1,16 @@
-"""A throwaway redis-server for benchmarks: free loopback port, temp dir, stopped by pid."""
+"""A throwaway redis-server for benchmarks: free loopback port, temp dir, stopped by pid;
+and where the servers and the measuring process run (``--pin``).
+
+Placement (:func:`placement`, the ``--pin`` option of the benchmarks that time a client
+against servers): ``split`` (the default) runs every server on the last CPU and this
+process on the first, so a round trip crosses cores as it crosses a network, and the
+servers never steal the client's CPU; ``same`` puts both on the first CPU; ``none``
+leaves placement to the OS. On a machine with one CPU every mode is ``none``.
+"""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -32,10 +41,9 @@ class Server:
         return self.proc.pid
 
     def client(self, **kwargs: object) -> redis.Redis:
-        """A plain redis-py client to this server."""
-        params: dict[str, object] = {"host": HOST, "port": self.port, "socket_timeout": 5}
-        params.update(kwargs)
-        return redis.Redis(**params)  # type: ignore[arg-type]
+        """A redis-py client to this server as users build one: ``redis.Redis(host, port)``
+        with redis-py's defaults, unless *kwargs* say otherwise."""
+        return redis.Redis(host=HOST, port=self.port, **kwargs)  # type: ignore[arg-type]
 
     def version(self) -> str:
         """The server's own ``redis_version`` (INFO server)."""
@@ -60,9 +68,15 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start(binary: str | None = None, wrapper: tuple[str, ...] = (), startup: float = 5.0) -> Server:
+def start(
+    binary: str | None = None,
+    wrapper: tuple[str, ...] = (),
+    startup: float = 5.0,
+    cpus: set[int] | None = None,
+) -> Server:
     """Start redis-server on a free loopback port; wait (at most *startup* seconds) until it
-    answers PING. *wrapper*: a command the server runs under (``valgrind ...``)."""
+    answers PING. *wrapper*: a command the server runs under (``valgrind ...``); *cpus*:
+    the CPUs it may run on (see :func:`placement`)."""
     binary = binary or find_binary()
     for _ in range(5):
         port = _free_port()
@@ -75,6 +89,9 @@ def start(binary: str | None = None, wrapper: tuple[str, ...] = (), startup: flo
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
         server = Server(binary, port, proc, tmp)
+        if cpus:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(proc.pid, cpus)
         probe = redis.Redis(host=HOST, port=port, socket_timeout=0.5)
         try:
             for _ in range(round(startup / 0.02)):  # at most ~startup seconds
@@ -104,10 +121,64 @@ def stop(server: Server) -> None:
 
 
 @contextlib.contextmanager
-def running(binary: str | None = None) -> Iterator[Server]:
+def running(binary: str | None = None, cpus: set[int] | None = None) -> Iterator[Server]:
     """A server for the ``with`` block, stopped afterwards, also on error or Ctrl-C."""
-    server = start(binary)
+    server = start(binary, cpus=cpus)
     try:
         yield server
     finally:
         stop(server)
+
+
+# --------------------------------------------------------------------------- placement
+PIN_MODES = ("split", "same", "none")
+
+
+def add_pin_option(parser: argparse.ArgumentParser, default: str = "split") -> None:
+    """``--pin split|same|none`` (and ``--no-pin``, the same as ``--pin none``)."""
+    parser.add_argument(
+        "--pin",
+        choices=PIN_MODES,
+        default=default,
+        help="split: servers on the last CPU, this process on the first (a round trip "
+        "crosses cores, as a network hop); same: both on the first CPU; none: the OS "
+        f"places them (default {default})",
+    )
+    parser.add_argument(
+        "--no-pin", dest="pin", action="store_const", const="none", help="the same as --pin none"
+    )
+
+
+def placement(mode: str) -> tuple[str, set[int] | None, set[int] | None]:
+    """(mode in force, the servers' CPUs, this process's CPUs) for *mode*."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return "none", None, None
+    if mode == "none" or len(cpus) < 2:
+        return "none", None, None
+    if mode == "same":
+        return "same", {cpus[0]}, {cpus[0]}
+    return "split", {cpus[-1]}, {cpus[0]}
+
+
+def pin_self(cpus: set[int] | None) -> None:
+    """Run every thread of this process (and what it starts later) on *cpus*."""
+    if not cpus:
+        return
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]
+    for tid in threads:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(tid, cpus)
+
+
+def describe_pin(mode: str, servers: set[int] | None, client: set[int] | None) -> str:
+    """One phrase for a results line."""
+    if mode == "none" or not servers or not client:
+        return "placement left to the OS (--pin none)"
+    if mode == "same":
+        return f"servers and client on CPU {min(client)} (--pin same)"
+    return f"servers on CPU {min(servers)}, client on CPU {min(client)} (--pin split)"

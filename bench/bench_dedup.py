@@ -3,12 +3,13 @@ celery-singleton's enqueue-time locks, in one run.
 
 Run by hand (not part of the test suite)::
 
-    .venv/bin/python bench/bench_dedup.py [--calls 5000] [--reps 5]
+    .venv/bin/python bench/bench_dedup.py [--calls 5000] [--reps 5] [--pin split|same|none]
 
 It starts its own throwaway redis-server on a free loopback port (no persistence) and
 stops it by pid at the end, also on error or Ctrl-C. The broker (db 0) and every lock
 (db 1 for celery-redlock, db 2 for celery-once, db 3 for celery-singleton) live on that
-one server; no worker runs: only the publishing side is timed. Each variant publishes
+one server; no worker runs: only the publishing side is timed. ``--pin`` places the
+server and this process as in bench_lock.py (split by default). Each variant publishes
 ``--calls`` calls of a one-argument task from this process, as fast as it can, with a
 new argument per call (every call is sent: the enqueue-time lock is taken, never
 refused), then its queue and its locks are deleted (outside the clock). The variants:
@@ -66,10 +67,9 @@ QUEUES = {
 FLOOR_BUDGET = 0.97
 
 
-def build(port: int) -> dict[str, Callable[[int], Any]]:
-    """One Celery app with one task per variant (each on its own queue): for each variant,
-    the call that publishes one call of it with argument *n*."""
-    import redis  # noqa: PLC0415
+def tasks_of(port: int) -> dict[str, Any]:
+    """One Celery app with one task per variant (each on its own queue; the floor's is a
+    plain task): the task objects, by variant."""
     from celery import Celery  # noqa: PLC0415 - after sys.path is set
     from celery_once import QueueOnce  # noqa: PLC0415
     from celery_singleton import Singleton  # noqa: PLC0415
@@ -127,7 +127,16 @@ def build(port: int) -> dict[str, Callable[[int], Any]]:
     }
     tasks["floor"] = app.task(name="b.floor", shared=False, queue="q-floor")(body)
     app.finalize()
+    return tasks
+
+
+def build(port: int) -> dict[str, Callable[[int], Any]]:
+    """For each variant, the call that publishes one call of it with argument *n*."""
+    import redis  # noqa: PLC0415
     from kombu.utils.uuid import uuid  # noqa: PLC0415 - the task ids Celery makes itself
+
+    base = f"redis://127.0.0.1:{port}"
+    tasks = tasks_of(port)
 
     hand = redis.Redis.from_url(f"{base}/1")  # the lock server, as a hand-written one
 
@@ -159,11 +168,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=5000, help="calls per variant and rep")
     parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions")
     parser.add_argument("--warmup", type=int, default=300, help="calls per variant, untimed")
+    _servers.add_pin_option(parser)
     options = parser.parse_args()
+    pin, server_cpus, client_cpus = _servers.placement(options.pin)
+    _servers.pin_self(client_cpus)
     logging.disable(logging.INFO)  # the duplicate variant logs one line per refused call
     warnings.simplefilter("ignore")
     rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    with _servers.running() as server:
+    with _servers.running(cpus=server_cpus) as server:
         publish = build(server.port)
         client = server.client()
 
@@ -189,40 +201,46 @@ def main() -> None:
             print(f"rep {rep + 1}/{options.reps} done", file=sys.stderr)
         version = server.version()
     median = {v: statistics.median(rates[v]) for v in VARIANTS}
-    plain, floor = median["plain"], median["floor"]
+
+    def paired(variant: str, base: str) -> float:
+        """Median over reps of the ratio to *base* in the same rep (the same background)."""
+        return statistics.median(a / b for a, b in zip(rates[variant], rates[base], strict=True))
+
     print(
         f"apply_async publish rate, {options.calls} calls x {options.reps} reps, "
-        f"redis-server {version}, one process (median calls/s, ratio to plain, ratio to "
-        "the by-hand floor):"
+        f"redis-server {version}, one process, "
+        f"{_servers.describe_pin(pin, server_cpus, client_cpus)}; every call a new argument "
+        "(a new key) but 'duplicate'. Median calls/s; ratios: the median over reps of the "
+        "ratio to plain, to the by-hand floor, in the same rep:"
     )
     for variant in VARIANTS:
         spread = ", ".join(f"{r:,.0f}" for r in rates[variant])
         print(
-            f"  {variant:12s} {median[variant]:9,.0f}/s  {median[variant] / plain:5.2f}x plain"
-            f"  {median[variant] / floor:5.2f}x floor   ({spread})"
+            f"  {variant:12s} {median[variant]:9,.0f}/s  {paired(variant, 'plain'):5.2f}x plain"
+            f"  {paired(variant, 'floor'):5.2f}x floor   ({spread})"
         )
     print()
-    print("\n".join(budgets(median)))
+    ratios = {v: paired(v, "floor") for v in ("enqueue", "celery-once", "singleton")}
+    print("\n".join(budgets(median, ratios)))
 
 
-def budgets(median: dict[str, float]) -> list[str]:
-    """The budgets of issue 29, met or MISSED, against rows of the same run."""
+def budgets(median: dict[str, float], vs_floor: dict[str, float]) -> list[str]:
+    """The budgets of issue 29, met or MISSED, against rows of the same run (ratios to the
+    floor paired by rep)."""
 
     def mark(ok: bool) -> str:
         return "met" if ok else "MISSED"
 
-    ours, floor = median["enqueue"], median["floor"]
-    once, singleton = median["celery-once"], median["singleton"]
+    ours, once, singleton = vs_floor["enqueue"], vs_floor["celery-once"], vs_floor["singleton"]
     return [
         "Budgets (issue 29):",
         "",
         f'- `lock_on="enqueue"` >= {FLOOR_BUDGET}x the by-hand floor (SET NX PX, then the '
-        f"publish): {ours / floor:.3f}x ({ours:,.0f} / {floor:,.0f} calls/s), "
-        f"{mark(ours >= FLOOR_BUDGET * floor)}",
-        f'- `lock_on="enqueue"` ahead of celery-once: {ours / once:.2f}x ({once:,.0f} calls/s), '
-        f"{mark(ours > once)}",
-        f'- `lock_on="enqueue"` ahead of celery-singleton: {ours / singleton:.2f}x '
-        f"({singleton:,.0f} calls/s), {mark(ours > singleton)}",
+        f"publish): {ours:.3f}x ({median['enqueue']:,.0f} / {median['floor']:,.0f} calls/s), "
+        f"{mark(ours >= FLOOR_BUDGET)}",
+        f'- `lock_on="enqueue"` ahead of celery-once: {ours / once:.2f}x, {mark(ours > once)}',
+        f'- `lock_on="enqueue"` ahead of celery-singleton: {ours / singleton:.2f}x, '
+        f"{mark(ours > singleton)}",
     ]
 
 

@@ -3,12 +3,15 @@
 Run by hand (not part of the test suite)::
 
     .venv/bin/python bench/bench_flow.py [--cycles 5000] [--blocks 50] [--warmup 500]
+                                         [--pin split|same|none]
     .venv/bin/python bench/bench_flow.py --cluster   # a three-master Redis Cluster
 
 It starts its own throwaway redis-server on a free loopback port (with ``--cluster``, a
 three-master cluster from the tests' harness) and stops it by pid at the end (also on
-error or Ctrl-C); every figure comes from the same servers in the same run. Four ways to
-take a lock, each on a fresh name per cycle (as a task's run does):
+error or Ctrl-C); every figure comes from the same servers in the same run, on a
+``redis.Redis(host, port)`` client with redis-py's defaults; ``--pin`` places the server
+and this process as in bench_lock.py (split by default). Four ways to take a lock, each
+a new object on a fresh name per cycle (as a task's run does):
 
 * ``Lock``: a plain lock (``acquire.lua``), the reference;
 * ``Lock, controlled``: what a ``LockedTask`` run with no ``lock_limits`` takes, a lock
@@ -112,10 +115,11 @@ def _stats(admins: list[redis.Redis]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _target(cluster: bool) -> Iterator[tuple[Any, list[redis.Redis], str]]:
-    """The client to bench, a plain client per server (for its stats), and a label."""
+def _target(cluster: bool, cpus: set[int] | None) -> Iterator[tuple[Any, list[redis.Redis], str]]:
+    """The client to bench, a plain client per server (for its stats), and a label. The
+    server runs on *cpus* (a cluster's nodes are placed by the OS)."""
     if not cluster:
-        with _servers.running() as server:
+        with _servers.running(cpus=cpus) as server:
             yield server.client(), [server.client()], f"redis-server {server.version()}"
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -135,8 +139,11 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=500)
     parser.add_argument("--cluster", action="store_true", help="on a Redis Cluster")
+    _servers.add_pin_option(parser)
     args = parser.parse_args()
-    with _target(args.cluster) as (client, admins, where):
+    pin, server_cpus, client_cpus = _servers.placement(args.pin)
+    _servers.pin_self(client_cpus)
+    with _target(args.cluster, server_cpus) as (client, admins, where):
         made = [(label, make(client)) for label, make in VARIANTS]
         serial = 0
         for _, cycle in made:
@@ -171,7 +178,8 @@ def main() -> None:
         finally:
             gc.enable()
         base = statistics.median(samples["Lock"])
-        print(f"{where}, {args.cycles} acquires each, {args.blocks} blocks")
+        placed = _servers.describe_pin(pin, None if args.cluster else server_cpus, client_cpus)
+        print(f"{where}, {args.cycles} acquires each, {args.blocks} blocks; {placed}")
         print(f"{'acquire':40} {'p50 µs':>8} {'p99 µs':>8} {'vs Lock':>8} {'trips':>6} "
               f"{'server µs/script':>17}")  # fmt: skip
         for label, values in samples.items():

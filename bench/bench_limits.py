@@ -3,14 +3,17 @@
 Run by hand (not part of the test suite)::
 
     .venv/bin/python bench/bench_limits.py [--cycles 5000] [--blocks 50] [--warmup 500]
-                                           [--seconds 3] [--procs 4]
+                                           [--seconds 3] [--procs 4] [--pin split|same|none]
 
 It starts its own throwaway redis-server on a free loopback port and stops it by pid
 at the end (also on error or Ctrl-C); every figure comes from the same server in the
-same run. dramatiq's limiters (the ``bench`` extra) run on its ``RedisBackend``.
+same run, on ``redis.Redis(host, port)`` clients with redis-py's defaults; ``--pin``
+places the server and this process as in bench_lock.py (split by default). dramatiq's
+limiters (the ``bench`` extra) run on its ``RedisBackend``.
 
 Semaphore: one uncontended ``acquire`` + ``release`` cycle per sample (a permit of
-limit 3 taken and given back), timed with ``time.perf_counter_ns``: our
+limit 3 taken and given back), each cycle on a new object and a name never used before
+(as users call it), timed with ``time.perf_counter_ns``: our
 ``Semaphore(limit=3)``, our ``Lock`` (the target: the semaphore within 1.2x of it at
 the median) and dramatiq's ``ConcurrentRateLimiter(limit=3)``. Each runs ``--cycles``
 measured cycles in ``--blocks`` blocks, the blocks of all three interleaved (rotating
@@ -45,15 +48,15 @@ from dramatiq.rate_limits.backends import RedisBackend
 from celery_redlock import Lock, RateLimiter, Semaphore
 from celery_redlock.core.renewal import shutdown as stop_renewal
 
-Cycle = Callable[[], None]
+#: One cycle on the name it is given (a new one each cycle).
+Cycle = Callable[[str], None]
 LIMIT = 3
 
 
 # --------------------------------------------------------------------------- semaphores
 def ours_semaphore(client: redis.Redis) -> Cycle:
-    sem = Semaphore(client, "bench:sem", LIMIT, ttl=30)
-
-    def cycle() -> None:
+    def cycle(name: str) -> None:
+        sem = Semaphore(client, name, LIMIT, ttl=30)
         if not sem.acquire(blocking=False):
             raise RuntimeError("Semaphore acquire failed")
         sem.release()
@@ -62,9 +65,8 @@ def ours_semaphore(client: redis.Redis) -> Cycle:
 
 
 def ours_lock(client: redis.Redis) -> Cycle:
-    lock = Lock(client, "bench:lock", ttl=30)
-
-    def cycle() -> None:
+    def cycle(name: str) -> None:
+        lock = Lock(client, name, ttl=30)
         if not lock.acquire(blocking=False):
             raise RuntimeError("Lock acquire failed")
         lock.release()
@@ -73,11 +75,10 @@ def ours_lock(client: redis.Redis) -> Cycle:
 
 
 def dramatiq_concurrent(client: redis.Redis) -> Cycle:
-    limiter = ConcurrentRateLimiter(
-        RedisBackend(client=client), "bench:dramatiq-sem", limit=LIMIT, ttl=30_000
-    )
+    backend = RedisBackend(client=client)
 
-    def cycle() -> None:
+    def cycle(name: str) -> None:
+        limiter = ConcurrentRateLimiter(backend, name, limit=LIMIT, ttl=30_000)
         with limiter.acquire(raise_on_failure=True):
             pass
 
@@ -124,9 +125,11 @@ def bench_semaphores(server: _servers.Server, cycles: int, blocks: int, warmup: 
     client = server.client()
     admin = server.client()
     made = [(label, make(client)) for label, make in SEMAPHORES]
-    for _, cycle in made:
+    serial = 0
+    for index, (_, cycle) in enumerate(made):
         for _ in range(warmup):
-            cycle()
+            serial += 1
+            cycle(f"bench:sem:{index}:{serial}")
     samples: dict[str, list[int]] = {label: [] for label, _ in made}
     trips: dict[str, list[float]] = {label: [] for label, _ in made}
     per_block = max(1, cycles // blocks)
@@ -138,14 +141,19 @@ def bench_semaphores(server: _servers.Server, cycles: int, blocks: int, warmup: 
                 admin.config_resetstat()
                 clock = time.perf_counter_ns
                 out = samples[label]
-                for _ in range(per_block):
+                names = [f"bench:sem:{label}:{serial + i}" for i in range(per_block)]
+                serial += per_block
+                for name in names:
                     start = clock()
-                    cycle()
+                    cycle(name)
                     out.append(clock() - start)
                 trips[label].append(commands(admin) / per_block)
     finally:
         gc.enable()
-    print(f"\nSemaphore acquire+release, uncontended ({per_block * blocks} cycles each)")
+    print(
+        f"\nSemaphore acquire+release, uncontended, a new object on a new name each cycle "
+        f"({per_block * blocks} cycles each)"
+    )
     print(f"{'implementation':48} {'p50 us':>8} {'p99 us':>8} {'cmds/cycle':>10}")
     p50s = {}
     for label, _ in made:
@@ -193,7 +201,7 @@ RATES: list[tuple[str, Callable[[redis.Redis], Callable[[], bool]]]] = [
 
 
 def _grant_loop(port: int, index: int, seconds: float, start: Any, out: Any) -> None:
-    client = redis.Redis(host=_servers.HOST, port=port, socket_timeout=5)
+    client = redis.Redis(host=_servers.HOST, port=port)
     grant = RATES[index][1](client)
     for _ in range(200):  # warm-up: connection, script load
         grant()
@@ -243,10 +251,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=500)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--procs", type=int, default=4)
+    _servers.add_pin_option(parser)
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
-    with _servers.running() as server:
-        print(f"redis-server {server.version()} on 127.0.0.1:{server.port}")
+    pin, server_cpus, client_cpus = _servers.placement(args.pin)
+    _servers.pin_self(client_cpus)
+    with _servers.running(cpus=server_cpus) as server:
+        print(
+            f"redis-server {server.version()} on 127.0.0.1:{server.port}; "
+            + _servers.describe_pin(pin, server_cpus, client_cpus)
+        )
         try:
             bench_semaphores(server, args.cycles, args.blocks, args.warmup)
             bench_rates(server, args.seconds, args.procs)

@@ -4,29 +4,40 @@ Run by hand (not part of the test suite)::
 
     .venv/bin/python bench/bench_lock.py [--cycles 5000] [--blocks 100] [--warmup 500]
                                          [--handoffs 200] [--wait-seconds 10]
-                                         [--write-docs] [--profile]
+                                         [--pin split|same|none] [--write-docs] [--profile]
 
 It starts its own throwaway redis-server on a free loopback port and stops it
 by pid at the end (also on error or Ctrl-C). Everything runs in the same
-process against the same server with one plain ``redis.Redis`` client.
+process against the same server, on ``redis.Redis(host, port)`` clients with
+redis-py's defaults, as users build them, one per row (no object of another row
+keeps anything of a row's client alive). With ``--pin split`` (the default) the
+server runs on the last CPU and this process on the first (``--pin none``: the
+OS places them).
 
-Cycles: one ``acquire()`` plus ``release()`` of an uncontended lock, timed with
-``time.perf_counter_ns``. After ``--warmup`` unmeasured cycles each, every
-implementation runs ``--cycles`` measured cycles in ``--blocks`` blocks; the
-blocks of all implementations are interleaved (rotating order), so a burst of
-background load hits them alike. cycles/s is the median block rate, p50/p99
-are over every measured cycle. Two columns split a cycle's cost: client CPU
-(this thread's CPU time per cycle, ``time.thread_time_ns``) and server time
-(INFO commandstats usec of SET/EVALSHA per cycle, reset before each block); the rest of the
-wall time is the two network round trips and scheduling. Two more rows run our
-``Lock`` on the in-process memory backend (``connect("memory://")``): no server, the
-cost of the lock logic alone.
+Cycles, measured as users call a lock: each cycle builds a new lock object on a
+name never used before (a counter in the name: per-argument names such as
+``sync:<user_id>``, whose fence counters have long expired), then one
+``acquire()`` plus ``release()``, timed with ``time.perf_counter_ns``. Every
+implementation (ours, the floor by hand, redis-py's ``Lock``, python-redis-lock)
+runs the same way. Two rows marked "warm" are there to split our cost: a new
+object per cycle on one name (the fence counter and the released-token record
+stay warm), and one object cycling one name (what this benchmark measured before
+issue 38). After ``--warmup`` unmeasured cycles each, every row runs ``--cycles``
+measured cycles in ``--blocks`` blocks; the blocks of all rows are interleaved
+(rotating order), so a burst of background load hits them alike. cycles/s is the
+median block rate, p50/p99 are over every measured cycle. Two columns split a
+cycle's cost: client CPU (this process's CPU time per cycle, every thread) and
+server time (INFO commandstats usec of the commands the client sent, reset
+before each block); the rest of the wall time is the two round trips and
+scheduling. A second table counts every command the server ran per cycle,
+those inside scripts included. A row runs our ``Lock`` on the in-process memory
+backend (``connect("memory://")``): no server, the cost of the lock logic alone.
 
-Hand-off: the holder holds the lock, a waiter thread blocks in ``acquire()``;
+Hand-off: the holder holds a lock, a waiter thread blocks in ``acquire()``;
 after a random pause (5-105 ms, the same seeded sequence for every
 implementation, so a polling waiter is caught at a random point of its sleep)
 the holder calls ``release()``. The figure is release-call-start to
-waiter-acquired.
+waiter-acquired. Each hand-off uses a new name and new objects.
 
 Waiter: a holder keeps the lock (``auto_renew``, renewed every TTL/3) for
 ``--wait-seconds`` while a waiter on another client blocks in ``acquire()``. The
@@ -34,6 +45,9 @@ waiter's commands per second are the server's EVALSHA + EVAL + BLPOP calls over 
 window (INFO commandstats, reset at its start) minus the holder's renewal scripts
 (one per renewal round, counted by the renewal thread), for several TTLs: a waiter
 waits at most the holder's lease left, so the TTL sets how often it wakes.
+
+``--profile``: a cProfile of our cold cycle (the top entries by own time, and the
+cumulative time of its parts) and each lock object's construction cost alone.
 """
 
 from __future__ import annotations
@@ -83,29 +97,30 @@ Cycle = Callable[[], None]
 
 
 # --------------------------------------------------------------------------- what we compare
+#: One cycle on the lock name it is given (new for every cold cycle).
+Cycle = Callable[[str], None]
 
 
 def raw_floor(client: redis.Redis) -> Cycle:
     """SET NX PX with a fresh token, then EVALSHA compare-and-delete: two round trips."""
     sha = client.script_load(COMPARE_AND_DELETE)
-    key = "bench:raw"
 
-    def cycle() -> None:
-        token = secrets.token_hex(16)
-        if not client.set(key, token, nx=True, px=30000):
+    def cycle(name: str) -> None:
+        token = secrets.token_hex(20)  # 160 bits, as ours
+        if not client.set(name, token, nx=True, px=30000):
             raise RuntimeError("raw SET NX failed")
-        if client.evalsha(sha, 1, key, token) != 1:
+        if client.evalsha(sha, 1, name, token) != 1:
             raise RuntimeError("raw compare-and-delete failed")
 
     return cycle
 
 
 def redis_py(client: redis.Redis) -> Cycle:
-    """redis-py's ``redis.lock.Lock``."""
-    lock = client.lock("bench:redis-py", timeout=30)
+    """redis-py's ``redis.lock.Lock`` (``client.lock(name)``), a new one per cycle."""
 
-    def cycle() -> None:
-        if not lock.acquire():
+    def cycle(name: str) -> None:
+        lock = client.lock(name, timeout=30)
+        if not lock.acquire(blocking=False):
             raise RuntimeError("redis-py acquire failed")
         lock.release()
 
@@ -113,50 +128,76 @@ def redis_py(client: redis.Redis) -> Cycle:
 
 
 def python_redis_lock(client: redis.Redis, auto_renewal: bool) -> Cycle:
-    """python-redis-lock's ``redis_lock.Lock``."""
-    lock = redis_lock.Lock(
-        client, f"bench:prl-{auto_renewal}", expire=30, auto_renewal=auto_renewal
-    )
+    """python-redis-lock's ``redis_lock.Lock``, a new one per cycle."""
 
-    def cycle() -> None:
-        if not lock.acquire():
+    def cycle(name: str) -> None:
+        lock = redis_lock.Lock(client, name, expire=30, auto_renewal=auto_renewal)
+        if not lock.acquire(blocking=False):
             raise RuntimeError("python-redis-lock acquire failed")
         lock.release()
 
     return cycle
 
 
-def ours(client: redis.Redis, auto_renew: bool) -> Cycle:
-    """``celery_redlock.Lock``."""
-    lock = Lock(client, f"bench:ours-{auto_renew}", ttl=30, auto_renew=auto_renew)
+def ours(client: Any, auto_renew: bool) -> Cycle:
+    """``celery_redlock.Lock``, a new one per cycle."""
 
-    def cycle() -> None:
-        if not lock.acquire():
+    def cycle(name: str) -> None:
+        lock = Lock(client, name, ttl=30, auto_renew=auto_renew)
+        if lock.acquire(blocking=False) is not True:
             raise RuntimeError("celery_redlock acquire failed")
         lock.release()
 
     return cycle
 
 
-def ours_memory(auto_renew: bool) -> Cycle:
+def ours_same_name(client: redis.Redis) -> Cycle:
+    """Warm: a new ``celery_redlock.Lock`` per cycle, always on one name."""
+    return lambda name: ours(client, True)("bench:ours-same-name")
+
+
+def ours_one_object(client: redis.Redis) -> Cycle:
+    """Warm: one ``celery_redlock.Lock`` cycling one name."""
+    lock = Lock(client, "bench:ours-one-object", ttl=30)
+
+    def cycle(name: str) -> None:
+        if lock.acquire(blocking=False) is not True:
+            raise RuntimeError("celery_redlock acquire failed")
+        lock.release()
+
+    return cycle
+
+
+def ours_memory(client: redis.Redis) -> Cycle:
     """``celery_redlock.Lock`` on the in-process memory backend (no server)."""
-    return ours(connect("memory://bench"), auto_renew)
+    return ours(connect("memory://bench"), True)
 
 
+RAW = "floor by hand: SET NX PX + compare-and-delete"
+REDIS_PY = "redis-py `Lock` (`r.lock()`)"
+OURS_DEFAULT = "`Lock` (auto_renew=True)"
+OURS_MEMORY = "`Lock` on memory://"
 CYCLE_IMPLS: list[tuple[str, Callable[[redis.Redis], Cycle]]] = [
-    ("raw SET NX PX + EVALSHA (floor)", raw_floor),
-    ("redis-py Lock", redis_py),
+    (RAW, raw_floor),
+    (REDIS_PY, redis_py),
     ("python-redis-lock (auto_renewal=False)", lambda c: python_redis_lock(c, False)),
     ("python-redis-lock (auto_renewal=True)", lambda c: python_redis_lock(c, True)),
-    ("celery_redlock.Lock (auto_renew=True)", lambda c: ours(c, True)),
-    ("celery_redlock.Lock (auto_renew=False)", lambda c: ours(c, False)),
-    ("celery_redlock.Lock on memory:// (auto_renew=True)", lambda c: ours_memory(True)),
-    ("celery_redlock.Lock on memory:// (auto_renew=False)", lambda c: ours_memory(False)),
+    (OURS_DEFAULT, lambda c: ours(c, True)),
+    ("`Lock` (auto_renew=False)", lambda c: ours(c, False)),
+    ("warm: `Lock`, a new object per cycle on one name", ours_same_name),
+    ("warm: `Lock`, one object cycling one name", ours_one_object),
+    (OURS_MEMORY, ours_memory),
 ]
-OURS_DEFAULT = "celery_redlock.Lock (auto_renew=True)"
-OURS_MEMORY = "celery_redlock.Lock on memory:// (auto_renew=True)"
-RAW = CYCLE_IMPLS[0][0]
-REDIS_PY = CYCLE_IMPLS[1][0]
+#: Each row's key prefix: rows never share a name.
+PREFIXES = {label: f"bench:{i}:" for i, (label, _) in enumerate(CYCLE_IMPLS)}
+#: The commands each row's client sends itself (ours: its two scripts). INFO commandstats
+#: counts a script's inner calls under their own names too, and their time is already in
+#: the script's: the rest of a command's calls ran inside scripts.
+BY_HAND = ("set", "evalsha", "eval")
+SENT: dict[str, tuple[str, ...]] = {
+    label: BY_HAND if not label.startswith(("`Lock`", "warm:")) else ("evalsha", "eval")
+    for label, _ in CYCLE_IMPLS
+}
 #: TTLs (seconds) of the waiter test: the default, and shorter leases that wake it more.
 WAITER_TTLS = (30.0, 3.0, 1.0, 0.3)
 
@@ -208,47 +249,62 @@ class Block:
 
     samples: list[int]  # per-cycle wall time, ns
     wall: int  # ns for the whole block
-    cpu: int  # ns of this thread's CPU for the whole block
-    server_usec: float  # microseconds the server spent in commands during the block
+    cpu: int  # ns of this process's CPU (every thread) for the whole block
+    server_usec: float  # microseconds the server spent in the commands the client sent
+    commands: dict[str, tuple[int, float]]  # every command the server ran: (calls, usec)
 
 
-#: The commands the clients send themselves in a cycle. Commands a script calls
-#: are counted in commandstats too, and their time is already in the script's.
-TOP_LEVEL = ("cmdstat_set", "cmdstat_evalsha", "cmdstat_eval")
+#: The benchmark's own commands, left out of the command counts.
+OWN = ("cmdstat_info", "cmdstat_config|resetstat", "cmdstat_config")
 
 
-def server_usec(client: redis.Redis) -> float:
-    """Server time (usec) of the cycle's top-level commands since the last CONFIG RESETSTAT."""
-    stats = client.info("commandstats")
-    return sum(float(stats[k]["usec"]) for k in TOP_LEVEL if k in stats)
+class Names:
+    """Names never used before: a row's prefix and a counter."""
+
+    def __init__(self) -> None:
+        self.serial = 0
+
+    def take(self, prefix: str, n: int) -> list[str]:
+        first = self.serial
+        self.serial += n
+        return [f"{prefix}{i}" for i in range(first, first + n)]
 
 
-def measure_cycles(cycle: Cycle, n: int, warmup: int, client: redis.Redis) -> Block:
-    """Run *warmup* unmeasured cycles, then time *n* cycles (wall, own CPU, server time)."""
-    for _ in range(warmup):
-        cycle()
+def measure_cycles(
+    cycle: Cycle, names: list[str], admin: redis.Redis, sent: tuple[str, ...]
+) -> Block:
+    """Time one cycle per name in *names* (wall, this process's CPU, and the server's time
+    in the commands *sent* by the client)."""
     gc.collect()
-    client.config_resetstat()
+    admin.config_resetstat()
     clock = time.perf_counter_ns
-    samples = [0] * n
-    cpu0 = time.thread_time_ns()
+    samples = [0] * len(names)
+    cpu0 = time.process_time_ns()
     start = clock()
-    for i in range(n):
+    for i, name in enumerate(names):
         t0 = clock()
-        cycle()
+        cycle(name)
         samples[i] = clock() - t0
     wall = clock() - start
-    cpu = time.thread_time_ns() - cpu0
-    return Block(samples, wall, cpu, server_usec(client))
+    cpu = time.process_time_ns() - cpu0
+    stats = admin.info("commandstats")
+    commands = {
+        k.removeprefix("cmdstat_"): (int(v["calls"]), float(v["usec"]))
+        for k, v in stats.items()
+        if k not in OWN
+    }
+    top = sum(commands[k][1] for k in sent if k in commands)
+    return Block(samples, wall, cpu, top, commands)
 
 
 def measure_handoffs(impl: HandoffImpl, client: redis.Redis, n: int, seed: int) -> list[float]:
     """Seconds from the holder's release() call to the waiter's acquire() returning."""
-    name = "bench:handoff:" + re.sub(r"\W+", "-", impl.label)
+    prefix = "bench:handoff:" + re.sub(r"\W+", "-", impl.label) + ":"
     rng = random.Random(seed)
-    holder = impl.make(client, name)
     out: list[float] = []
-    for _ in range(n):
+    for trial in range(n):
+        name = f"{prefix}{trial}"  # a new name and new objects for every hand-off
+        holder = impl.make(client, name)
         if not impl.acquire(holder):
             raise RuntimeError(f"{impl.label}: holder could not acquire")
         ready = threading.Event()
@@ -382,8 +438,13 @@ def machine_facts(server: _servers.Server) -> dict[str, str]:
     }
 
 
-def cycles_table(results: dict[str, dict[str, float]]) -> str:
-    raw, rp = results[RAW]["rate"], results[REDIS_PY]["rate"]
+def paired(rates: dict[str, list[float]], label: str, base: str) -> float:
+    """Median over blocks of *label*'s cycles/s over *base*'s in the same block (the blocks
+    ran interleaved, so a block's pair met the same background load)."""
+    return statistics.median(a / b for a, b in zip(rates[label], rates[base], strict=True))
+
+
+def cycles_table(results: dict[str, dict[str, float]], rates: dict[str, list[float]]) -> str:
     rows = [
         "| implementation | cycles/s | vs floor | vs redis-py | p50 µs | p99 µs | "
         "client CPU µs | server µs |",
@@ -391,8 +452,46 @@ def cycles_table(results: dict[str, dict[str, float]]) -> str:
     ]
     for label, r in results.items():
         rows.append(
-            f"| {label} | {r['rate']:,.0f} | {r['rate'] / raw:.2f}x | {r['rate'] / rp:.2f}x | "
+            f"| {label} | {r['rate']:,.0f} | {paired(rates, label, RAW):.2f}x | "
+            f"{paired(rates, label, REDIS_PY):.2f}x | "
             f"{r['p50']:.1f} | {r['p99']:.1f} | {r['cpu']:.1f} | {r['server']:.1f} |"
+        )
+    return "\n".join(rows)
+
+
+def _per_cycle(found: dict[str, list[float]], cycles: int) -> str:
+    """``NAME calls-per-cycle`` for each command, the most frequent first."""
+    ordered = sorted(found.items(), key=lambda kv: (-kv[1][0], kv[0]))
+    return ", ".join(f"{k.upper()} {v[0] / cycles:.3g}" for k, v in ordered)
+
+
+def commands_table(blocks: dict[str, list[Block]], cycles: int) -> str:
+    """Per cycle: the commands the client sent and their server time each, and every
+    command run inside them (scripts' calls included)."""
+    rows = [
+        "| implementation | sent per cycle | server µs per command sent (median block) | "
+        "run inside scripts, per cycle |",
+        "|---|---|---:|---|",
+    ]
+    for label, got in blocks.items():
+        if label == OURS_MEMORY:
+            continue
+        total: dict[str, list[float]] = {}
+        per_sent: list[float] = []  # per block: server µs per command sent
+        for block in got:
+            for name, (calls, usec) in block.commands.items():
+                mine = total.setdefault(name, [0.0, 0.0])
+                mine[0] += calls
+                mine[1] += usec
+            mine_sent = [block.commands[k] for k in SENT[label] if k in block.commands]
+            if sum(c for c, _ in mine_sent):
+                per_sent.append(sum(u for _, u in mine_sent) / sum(c for c, _ in mine_sent))
+        n = cycles or 1
+        sent = {k: v for k, v in total.items() if k in SENT[label]}
+        inner = {k: v for k, v in total.items() if k not in SENT[label]}
+        usec = statistics.median(per_sent) if per_sent else 0.0
+        rows.append(
+            f"| {label} | {_per_cycle(sent, n)} | {usec:.1f} | {_per_cycle(inner, n) or '-'} |"
         )
     return "\n".join(rows)
 
@@ -431,9 +530,12 @@ def waiter_table(results: list[Waiting]) -> str:
 
 
 def targets(
-    cycles: dict[str, dict[str, float]], handoffs: dict[str, list[float]], waits: list[Waiting]
+    cycles: dict[str, dict[str, float]],
+    rates: dict[str, list[float]],
+    handoffs: dict[str, list[float]],
+    waits: list[Waiting],
 ) -> list[str]:
-    ours_rate, rp = cycles[OURS_DEFAULT]["rate"], cycles[REDIS_PY]["rate"]
+    vs_rp, floor_rp = paired(rates, OURS_DEFAULT, REDIS_PY), paired(rates, RAW, REDIS_PY)
     ours_handoff = pct(handoffs["celery_redlock.Lock"], 50) * 1000
     memory_p50 = cycles[OURS_MEMORY]["p50"]
 
@@ -441,8 +543,9 @@ def targets(
         return "met" if ok else "MISSED"
 
     lines = [
-        f"- `Lock` cycle >= 1.0x redis-py's `Lock` (our cycles/s / theirs, above 1.0x: ours "
-        f"faster): {ours_rate / rp:.2f}x, {mark(ours_rate >= rp)}",
+        f"- `Lock` cycle >= 1.0x redis-py's `Lock`, a new object on a new name per cycle "
+        f"(our cycles/s / theirs, median block pair): {vs_rp:.2f}x, {mark(vs_rp >= 1.0)} "
+        f"(the floor by hand: {floor_rp:.2f}x)",
         f"- hand-off p50 <= 1 ms: {ours_handoff:.3f} ms, {mark(ours_handoff <= 1.0)}",
     ]
     for w in waits:
@@ -460,18 +563,47 @@ def targets(
     return lines
 
 
+def construction(client: redis.Redis, n: int) -> str:
+    """What building each lock object costs alone (no I/O), µs, median of 5 batches."""
+    makers: list[tuple[str, Callable[[str], object]]] = [
+        (REDIS_PY, lambda name: client.lock(name, timeout=30)),
+        ("python-redis-lock", lambda name: redis_lock.Lock(client, name, expire=30)),
+        (OURS_DEFAULT, lambda name: Lock(client, name, ttl=30)),
+    ]
+    lines = ["Building one lock object, no I/O (µs, median of 5 batches):"]
+    for label, make in makers:
+        batches = []
+        for batch in range(5):
+            names = [f"bench:build:{batch}:{i}" for i in range(n)]
+            t0 = time.perf_counter_ns()
+            for name in names:
+                make(name)
+            batches.append((time.perf_counter_ns() - t0) / n / 1000)
+        lines.append(f"  {label:40} {statistics.median(batches):6.2f}")
+    return "\n".join(lines)
+
+
 def profile_ours(client: redis.Redis, n: int) -> str:
-    """cProfile of our default cycle: where the time goes, by own time."""
+    """cProfile of our default cycle, cold (a new object on a new name each time): the top
+    entries by own time, then the cumulative time of the parts of a cycle."""
     cycle = ours(client, True)
-    for _ in range(200):
-        cycle()
+    for i in range(200):
+        cycle(f"bench:profile-warmup:{i}")
+    names = [f"bench:profile:{i}" for i in range(n)]
     prof = cProfile.Profile()
     prof.enable()
-    for _ in range(n):
-        cycle()
+    for name in names:
+        cycle(name)
     prof.disable()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(
+        r"lock\.py|lease\.py|redis_backend|redis_scripts|renewal\.py|keys\.py|"
+        r"connection\.py:\d+\((pack_command|get_connection|release|read_response|"
+        r"send_packed_command)\)",
+        25,
+    )
     return out.getvalue()
 
 
@@ -480,41 +612,54 @@ def profile_ours(client: redis.Redis, n: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cycles", type=int, default=5000, help="measured cycles per round")
+    parser.add_argument("--cycles", type=int, default=5000, help="measured cycles per row")
     parser.add_argument("--warmup", type=int, default=500, help="unmeasured cycles first")
-    parser.add_argument("--blocks", type=int, default=100, help="interleaved blocks per impl")
+    parser.add_argument("--blocks", type=int, default=100, help="interleaved blocks per row")
     parser.add_argument("--handoffs", type=int, default=200, help="hand-offs per implementation")
     parser.add_argument("--seed", type=int, default=7, help="seed of the pre-release pauses")
     parser.add_argument(
         "--wait-seconds", type=float, default=10.0, help="window of the waiter test, per TTL"
     )
+    _servers.add_pin_option(parser)
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
-    parser.add_argument("--profile", action="store_true", help="cProfile our default cycle")
+    parser.add_argument(
+        "--profile", action="store_true", help="cProfile our cold cycle; construction costs"
+    )
     args = parser.parse_args()
     for value in (args.cycles, args.warmup, args.blocks, args.handoffs):
         if not 0 < value <= 1_000_000:
             parser.error("counts must be between 1 and 1,000,000")
 
+    pin, server_cpus, client_cpus = _servers.placement(args.pin)
+    _servers.pin_self(client_cpus)
     load_before = os.getloadavg()[0]
-    with _servers.running() as server:
+    names = Names()
+    with _servers.running(cpus=server_cpus) as server:
         client = server.client()
         facts = machine_facts(server)
         samples: dict[str, list[int]] = {label: [] for label, _ in CYCLE_IMPLS}
         rates: dict[str, list[float]] = {label: [] for label, _ in CYCLE_IMPLS}
         cpus: dict[str, list[float]] = {label: [] for label, _ in CYCLE_IMPLS}
         servers: dict[str, list[float]] = {label: [] for label, _ in CYCLE_IMPLS}
-        cycles = {label: make(client) for label, make in CYCLE_IMPLS}
+        blocks: dict[str, list[Block]] = {label: [] for label, _ in CYCLE_IMPLS}
+        # Each row its own client, as a user's module-level one: nothing another row keeps
+        # alive (a held object, a backend) serves it.
+        row_clients = {label: server.client() for label, _ in CYCLE_IMPLS}
+        cycles = {label: make(row_clients[label]) for label, make in CYCLE_IMPLS}
         per_block = max(1, args.cycles // args.blocks)
         for label, _ in CYCLE_IMPLS:
-            measure_cycles(cycles[label], 1, args.warmup, client)
+            warm = names.take(PREFIXES[label], args.warmup)
+            measure_cycles(cycles[label], warm, client, SENT[label])
         for block in range(args.blocks):
             shift = block % len(CYCLE_IMPLS)
             for label, _ in CYCLE_IMPLS[shift:] + CYCLE_IMPLS[:shift]:
-                got = measure_cycles(cycles[label], per_block, 0, client)
+                fresh = names.take(PREFIXES[label], per_block)
+                got = measure_cycles(cycles[label], fresh, client, SENT[label])
                 samples[label] += got.samples
                 rates[label].append(per_block / (got.wall / 1e9))
                 cpus[label].append(got.cpu / per_block / 1000)
                 servers[label].append(got.server_usec / per_block)
+                blocks[label].append(got)
         for label, _ in CYCLE_IMPLS:
             print(f"  {label}: median {statistics.median(rates[label]):,.0f}/s", file=sys.stderr)
         cycle_results = {
@@ -536,11 +681,18 @@ def main() -> None:
         for ttl in WAITER_TTLS:
             print(f"  waiter, TTL {ttl:g} s", file=sys.stderr)
             waits.append(measure_waiter(server, ttl, args.wait_seconds, waiter_clients))
-        profile = profile_ours(client, args.cycles) if args.profile else ""
+        profile = ""
+        if args.profile:
+            fresh_client = server.client()
+            profile = construction(fresh_client, 2000) + "\n\n"
+            profile += profile_ours(fresh_client, args.cycles)
+            fresh_client.close()
         stop_renewal()
         for other in waiter_clients:
             other.close()
         client.close()
+        for each in row_clients.values():
+            each.close()
 
     python = Path(sys.executable)
     if python.is_relative_to(ROOT):
@@ -550,20 +702,32 @@ def main() -> None:
         [
             f"Measured {time.strftime('%Y-%m-%d')} with `{command.strip()}`.",
             "",
-            "Machine: " + "; ".join(f"{k} {v}" for k, v in facts.items()) + ".",
+            "Machine: "
+            + "; ".join(f"{k} {v}" for k, v in facts.items())
+            + "; "
+            + _servers.describe_pin(pin, server_cpus, client_cpus)
+            + ".",
             "",
             f"Other load on the machine (1-minute load average) at start: {load_before:.2f}, "
             f"at end: {os.getloadavg()[0]:.2f}.",
             "",
-            f"Uncontended acquire+release, {args.cycles} cycles each in {args.blocks} "
-            f"interleaved blocks (after {args.warmup} warm-up cycles each); cycles/s is "
-            "the median block, p50/p99 over all cycles; client CPU and server µs are per "
-            'cycle (median block); "vs" columns are cycles/s ratios (above 1.0x: faster):',
+            f"Uncontended acquire+release, a new lock object on a name never used before "
+            f'in every cycle ("warm" rows apart), {per_block * args.blocks} cycles per row in '
+            f"{args.blocks} interleaved blocks (after {args.warmup} warm-up cycles each), each "
+            "row on a client of its own. cycles/s: the median block; vs: the median over blocks "
+            "of the ratio to the other row's block beside it (above 1.0x: faster); p50/p99 over "
+            "all cycles; client CPU (every thread of the process) and server µs (the commands "
+            "the client sent): per cycle, median block.",
             "",
-            cycles_table(cycle_results),
+            cycles_table(cycle_results, rates),
             "",
-            f"Hand-off, {args.handoffs} times each (holder's release() call to the "
-            "waiter's acquire() returning, waiter in another thread):",
+            "Commands the server ran per cycle, same blocks:",
+            "",
+            commands_table(blocks, per_block * args.blocks),
+            "",
+            f"Hand-off, {args.handoffs} times each, a new name and new objects each time "
+            "(holder's release() call to the waiter's acquire() returning, waiter in another "
+            "thread):",
             "",
             handoff_table(handoffs),
             "",
@@ -574,11 +738,12 @@ def main() -> None:
         ]
     )
     # The budgets go to the terminal only: docs/benchmarks.md has them in one table.
-    budgets = "\n".join(["Budgets (issue 23):", "", *targets(cycle_results, handoffs, waits)])
+    budgets = "\n".join(
+        ["Budgets (issues 23, 38):", "", *targets(cycle_results, rates, handoffs, waits)]
+    )
     print(f"{body}\n\n{budgets}")
     if profile:
-        print("\ncProfile of celery_redlock.Lock (auto_renew=True), by own time:\n")
-        print(profile)
+        print("\n" + profile)
     if args.write_docs:
         write_block(SECTION, "bench_lock.py", body)
         print(f"\nwrote {DOCS.relative_to(ROOT)}", file=sys.stderr)

@@ -3,28 +3,38 @@
 Run by hand (not part of the test suite)::
 
     .venv/bin/python bench/bench_redlock.py [--rounds 5000] [--blocks 50] [--warmup 300]
-                                            [--stopped-rounds 1000] [--write-docs]
+                                            [--stopped-rounds 1000] [--pin split|same|none]
+                                            [--write-docs] [--profile]
 
 It starts its own five throwaway redis-servers on free loopback ports (no disk
 persistence, temp dirs) and stops them by pid when done, also on error or Ctrl-C.
-By default every server runs on the last CPU (``taskset``) and this process on the
-others, so the masters share one core and never the client's; ``--no-pin`` leaves
-placement to the OS.
-Each measured round is one non-blocking ``acquire()`` plus ``release()`` of an
-uncontended lock (default options: ours register with the renewal thread), timed
-with ``time.perf_counter_ns``; rounds alternate between two lock names. The rows
-run in interleaved blocks (rotating order) so a burst of background load on the
-host hits them alike. Beside the latency it reports the process's CPU time per round
-(every thread: a quorum's member calls run on the process's thread pool, pottery's on
-a pool it starts per call).
+With ``--pin split`` (the default) every server runs on the last CPU and this process
+on the first, so the masters share one core and never the client's (``--pin none``,
+or ``--no-pin``: the OS places them). Every implementation talks to the masters through
+``redis.Redis(host, port)`` clients with redis-py's defaults, one per master, as users
+build them.
+
+Each measured round builds a new lock object on a name never used before (a counter in
+the name: per-argument names, whose fence counters have long expired), then one
+non-blocking ``acquire()`` plus ``release()`` of that uncontended lock (default
+options: ours register with the renewal thread), timed with
+``time.perf_counter_ns``. The rows run in interleaved blocks (rotating order) so a
+burst of background load on the host hits them alike. A row marked "warm" keeps one
+object cycling two names (what this benchmark measured before issue 38), to split the
+cost. Beside the latency it reports the process's CPU time per round (every thread: a
+quorum's member calls may run on the process's thread pool, pottery's on a pool it
+starts per call) and the server time of the scripts (INFO commandstats over the
+masters).
 
 The floor (issue 29) is a row of its own, interleaved with the others: a Redlock written
-by hand on redis-py's public API over the same 3 masters and the same clients as ours.
-For each master it takes a connection from that client's pool, sends ``SET key token NX
-PX ttl`` on all three before it reads any reply, then reads the three replies (a
-majority must say OK) and gives the connections back; the release does the same with
-an EVALSHA of the textbook compare-and-delete script (SCRIPT LOAD once per master).
-Budget: our `Redlock` over 3 masters at most 1.3x the floor's p50.
+by hand on redis-py's public API over the same 3 masters and the same clients as ours,
+built per round too. For each master it takes a connection from that client's pool,
+sends ``SET key token NX PX ttl`` on all three before it reads any reply, then reads
+the three replies (a majority must say OK); the release does the same with an EVALSHA
+of the textbook compare-and-delete script (SCRIPT LOAD once per master) on the same
+connections, then gives them back: one pool checkout per master per round, as the
+budget's floor is defined. Budgets: our `Redlock` over 3 masters at most 1.3x the floor's p50,
+and faster than pottery's over the same masters.
 
 After the interleaved blocks, one scenario runs on its own (it would slow every row
 that shares the masters): the third of the 3 masters is stopped with SIGSTOP (and
@@ -32,16 +42,22 @@ always resumed with SIGCONT afterwards) while our `Redlock` over the 3 runs
 ``--stopped-rounds`` acquire+release rounds. Budget: one stopped master adds at most the
 per-node timeout in force (``Redlock.per_node_timeout``) to the p50 of a round.
 
-``--write-docs`` rewrites the marked block of the "Redlock" section of docs/benchmarks.md.
+``--profile``: each lock object's construction cost alone, and a cProfile of our cold
+`Redlock` (3 masters) round. ``--write-docs`` rewrites the marked block of the
+"Redlock" section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import gc
 import importlib.metadata
+import io
 import os
 import platform
+import pstats
 import secrets
 import shutil
 import signal
@@ -49,7 +65,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import _servers
@@ -57,31 +73,23 @@ import pottery  # the bench extra: pip install -e .[bench]
 import redis
 from _docs import DOCS, write_block
 
-from celery_redlock import Lock, Redlock, connect
+from celery_redlock import Lock, Redlock
 from celery_redlock.core.backends.redis_client import checkout
 from celery_redlock.core.renewal import shutdown as stop_renewal
 
 
 @contextlib.contextmanager
-def servers(n: int, pin: bool) -> Iterator[list[_servers.Server]]:
-    """*n* throwaway servers (see bench/_servers.py); with *pin*, all on the last CPU."""
-    wrapper: tuple[str, ...] = ()
-    if pin:
-        taskset = shutil.which("taskset")
-        if taskset is None:
-            sys.exit("--pin needs taskset (util-linux)")
-        wrapper = (taskset, "-c", str(LAST_CPU))
+def servers(n: int, cpus: set[int] | None) -> Iterator[list[_servers.Server]]:
+    """*n* throwaway servers (see bench/_servers.py), on *cpus* when given."""
     started: list[_servers.Server] = []
     try:
         for _ in range(n):
-            started.append(_servers.start(wrapper=wrapper))
+            started.append(_servers.start(cpus=cpus))
         yield started
     finally:
         for server in started:
             _servers.stop(server)
 
-
-LAST_CPU = max(os.sched_getaffinity(0))
 
 #: The textbook owner-checked delete: the cheapest correct release.
 COMPARE_AND_DELETE = (
@@ -90,36 +98,48 @@ COMPARE_AND_DELETE = (
 
 
 class HandRedlock:
-    """The floor: a Redlock written by hand on redis-py's public API, nothing else.
+    """The floor: a Redlock written by hand on redis-py's public API, nothing else, as the
+    budget's floor is defined.
 
     ``acquire``: a connection from each master's pool, ``SET key token NX PX ttl`` sent
     on all of them before any reply is read, then each reply read; held when a majority
-    said OK. ``release``: the same with an EVALSHA of :data:`COMPARE_AND_DELETE` (loaded
-    once per master with SCRIPT LOAD). Connections go back to their pools after each.
+    said OK. ``release``: an EVALSHA of :data:`COMPARE_AND_DELETE` (loaded once per master
+    with SCRIPT LOAD: pass *shas*, or each new object loads it) the same way, on the same
+    connections, which then go back to their pools: one checkout per master per round.
+    (A lock whose holder uses the client between the two gives its connections back in
+    between: a pool checkout per master more, about 10 µs each with redis-py 8.)
     """
 
-    def __init__(self, clients: list[redis.Redis], name: str, ttl: float) -> None:
+    def __init__(
+        self, clients: list[redis.Redis], name: str, ttl: float, shas: list[str] | None = None
+    ) -> None:
         self.pools = [c.connection_pool for c in clients]
-        self.shas = [c.script_load(COMPARE_AND_DELETE) for c in clients]
+        self.shas = shas or [c.script_load(COMPARE_AND_DELETE) for c in clients]
         self.name = name
         self.ttl_ms = int(ttl * 1000)
         self.quorum = len(clients) // 2 + 1
         self.token = ""
+        self.conns: list[Any] = []
 
     def _all(self, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """*commands[i]* on master i: all sent first, then each reply read."""
-        conns = [checkout(pool) for pool in self.pools]
+        """*commands[i]* on master i, on the connections this round holds: all sent first,
+        then each reply read."""
+        if not self.conns:
+            self.conns = [checkout(pool) for pool in self.pools]
         try:
-            for conn, command in zip(conns, commands, strict=True):
+            for conn, command in zip(self.conns, commands, strict=True):
                 conn.send_command(*command)
-            return [conn.read_response() for conn in conns]
+            return [conn.read_response() for conn in self.conns]
         except BaseException:
-            for conn in conns:  # a reply may be left unread: start those afresh
+            for conn in self.conns:  # a reply may be left unread: start those afresh
                 conn.disconnect()
+            self._give_back()
             raise
-        finally:
-            for pool, conn in zip(self.pools, conns, strict=True):
-                pool.release(conn)
+
+    def _give_back(self) -> None:
+        conns, self.conns = self.conns, []
+        for pool, conn in zip(self.pools, conns, strict=True):
+            pool.release(conn)
 
     def acquire(self, blocking: bool = False) -> bool:
         token = secrets.token_hex(20)  # 160 bits, as ours
@@ -135,28 +155,49 @@ class HandRedlock:
         self._delete(self.token)
 
     def _delete(self, token: str) -> None:
-        self._all([("EVALSHA", sha, 1, self.name, token) for sha in self.shas])
+        try:
+            self._all([("EVALSHA", sha, 1, self.name, token) for sha in self.shas])
+        finally:
+            self._give_back()
 
 
 class Case:
-    """One implementation under test: two locks (alternated) and the timings so far."""
+    """One implementation under test and the timings so far.
 
-    def __init__(self, label: str, make: Callable[[str], Any]) -> None:
+    *make* builds a lock on a name; :meth:`run` calls it once per round on a name never
+    used before (cold). With *warm*, two objects are built once and cycled instead."""
+
+    serial = 0  # names never repeat, across every case
+
+    def __init__(self, label: str, make: Callable[[str], Any], warm: bool = False) -> None:
         self.label = label
-        tag = str(abs(hash(label)))  # rows never share a key: they run interleaved
-        self.locks = [make(f"bench:{tag}:a"), make(f"bench:{tag}:b")]
+        self.make = make
+        self.prefix = f"bench:{abs(hash(label))}:"  # rows never share a key
+        self.locks = [make(self.prefix + "a"), make(self.prefix + "b")] if warm else []
         self.times: list[float] = []
+        self.p50s: list[float] = []  # per block: the p50 of its rounds, µs
         self.cpu: list[float] = []  # per block: this process's CPU per round, µs
+        self.commands: list[dict[str, tuple[int, float]]] = []  # per block: calls, usec
         self.turn = 0
 
-    def run(self, rounds: int, keep: bool = True) -> None:
+    def run(self, rounds: int, keep: bool = True, admins: Sequence[redis.Redis] = ()) -> None:
         """*rounds* acquire+release rounds; keep the microseconds of each when *keep*, and
-        the process's CPU time per round (every thread: the caller and any pool threads)."""
+        the process's CPU time per round (every thread: the caller and any pool threads);
+        with *admins*, the masters' INFO commandstats over the block."""
+        first = Case.serial
+        Case.serial += rounds
+        names = [f"{self.prefix}{i}" for i in range(first, first + rounds)]
+        gc.collect()
+        for admin in admins:
+            admin.config_resetstat()
         cpu0 = time.process_time_ns()
-        for _ in range(rounds):
-            lock = self.locks[self.turn % 2]
-            self.turn += 1
+        for name in names:
             t0 = time.perf_counter_ns()
+            if self.locks:
+                lock = self.locks[self.turn % 2]
+                self.turn += 1
+            else:
+                lock = self.make(name)
             if not lock.acquire(blocking=False):
                 raise RuntimeError(f"{self.label}: uncontended acquire failed")
             lock.release()
@@ -165,6 +206,41 @@ class Case:
                 self.times.append((t1 - t0) / 1000)
         if keep:
             self.cpu.append((time.process_time_ns() - cpu0) / rounds / 1000)
+            self.p50s.append(statistics.median(self.times[-rounds:]))
+        if keep and admins:
+            total: dict[str, tuple[int, float]] = {}
+            for admin in admins:
+                for key, value in admin.info("commandstats").items():
+                    if key in OWN:
+                        continue
+                    name = key.removeprefix("cmdstat_")
+                    calls, usec = total.get(name, (0, 0.0))
+                    total[name] = (calls + int(value["calls"]), usec + float(value["usec"]))
+            self.commands.append({k: (v[0], v[1] / rounds) for k, v in total.items()})
+
+    def vs(self, other: Case) -> float:
+        """Median over blocks of this row's p50 over *other*'s in the same block (the
+        blocks ran interleaved: a pair met the same background load)."""
+        return statistics.median(a / b for a, b in zip(self.p50s, other.p50s, strict=True))
+
+    def per_round(self) -> dict[str, float]:
+        """Every command the masters ran per round (scripts' inner calls included)."""
+        rounds = len(self.times) / len(self.commands) if self.commands else 1
+        names = {k for block in self.commands for k in block}
+        return {
+            k: sum(b.get(k, (0, 0.0))[0] for b in self.commands) / len(self.commands) / rounds
+            for k in names
+        }
+
+    def script_usec(self, sent: tuple[str, ...]) -> float:
+        """Median block: the masters' time in the commands the client sent, per round."""
+        if not self.commands:
+            return float("nan")
+        return statistics.median(sum(b[k][1] for k in sent if k in b) for b in self.commands)
+
+
+#: The benchmark's own commands, left out of the command counts.
+OWN = ("cmdstat_info", "cmdstat_config|resetstat", "cmdstat_config")
 
 
 def pct(values: list[float], p: float) -> float:
@@ -174,8 +250,120 @@ def pct(values: list[float], p: float) -> float:
 
 SECTION = "## Redlock"
 FLOOR = "by hand: `SET NX PX` + compare-and-delete on 3 masters at once (floor)"
+FLOOR_1 = "by hand: the same on 1 master"
+LOCK_1 = "our `Lock` (1 node)"
 OURS_3 = "our `Redlock` (3 masters)"
+POTTERY_3 = "pottery `Redlock` (3 masters)"
+WARM_3 = "warm: our `Redlock` (3 masters), one object cycling two names"
 STOPPED = "our `Redlock` (3 masters, 1 stopped)"
+#: What each row's client sends itself (the rest of a command's calls ran inside scripts).
+BY_HAND = ("set", "evalsha", "eval")
+SCRIPTS = ("evalsha", "eval")
+
+
+def plural(n: int) -> str:
+    return f"{n} master{'s' if n > 1 else ''}"
+
+
+def build_cases(procs: list[_servers.Server], shas: list[str]) -> list[Case]:
+    """Every row, each building its lock per round on default clients of its own, one per
+    master, as a user's module-level ones (nothing another row keeps alive serves it)."""
+
+    def own() -> list[redis.Redis]:
+        return [server.client() for server in procs]
+
+    floor3, floor1, rp, lock1, warm = own(), own(), own(), own(), own()
+    cases = [
+        Case(FLOOR, lambda name: HandRedlock(floor3[:3], name, ttl=10, shas=shas[:3])),
+        Case(FLOOR_1, lambda name: HandRedlock(floor1[:1], name, ttl=10, shas=shas[:1])),
+        Case("redis-py `Lock` (1 node)", lambda name: rp[0].lock(name, timeout=10)),
+        Case(LOCK_1, lambda name: Lock(lock1[0], name, ttl=10)),
+    ]
+    for n in (1, 3, 5):
+        ours = own()
+        cases.append(
+            Case(
+                f"our `Redlock` ({plural(n)})",
+                lambda name, n=n, c=ours: Redlock(c[:n], name, ttl=10),
+            )
+        )
+    for n in (1, 3, 5):
+        theirs = own()
+        cases.append(
+            Case(
+                f"pottery `Redlock` ({plural(n)})",
+                lambda name, n=n, c=theirs: pottery.Redlock(
+                    key=name, masters=set(c[:n]), auto_release_time=10
+                ),
+            )
+        )
+    cases.append(Case(WARM_3, lambda name: Redlock(warm[:3], name, ttl=10), warm=True))
+    return cases
+
+
+def sent_by(label: str) -> tuple[str, ...]:
+    return SCRIPTS if label.startswith(("our", "warm")) else BY_HAND
+
+
+def construction(plain: list[redis.Redis], shas: list[str], n: int) -> str:
+    """What building each lock object over 3 masters costs alone (no I/O)."""
+    makers: list[tuple[str, Callable[[str], object]]] = [
+        (FLOOR, lambda name: HandRedlock(plain[:3], name, ttl=10, shas=shas[:3])),
+        (OURS_3, lambda name: Redlock(plain[:3], name, ttl=10)),
+        (
+            POTTERY_3,
+            lambda name: pottery.Redlock(key=name, masters=set(plain[:3]), auto_release_time=10),
+        ),
+    ]
+    lines = ["Building one lock object over 3 masters, no I/O (µs, median of 5 batches):"]
+    for label, make in makers:
+        batches = []
+        for batch in range(5):
+            names = [f"bench:build:{batch}:{i}" for i in range(n)]
+            t0 = time.perf_counter_ns()
+            for name in names:
+                make(name)
+            batches.append((time.perf_counter_ns() - t0) / n / 1000)
+        lines.append(f"  {label:75} {statistics.median(batches):7.2f}")
+    return "\n".join(lines)
+
+
+def profile_redlock(plain: list[redis.Redis], n: int) -> str:
+    """cProfile of our cold `Redlock` (3 masters) round: the top entries by own time, then
+    the cumulative time of its parts."""
+    for i in range(200):
+        lock = Redlock(plain[:3], f"bench:profile-warmup:{i}", ttl=10)
+        lock.acquire(blocking=False)
+        lock.release()
+    names = [f"bench:profile:{i}" for i in range(n)]
+    prof = cProfile.Profile()
+    prof.enable()
+    for name in names:
+        lock = Redlock(plain[:3], name, ttl=10)
+        if not lock.acquire(blocking=False):
+            raise RuntimeError("profile: uncontended acquire failed")
+        lock.release()
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(r"celery_redlock", 30)
+    return out.getvalue()
+
+
+def commands_table(cases: list[Case]) -> str:
+    rows = [
+        "| implementation | commands per round, all masters (scripts' inner calls included) "
+        "| server µs per round in what the client sent |",
+        "|---|---|---:|",
+    ]
+    for case in cases:
+        found = case.per_round()
+        shown = ", ".join(
+            f"{k.upper()} {v:.3g}" for k, v in sorted(found.items(), key=lambda kv: (-kv[1], kv[0]))
+        )
+        rows.append(f"| {case.label} | {shown} | {case.script_usec(sent_by(case.label)):.1f} |")
+    return "\n".join(rows)
 
 
 def main() -> None:
@@ -189,58 +377,38 @@ def main() -> None:
         default=1000,
         help="rounds of our 3-master Redlock with one master stopped (SIGSTOP)",
     )
+    _servers.add_pin_option(parser)
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
     parser.add_argument(
-        "--no-pin",
+        "--profile",
         action="store_true",
-        help="leave placement to the OS (default: every server on the last CPU, the client "
-        "on the others)",
+        help="construction costs, and a cProfile of our cold Redlock (3 masters) round",
     )
     opts = parser.parse_args()
     load_before = os.getloadavg()[0]
-    pin = not opts.no_pin and len(os.sched_getaffinity(0)) > 1
-    if pin:
-        os.sched_setaffinity(0, os.sched_getaffinity(0) - {LAST_CPU})
+    pin, server_cpus, client_cpus = _servers.placement(opts.pin)
+    _servers.pin_self(client_cpus)
 
-    with servers(5, pin) as procs:
-        urls = [f"redis://{_servers.HOST}:{s.port}/0" for s in procs]
-        clients = connect(urls)  # one client per master, shared by every lock below
-        plain = [redis.Redis.from_url(u) for u in urls]  # redis-py defaults, for the others
-
-        def plural(n: int) -> str:
-            return f"{n} master{'s' if n > 1 else ''}"
-
-        cases = [
-            Case(FLOOR, lambda name: HandRedlock(clients[:3], name, ttl=10)),
-            Case("redis-py `Lock` (1 node)", lambda name: plain[0].lock(name, timeout=10)),
-            Case("our `Lock` (1 node)", lambda name: Lock(clients[0], name, ttl=10)),
-        ]
-        for n in (1, 3, 5):
-            cases.append(
-                Case(
-                    f"our `Redlock` ({plural(n)})",
-                    lambda name, n=n: Redlock(clients[:n], name, ttl=10),
-                )
-            )
-        for n in (1, 3, 5):
-            cases.append(
-                Case(
-                    f"pottery `Redlock` ({plural(n)})",
-                    lambda name, n=n: pottery.Redlock(
-                        key=name, masters=set(plain[:n]), auto_release_time=10
-                    ),
-                )
-            )
+    with servers(5, server_cpus) as procs:
+        # One client per master, as users build them, shared by every row.
+        admins = [s.client() for s in procs]
+        shas = [c.script_load(COMPARE_AND_DELETE) for c in admins]
+        cases = build_cases(procs, shas)
         for case in cases:
             case.run(opts.warmup, keep=False)
         per_block = max(1, opts.rounds // opts.blocks)
         for block in range(opts.blocks):  # rotate the order: background load hits all alike
             for k in range(len(cases)):
-                cases[(block + k) % len(cases)].run(per_block)
+                cases[(block + k) % len(cases)].run(per_block, admins=admins)
             print(f"  block {block + 1}/{opts.blocks}", file=sys.stderr, end="\r")
         print(file=sys.stderr)
-        stopped = Case(STOPPED, lambda name: Redlock(clients[:3], name, ttl=10))
-        per_node = stopped.locks[0].per_node_timeout
+        profile = ""
+        if opts.profile:
+            fresh = [s.client() for s in procs]
+            profile = construction(fresh, shas, 1000) + "\n\n" + profile_redlock(fresh, 2000)
+        plain = [s.client() for s in procs]
+        stopped = Case(STOPPED, lambda name: Redlock(plain[:3], name, ttl=10))
+        per_node = Redlock(plain[:3], "bench:probe", ttl=10).per_node_timeout
         stopped.run(opts.warmup, keep=False)  # healthy: connected, scripts loaded
         victim = procs[2]
         os.kill(victim.pid, signal.SIGSTOP)
@@ -255,36 +423,45 @@ def main() -> None:
     command = " ".join(["bench/bench_redlock.py", *sys.argv[1:]])
     by_label = {case.label: case for case in cases}
     floor = statistics.median(by_label[FLOOR].times)
-    single = statistics.median(by_label["our `Lock` (1 node)"].times)
     three = statistics.median(by_label[OURS_3].times)
-    pottery3 = statistics.median(by_label["pottery `Redlock` (3 masters)"].times)
+    vs_floor = by_label[OURS_3].vs(by_label[FLOOR])
+    vs_pottery = by_label[OURS_3].vs(by_label[POTTERY_3])
     stopped_p50 = statistics.median(stopped.times)
     added_ms = (stopped_p50 - three) / 1000
     lines = [
         f"Measured {time.strftime('%Y-%m-%d')} with `{command}`: "
-        f"{per_block * opts.blocks} acquire+release rounds "
-        f"per row in {opts.blocks} interleaved blocks (+{opts.warmup} warm-up), five "
-        f"redis-server {server_version()} on loopback"
-        + (f" sharing CPU {LAST_CPU}, the client on the other CPUs" if pin else "")
-        + f", Python {platform.python_version()}, "
-        f"redis-py {redis.__version__}, pottery {importlib.metadata.version('pottery')}, "
-        f"{os.cpu_count()} CPUs ({platform.machine()}). Client CPU: this process's CPU "
-        "time (every thread) per round, median block.",
+        f"{per_block * opts.blocks} acquire+release rounds per row, each on a new lock "
+        f"object and a name never used before (the warm row apart), in {opts.blocks} "
+        f"interleaved blocks (+{opts.warmup} warm-up), five redis-server {server_version()} "
+        f"on loopback, {_servers.describe_pin(pin, server_cpus, client_cpus)}, "
+        f"`redis.Redis(host, port)` clients with redis-py's defaults, Python "
+        f"{platform.python_version()}, redis-py {redis.__version__}, pottery "
+        f"{importlib.metadata.version('pottery')}, {os.cpu_count()} CPUs "
+        f"({platform.machine()}). Client CPU: this process's CPU time (every thread) per "
+        "round, median block; server µs: the masters' time in the commands the client sent, "
+        'per round, median block; "vs": the median over blocks of the ratio of the two '
+        "rows' p50 in the same block. Each row has clients of its own.",
         "",
         "| implementation | p50 (µs) | p99 (µs) | p50 vs our `Lock` | p50 vs by-hand floor "
-        "| client CPU (µs) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| client CPU (µs) | server µs |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for case in cases:
         p50 = statistics.median(case.times)
         lines.append(
-            f"| {case.label} | {p50:.0f} | {pct(case.times, 99):.0f} | {p50 / single:.2f}x | "
-            f"{p50 / floor:.2f}x | {statistics.median(case.cpu):.0f} |"
+            f"| {case.label} | {p50:.0f} | {pct(case.times, 99):.0f} | "
+            f"{case.vs(by_label[LOCK_1]):.2f}x | {case.vs(by_label[FLOOR]):.2f}x | "
+            f"{statistics.median(case.cpu):.0f} | "
+            f"{case.script_usec(sent_by(case.label)):.1f} |"
         )
     lines += [
         "",
-        f"Our `Redlock` (3 masters) p50 vs by-hand floor: {three / floor:.2f}x "
-        f"({three:.0f} µs / {floor:.0f} µs).",
+        f"Our `Redlock` (3 masters) p50 vs by-hand floor: {vs_floor:.2f}x "
+        f"({three:.0f} µs / {floor:.0f} µs over all rounds); vs pottery's: {vs_pottery:.2f}x.",
+        "",
+        "Commands the masters ran per round, same blocks:",
+        "",
+        commands_table(cases),
         "",
         f"One master stopped (SIGSTOP on master 3 of 3, resumed after; "
         f"{len(stopped.times)} rounds after the interleaved blocks): our `Redlock` "
@@ -296,24 +473,21 @@ def main() -> None:
         f"at end: {os.getloadavg()[0]:.2f}.",
     ]
     # The budgets go to the terminal only: docs/benchmarks.md has them in one table.
-    target = 1.7 if pin else 1.5
-    verdict = "met" if three <= target * single else "NOT met"
     budgets = [
-        f"Budget (issue 23): 3 masters p50 <= {target}x our single-node `Lock`"
-        + (" (masters sharing one CPU)" if pin else " (masters placed by the OS)")
-        + f": {three / single:.2f}x, {verdict}. Against pottery's over the same 3 masters "
-        f"(issue 16 asked <= 0.25x): {three / pottery3:.2f}x.",
+        "Budgets (issues 29, 38):",
         "",
-        "Budgets (issue 29):",
-        "",
-        f"- our `Redlock` (3 masters) p50 <= 1.3x the by-hand floor: {three / floor:.2f}x, "
-        f"{mark(three <= 1.3 * floor)}",
+        f"- our `Redlock` (3 masters) p50 <= 1.3x the by-hand floor: {vs_floor:.2f}x, "
+        f"{mark(vs_floor <= 1.3)}",
+        f"- our `Redlock` (3 masters) ahead of pottery's: {vs_pottery:.2f}x its p50, "
+        f"{mark(vs_pottery < 1.0)}",
         f"- one master stopped adds at most the per-node timeout ({per_node * 1000:.0f} ms) "
         f"to the p50: {added_ms:+.1f} ms ({stopped_p50:.0f} µs stopped vs {three:.0f} µs "
         f"healthy), {mark(added_ms <= per_node * 1000)}",
     ]
     body = "\n".join(lines)
     print("\n" + body + "\n\n" + "\n".join(budgets))
+    if profile:
+        print("\n" + profile)
     if opts.write_docs:
         write_block(SECTION, "bench_redlock.py", body)
         print(f"\nwrote {DOCS}")

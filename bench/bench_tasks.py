@@ -3,10 +3,14 @@
 Run by hand (not part of the test suite)::
 
     .venv/bin/python bench/bench_tasks.py [--tasks 2000] [--reps 3] [--warmup 200]
+                                          [--pin none|split|same]
     .venv/bin/python bench/bench_tasks.py --profile locked   # cProfile of the pool children
 
 It starts its own throwaway redis-server on a free loopback port (no persistence)
-and stops it by pid at the end, also on error or Ctrl-C. Broker, locks and the
+and stops it by pid at the end, also on error or Ctrl-C. ``--pin split`` puts the
+server on the last CPU and the worker (its children inherit it) and this process on the
+first; the default, ``none``, leaves placement to the OS, as the worker is judged
+(a prefork worker with two children on one CPU measures something else). Broker, locks and the
 counter live on that one server (db 0, 1 and 3); no result backend (every task
 has ``ignore_result=True``).
 
@@ -16,7 +20,10 @@ One *run* = one variant, one fresh worker::
            --without-gossip --without-mingle -Q <queue of this run>
 
 with ``worker_prefetch_multiplier=16``. Each run has its own queue and its own
-task arguments (lock keys), so nothing leaks from one run into the next. The
+task arguments (lock keys), so nothing leaks from one run into the next: every task
+locks a name never used before (``k:<i>``, a counter across runs), and ``LockedTask``
+builds its ``Lock`` per run, as users' tasks do (per-argument keys whose fence counters
+have long expired); the floor and the peers key on the argument too. The
 worker is warmed up with ``--warmup`` tasks (connections made, scripts loaded,
 both children busy), then the clock starts at the first of ``--tasks`` publishes
 (as fast as one client publishes them, ``apply_async`` on the task object, so
@@ -134,7 +141,7 @@ class Server:
         return f"redis://{HOST}:{self.port}/{db}"
 
     def client(self, db: int = 0) -> redis.Redis:
-        return redis.Redis(host=HOST, port=self.port, db=db, socket_timeout=5)
+        return redis.Redis(host=HOST, port=self.port, db=db)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -153,6 +160,17 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+#: Where the redis-server and the worker run (``--pin``): CPU sets, or None (the OS).
+PLACEMENT: dict[str, set[int] | None] = {"server": None, "client": None}
+
+
+def _place(pid: int, part: str) -> None:
+    cpus = PLACEMENT[part]
+    if cpus:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(pid, cpus)
+
+
 def start_server() -> Server:
     """redis-server on a free loopback port, up and answering PING (bounded), or raise."""
     binary = shutil.which("redis-server")
@@ -168,6 +186,7 @@ def start_server() -> Server:
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
         server = Server(port, proc, tmp)
+        _place(proc.pid, "server")
         client = server.client()
         try:
             for _ in range(250):  # <= 5 s
@@ -204,6 +223,7 @@ class Worker:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        _place(self.proc.pid, "client")  # before it forks its pool: the children inherit it
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -336,6 +356,8 @@ class Run:
     #: task completions the clock spans (``--publish before`` starts it at the first
     #: body, so it spans one fewer than ran); 0: all of ``tasks``
     timed: int = 0
+    #: server microseconds per call of each command (INFO commandstats usec_per_call)
+    usec: dict[str, float] = field(default_factory=dict)
 
     @property
     def rate(self) -> float:
@@ -427,6 +449,11 @@ def command_stats(client: redis.Redis) -> dict[str, int]:
     return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in info.items()}
 
 
+def command_usec(client: redis.Redis) -> dict[str, float]:
+    info: dict[str, Any] = client.info("commandstats")
+    return {k.removeprefix("cmdstat_"): float(v["usec_per_call"]) for k, v in info.items()}
+
+
 def run_variant(
     server: Server,
     tasks_by_variant: dict[str, Any],
@@ -500,6 +527,7 @@ def run_variant(
             timed = n_tasks - 1
 
         calls = command_stats(stats)
+        usec = command_usec(stats)
         left_in_queue = int(broker.llen(timed_queue))
         if left_in_queue:
             raise RuntimeError(f"{left_in_queue} messages left in {timed_queue} after the run")
@@ -519,7 +547,7 @@ def run_variant(
     }
     return Run(
         variant, rep, end - start, published - start, n_tasks, per_task, cpu, keys_left,
-        timed=timed,
+        timed=timed, usec={k: usec[k] for k in per_task if k in usec},
     )  # fmt: skip
 
 
@@ -601,13 +629,18 @@ def summarize(runs: list[Run], variants: list[str]) -> str:
 
 
 def commands_table(runs: list[Run], variants: list[str]) -> str:
-    lines = ["Redis commands per task (median; broker + locks, scripts' inner calls included):"]
+    lines = [
+        "Redis commands per task (median; broker + locks, scripts' inner calls included), and "
+        "the server's time per script call (EVALSHA usec_per_call, median):"
+    ]
     for v in variants:
         mine = [r.commands for r in runs if r.variant == v]
         names = sorted({k for c in mine for k in c})
         med = {k: statistics.median(c.get(k, 0.0) for c in mine) for k in names}
         shown = ", ".join(f"{k}={x:.2f}" for k, x in sorted(med.items(), key=lambda kv: -kv[1]))
-        lines.append(f"  {v:<10} total={sum(med.values()):.2f}: {shown}")
+        scripts = [r.usec["evalsha"] for r in runs if r.variant == v and "evalsha" in r.usec]
+        per_script = f"; EVALSHA {statistics.median(scripts):.1f} µs" if scripts else ""
+        lines.append(f"  {v:<10} total={sum(med.values()):.2f}{per_script}: {shown}")
     return "\n".join(lines)
 
 
@@ -800,6 +833,14 @@ def main() -> int:
         default="cpu",
         help="cpu: the children's main-thread CPU time (default); wall: includes waiting",
     )
+    parser.add_argument(
+        "--pin",
+        choices=("split", "same", "none"),
+        default="none",
+        help="split: the redis-server on the last CPU, the worker (and its children) and "
+        "this process on the first; same: all on the first; none (default, as the worker "
+        "is judged): the OS places them",
+    )
     args = parser.parse_args()
     variants = args.variants.split(",") if args.profile is None else [args.profile]
     for v in variants:
@@ -809,6 +850,12 @@ def main() -> int:
     for name, value in machine_facts():
         print(f"{name:>16}: {value}")
     print(f"{'publish':>16}: {args.publish} (the clock)")
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin != "none" and len(cpus) > 1:
+        PLACEMENT["client"] = {cpus[0]}
+        PLACEMENT["server"] = {cpus[0]} if args.pin == "same" else {cpus[-1]}
+        _place(0, "client")
+    print(f"{'pin':>16}: {args.pin}")
     began = time.monotonic()
     server = start_server()
     workdir = Path(tempfile.mkdtemp(prefix="bench-tasks-logs-"))

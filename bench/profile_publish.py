@@ -67,7 +67,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import _servers  # noqa: E402
-from bench.bench_dedup import build  # noqa: E402
+from bench.bench_dedup import tasks_of  # noqa: E402
 
 #: enqueue.lua's SHA1 (set by main, after sys.path is set)
 ENQUEUE_SHA = ""
@@ -576,7 +576,7 @@ def main() -> None:
         if opts.pin:
             os.sched_setaffinity(0, {0})
             os.sched_setaffinity(server.pid, {0} if opts.pin == "same" else {1})
-        tasks = build(server.port)
+        tasks = tasks_of(server.port)
         plain, enq_proxy = tasks["plain"], tasks["enqueue"]  # as bench_dedup calls them
         app = enq_proxy.app
         enq = app.tasks[enq_proxy.name]  # the task object (the proxy resolves to it)
