@@ -27,8 +27,8 @@ Servers = Callable[[int], list[RedisServer]]
 
 #: How the user built the clients: redis-py's defaults, or this package's connect().
 CLIENTS = ["redis.Redis(host, port)", "connect(url)"]
-#: A lease whose per-node timeout (5%) is 150 ms, renewed every second.
-TTL = 3.0
+#: A lease whose per-node timeout (5%) is 250 ms, renewed every 1.7 s.
+TTL = 5.0
 #: Scheduling slack of a loaded CI machine on top of a bound.
 SLACK = 0.1
 
@@ -79,7 +79,7 @@ def test_minority_down_costs_a_call_at_most_a_per_node_timeout_and_loses_no_hold
 ) -> None:
     """One of three masters dead or frozen: the first acquire after the fault is granted
     and its release returns within a per-node timeout, and three locks held through it
-    (renewed every second) are renewed without a failed round and never lost."""
+    (renewed every 1.7 s) are renewed without a failed round and never lost."""
     caplog.set_level(logging.WARNING, logger="celery_redlock.renew")
     servers = redis_servers(3)
     clients = clients_for(how, servers)
@@ -97,8 +97,8 @@ def test_minority_down_costs_a_call_at_most_a_per_node_timeout_and_loses_no_hold
         began = time.monotonic()
         fresh.release()
         assert time.monotonic() - began < budget, "release waited on the dead master"
-        # Four renewal rounds (one a second) with the master still down.
-        deadline = time.monotonic() + 4.0
+        # Three renewal rounds with the master still down.
+        deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             assert all(lock.owned() for lock in held)
             time.sleep(0.25)

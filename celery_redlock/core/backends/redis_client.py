@@ -16,6 +16,7 @@ import redis
 from redis import exceptions as rx
 from redis.cluster import RedisCluster
 
+from .. import process
 from ..connect import LOCK_CLIENT_DEFAULTS, lock_retry
 from ..errors import ConfigError
 
@@ -121,19 +122,74 @@ def _make_lock_client(pool: Any) -> redis.Redis:
             kwargs[key] = None
     made: Any
     if type(pool) is redis.BlockingConnectionPool:
-        made = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
+        made = _KeepOneBlocking(
             connection_class=pool.connection_class,
             max_connections=pool.max_connections,
             timeout=pool.timeout,
             **kwargs,
         )
     else:
-        made = redis.ConnectionPool(
+        made = _KeepOnePool(
             connection_class=pool.connection_class,
             max_connections=pool.max_connections,
             **kwargs,
         )
     return redis.Redis(connection_pool=made)
+
+
+class _KeepOne:
+    """A lock client's pool that keeps the last connection given back aside for the next
+    checkout: a lock's acquire and release (a Redlock's, on each master) take it without
+    the pool's own checkout and release (its lock, pid check, health read, bookkeeping).
+
+    The kept connection stays counted in use by the pool, and every checkout takes it
+    first, so the cap is the same and nothing waits for it; it closes with the pool. A
+    forked child drops its parent's (:func:`~celery_redlock.core.process.on_fork`; not
+    closed: redis-py closes only its own process's socket). A connection is given back
+    read to the end or disconnected (redis-py disconnects on any error between a send
+    and its reply).
+    """
+
+    _kept: Any = None
+    _kept_mutex = threading.Lock()
+
+    def _keep_one(self) -> None:
+        """Nothing kept, and a mutex of this process's (registered for every fork: a
+        parent's thread may have held it)."""
+        self._kept = None
+        self._kept_mutex = threading.Lock()
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        with self._kept_mutex:
+            kept, self._kept = self._kept, None
+        if kept is not None:
+            return kept
+        return super().get_connection(*args, **kwargs)  # type: ignore[misc]
+
+    def release(self, connection: Any) -> None:
+        with self._kept_mutex:
+            if self._kept is None:
+                self._kept = connection
+                return
+        super().release(connection)  # type: ignore[misc]
+
+
+class _KeepOnePool(_KeepOne, redis.ConnectionPool):
+    """A :class:`_KeepOne` :class:`redis.ConnectionPool`."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._keep_one()
+        process.on_fork(self._keep_one)
+
+
+class _KeepOneBlocking(_KeepOne, redis.BlockingConnectionPool):
+    """A :class:`_KeepOne` :class:`redis.BlockingConnectionPool`."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]
+        self._keep_one()
+        process.on_fork(self._keep_one)
 
 
 # -- what a failure means --------------------------------------------------------------
