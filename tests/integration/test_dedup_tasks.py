@@ -472,7 +472,12 @@ def test_the_documented_chord_callback_handles_skipped_header_results(env: Env) 
     # the marker as the page shows it: the same keys, the reason in the same words
     shown = eval(_dedup_doc_block('"celery_redlock.skipped": True'))  # the page's literal
     assert sorted(skipped) == sorted(shown)
-    assert skipped["reason"] == f"duplicate of task {members[0].id} (running)"
+    # The first acme member is running or, if the worker took the duplicate first, still
+    # queued: the reason says which.
+    assert skipped["reason"] in {
+        f"duplicate of task {members[0].id} (running)",
+        f"duplicate of task {members[0].id} (queued)",
+    }
     assert skipped["lock"] == shown["lock"] == "export:acme"
     assert skipped["task_id"] == members[0].id
 
