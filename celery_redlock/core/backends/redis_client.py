@@ -152,6 +152,8 @@ class _KeepOne:
 
     _kept: Any = None
     _kept_mutex = threading.Lock()
+    #: The redis-py pool class this one keeps a connection in front of.
+    _base: type = redis.ConnectionPool
 
     def _keep_one(self) -> None:
         """Nothing kept, and a mutex of this process's (registered for every fork: a
@@ -164,6 +166,8 @@ class _KeepOne:
             kept, self._kept = self._kept, None
         if kept is not None:
             return kept
+        if not args and needs_name(self._base):  # redis-py < 5.3: a command name
+            args = ("BLPOP",)
         return super().get_connection(*args, **kwargs)  # type: ignore[misc]
 
     def release(self, connection: Any) -> None:
@@ -177,6 +181,8 @@ class _KeepOne:
 class _KeepOnePool(_KeepOne, redis.ConnectionPool):
     """A :class:`_KeepOne` :class:`redis.ConnectionPool`."""
 
+    _base = redis.ConnectionPool
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._keep_one()
@@ -185,6 +191,8 @@ class _KeepOnePool(_KeepOne, redis.ConnectionPool):
 
 class _KeepOneBlocking(_KeepOne, redis.BlockingConnectionPool):
     """A :class:`_KeepOne` :class:`redis.BlockingConnectionPool`."""
+
+    _base = redis.BlockingConnectionPool
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)  # type: ignore[no-untyped-call]
@@ -274,11 +282,16 @@ def checkout(pool: Any) -> Any:
     """A connection from *pool*, connected (redis-py's pools connect what they hand out).
     redis-py < 5.3 requires a command name (unused since); newer versions warn when given
     one. Which one a pool class wants is read once from its signature."""
-    kind = type(pool)
+    return pool.get_connection("BLPOP") if needs_name(type(pool)) else pool.get_connection()
+
+
+def needs_name(kind: Any) -> bool:
+    """True when pool class *kind*'s ``get_connection`` requires a command name."""
     needs = _needs_name.get(kind)
     if needs is None:
         try:
-            params = list(inspect.signature(pool.get_connection).parameters.values())
+            method = kind.get_connection  # the function: its first parameter is self
+            params = list(inspect.signature(method).parameters.values())[1:]
         except (TypeError, ValueError):  # no signature: assume the new API
             params = []
         first = params[0] if params else None
@@ -287,4 +300,4 @@ def checkout(pool: Any) -> Any:
             and first.kind in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD)
             and first.default is first.empty
         )
-    return pool.get_connection("BLPOP") if needs else pool.get_connection()
+    return needs
