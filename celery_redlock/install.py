@@ -18,6 +18,7 @@ from typing import Any
 from celery import signals
 
 from . import task as task_module
+from .board.recorder import record
 from .core.events import add_hook
 from .dedup import publish
 from .flags import register_flags
@@ -52,6 +53,7 @@ def install(app: Any) -> None:
         wrap_send_task(app)
         connect_receivers()
         add_hook(logging_hook)
+        record(app)
         enable_prometheus_by_default()
         app.on_after_finalize.connect(apply_redlock_tasks, weak=False)
         if app.finalized:

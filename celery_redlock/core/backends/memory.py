@@ -18,8 +18,10 @@ child's: a prefork worker or a beat on ``memory://`` shares nothing with its sib
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fnmatch
+import itertools
 import math
 import threading
 import time
@@ -547,3 +549,19 @@ class MemoryBackend(MemoryFlow):
     @atomic
     def force_dequeue(self, slot: Slot, owner: str | None) -> ForceRelease:
         return memory_admin.force_dequeue(self, slot, owner)
+
+    # -- the lock event log -----------------------------------------------------------------
+    @atomic
+    def log_events(self, log_key: str, events: Sequence[str], maxlen: int) -> None:
+        """Append *events* to the capped log at *log_key* (a stream, as XADD MAXLEN)."""
+        log = self.get(log_key, "stream")
+        if log is None or log.maxlen != maxlen:
+            log = collections.deque(log or (), maxlen=maxlen)
+            self.put(log_key, "stream", log)
+        log.extend(events)
+
+    @atomic
+    def read_events(self, log_key: str, count: int) -> list[str]:
+        """The newest *count* events of the log at *log_key*, newest first."""
+        log = self.get(log_key, "stream")
+        return [] if log is None else list(itertools.islice(reversed(log), count))

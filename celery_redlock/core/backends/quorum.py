@@ -36,6 +36,7 @@ acquire it undoes) and how their answers are judged: :mod:`~.quorum_calls`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import random
@@ -44,7 +45,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ..backend import FlowControl, Permits, QueuedHolds, Rates
+from ..backend import EventLog, FlowControl, Permits, QueuedHolds, Rates, given
 from ..backend_types import (
     Claim,
     Grant,
@@ -414,6 +415,25 @@ class QuorumBackend(QuorumCalls):
         if any(isinstance(v, ConfigError) for v in results):
             self.fail(slot.name, results)
         raise self.unavailable(slot.name, outcomes)
+
+    # -- the lock event log: each master keeps its own ------------------------------------
+    def log_events(self, log_key: str, events: Sequence[str], maxlen: int) -> None:
+        """Append *events* to the log of every master that answers (a log is what each
+        master saw happen, not a decision: a master down misses its copy)."""
+        for member in self.members:
+            log = given(member, EventLog)
+            if log is not None:
+                with contextlib.suppress(QuorumUnavailable):
+                    log.log_events(log_key, events, maxlen)
+
+    def read_events(self, log_key: str, count: int) -> list[str]:
+        """The log of the first master that answers (the board reads each master's)."""
+        for member in self.members:
+            log = given(member, EventLog)
+            if log is not None:
+                with contextlib.suppress(QuorumUnavailable):
+                    return log.read_events(log_key, count)
+        return []
 
     # -- what a quorum cannot do --------------------------------------------------------
     def why_not(self, capability: type) -> str:

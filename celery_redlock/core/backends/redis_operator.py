@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from ..backend_types import (
@@ -56,6 +58,20 @@ class RedisOperator(RedisCalls):
         with self._errors(name):
             return redis_admin.read_rate(self.client, prefix, name)
 
+    def log_events(self, log_key: str, events: Sequence[str], maxlen: int) -> None:
+        """``XADD <log_key> MAXLEN ~ <maxlen>`` per event, in one pipeline."""
+        with self._errors(log_key, partial(_not_a_log, log_key)):
+            pipe = self.client.pipeline(transaction=False)
+            for event in events:
+                pipe.xadd(log_key, {"e": event}, maxlen=maxlen, approximate=True)
+            pipe.execute()
+
+    def read_events(self, log_key: str, count: int) -> list[str]:
+        """``XREVRANGE <log_key> + - COUNT <count>``: the newest first."""
+        with self._errors(log_key, partial(_not_a_log, log_key)):
+            entries = self.client.xrevrange(log_key, count=count)
+        return [text(fields.get(b"e", fields.get("e", b""))) for _, fields in entries]
+
     def force_release(self, slot: Slot, fence: int | None, notice_ms: int) -> ForceRelease:
         if slot.permits:
             raise ConfigError(f"lock {slot.name!r}: a permit is not released by force")
@@ -83,3 +99,10 @@ class RedisOperator(RedisCalls):
         if code is Status.OK:
             return ForceRelease("released", record)
         return ForceRelease("gone" if code is Status.GONE else "refused", record)
+
+
+def _not_a_log(key: str, exc: Exception) -> str:
+    return (
+        f"{key!r} is not a stream of lock events ({exc}): something else writes under the "
+        "lock key prefix; celery-redlock leaves it alone"
+    )
