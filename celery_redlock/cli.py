@@ -583,3 +583,55 @@ def _controls_of(session: _Session, pattern: str) -> list[Control]:
         )
     except _UNREACHABLE:
         return []  # the lock reads have reported it
+
+
+# -- the board -------------------------------------------------------------------------
+@_takes_flags
+@locks.command(cls=CeleryCommand)
+@click.option(
+    "--host",
+    cls=CeleryOption,
+    default="127.0.0.1",
+    help_group="Board Options",
+    help="Address to listen on (default 127.0.0.1; another needs a token).",
+)
+@click.option(
+    "--port",
+    cls=CeleryOption,
+    type=int,
+    default=5566,
+    help_group="Board Options",
+    help="Port to listen on (default 5566; 0: any free port).",
+)
+@click.option(
+    "--actions",
+    cls=CeleryOption,
+    is_flag=True,
+    help_group="Board Options",
+    help="Offer release, pause/resume and set/unset (needs a token).",
+)
+@click.option(
+    "--token-file",
+    cls=CeleryOption,
+    default=None,
+    metavar="PATH",
+    help_group="Board Options",
+    help="The tokens that may act, one name:secret a line (else REDLOCK_BOARD_TOKEN).",
+)
+@click.pass_context
+def serve(ctx: click.Context, host: str, port: int, actions: bool, token_file: str | None) -> None:
+    """Serve the lock board (see docs/board.md) until interrupted."""
+    from .board.serve import serve_board  # noqa: PLC0415 - only this command serves
+
+    try:
+        serve_board(
+            ctx.obj.app,
+            host=host,
+            port=port,
+            actions=actions,
+            token_file=token_file,
+            overrides=ctx.meta.get(_OVERRIDES, {}),
+            echo=click.echo,
+        )
+    except ConfigError as exc:
+        raise CeleryCommandException(str(exc), EXIT_USAGE) from None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,8 +60,10 @@ def glob_escape(text: str) -> str:
 class Source:
     """The lock store of *app* as the board reads it; clients are made once, on first use."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, overrides: Mapping[str, Any] | None = None) -> None:
         self.app = app
+        #: Setting overrides of this board (``celery locks serve --redlock-url``).
+        self.overrides = dict(overrides or {})
         self._lock = threading.Lock()
         self._clients: list[tuple[str, Backend]] | None = None
         self._settings: Settings | None = None
@@ -69,7 +71,9 @@ class Source:
     @property
     def settings(self) -> Settings:
         if self._settings is None:
-            self._settings = load_settings(self.app.conf, state_for(self.app).overrides)
+            self._settings = load_settings(
+                self.app.conf, {**state_for(self.app).overrides, **self.overrides}
+            )
         return self._settings
 
     @property

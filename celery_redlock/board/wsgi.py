@@ -63,12 +63,21 @@ class Board:
     """The board of Celery app *app* (see :func:`celery_redlock.board.make_app`)."""
 
     def __init__(
-        self, app: Any, *, actions: bool = False, token: Any = None, token_file: Any = None
+        self,
+        app: Any,
+        *,
+        actions: bool = False,
+        token: Any = None,
+        token_file: Any = None,
+        overrides: Any = None,
+        private: bool = False,
     ) -> None:
-        self.source = Source(app)
+        self.source = Source(app, overrides)
         self.actions = bool(actions)
-        self.tokens: list[Token] = load_tokens(token, token_file) if actions else []
-        if self.actions and not self.tokens:
+        #: Every page needs a signed-in token (a board served beyond loopback).
+        self.private = bool(private)
+        self.tokens: list[Token] = load_tokens(token, token_file)
+        if (self.actions or self.private) and not self.tokens:
             raise ConfigError(
                 "the board's actions need a token: pass token=, --token-file PATH or set "
                 "REDLOCK_BOARD_TOKEN (name:secret, the secret 16 characters or more)"
@@ -102,21 +111,26 @@ class Board:
         start_response(status, base + headers)
         return [data]
 
-    def handle(self, environ: Environ) -> Answer:
+    def handle(self, environ: Environ) -> Answer:  # noqa: PLR0911 - one return per route
         method = environ.get("REQUEST_METHOD", "GET")
         path = _path(environ)
         base = environ.get("SCRIPT_NAME", "").rstrip("/")
         args = {k: v[-1] for k, v in parse_qs(environ.get("QUERY_STRING", "")).items()}
         if path.startswith("/static/"):
             return self.static(path[len("/static/") :])
-        if path.startswith("/api/"):
-            return self.api(path[len("/api/") :], args)
         if path == "/action":
             if method != "POST":
                 raise _Refused("405 Method Not Allowed", "actions are POSTs")
             return self.act(environ, base)
         if path == "/login":
             return self.login(environ, base, method)
+        if self.private and self._session(environ) is None:
+            if path.startswith("/api/"):
+                raise _Refused("403 Forbidden", "sign in with the board's token first")
+            target = base + "/login" + pages.query(next=base + path)
+            return "303 See Other", [("Location", target)], ""
+        if path.startswith("/api/"):
+            return self.api(path[len("/api/") :], args)
         if method not in ("GET", "HEAD"):
             raise _Refused("405 Method Not Allowed", "this page is read-only")
         live = environ.get("HTTP_X_BOARD_PART") == "live"
@@ -203,14 +217,12 @@ class Board:
         return (token, session) if token is not None else None
 
     def _user(self, environ: Environ) -> str | None:
-        found = self._session(environ) if self.actions else None
+        found = self._session(environ) if self.tokens else None
         return found[0].name if found else None
 
     def login(self, environ: Environ, base: str, method: str) -> Answer:
-        if not self.actions:
-            raise _Refused(
-                "404 Not Found", "actions are off on this board (start it with --actions)"
-            )
+        if not self.tokens:
+            raise _Refused("404 Not Found", "this board has no token to sign in with")
         note = ""
         if method == "POST":
             form = _form(environ)
