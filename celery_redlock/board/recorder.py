@@ -89,18 +89,21 @@ class _Recorder:
     """The queue of events and the thread that writes them (one per process)."""
 
     def __init__(self) -> None:
+        #: The apps that record (weakly: an app that goes stops recording); a forked
+        #: child keeps them.
+        self.apps: list[weakref.ref[Any]] = []
+        #: False once no registered app records: the hook then takes no event.
+        self.enabled = True
         self._reset()
         on_fork(self._reset)
 
     def _reset(self) -> None:
+        """A new lock, an empty queue and no thread (in a forked child: the parent's
+        thread is not there, and its queue was the parent's to write)."""
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
         self.queue: collections.deque[LockEvent] = collections.deque(maxlen=_BACKLOG)
         self.thread: threading.Thread | None = None
-        #: The apps that record (weakly: an app that goes stops recording).
-        self.apps: list[weakref.ref[Any]] = []
-        #: False once no registered app records: the hook then takes no event.
-        self.enabled = True
 
     def add(self, app: Any) -> None:
         with self.lock:

@@ -26,6 +26,9 @@ app = Celery(
 )
 app.conf.redlock_url = os.environ.get("REDLOCK_TEST_LOCKS", "redis://127.0.0.1:1/1")
 app.conf.worker_prefetch_multiplier = 1
+#: A run holds its message until it ends: a worker whose processes are all busy takes no
+#: more (the board tests need each run started at once, on whichever worker is free).
+app.conf.task_acks_late = True
 app.conf.broker_connection_retry_on_startup = True
 #: The longest a run waits for the test to let it go.
 HOLD_AT_MOST = 60.0
