@@ -165,10 +165,11 @@ def overview_live(base: str, view: View, rows: Sequence[Row], kind: str) -> str:
             + "</tr>"
         )
     out.append("</tbody></table></div>")
-    more = len(shown) - PAGE
+    more = view.more or len(shown) > PAGE
+    count = f"the first {PAGE} names" if more else f"{len(shown)} keys"
     out.append(
-        f'<p class="count">{len(shown)} keys'
-        + (f"; the first {PAGE} shown: narrow the filter to see the rest" if more > 0 else "")
+        f'<p class="count">{count}'
+        + ("; more match: narrow the filter by key prefix to see them" if more else "")
         + "</p>"
     )
     return "".join(out)

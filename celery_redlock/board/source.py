@@ -50,6 +50,8 @@ class View:
     objects: list[dict[str, Any]] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     redlock: bool = False
+    #: More locks match than were read (a page: see :meth:`Source.listing`).
+    more: bool = False
 
 
 def glob_escape(text: str) -> str:
@@ -127,15 +129,22 @@ class Source:
             found += [(master, item) for item in items]
         return found
 
-    def listing(self, pattern: str = "*") -> View:
+    def listing(self, pattern: str = "*", limit: int | None = None) -> View:
         """Every lock, permit, queued hold, rate limiter and control matching *pattern*: the
-        objects of ``celery locks list --json PATTERN``, in its order."""
+        objects of ``celery locks list --json PATTERN``, in its order. With *limit*, the
+        locks of the first *limit* names only (:attr:`View.more`: there are others)."""
         view = View(redlock=self.redlock)
         prefix = self.prefix
+        ask = None if limit is None else limit + 1
         rows = [
             LockRow.of(info, master)
-            for master, info in self._each(view, lambda b: scan_locks(b, prefix, pattern))
+            for master, info in self._each(view, lambda b: scan_locks(b, prefix, pattern, ask))
         ]
+        if limit is not None:
+            names = sorted({r.name for r in rows})
+            view.more = len(names) > limit
+            first = set(names[:limit])
+            rows = [r for r in rows if r.name in first]
         rows.sort(key=lambda r: (r.name, r.master or ""))
         locks = [r for r in rows if r.kind != "permit"]
         permits = [r for r in rows if r.kind == "permit"]

@@ -150,7 +150,7 @@ class Board:
         kind = args.get("kind", "")
         if kind not in pages.KINDS:
             kind = ""
-        view = self.source.listing(glob_escape(prefix) + "*")
+        view = self.source.listing(glob_escape(prefix) + "*", limit=pages.PAGE)
         part = pages.overview_live(base, view, pages.group(view), kind)
         if live:
             return "200 OK", [], part

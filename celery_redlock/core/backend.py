@@ -401,9 +401,10 @@ class Records(Protocol):
 class Admin(Protocol):
     """What ``celery locks`` reads and removes on one store (see :mod:`~.admin`)."""
 
-    def scan(self, prefix: str, pattern: str = "*") -> list[LockInfo]:
+    def scan(self, prefix: str, pattern: str = "*", limit: int | None = None) -> list[LockInfo]:
         """Every held lock, live permit and queued hold under *prefix* whose name matches
-        the glob *pattern*, sorted by name (``SCAN`` on Redis, never ``KEYS``)."""
+        the glob *pattern*, sorted by name (``SCAN`` on Redis, never ``KEYS``); with
+        *limit*, those of the first *limit* names only (a page: only they are read)."""
         ...
 
     def read(self, prefix: str, name: str) -> list[LockInfo]:

@@ -375,3 +375,40 @@ def test_mounted_under_a_prefix_in_a_flask_site_it_serves_the_same_pages(
     assert page.replace("/ops/locks", "").count("data-name") == alone.count("data-name")
     assert client.get("/ops/locks/static/board.js").status_code == 200
     assert "mounted:1" in client.get("/ops/locks/key/mounted%3A1").get_data(as_text=True)
+
+
+@pytest.mark.parametrize("where", ["memory", "redis"])
+def test_the_overview_reads_one_page_of_names_and_says_more_match(
+    where: str,
+    shared_redis: RedisServer,
+    redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With more names than a page, the overview reads the first names in order (a
+    name's permits and queued hold with it) and says that more match; the API lists all."""
+    from celery_redlock.board import pages  # noqa: PLC0415
+    from celery_redlock.core.admin import scan_locks  # noqa: PLC0415
+
+    url = shared_redis.url if where == "redis" else "memory://board-page"
+    target = connect(url)
+    held = [Lock(target, f"page:{i}", 30, owner_info=OWNER, auto_renew=False) for i in (4, 1, 3, 2)]
+    assert all(lock.acquire(blocking=False) for lock in held)
+    permit = Semaphore(target, "page:2", 2, 30, auto_renew=False)
+    assert permit.acquire(blocking=False)
+    try:
+        first = scan_locks(target, "redlock:", "page:*", limit=2)
+        assert [(i.name, i.kind) for i in first] == [
+            ("page:1", "lock"),
+            ("page:2", "lock"),
+            ("page:2", "permit"),
+        ]
+        app = Celery("paged", broker="memory://", set_as_current=False)
+        app.conf.redlock_url = url
+        monkeypatch.setattr(pages, "PAGE", 2)
+        page = _text(Client(make_app(app)).get("/?prefix=page:"))
+        assert re.findall(r'<tr data-name="([^"]+)"', page) == ["page:1", "page:2"]
+        assert "more match" in page
+        assert len(json.loads(_text(Client(make_app(app)).get("/api/locks?pattern=page:*")))) == 5
+    finally:
+        for lock in [*held, permit]:
+            lock.release()

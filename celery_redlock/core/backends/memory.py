@@ -527,8 +527,8 @@ class MemoryBackend(MemoryFlow):
 
     # -- operator reads and forced release (see memory_admin) -------------------------------
     @atomic
-    def scan(self, prefix: str, pattern: str = "*") -> list[LockInfo]:
-        return memory_admin.scan(self, prefix, pattern)
+    def scan(self, prefix: str, pattern: str = "*", limit: int | None = None) -> list[LockInfo]:
+        return memory_admin.scan(self, prefix, pattern, limit)
 
     @atomic
     def read(self, prefix: str, name: str) -> list[LockInfo]:

@@ -42,9 +42,9 @@ class RedisOperator(RedisCalls):
     def _node_permits(self, node: Any, slot: Slot) -> list[Holder]:
         return self.on_node(node).holders(slot)
 
-    def scan(self, prefix: str, pattern: str = "*") -> list[LockInfo]:
+    def scan(self, prefix: str, pattern: str = "*", limit: int | None = None) -> list[LockInfo]:
         with self._errors(pattern):
-            return redis_admin.scan(self.client, prefix, pattern, self._node_permits)
+            return redis_admin.scan(self.client, prefix, pattern, self._node_permits, limit)
 
     def read(self, prefix: str, name: str) -> list[LockInfo]:
         with self._errors(name):
