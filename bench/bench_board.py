@@ -2,7 +2,7 @@
 
 Run by hand (not part of the test suite)::
 
-    .venv/bin/python bench/bench_board.py [--keys 100000] [--runs 5] [--write-docs]
+    .venv/bin/python bench/bench_board.py [--keys 100000] [--runs 5]
 
 It starts its own throwaway redis-server on a free loopback port and stops it by pid at
 the end. It takes one lock for real, copies its hash (``DUMP`` / ``RESTORE``) to

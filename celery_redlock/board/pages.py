@@ -52,10 +52,13 @@ class Row:
 
 
 def _who(holder: dict[str, Any]) -> str:
+    """A holder in words: ``task[id] on host (pid N)``."""
     task = holder.get("task_name") or "-"
     tid = holder.get("task_id")
-    where = " ".join(str(v) for v in (holder.get("hostname"), holder.get("pid")) if v)
-    return f"{task}[{tid}]" + (f" on {where}" if where else "") if tid else f"{task} {where}"
+    host, pid = holder.get("hostname"), holder.get("pid")
+    where = f" on {host}" if host else ""
+    where += f" (pid {pid})" if pid else ""
+    return (f"{task}[{tid}]" if tid else str(task)) + where
 
 
 def group(view: View) -> list[Row]:
