@@ -23,8 +23,16 @@ from celery import Celery
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from celery_redlock import Lock, LockedTask, QueuedHold, RateLimiter, Semaphore, connect  # noqa: E402
-from celery_redlock import control, install  # noqa: E402
+from celery_redlock import (  # noqa: E402 - after the path of this checkout
+    Lock,
+    LockedTask,
+    QueuedHold,
+    RateLimiter,
+    Semaphore,
+    connect,
+    control,
+    install,
+)
 from celery_redlock.board.recorder import flush  # noqa: E402
 from celery_redlock.board.serve import make_board_server  # noqa: E402
 
