@@ -46,6 +46,8 @@ KINDS = frozenset(
 )
 #: About how many events each log keeps (``XADD ... MAXLEN ~``).
 MAXLEN = 10_000
+#: A log nobody writes to goes after this long (ms): a week.
+LOG_TTL_MS = 7 * 24 * 3600 * 1000
 #: Seconds between two writes of the queued events.
 FLUSH_EVERY = 0.25
 #: Seconds without events after which the writing thread ends.
@@ -163,7 +165,7 @@ class _Recorder:
             if store is None:
                 continue
             try:
-                store.log_events(log_key(settings.key_prefix), mine, MAXLEN)
+                store.log_events(log_key(settings.key_prefix), mine, MAXLEN, LOG_TTL_MS)
             except Exception as exc:  # unavailable, or foreign data at the log's key
                 log.debug("celery-redlock: lock events not recorded: %s", exc)
         if not recording:

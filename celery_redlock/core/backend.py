@@ -436,9 +436,9 @@ class EventLog(Protocol):
     """A capped log of lock events under one key (``<prefix>events``): workers append
     batches from a background thread, the board reads the newest."""
 
-    def log_events(self, log_key: str, events: Sequence[str], maxlen: int) -> None:
+    def log_events(self, log_key: str, events: Sequence[str], maxlen: int, ttl_ms: int) -> None:
         """Append *events* (JSON texts, oldest first) to the log at *log_key* in one round
-        trip, keeping about the newest *maxlen*."""
+        trip, keeping about the newest *maxlen*; the log goes *ttl_ms* after its last write."""
         ...
 
     def read_events(self, log_key: str, count: int) -> list[str]:

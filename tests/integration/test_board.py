@@ -202,10 +202,12 @@ def test_the_event_log_is_capped_and_read_newest_first(
     """EventLog on memory and Redis: events come back newest first, and the log keeps
     about maxlen of them (Redis trims whole nodes: at most twice as many)."""
     backend = need(open_backend(connect(shared_redis.url if url == "redis" else url)), EventLog)
-    backend.log_events("t:events", [str(i) for i in range(1000)], 100)
+    backend.log_events("t:events", [str(i) for i in range(1000)], 100, 60_000)
     newest = backend.read_events("t:events", 3)
     assert newest == ["999", "998", "997"]
     assert 100 <= len(backend.read_events("t:events", 5000)) <= 200
+    if url == "redis":  # the log goes when nobody writes to it
+        assert 0 < redis_client.pttl("t:events") <= 60_000
 
 
 def test_a_redlock_board_shows_each_masters_view(

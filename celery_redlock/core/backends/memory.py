@@ -552,13 +552,14 @@ class MemoryBackend(MemoryFlow):
 
     # -- the lock event log -----------------------------------------------------------------
     @atomic
-    def log_events(self, log_key: str, events: Sequence[str], maxlen: int) -> None:
-        """Append *events* to the capped log at *log_key* (a stream, as XADD MAXLEN)."""
+    def log_events(self, log_key: str, events: Sequence[str], maxlen: int, ttl_ms: int) -> None:
+        """Append *events* to the capped log at *log_key* (a stream, as XADD MAXLEN), which
+        goes *ttl_ms* after this write."""
         log = self.get(log_key, "stream")
         if log is None or log.maxlen != maxlen:
             log = collections.deque(log or (), maxlen=maxlen)
-            self.put(log_key, "stream", log)
         log.extend(events)
+        self.put(log_key, "stream", log, ttl_ms)
 
     @atomic
     def read_events(self, log_key: str, count: int) -> list[str]:

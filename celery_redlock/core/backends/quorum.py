@@ -417,14 +417,14 @@ class QuorumBackend(QuorumCalls):
         raise self.unavailable(slot.name, outcomes)
 
     # -- the lock event log: each master keeps its own ------------------------------------
-    def log_events(self, log_key: str, events: Sequence[str], maxlen: int) -> None:
+    def log_events(self, log_key: str, events: Sequence[str], maxlen: int, ttl_ms: int) -> None:
         """Append *events* to the log of every master that answers (a log is what each
         master saw happen, not a decision: a master down misses its copy)."""
         for member in self.members:
             log = given(member, EventLog)
             if log is not None:
                 with contextlib.suppress(QuorumUnavailable):
-                    log.log_events(log_key, events, maxlen)
+                    log.log_events(log_key, events, maxlen, ttl_ms)
 
     def read_events(self, log_key: str, count: int) -> list[str]:
         """The log of the first master that answers (the board reads each master's)."""

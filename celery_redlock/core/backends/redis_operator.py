@@ -58,12 +58,13 @@ class RedisOperator(RedisCalls):
         with self._errors(name):
             return redis_admin.read_rate(self.client, prefix, name)
 
-    def log_events(self, log_key: str, events: Sequence[str], maxlen: int) -> None:
-        """``XADD <log_key> MAXLEN ~ <maxlen>`` per event, in one pipeline."""
+    def log_events(self, log_key: str, events: Sequence[str], maxlen: int, ttl_ms: int) -> None:
+        """``XADD <log_key> MAXLEN ~ <maxlen>`` per event, then ``PEXPIRE``, in one pipeline."""
         with self._errors(log_key, partial(_not_a_log, log_key)):
             pipe = self.client.pipeline(transaction=False)
             for event in events:
                 pipe.xadd(log_key, {"e": event}, maxlen=maxlen, approximate=True)
+            pipe.pexpire(log_key, ttl_ms)
             pipe.execute()
 
     def read_events(self, log_key: str, count: int) -> list[str]:
