@@ -24,9 +24,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from celery_redlock import (  # noqa: E402 - after the path of this checkout
+    Limit,
     Lock,
     LockedTask,
     QueuedHold,
+    Rate,
     RateLimiter,
     Semaphore,
     connect,
@@ -74,6 +76,14 @@ def _locks(app: Celery) -> list[object]:
     def sync_account(n: int) -> int:
         return n
 
+    @app.task(
+        base=LockedTask,
+        name="imports.run",
+        lock_key="import:<account>",
+        lock_limits=[Limit("imports:<partner>", 3), Rate("partner:<partner>", "60/h", burst=5)],
+    )
+    def import_run(account: int, partner: str) -> None: ...
+
     for _ in range(2):
         sync_account.apply((7,))
     flush()
@@ -102,7 +112,7 @@ def main() -> None:
     options.binary_location = binary
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"):
         options.add_argument(arg)
-    options.add_argument("--window-size=1100,600")
+    options.add_argument("--window-size=1240,600")
     driver = webdriver.Chrome(options=options, service=Service(driver_path))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -7,12 +7,13 @@ from __future__ import annotations
 import html
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import quote, urlencode
 
 from ..render import _duration, _ttl
+from .rules import KeyRule, matching
 from .source import Problem, View
 
 __all__ = ["KINDS", "Row", "e", "group", "key_live", "key_page", "overview_live", "overview_page"]
@@ -49,6 +50,8 @@ class Row:
     controls: list[dict[str, Any]] | None = None
     master: str | None = None
     detail: str = ""
+    #: The task rules that name the key (:mod:`.rules`).
+    rules: list[KeyRule] = field(default_factory=list)
 
 
 def _who(holder: dict[str, Any]) -> str:
@@ -61,9 +64,10 @@ def _who(holder: dict[str, Any]) -> str:
     return (f"{task}[{tid}]" if tid else str(task)) + where
 
 
-def group(view: View) -> list[Row]:
+def group(view: View, rules: list[KeyRule] | None = None) -> list[Row]:
     """The ``--json`` objects of *view* as overview rows: a semaphore's permits in one row,
-    each control on its key's rows (a row of its own for a key nothing holds)."""
+    each control on its key's rows (a row of its own for a key nothing holds), each row
+    with the task *rules* that name its key."""
     now = time.time()
     rows: dict[tuple[str, str, str], Row] = {}
     controls: dict[str, list[dict[str, Any]]] = {}
@@ -105,6 +109,8 @@ def group(view: View) -> list[Row]:
     for name, found in controls.items():
         if not any(r.name == name for r in rows.values()):
             rows[(name, "control", "")] = Row(name, "control", [], controls=found)
+    for row in rows.values():
+        row.rules = matching(rules or [], row.name)
     return sorted(rows.values(), key=lambda r: (r.name, r.kind, r.master or ""))
 
 
@@ -120,8 +126,12 @@ def _control_text(controls: Iterable[dict[str, Any]] | None) -> str:
 
 
 def _semaphore(row: Row) -> str:
+    """``semaphore 2/3``: permits held / the limit in force (an operator's override, else
+    the largest limit of the rules that name it); without one, how many are held."""
     used = len(row.holders)
-    limit = next((c["value"] for c in row.controls or () if c["control"] == "limit"), None)
+    limit: Any = next((c["value"] for c in row.controls or () if c["control"] == "limit"), None)
+    if limit is None:
+        limit = max((r.limit for r in row.rules if r.limit and r.limit > 1), default=None)
     return f"semaphore {used}/{limit}" if limit else f"semaphore, {used} held"
 
 
@@ -140,7 +150,7 @@ def overview_live(base: str, view: View, rows: Sequence[Row], kind: str) -> str:
     if not shown:
         out.append('<p class="empty">No key held under this filter.</p>')
         return "".join(out)
-    head = ["kind", "name", "holder(s)", "held for", "TTL left", "fence", "control"]
+    head = ["kind", "name", "holder(s)", "held for", "TTL left", "fence", "control", "rules"]
     if view.redlock:
         head.append("master")
     out.append('<div class="scroll"><table id="keys"><thead><tr>')
@@ -159,6 +169,7 @@ def overview_live(base: str, view: View, rows: Sequence[Row], kind: str) -> str:
             e(_ttl(r.ttl_ms)) if r.ttl_ms is not None else "-",
             e(r.fence) if r.fence is not None else "-",
             e(_control_text(r.controls)) or "-",
+            "<br>".join(e(rule.text) for rule in r.rules) or "-",
         ]
         if view.redlock:
             cells.append(e(r.master or "-"))
@@ -267,6 +278,7 @@ def key_live(  # noqa: PLR0917 - the parts of one key's page
     events: Sequence[dict[str, Any]],
     problems: Sequence[Problem],
     forms: Any,
+    rules: Sequence[KeyRule] = (),
 ) -> str:
     """A key's live part: holders, controls, fence history, waiting runs and events."""
     out = [_problems([*view.problems, *problems])]
@@ -304,6 +316,9 @@ def key_live(  # noqa: PLR0917 - the parts of one key's page
     controls = [o for o in view.objects if o["kind"] == "control"]
     if controls:
         out.append(f'<h2>Controls</h2><p id="controls">{e(_control_text(controls))}</p>')
+    if rules:
+        items = "".join(f"<li>{e(rule.text)}</li>" for rule in rules)
+        out.append(f'<h2>Rules that name it</h2><ul id="rules">{items}</ul>')
     fences = [ev for ev in events if ev.get("kind") == "acquired" and ev.get("fence") is not None]
     out.append("<h2>Fence history</h2>")
     if fences:

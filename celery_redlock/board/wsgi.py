@@ -33,6 +33,7 @@ from ..core.errors import ConfigError, QuorumUnavailable, describe_holder, one_l
 from . import pages
 from .auth import Token, load_tokens, pasted, token_of
 from .pages import e, hidden
+from .rules import matching, task_rules
 from .source import Source, glob_escape
 
 __all__ = ["Board"]
@@ -151,7 +152,7 @@ class Board:
         if kind not in pages.KINDS:
             kind = ""
         view = self.source.listing(glob_escape(prefix) + "*", limit=pages.PAGE)
-        part = pages.overview_live(base, view, pages.group(view), kind)
+        part = pages.overview_live(base, view, pages.group(view, task_rules(self.source.app)), kind)
         if live:
             return "200 OK", [], part
         body = pages.overview_page(base, part, prefix, kind)
@@ -167,7 +168,8 @@ class Board:
         view = self.source.one(name)
         events, problems = self.source.events(name, count=50)
         forms = _Forms(self, environ, base, name)
-        part = pages.key_live(base, name, view, events, problems, forms)
+        rules = matching(task_rules(self.source.app), name)
+        part = pages.key_live(base, name, view, events, problems, forms, rules)
         if live:
             return "200 OK", [], part
         body = pages.key_page(name, part, forms.controls(), args.get("done", ""))

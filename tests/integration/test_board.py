@@ -414,3 +414,36 @@ def test_the_overview_reads_one_page_of_names_and_says_more_match(
     finally:
         for lock in [*held, permit]:
             lock.release()
+
+
+def test_each_key_shows_the_task_rules_that_name_it(app: Celery, shared_redis: RedisServer) -> None:
+    """A task's lock_key (with its lock_limit) and its lock_limits rules show on the rows
+    of the keys they can give, and the semaphore's limit comes from the rule."""
+    from celery_redlock import Limit, Rate  # noqa: PLC0415
+
+    @app.task(
+        base=LockedTask,
+        name="proj.import_rows",
+        lock_key="imp:<n>",
+        lock_limits=[Limit("imports", 3), Rate("partner:<p>", "60/m")],
+    )
+    def import_rows(n: int, p: str) -> None: ...
+
+    @app.task(base=LockedTask, name="proj.report", lock_key="report:<day>", lock_limit=2)
+    def report(day: str) -> None: ...
+
+    client = shared_redis.client()
+    held = [
+        Lock(client, "imp:1", 30, owner_info=OWNER, auto_renew=False),
+        Semaphore(client, "imports", 3, 30, owner_info=OWNER, auto_renew=False),
+        Semaphore(client, "report:mon", 2, 30, owner_info=OWNER, auto_renew=False),
+    ]
+    assert all(h.acquire(blocking=False) for h in held)
+    page = _text(Client(make_app(app)).get("/"))
+    rows = dict(re.findall(r'<tr data-name="([^"]+)".*?<td data-col="rules">(.*?)</td>', page))
+    assert rows["imp:1"] == "proj.import_rows: lock_key=&#x27;imp:&lt;n&gt;&#x27;"
+    assert rows["imports"] == "proj.import_rows: Limit(&#x27;imports&#x27;, 3)"
+    assert "lock_limit=2" in rows["report:mon"]
+    assert "semaphore 1/2" in page and "semaphore 1/3" in page
+    key_page = _text(Client(make_app(app)).get("/key/imports"))
+    assert "Rules that name it" in key_page and "Limit(&#x27;imports&#x27;, 3)" in key_page
