@@ -42,6 +42,7 @@ KINDS = frozenset(
         "duplicate",
         "superseded",
         "unavailable",
+        "backed_off",
     }
 )
 #: About how many events each log keeps (``XADD ... MAXLEN ~``).
@@ -145,6 +146,9 @@ class _Recorder:
         """Write *events* to the log of each recording app whose prefix they are under."""
         events = list(events)
         recording = 0
+        #: (store, prefix) already written: apps of one process sharing a store and a
+        #: prefix (tests, several apps of one project) write each event once.
+        written: set[tuple[Any, str]] = set()
         for ref in list(self.apps):
             app = ref()
             if app is None:
@@ -164,12 +168,30 @@ class _Recorder:
             store = given(state.backend(), EventLog)
             if store is None:
                 continue
+            where = (_identity(store), settings.key_prefix)
+            if where in written:
+                continue
+            written.add(where)
             try:
                 store.log_events(log_key(settings.key_prefix), mine, MAXLEN, LOG_TTL_MS)
             except Exception as exc:  # unavailable, or foreign data at the log's key
                 log.debug("celery-redlock: lock events not recorded: %s", exc)
         if not recording:
             self.enabled = False
+
+
+def _identity(store: Any) -> Any:
+    """What tells two stores apart: the server (or servers) they keep their keys on."""
+    identity = getattr(store, "identity", None)
+    if callable(identity):
+        try:
+            return identity()
+        except Exception:
+            return id(store)
+    members = getattr(store, "members", None)
+    if isinstance(members, tuple):
+        return tuple(_identity(m) for m in members)
+    return id(store)
 
 
 _recorder = _Recorder()

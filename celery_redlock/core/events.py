@@ -29,6 +29,7 @@ EventKind = Literal[
     "rate_limited",
     "duplicate",
     "superseded",
+    "backed_off",
 ]
 
 
@@ -43,7 +44,8 @@ class LockEvent:
     replaced; ``holder`` is the newer one's), ours otherwise. ``owner`` is ours
     (the waiting task's record for ``contended``), where the lock knows it.
     ``rate_limited``: a rate limiter refused a start, and ``retry_after`` says in how
-    many seconds its next slot is free.
+    many seconds its next slot is free. ``backed_off``: a run raised ``BackOff``, which
+    paused ``name`` for ``retry_after`` seconds (``error``: its reason).
     """
 
     kind: EventKind

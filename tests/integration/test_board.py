@@ -447,3 +447,26 @@ def test_each_key_shows_the_task_rules_that_name_it(app: Celery, shared_redis: R
     assert "semaphore 1/2" in page and "semaphore 1/3" in page
     key_page = _text(Client(make_app(app)).get("/key/imports"))
     assert "Rules that name it" in key_page and "Limit(&#x27;imports&#x27;, 3)" in key_page
+
+
+def test_a_back_off_is_recorded_and_shown_with_the_pause(app: Celery) -> None:
+    """A run that raises BackOff(30) records a backed_off event on the key it paused, with
+    its reason; the key page shows the event and the pause."""
+    from celery_redlock import BackOff  # noqa: PLC0415
+
+    install(app)
+
+    @app.task(base=LockedTask, name="proj.call_partner", lock_key="partner:<p>")
+    def call_partner(p: str) -> None:
+        raise BackOff(30, reason="429 from the partner")
+
+    with pytest.raises(BackOff):
+        call_partner("acme")
+    flush()
+    events, _ = make_app(app).source.events("partner:acme")
+    backed = [e for e in events if e["kind"] == "backed_off"]
+    assert len(backed) == 1 and backed[0]["retry_after"] == 30
+    assert backed[0]["error"] == "429 from the partner"
+    assert backed[0]["task_name"] == "proj.call_partner"
+    page = _text(Client(make_app(app)).get("/key/partner%3Aacme"))
+    assert 'data-kind="backed_off"' in page and "paused: 429 from the partner" in page
