@@ -17,7 +17,7 @@ import redis
 from celery import Celery
 from celery.bin.celery import celery as celery_main
 from click.testing import CliRunner
-from servers import RedisServer
+from servers import ClusterSetup, RedisServer, SentinelSetup
 from werkzeug.test import Client
 
 from celery_redlock import Lock, LockedTask, Redlock, Semaphore, connect, install
@@ -470,3 +470,51 @@ def test_a_back_off_is_recorded_and_shown_with_the_pause(app: Celery) -> None:
     assert backed[0]["task_name"] == "proj.call_partner"
     page = _text(Client(make_app(app)).get("/key/partner%3Aacme"))
     assert 'data-kind="backed_off"' in page and "paused: 429 from the partner" in page
+
+
+def test_on_a_cluster_the_board_finds_keys_on_every_primary_and_their_events(
+    redis_cluster: ClusterSetup,
+) -> None:
+    """On a Redis Cluster the overview and the API list locks held on all three
+    primaries (one page of names across them, in order), and the event log is written
+    and read there."""
+    client = redis_cluster.client()
+    names = [f"job:{i:02d}" for i in range(12)]
+    owners = {client.get_node_from_key(f"redlock:{{{n}}}").name for n in names}
+    assert len(owners) == 3, "the names should spread over all three primaries"
+    held = [Lock(client, n, 30, owner_info=OWNER, auto_renew=False) for n in names]
+    assert all(lock.acquire(blocking=False) for lock in held)
+    app = Celery("clusterboard", broker="memory://", set_as_current=False)
+    app.conf.redlock_url = redis_cluster.nodes[0].url
+    app.conf.redlock_client_options = {"cluster": True}
+    try:
+        board = make_app(app)
+        assert (
+            sorted(o["name"] for o in json.loads(_text(Client(board).get("/api/locks")))) == names
+        )
+        assert re.findall(r'<tr data-name="([^"]+)"', _text(Client(board).get("/"))) == names
+        view = board.source.listing("job:*", limit=5)
+        assert [o["name"] for o in view.objects] == names[:5] and view.more
+        store = need(open_backend(client), EventLog)
+        store.log_events(
+            log_key("redlock:"), [json.dumps({"kind": "acquired", "name": "job:01"})], 100, 60_000
+        )
+        assert [e["kind"] for e in board.source.events("job:01")[0]] == ["acquired"]
+    finally:
+        for lock in held:
+            lock.release()
+        client.close()
+
+
+def test_on_sentinel_the_board_reads_the_master(sentinel_setup: SentinelSetup) -> None:
+    """With a sentinel:// URL the board shows the locks on the current master."""
+    url = ";".join(sentinel_setup.sentinel_urls) + "?master=mymaster"
+    lock = Lock(connect(url), "sent:1", 30, owner_info=OWNER, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    app = Celery("sentinelboard", broker="memory://", set_as_current=False)
+    app.conf.redlock_url = url
+    try:
+        page = _text(Client(make_app(app)).get("/"))
+        assert 'data-name="sent:1"' in page and "proj.sync[id-1]" in page
+    finally:
+        lock.release()
