@@ -45,21 +45,25 @@ def _wait_for_go(name: str) -> None:
         record.close()
 
 
-@app.task(base=LockedTask, lock_key="mutex:<name>", lock_on_contended="skip", lock_ttl=30)
+@app.task(
+    base=LockedTask, shared=False, lock_key="mutex:<name>", lock_on_contended="skip", lock_ttl=30
+)
 def hold(name: str) -> str:
     """Hold mutex ``mutex:<name>`` until the test says go."""
     _wait_for_go(name)
     return name
 
 
-@app.task(base=LockedTask, lock_key="sem:<name>", lock_limit=2, lock_on_contended="skip")
+@app.task(
+    base=LockedTask, shared=False, lock_key="sem:<name>", lock_limit=2, lock_on_contended="skip"
+)
 def permit(name: str) -> str:
     """Hold one of 2 permits of ``sem:<name>`` until the test says go."""
     _wait_for_go(name)
     return name
 
 
-@app.task(base=LockedTask, lock_key="queued:<name>", lock_on="enqueue")
+@app.task(base=LockedTask, shared=False, lock_key="queued:<name>", lock_on="enqueue")
 def queued(name: str) -> str:
     """Published to a queue no worker reads: its key stays held by the queued message."""
     return name

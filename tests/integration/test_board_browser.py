@@ -200,7 +200,7 @@ def test_the_overview_shows_the_workers_holds_and_a_release_within_two_seconds(
     semaphore = _row(browser, "sem:s")
     assert semaphore is not None and semaphore["kind"] == "semaphore"
     assert all(f"[{p.id}]" in semaphore["text"] for p in permits)
-    assert "2 held" in semaphore["text"]
+    assert "semaphore 2/2" in semaphore["text"]  # 2 permits held of the task's lock_limit=2
     parked = _row(browser, "queued:q")
     assert parked is not None and parked["kind"] == "queued"
     assert f"[{queued.id}]" in parked["text"]
