@@ -16,7 +16,17 @@ from ..render import _duration, _ttl
 from .rules import KeyRule, matching
 from .source import Problem, View
 
-__all__ = ["KINDS", "Row", "e", "group", "key_live", "key_page", "overview_live", "overview_page"]
+__all__ = [
+    "KINDS",
+    "Row",
+    "e",
+    "group",
+    "key_live",
+    "key_page",
+    "overview_live",
+    "overview_page",
+    "who",
+]
 
 #: The overview's kind filter: value -> label.
 KINDS = {
@@ -54,7 +64,7 @@ class Row:
     rules: list[KeyRule] = field(default_factory=list)
 
 
-def _who(holder: dict[str, Any]) -> str:
+def who(holder: dict[str, Any]) -> str:
     """A holder in words: ``task[id] on host (pid N)``."""
     task = holder.get("task_name") or "-"
     tid = holder.get("task_id")
@@ -158,7 +168,7 @@ def overview_live(base: str, view: View, rows: Sequence[Row], kind: str) -> str:
     out.append("</tr></thead><tbody>")
     for r in shown[:PAGE]:
         text = _semaphore(r) if r.kind == "semaphore" else _KIND_TEXT[r.kind]
-        holders = r.detail or "<br>".join(e(_who(h)) for h in r.holders) or "-"
+        holders = r.detail or "<br>".join(e(who(h)) for h in r.holders) or "-"
         if r.detail:
             holders = e(r.detail)
         cells = [
@@ -238,10 +248,10 @@ def _when(at: Any) -> str:
 
 
 def _event_who(event: dict[str, Any]) -> str:
-    who = _who({k: event.get(k) for k in ("task_name", "task_id", "hostname", "pid")})
+    text = who({k: event.get(k) for k in ("task_name", "task_id", "hostname", "pid")})
     if isinstance(event.get("holder"), dict):
-        who += f" (held by {_who(event['holder'])})"
-    return who
+        text += f" (held by {who(event['holder'])})"
+    return text
 
 
 def _event_more(event: dict[str, Any]) -> str:
@@ -297,7 +307,7 @@ def key_live(  # noqa: PLR0917 - the parts of one key's page
             held = _duration(now - at) if isinstance(at, (int, float)) else "-"
             out.append(
                 f'<tr data-state="{e(o["state"])}"><td>{e(o["kind"])}</td><td>{e(o["state"])}</td>'
-                f'<td class="holder">{e(_who(o["holder"]))}</td><td>{e(held)}</td>'
+                f'<td class="holder">{e(who(o["holder"]))}</td><td>{e(held)}</td>'
                 f"<td>{e(_ttl(o['ttl_ms']))}</td>"
                 f"<td>{e(o['fence'] if o['fence'] is not None else '-')}</td>"
                 + (f"<td>{e(o.get('master') or '-')}</td>" if view.redlock else "")
@@ -338,7 +348,7 @@ def key_live(  # noqa: PLR0917 - the parts of one key's page
     if queued or waits:
         out.append(
             '<ul class="waiting">'
-            + "".join(f"<li>queued: {e(_who(o['holder']))}</li>" for o in queued)
+            + "".join(f"<li>queued: {e(who(o['holder']))}</li>" for o in queued)
             + "".join(
                 f"<li>{e(ev.get('kind'))} at {e(_when(ev.get('at')))}: {e(_event_who(ev))}</li>"
                 for ev in waits

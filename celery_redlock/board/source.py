@@ -191,9 +191,13 @@ class Source:
         out: list[dict[str, Any]] = []
         view = View()
         key = log_key(self.prefix)
+        #: A key's events name it as JSON does: others are skipped before parsing.
+        quoted = json.dumps(name)[1:-1] if name is not None else ""
         for master, text in self._each(
             view, lambda b: _read_log(b, key, count if name is None else EVENTS_READ)
         ):
+            if quoted not in text:
+                continue
             event = _parse_event(text)
             if name is not None and event.get("name") != name:
                 continue

@@ -33,6 +33,7 @@ from ..core.errors import ConfigError, QuorumUnavailable, describe_holder, one_l
 from . import pages
 from .auth import Token, load_tokens, pasted, token_of
 from .pages import e, hidden
+from .recorder import MAXLEN
 from .rules import matching, task_rules
 from .source import Source, glob_escape
 
@@ -194,9 +195,8 @@ class Board:
             out = view.objects
         elif path == "events":
             count = args.get("count", "100")
-            events, problems = self.source.events(
-                args.get("name") or None, count=int(count) if count.isdigit() else 100
-            )
+            wanted = min(int(count), MAXLEN) if count.isdigit() else 100
+            events, problems = self.source.events(args.get("name") or None, count=wanted)
             out, view = events, None
             if problems:
                 return _json({"events": events, "problems": [p.__dict__ for p in problems]})
@@ -234,7 +234,7 @@ class Board:
                 path = (base or "") + "/"
                 cookie = f"{_COOKIE}={token.session()}; Path={path}; HttpOnly; SameSite=Strict"
                 back = form.get("next", "")
-                target = back if back.startswith(base + "/") and not back.startswith("//") else path
+                target = back if _local(back, base) else path
                 return "303 See Other", [("Set-Cookie", cookie), ("Location", target)], ""
             note = '<p class="problems">That is not a token of this board.</p>'
         args = {k: v[-1] for k, v in parse_qs(environ.get("QUERY_STRING", "")).items()}
@@ -377,7 +377,7 @@ class _Forms:
             "fence": obj["fence"],
             "task_id": obj["holder"].get("task_id"),
             "master": obj.get("master"),
-            "holder": pages._who(obj["holder"]),
+            "holder": pages.who(obj["holder"]),
         }
         return self._form("release", "release", fields, danger=True)
 
@@ -426,6 +426,11 @@ def _question(form: dict[str, str]) -> str:
             f"Set {name!r}: {', '.join(parts) or 'nothing'}, on every worker from its next start?"
         )
     return f"{verb.capitalize()} {name!r}?"
+
+
+def _local(target: str, base: str) -> bool:
+    """True for a path of this board (never another site: ``//host``, ``/\\host``)."""
+    return target.startswith(base + "/") and not target.startswith(("//", "/\\"))
 
 
 def _path(environ: Environ) -> str:

@@ -313,6 +313,12 @@ def test_a_bad_or_missing_token_is_refused_with_a_clear_message(app: Celery) -> 
         Client(make_app(app, actions=True, token=TOKEN)).post("/login", data={"token": "nope"})
     )
     assert "not a token of this board" in page
+    board = make_app(app, actions=True, token=TOKEN)
+    for elsewhere in ("//evil.example/", "/\\evil.example/", "https://evil.example/"):
+        signed = Client(board).post("/login", data={"token": SECRET, "next": elsewhere})
+        assert signed.headers["Location"] == "/"  # never sent to another site
+    back = Client(board).post("/login", data={"token": SECRET, "next": "/key/a"})
+    assert back.headers["Location"] == "/key/a"
 
 
 # -- serving and mounting -------------------------------------------------------------------------
