@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -533,3 +534,33 @@ def test_on_sentinel_the_board_reads_the_master(sentinel_setup: SentinelSetup) -
         assert 'data-name="sent:1"' in page and "proj.sync[id-1]" in page
     finally:
         lock.release()
+
+
+def test_the_recorder_writes_from_its_thread_which_ends_when_idle(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without flush(), a run's events reach the log from the background thread, which
+    then ends by itself when no event comes (no thread is left behind)."""
+    from celery_redlock.board import recorder  # noqa: PLC0415
+
+    monkeypatch.setattr(recorder, "FLUSH_EVERY", 0.05)
+    monkeypatch.setattr(recorder, "IDLE", 0.3)
+    install(app)
+
+    @app.task(base=LockedTask, shared=False, lock_key="bg:<n>")
+    def job(n: int) -> None: ...
+
+    job(1)
+    board = make_app(app)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(board.source.events("bg:1")[0]) < 2:
+        time.sleep(0.02)
+    assert [e["kind"] for e in board.source.events("bg:1")[0]] == ["released", "acquired"]
+
+    def writer_alive() -> bool:
+        return any(t.name == "celery-redlock-events" for t in threading.enumerate())
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and writer_alive():
+        time.sleep(0.02)
+    assert not writer_alive()
