@@ -145,12 +145,17 @@ def test_foreign_data_under_the_prefix_shows_as_unreadable_never_a_500(
     _lock(shared_redis, "sync:1")
     redis_client.set(log_key("redlock:"), "not a stream")
     redis_client.rpush("redlock:{odd}", "x")
+    redis_client.hset("redlock:{weird}", mapping={"token": "t", "fence": "abc", "info": "[1,2]"})
+    redis_client.hset("redlock:{weird}:control", mapping={"pause": "x", "rate": "nonsense"})
+    redis_client.hset("redlock:{weird}:permits", mapping={"x": "garbage"})
     board = Client(make_app(app))
     key_page = board.get("/key/sync%3A1")
     assert key_page.status_code == 200
     assert "unreadable" in _text(key_page)
     overview = board.get("/")
     assert overview.status_code == 200 and 'data-name="sync:1"' in _text(overview)
+    assert board.get("/key/weird").status_code == 200
+    assert board.get("/api/locks").status_code == 200
     redis_client.delete(log_key("redlock:"))
     redis_client.xadd(log_key("redlock:"), {"e": "{not json"})
     redis_client.xadd(

@@ -232,7 +232,10 @@ class RedisFlow(RedisCalls):
         out = []
         for kind, raw in fields.items():
             until, _, value = text(raw).partition("|")
-            end = int(until or 0)
+            try:
+                end = int(until or 0)
+            except ValueError:  # not a control celery-redlock wrote: left alone
+                continue
             if end and end <= now:
                 continue
             out.append(Control(name, text(kind), value, end - now if end else None))
