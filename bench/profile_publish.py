@@ -400,7 +400,7 @@ def variants_and_fns(
 ]:
     """The ablation variants (name -> patch, unpatch) and the calls of those that are not
     ``enq.apply_async((i,))``."""
-    from celery_redlock.state import state_for  # noqa: PLC0415
+    from celery_redlock.app.state import state_for  # noqa: PLC0415
 
     none = (lambda: None, lambda: None)
     client = state_for(enq.app).backend().client
@@ -568,9 +568,9 @@ def main() -> None:
     from celery.utils import uuid as celery_uuid  # noqa: PLC0415
 
     from celery_redlock import dedup  # noqa: PLC0415
+    from celery_redlock.app.state import state_for  # noqa: PLC0415
     from celery_redlock.core import QueuedHold  # noqa: PLC0415
     from celery_redlock.naming import lock_name_for  # noqa: PLC0415
-    from celery_redlock.state import state_for  # noqa: PLC0415
 
     with _servers.running() as server:
         if opts.pin:

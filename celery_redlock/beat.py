@@ -72,13 +72,13 @@ from celery.utils.imports import symbol_by_name
 from celery.utils.time import maybe_make_aware
 from redis.exceptions import RedisError
 
-from .config import Settings, StartupConfigError
+from .app.config import Settings, StartupConfigError
+from .app.observability import BEAT_ROLE
+from .app.state import state_for
 from .core.connect import mask_url
 from .core.errors import ConfigError, RedlockError, one_line
 from .core.lock import Lock
 from .core.records import LockRecords
-from .observability import BEAT_ROLE
-from .state import state_for
 
 __all__ = ["LeaderScheduler", "leader_of"]
 

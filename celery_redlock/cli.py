@@ -17,7 +17,7 @@ Exit codes: 0 done; 1 the lock is not held, or the release was refused or
 aborted; 2 usage or configuration error; 3 Redis unreachable, or refusing the
 credentials.
 
-Settings come from ``celery_redlock.config.load_settings`` (the checks and the
+Settings come from ``celery_redlock.app.config.load_settings`` (the checks and the
 broker fallback the worker uses); every read and removal is a backend's operator
 verb, called through ``celery_redlock.core.admin``. This module only picks the
 masters and maps errors to exit codes; :mod:`celery_redlock.render` shows the rows.
@@ -34,9 +34,11 @@ from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 from celery.exceptions import CeleryCommandException
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
-from .checks import parse_duration
-from .config import Settings, load_settings
-from .controls import Controls
+from .app.checks import parse_duration
+from .app.config import Settings, load_settings
+from .app.controls import Controls
+from .app.flags import flag_overrides, locks_flags
+from .app.state import state_for
 from .core import Backend, connect, mask_url, open_backend
 from .core.admin import (
     LockInfo,
@@ -52,7 +54,6 @@ from .core.backend import FlowControl, has, lacks
 from .core.backend_types import Control
 from .core.errors import ConfigError, QuorumUnavailable, describe_holder, one_line
 from .core.keys import lock_keys
-from .flags import flag_overrides, locks_flags
 from .render import (
     LockRow,
     control_json,
@@ -64,7 +65,6 @@ from .render import (
     rate_table,
     task_of,
 )
-from .state import state_for
 
 __all__ = ["EXIT_NOT_HELD", "EXIT_UNREACHABLE", "LockRow", "locks"]
 

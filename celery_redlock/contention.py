@@ -1,6 +1,6 @@
 """What a call does when its key is held: the ``lock_on_contended`` strategies of a run,
 and the ``lock_on_duplicate`` policies of a publish. Each is registered in its kind's
-registry (:mod:`celery_redlock.policies`); the option accepts every registered name, so a
+registry (:mod:`celery_redlock.app.policies`); the option accepts every registered name, so a
 new one is one registration and its functions.
 
 * a :class:`Strategy` (``policies.CONTENDED``) names a function that decides the fate of
@@ -26,6 +26,8 @@ from typing import Any, NoReturn, Protocol
 
 from celery.exceptions import Ignore, Retry
 
+from .app.policies import CONTENDED, DUPLICATE
+from .app.rules import BackOff
 from .core.backend_types import Queued, RateGrant
 from .core.errors import (
     AlreadyQueued,
@@ -38,8 +40,6 @@ from .core.errors import (
 from .core.queued import QueuedHold
 from .core.ratelimit import slot_lead
 from .next_attempt import defer
-from .policies import CONTENDED, DUPLICATE
-from .rules import BackOff
 
 __all__ = [
     "RATE_SLOT_HEADER",

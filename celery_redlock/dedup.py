@@ -46,13 +46,13 @@ from datetime import datetime, timezone
 from typing import Any, NoReturn
 
 from . import claiming
-from .config import TaskOptions
+from .app.config import TaskOptions
+from .app.observability import send_publisher_event, send_task_event
+from .app.state import AppState, state_for
 from .contention import RETRIES_HEADER, Duplicate, skip_message
 from .core import ConfigError, Queued, QueuedHold, QuorumUnavailable
 from .core.queued import PendingClaim
 from .naming import lock_name_for
-from .observability import send_publisher_event, send_task_event
-from .state import AppState, state_for
 
 __all__ = [
     "HOLD_HEADER",

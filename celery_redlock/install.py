@@ -18,12 +18,12 @@ from typing import Any
 from celery import signals
 
 from . import task as task_module
+from .app.flags import register_flags
+from .app.observability import enable_prometheus_by_default, logging_hook
+from .app.state import state_for
 from .core.events import add_hook
 from .dedup import publish
-from .flags import register_flags
-from .observability import enable_prometheus_by_default, logging_hook
 from .per_call import call_options
-from .state import state_for
 from .task import LockedTask, apply_redlock_tasks
 from .worker import (
     RedlockStep,

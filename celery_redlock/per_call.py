@@ -18,7 +18,7 @@ import difflib
 import inspect
 from typing import Any
 
-from .config import OPTIONS
+from .app.config import OPTIONS
 from .core import ConfigError
 from .naming import KEY_HEADER, compile_key
 

@@ -26,9 +26,12 @@ from typing import Any, NoReturn
 from celery import signals
 from celery.exceptions import Ignore, Retry
 
-from .config import TaskOptions
+from .app.config import TaskOptions
+from .app.controls import control
+from .app.observability import send_task_event
+from .app.rules import BackOff
+from .app.state import AppState, state_for
 from .contention import RATE_SLOT_HEADER, Refusal, Strategy, known_delay, requeue
-from .controls import control
 from .core import (
     Handover,
     Lock,
@@ -54,9 +57,6 @@ from .flow import first_rate_key, hold_rules
 from .interrupt import LockLostInterrupt, on_lost, watch
 from .naming import lock_name_for
 from .next_attempt import give_back_on_loss
-from .observability import send_task_event
-from .rules import BackOff
-from .state import AppState, state_for
 
 __all__ = [
     "acquire_for_request",
@@ -472,7 +472,7 @@ def back_off(
     exc: BackOff,
     call: tuple[tuple[Any, ...], dict[str, Any]],
 ) -> NoReturn:
-    """The body raised :class:`~celery_redlock.rules.BackOff`: pause its key for every
+    """The body raised :class:`~celery_redlock.app.rules.BackOff`: pause its key for every
     worker (its own key, else the task's first ``Rate`` key, else the run's lock key),
     then re-queue the run to start when the pause ends, within the lock's retry budget;
     a call with no message to re-queue (eager, direct) raises the BackOff after the pause."""

@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 
 from celery import Task
 
-from .config import (
+from .app.config import (
     OPTIONS,
     StartupConfigError,
     TaskSpec,
@@ -46,15 +46,15 @@ from .config import (
     check_task_option,
     declared,
 )
+from .app.rules import BackOff, limits_option
+from .app.state import state_for
 from .contention import SKIPPED, is_skipped
 from .core import ConfigError, Lock, LockContended, QuorumUnavailable
 from .dedup import publish
 from .flow import check_limits
 from .naming import compile_key, lock_name_for
 from .per_call import call_options, check_call_options
-from .rules import BackOff, limits_option
 from .run import acquire_for_request, lock_of, release_for_request, run_locked, use_postrun_net
-from .state import state_for
 
 log = logging.getLogger("celery_redlock")
 
@@ -79,7 +79,7 @@ app_hooks: list[Callable[[Any], None]] = []
 class LockedTask(Task):  # type: ignore[misc]
     """Base class: ``@app.task(base=LockedTask, lock_key="sync:<user_id>")``.
 
-    Options: the ``lock_*`` names of :data:`celery_redlock.config.OPTIONS`
+    Options: the ``lock_*`` names of :data:`celery_redlock.app.config.OPTIONS`
     (``lock_key``, ``lock_ttl``, ``lock_on_contended``, ``lock_on_lost``, ...), each
     defaulting from its ``app.conf.redlock_*`` setting; an option a task does not set
     reads as None on it. Inside the body, ``self.lock`` is the held lock (``.fence``,
@@ -162,7 +162,7 @@ for _option in OPTIONS:
 # -- class preparation (at decoration / finalize time) -------------------------------------
 def prepare_task_class(cls: type) -> None:
     """Check a task class's lock options and wrap its body; a
-    :class:`~celery_redlock.config.StartupConfigError` (a ConfigError) names the task, the
+    :class:`~celery_redlock.app.config.StartupConfigError` (a ConfigError) names the task, the
     option and the fix. Celery makes a task when it is defined on a finalized app, else
     on first use or when a worker or beat finalizes the app: ``celery worker`` and
     ``celery beat`` then print that one line and exit 1."""

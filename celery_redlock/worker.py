@@ -3,7 +3,7 @@ release of a run whose child process is gone.
 
 Everything here runs in a worker: :class:`RedlockStep` applies the worker flags
 (``--redlock-url``, ``--redlock-ttl``, ``--redlock-lock-on``, ``--redlock-disable``, made
-from the rows by :mod:`celery_redlock.flags`), checks the settings and every locked
+from the rows by :mod:`celery_redlock.app.flags`), checks the settings and every locked
 task's options at start-up (a bad one stops the worker with one line), refuses
 ``memory://`` under a prefork pool, pings the lock Redis, and releases everything held
 at warm shutdown. The receivers release in the worker's main process what a run can no
@@ -27,20 +27,20 @@ from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from redis.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, BusyLoadingError
 
+from .app.config import StartupConfigError, capabilities_needed
+from .app.flags import flag_overrides
+from .app.observability import drop_unscrapable_metrics
+from .app.state import AppState, state_for
 from .child_watch import alive
-from .config import StartupConfigError, capabilities_needed
 from .core import process, renewal
 from .core.backend import QueuedHolds, has, lacks
 from .core.connect import mask_url
 from .core.errors import ConfigError, RedlockError
 from .core.queued import QueuedHold
 from .dedup import HOLD_HEADER, give_back_hold, hold_for
-from .flags import flag_overrides
 from .flow import hold_rules
 from .naming import KEY_HEADER, lock_name_for
-from .observability import drop_unscrapable_metrics
 from .pools import pool_of
-from .state import AppState, state_for
 from .task import LockedTask, apply_redlock_tasks
 
 __all__ = [
@@ -185,7 +185,7 @@ def check_locked_tasks(app: Any, state: AppState) -> None:
     """Resolve every locked task's options against the settings now, so a bad combination
     (``lock_limit=None`` without a rate) or an option the lock store cannot keep (a limit
     above one, a rate or enqueue-time holds on Redlock masters: see
-    :func:`~celery_redlock.config.capabilities_needed`) stops the worker at start-up with one
+    :func:`~celery_redlock.app.config.capabilities_needed`) stops the worker at start-up with one
     ConfigError naming every such task (by name) and its option, never deep in a run."""
     backend = state.backend()
     problems: list[str] = []

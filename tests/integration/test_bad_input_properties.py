@@ -45,12 +45,12 @@ from kombu.utils.json import loads as kombu_loads
 from servers import RedisServer, free_port
 
 from celery_redlock import ConfigError, Lock, LockedTask, QuorumUnavailable, connect
-from celery_redlock.config import OPTIONS as TASK_OPTIONS
-from celery_redlock.config import load_settings
+from celery_redlock.app.config import OPTIONS as TASK_OPTIONS
+from celery_redlock.app.config import load_settings
+from celery_redlock.app.state import state_for
 from celery_redlock.contention import backoff_delay
 from celery_redlock.core.connect import mask_url
 from celery_redlock.core.keys import MAX_NAME_LENGTH, lock_keys
-from celery_redlock.state import state_for
 from celery_redlock.task import lock_name_for
 from tests.apps import keysapp
 

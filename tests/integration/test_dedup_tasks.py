@@ -38,9 +38,9 @@ from celery_redlock import (
     install,
     is_skipped,
 )
+from celery_redlock.app.observability import disable_prometheus, enable_prometheus
 from celery_redlock.core import add_hook, remove_hook
 from celery_redlock.core.admin import scan_locks
-from celery_redlock.observability import disable_prometheus, enable_prometheus
 
 RABBIT = "amqp://guest:guest@127.0.0.1:5672//"
 

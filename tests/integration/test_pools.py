@@ -68,7 +68,7 @@ def pool_worker(
 def client(server: RedisServer, pool_worker: Worker) -> Iterator[Celery]:
     """The test app (it imports the tasks, so a publish takes enqueue-time holds), pointed
     at this module's server; the record list is emptied first."""
-    from celery_redlock.state import state_for  # noqa: PLC0415
+    from celery_redlock.app.state import state_for  # noqa: PLC0415
     from tests.apps import poolapp  # noqa: PLC0415 - configured below, not from the env
 
     server.client(db=3).delete("events")

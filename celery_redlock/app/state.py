@@ -11,9 +11,9 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from ..core import Backend, Lock, RateLimiter, RunLock, Semaphore, connect, open_backend, process
+from ..pools import Pool
 from .config import Settings, TaskOptions, load_settings, resolve
-from .core import Backend, Lock, RateLimiter, RunLock, Semaphore, connect, open_backend, process
-from .pools import Pool
 
 __all__ = ["AppState", "state_for"]
 

@@ -3,7 +3,7 @@
 
 A registry is the configuration's side of a policy kind: its option's row checks a name
 against it (the check accepts exactly the registered names and lists them in
-registration order), and :func:`celery_redlock.config.resolve` turns the name into its
+registration order), and :func:`celery_redlock.app.config.resolve` turns the name into its
 object once per task class and app, so a run never looks a policy up by name. The run
 side fills the registries: :mod:`celery_redlock.contention` registers its strategies and
 publish policies, :mod:`celery_redlock.interrupt` its lost policies. Adding a policy is

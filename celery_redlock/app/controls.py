@@ -24,11 +24,11 @@ import logging
 import math
 from typing import Any
 
-from .core import ConfigError
-from .core.backend import FlowControl, need
-from .core.backend_types import Control
-from .core.keys import lock_keys
-from .core.ratelimit import parse_rate
+from ..core import ConfigError
+from ..core.backend import FlowControl, need
+from ..core.backend_types import Control
+from ..core.keys import lock_keys
+from ..core.ratelimit import parse_rate
 from .observability import send_publisher_event
 from .state import state_for
 

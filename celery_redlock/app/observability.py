@@ -29,7 +29,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from .core.events import LockEvent, add_hook, remove_hook
+from ..core.events import LockEvent, add_hook, remove_hook
 from .state import state_for
 
 __all__ = [
