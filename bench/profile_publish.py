@@ -119,13 +119,13 @@ def per_call(fn: Callable[[int], Any], calls: int, start: int) -> tuple[float, f
 def ablations(app: Any, enq: Any) -> dict[str, tuple[Callable[[], None], Callable[[], None]]]:
     """name -> (patch, unpatch): the lock_on=enqueue publish with one part replaced, by
     monkeypatching in this process only (the package is not changed)."""
-    from celery_redlock import dedup  # noqa: PLC0415
-    from celery_redlock import state as state_mod  # noqa: PLC0415
-    from celery_redlock import task as task_mod  # noqa: PLC0415
+    from celery_redlock.app import state as state_mod  # noqa: PLC0415
     from celery_redlock.core import QueuedHold  # noqa: PLC0415
     from celery_redlock.core.backend import Queued, parse_holder, text  # noqa: PLC0415
     from celery_redlock.core.backends import redis_backend as rb  # noqa: PLC0415
     from celery_redlock.core.keys import lock_keys  # noqa: PLC0415
+    from celery_redlock.task import dedup  # noqa: PLC0415
+    from celery_redlock.task import locked_task as task_mod  # noqa: PLC0415
 
     saved: dict[str, Any] = {}
 
@@ -567,10 +567,10 @@ def main() -> None:
     from celery import Task  # noqa: PLC0415
     from celery.utils import uuid as celery_uuid  # noqa: PLC0415
 
-    from celery_redlock import dedup  # noqa: PLC0415
     from celery_redlock.app.state import state_for  # noqa: PLC0415
     from celery_redlock.core import QueuedHold  # noqa: PLC0415
-    from celery_redlock.naming import lock_name_for  # noqa: PLC0415
+    from celery_redlock.task import dedup  # noqa: PLC0415
+    from celery_redlock.task.naming import lock_name_for  # noqa: PLC0415
 
     with _servers.running() as server:
         if opts.pin:

@@ -28,7 +28,7 @@ from .core import (
     remove_hook,
 )
 from .install import install
-from .task import SKIPPED, LockedTask, is_skipped
+from .task.locked_task import SKIPPED, LockedTask, is_skipped
 
 try:
     __version__ = version("celery-redlock")

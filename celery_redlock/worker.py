@@ -37,11 +37,11 @@ from .core.backend import QueuedHolds, has, lacks
 from .core.connect import mask_url
 from .core.errors import ConfigError, RedlockError
 from .core.queued import QueuedHold
-from .dedup import HOLD_HEADER, give_back_hold, hold_for
-from .flow import hold_rules
-from .naming import KEY_HEADER, lock_name_for
 from .pools import pool_of
-from .task import LockedTask, apply_redlock_tasks
+from .task.dedup import HOLD_HEADER, give_back_hold, hold_for
+from .task.flow import hold_rules
+from .task.locked_task import LockedTask, apply_redlock_tasks
+from .task.naming import KEY_HEADER, lock_name_for
 
 __all__ = [
     "RedlockStep",

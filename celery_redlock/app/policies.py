@@ -5,8 +5,8 @@ A registry is the configuration's side of a policy kind: its option's row checks
 against it (the check accepts exactly the registered names and lists them in
 registration order), and :func:`celery_redlock.app.config.resolve` turns the name into its
 object once per task class and app, so a run never looks a policy up by name. The run
-side fills the registries: :mod:`celery_redlock.contention` registers its strategies and
-publish policies, :mod:`celery_redlock.interrupt` its lost policies. Adding a policy is
+side fills the registries: :mod:`celery_redlock.task.contention` registers its strategies and
+publish policies, :mod:`celery_redlock.task.interrupt` its lost policies. Adding a policy is
 one ``register`` call beside its code.
 
 When they are filled: on import of the package. ``celery_redlock/__init__.py`` imports

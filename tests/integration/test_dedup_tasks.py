@@ -759,7 +759,7 @@ def test_a_duplicate_sends_nothing_whether_decided_while_building_or_before(
     wrapped): a duplicate stops there, before any broker work or publish signal. Where the
     builder cannot be wrapped, the answer is read before the publish: the same outcome."""
     if not hooked:
-        monkeypatch.setattr("celery_redlock.claiming.hook", lambda app: False)
+        monkeypatch.setattr("celery_redlock.task.claiming.hook", lambda app: False)
     app = env.app()
 
     @app.task(base=LockedTask, shared=False, lock_key="b:<n>", lock_on="enqueue")

@@ -33,9 +33,9 @@ from celery_redlock.app.flags import flag_overrides, worker_flags
 from celery_redlock.app.policies import CONTENDED, DUPLICATE, LOST, POLICIES, Policies
 from celery_redlock.app.rows import Flag, row, table_of
 from celery_redlock.app.state import state_for
-from celery_redlock.contention import PublishPolicy, Strategy
 from celery_redlock.core import ConfigError
-from celery_redlock.interrupt import LostPolicy
+from celery_redlock.task.contention import PublishPolicy, Strategy
+from celery_redlock.task.interrupt import LostPolicy
 
 URL = {"redlock_url": "memory://config"}
 PACKAGE = Path(__file__).resolve().parents[2] / "celery_redlock"

@@ -1,7 +1,7 @@
 """``LockedTask``: the lock around a Celery task, from acquire to every kind of exit.
 
 Where each step happens, and why there (the steps themselves are in
-:mod:`celery_redlock.run`):
+:mod:`celery_redlock.task.run`):
 
 * **acquire** in ``before_start``: the tracer runs it inside the try block where
   ``Retry``, ``Ignore`` and exceptions count, so a contended run can be
@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 
 from celery import Task
 
-from .app.config import (
+from ..app.config import (
     OPTIONS,
     StartupConfigError,
     TaskSpec,
@@ -46,10 +46,10 @@ from .app.config import (
     check_task_option,
     declared,
 )
-from .app.rules import BackOff, limits_option
-from .app.state import state_for
+from ..app.rules import BackOff, limits_option
+from ..app.state import state_for
+from ..core import ConfigError, Lock, LockContended, QuorumUnavailable
 from .contention import SKIPPED, is_skipped
-from .core import ConfigError, Lock, LockContended, QuorumUnavailable
 from .dedup import publish
 from .flow import check_limits
 from .naming import compile_key, lock_name_for
@@ -133,8 +133,8 @@ class LockedTask(Task):  # type: ignore[misc]
 
         With ``lock_on="enqueue"`` or ``"enqueue+run"``, a call whose lock is already
         queued (or running) is a duplicate: ``lock_on_duplicate`` decides what it returns
-        (see :mod:`celery_redlock.dedup`). Any other lock option, and celery-once's
-        ``once=``, is refused with a ``ConfigError`` (see :mod:`celery_redlock.per_call`).
+        (see :mod:`celery_redlock.task.dedup`). Any other lock option, and celery-once's
+        ``once=``, is refused with a ``ConfigError`` (see :mod:`celery_redlock.task.per_call`).
         """
         if options:  # delay() passes none
             spec = type(self).redlock_spec

@@ -10,10 +10,10 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-from .app.rules import Limit, Rate, check_cost
-from .core import ConfigError, KeyTemplate
-from .core.backend_types import Rule
-from .core.keys import lock_keys, permit_keys
+from ..app.rules import Limit, Rate, check_cost
+from ..core import ConfigError, KeyTemplate
+from ..core.backend_types import Rule
+from ..core.keys import lock_keys, permit_keys
 from .naming import check_fields, render_key
 
 __all__ = ["check_limits", "first_rate_key", "hold_rules", "rules_for"]

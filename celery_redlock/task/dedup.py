@@ -45,13 +45,13 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any, NoReturn
 
+from ..app.config import TaskOptions
+from ..app.observability import send_publisher_event, send_task_event
+from ..app.state import AppState, state_for
+from ..core import ConfigError, Queued, QueuedHold, QuorumUnavailable
+from ..core.queued import PendingClaim
 from . import claiming
-from .app.config import TaskOptions
-from .app.observability import send_publisher_event, send_task_event
-from .app.state import AppState, state_for
 from .contention import RETRIES_HEADER, Duplicate, skip_message
-from .core import ConfigError, Queued, QueuedHold, QuorumUnavailable
-from .core.queued import PendingClaim
 from .naming import lock_name_for
 
 __all__ = [
@@ -179,7 +179,7 @@ def _publish_overlapped(  # noqa: PLR0917 - publish_held's call, with its hold a
     call: dict[str, Any], send: Callable[..., Any]
 ) -> Any:  # fmt: skip
     """A plain call's publish (``send(**call)``), its claim answered while Celery builds
-    the message (see :mod:`celery_redlock.claiming`)."""
+    the message (see :mod:`celery_redlock.task.claiming`)."""
     task_id = call["task_id"]
     try:
         pending = hold.claim_later(task_id, ttl, **options.duplicate.terms(options.lock_on))
@@ -388,7 +388,7 @@ def publish(
 ) -> Any:
     """Publish one call of a locked task through *send* (``send(args, kwargs, **call)``);
     with ``lock_on="enqueue"`` or ``"enqueue+run"`` after the duplicate check of
-    :mod:`celery_redlock.dedup`."""
+    :mod:`celery_redlock.task.dedup`."""
     app = task.app
     state = state_for(app)
     if state.disabled or app.conf.task_always_eager:

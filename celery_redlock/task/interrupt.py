@@ -40,8 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .app.policies import LOST
-from .core import LockLost
+from ..app.policies import LOST
+from ..core import LockLost
 
 __all__ = ["LockLostInterrupt", "LostPolicy", "Watch", "on_lost", "watch", "watch_of"]
 

@@ -26,10 +26,10 @@ from typing import Any, NoReturn, Protocol
 
 from celery.exceptions import Ignore, Retry
 
-from .app.policies import CONTENDED, DUPLICATE
-from .app.rules import BackOff
-from .core.backend_types import Queued, RateGrant
-from .core.errors import (
+from ..app.policies import CONTENDED, DUPLICATE
+from ..app.rules import BackOff
+from ..core.backend_types import Queued, RateGrant
+from ..core.errors import (
     AlreadyQueued,
     HeldBack,
     LockContended,
@@ -37,8 +37,8 @@ from .core.errors import (
     RateLimited,
     describe_holder,
 )
-from .core.queued import QueuedHold
-from .core.ratelimit import slot_lead
+from ..core.queued import QueuedHold
+from ..core.ratelimit import slot_lead
 from .next_attempt import defer
 
 __all__ = [
@@ -308,7 +308,7 @@ def requeue(
     promised a slot by its rate limiter and asks for it when it comes back.
 
     Raises ``Retry`` (re-queued: the new message is published after Celery stored this
-    attempt's RETRY, see :mod:`celery_redlock.next_attempt`) or *exc* (the budget is spent).
+    attempt's RETRY, see :mod:`celery_redlock.task.next_attempt`) or *exc* (the budget is spent).
     """
     headers = dict(getattr(request, "headers", None) or {})
     done = int(headers.get(RETRIES_HEADER) or getattr(request, RETRIES_HEADER, 0) or 0)

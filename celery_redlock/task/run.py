@@ -4,7 +4,7 @@ One path for a worker's run (``before_start`` takes the lock, where ``Retry`` an
 ``Ignore`` are honoured), an eager call (``apply()``, ``task_always_eager``) and a
 direct call (``task(...)``, locked when its body starts): :func:`acquire_for_request`
 takes the run's lock and rate slot or applies the contended strategy
-(:mod:`celery_redlock.contention`); :func:`run_locked` runs the body and releases on
+(:mod:`celery_redlock.task.contention`); :func:`run_locked` runs the body and releases on
 every exit; :func:`release_for_request` releases, logging and never raising over the
 task's outcome.
 
@@ -26,13 +26,12 @@ from typing import Any, NoReturn
 from celery import signals
 from celery.exceptions import Ignore, Retry
 
-from .app.config import TaskOptions
-from .app.controls import control
-from .app.observability import send_task_event
-from .app.rules import BackOff
-from .app.state import AppState, state_for
-from .contention import RATE_SLOT_HEADER, Refusal, Strategy, known_delay, requeue
-from .core import (
+from ..app.config import TaskOptions
+from ..app.controls import control
+from ..app.observability import send_task_event
+from ..app.rules import BackOff
+from ..app.state import AppState, state_for
+from ..core import (
     Handover,
     Lock,
     LockLost,
@@ -43,8 +42,9 @@ from .core import (
     RunLock,
     Semaphore,
 )
-from .core.errors import describe_holder
-from .core.lease import drift
+from ..core.errors import describe_holder
+from ..core.lease import drift
+from .contention import RATE_SLOT_HEADER, Refusal, Strategy, known_delay, requeue
 from .dedup import (
     HOLD_HEADER,
     NO_DEDUP_HEADER,
