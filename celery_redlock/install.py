@@ -3,7 +3,7 @@
 No explicit call is needed: defining a task with ``base=LockedTask`` or setting
 ``redlock_tasks`` installs everything for that app; ``install(app)`` does it
 explicitly and is idempotent. It adds the worker bootstep and signal receivers
-(:mod:`celery_redlock.worker`), the logging and metrics hooks, applies
+(:mod:`celery_redlock.worker.bootstep`), the logging and metrics hooks, applies
 ``redlock_tasks`` (:func:`celery_redlock.task.locked_task.apply_redlock_tasks`) and makes
 ``app.send_task`` de-duplicate like ``apply_async``.
 """
@@ -25,7 +25,7 @@ from .task import locked_task as task_module
 from .task.dedup import publish
 from .task.locked_task import LockedTask, apply_redlock_tasks
 from .task.per_call import call_options
-from .worker import (
+from .worker.bootstep import (
     RedlockStep,
     check_locked_tasks,
     connect_receivers,

@@ -21,7 +21,7 @@ Where each step happens, and why there (the steps themselves are in
 * **the main process** releases the exact acquisition of a child that is gone
   (hard time limit, lost child, ``revoke(terminate=True)``), or keeps it for the
   redelivered copy when the message is requeued (``Request``): see
-  :mod:`celery_redlock.worker`.
+  :mod:`celery_redlock.worker.bootstep`.
 
 ``redlock_tasks`` (:func:`apply_redlock_tasks`) gives tasks that do not use the base
 class the same behaviour.
@@ -93,8 +93,8 @@ class LockedTask(Task):  # type: ignore[misc]
     #: task's own ``lock_limit=None`` (no cap) reads as set (see options.is_set).
     redlock_option_defaults: ClassVar[bool] = True
     #: The worker's request class: it sees a lost child's message requeued, so that run's
-    #: lock is kept for the redelivered copy (see celery_redlock.request.LockedRequest).
-    Request = "celery_redlock.request:LockedRequest"
+    #: lock is kept for the redelivered copy (see celery_redlock.worker.request.LockedRequest).
+    Request = "celery_redlock.worker.request:LockedRequest"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

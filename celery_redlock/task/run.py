@@ -9,7 +9,7 @@ every exit; :func:`release_for_request` releases, logging and never raising over
 task's outcome.
 
 Every lock a worker's run takes is in ``AppState.held`` under the task id until it is
-released, so the worker's own paths (:mod:`celery_redlock.worker`: warm shutdown, a
+released, so the worker's own paths (:mod:`celery_redlock.worker.bootstep`: warm shutdown, a
 child that is gone, the ``task_postrun`` safety net) can tell whether there is still
 something to release.
 """

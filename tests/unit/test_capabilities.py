@@ -30,7 +30,7 @@ from celery_redlock.core.backend import (
 )
 from celery_redlock.core.backend_types import Grant, Holder, Renewal, Slot, Status
 from celery_redlock.core.errors import ConfigError, QuorumUnavailable
-from celery_redlock.worker import check_locked_tasks
+from celery_redlock.worker.bootstep import check_locked_tasks
 
 
 def _quorum_urls() -> list[str]:

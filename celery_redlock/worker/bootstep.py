@@ -27,21 +27,21 @@ from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from redis.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, BusyLoadingError
 
-from .app.config import StartupConfigError, capabilities_needed
-from .app.flags import flag_overrides
-from .app.observability import drop_unscrapable_metrics
-from .app.state import AppState, state_for
+from ..app.config import StartupConfigError, capabilities_needed
+from ..app.flags import flag_overrides
+from ..app.observability import drop_unscrapable_metrics
+from ..app.state import AppState, state_for
+from ..core import process, renewal
+from ..core.backend import QueuedHolds, has, lacks
+from ..core.connect import mask_url
+from ..core.errors import ConfigError, RedlockError
+from ..core.queued import QueuedHold
+from ..task.dedup import HOLD_HEADER, give_back_hold, hold_for
+from ..task.flow import hold_rules
+from ..task.locked_task import LockedTask, apply_redlock_tasks
+from ..task.naming import KEY_HEADER, lock_name_for
 from .child_watch import alive
-from .core import process, renewal
-from .core.backend import QueuedHolds, has, lacks
-from .core.connect import mask_url
-from .core.errors import ConfigError, RedlockError
-from .core.queued import QueuedHold
 from .pools import pool_of
-from .task.dedup import HOLD_HEADER, give_back_hold, hold_for
-from .task.flow import hold_rules
-from .task.locked_task import LockedTask, apply_redlock_tasks
-from .task.naming import KEY_HEADER, lock_name_for
 
 __all__ = [
     "RedlockStep",
@@ -153,7 +153,7 @@ def warn_statedb_scheduler(options: Any = None, **_: Any) -> None:
 
 def warn_pool_limits(app: Any, state: AppState) -> None:
     """Say once, at start-up, what this worker's pool cannot do for a locked run (one
-    INFO line; see :mod:`celery_redlock.pools`), and warn of tasks whose
+    INFO line; see :mod:`celery_redlock.worker.pools`), and warn of tasks whose
     ``lock_on_contended="wait"`` would block a solo worker whole."""
     pool = state.pool
     if pool is None:
@@ -301,7 +301,7 @@ def _on_failure(
 
 @contextlib.contextmanager
 def gone_child_handled(task_id: str) -> Iterator[None]:
-    """While a LockedRequest (:mod:`celery_redlock.request`) hands Celery a lost child's
+    """While a LockedRequest (:mod:`celery_redlock.worker.request`) hands Celery a lost child's
     failure of *task_id*: the task_failure receiver leaves it to that request."""
     _handling.add(task_id)
     try:
@@ -426,7 +426,7 @@ def release_for_gone_child(
     id's copy is released (the message does not come after all).
 
     *early*: the main process saw the child exit before Celery said what becomes of the
-    message (:mod:`celery_redlock.child_watch`); *comes_back* is then its forecast, from
+    message (:mod:`celery_redlock.worker.child_watch`); *comes_back* is then its forecast, from
     the task's ``acks_late`` and ``reject_on_worker_lost``. It releases or keeps a run it
     finds and nothing else; Celery's word, when it comes, settles the rest.
     """
