@@ -20,7 +20,7 @@ credentials.
 Settings come from ``celery_redlock.app.config.load_settings`` (the checks and the
 broker fallback the worker uses); every read and removal is a backend's operator
 verb, called through ``celery_redlock.core.admin``. This module only picks the
-masters and maps errors to exit codes; :mod:`celery_redlock.render` shows the rows.
+masters and maps errors to exit codes; :mod:`celery_redlock.cli.render` shows the rows.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 from celery.exceptions import CeleryCommandException
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
-from .app.checks import parse_duration
-from .app.config import Settings, load_settings
-from .app.controls import Controls
-from .app.flags import flag_overrides, locks_flags
-from .app.state import state_for
-from .core import Backend, connect, mask_url, open_backend
-from .core.admin import (
+from ..app.checks import parse_duration
+from ..app.config import Settings, load_settings
+from ..app.controls import Controls
+from ..app.flags import flag_overrides, locks_flags
+from ..app.state import state_for
+from ..core import Backend, connect, mask_url, open_backend
+from ..core.admin import (
     LockInfo,
     RateInfo,
     force_dequeue,
@@ -50,10 +50,10 @@ from .core.admin import (
     scan_locks,
     scan_rates,
 )
-from .core.backend import FlowControl, has, lacks
-from .core.backend_types import Control
-from .core.errors import ConfigError, QuorumUnavailable, describe_holder, one_line
-from .core.keys import lock_keys
+from ..core.backend import FlowControl, has, lacks
+from ..core.backend_types import Control
+from ..core.errors import ConfigError, QuorumUnavailable, describe_holder, one_line
+from ..core.keys import lock_keys
 from .render import (
     LockRow,
     control_json,
