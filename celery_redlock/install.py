@@ -62,7 +62,7 @@ def install(app: Any) -> None:
 def wrap_send_task(app: Any) -> None:
     """Make ``app.send_task(name, ...)`` de-duplicate like ``apply_async`` when *name* is a
     LockedTask this process knows (beat publishes by name when its process lacks the
-    task's class; then the worker checks instead, see celery_redlock.dedup).
+    task's class; then the worker checks instead, see celery_redlock.task.dedup).
 
     ``Task.apply_async`` calls ``send_task`` with ``task_type``: a LockedTask's calls
     passed ``LockedTask.apply_async`` already and go straight through. Another task's

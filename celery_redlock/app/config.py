@@ -80,7 +80,7 @@ class StartupConfigError(ConfigError, click.ClickException):
 
 #: ``lock_on``: when the lock is held. "run": while the body runs; "enqueue": from publish
 #: until the body starts (the run itself is locked as with "run"); "enqueue+run": from
-#: publish until the run ends (one queued-or-running per key). See celery_redlock.dedup.
+#: publish until the run ends (one queued-or-running per key). See celery_redlock.task.dedup.
 LOCK_ON = ("run", "enqueue", "enqueue+run")
 
 #: The class attribute that marks the class holding the options' unset defaults (None):

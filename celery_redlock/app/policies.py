@@ -10,9 +10,9 @@ publish policies, :mod:`celery_redlock.task.interrupt` its lost policies. Adding
 one ``register`` call beside its code.
 
 When they are filled: on import of the package. ``celery_redlock/__init__.py`` imports
-``task.py``, which imports ``run.py``, which imports ``contention.py`` and
-``interrupt.py``; and Python runs the package's ``__init__`` before any of its modules,
-so a process that imports only ``celery_redlock.config`` still checks against full
+``task/locked_task.py``, which imports ``task/run.py``, which imports ``task/contention.py``
+and ``task/interrupt.py``; and Python runs the package's ``__init__`` before any of its
+modules, so a process that imports only ``celery_redlock.app.config`` still checks against full
 registries (``tests/unit/test_config.py`` runs that in a fresh interpreter). The
 configuration never imports the run side itself: the dependency points one way.
 """

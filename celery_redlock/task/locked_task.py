@@ -195,7 +195,7 @@ def _prepare(cls: type) -> None:
     cls.redlock_spec = TaskSpec(signature=signature, key=key)  # type: ignore[attr-defined]
 
     # A run refused for contention, or given up on because Redis stayed unreachable, is
-    # an outcome the task's lock options asked for, and celery_redlock.contention has already
+    # an outcome the task's lock options asked for, and celery_redlock.task.contention has already
     # logged why in one line: Celery logs "raised expected" at INFO, not a traceback.
     throws = tuple(inspect.getattr_static(cls, "throws", ()) or ())
     cls.throws = throws + tuple(e for e in _EXPECTED if e not in throws)  # type: ignore[attr-defined]

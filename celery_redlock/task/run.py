@@ -171,7 +171,7 @@ def acquire_for_request(
     direct call (*task_id* None: no message to re-queue, mark or hand over).
 
     With ``lock_on="enqueue"``/``"enqueue+run"`` the lock is taken by a hand-over of the
-    message's enqueue-time hold (see celery_redlock.dedup); a message that does not run
+    message's enqueue-time hold (see celery_redlock.task.dedup); a message that does not run
     (skipped, superseded, failed) gives its own hold back, a retried one keeps it.
     """
     if request is None:
@@ -537,7 +537,8 @@ _postrun_lock = threading.Lock()
 
 def use_postrun_net() -> None:
     """Connect the ``task_postrun`` safety net (once per process): some LockedTask class has
-    its own ``before_start``, ``__call__`` or ``after_return`` (see celery_redlock.task).
+    its own ``before_start``, ``__call__`` or ``after_return`` (see
+    celery_redlock.task.locked_task).
 
     It is not connected otherwise: any receiver makes Celery send the signal, with its
     lock and keyword dict, for every task.

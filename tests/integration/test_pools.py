@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 APP = "tests.apps.poolapp"
 #: Every pool Celery ships, with the concurrency its worker gets here.
 POOLS = {"prefork": 2, "threads": 4, "solo": 1, "gevent": 8, "eventlet": 8}
-#: The start-up line of a pool without child processes (celery_redlock.pools).
+#: The start-up line of a pool without child processes (celery_redlock.worker.pools).
 NO_CHILD = "no pool child to watch"
 SOLO_WAIT = "lock_on_contended='wait', but this worker's pool is solo"
 

@@ -297,7 +297,7 @@ def test_a_run_uses_the_strategy_resolved_with_its_options_not_a_name() -> None:
 
 
 def test_a_fresh_interpreter_importing_only_config_checks_every_policy_name() -> None:
-    """Importing celery_redlock.config alone still fills the registries (the package's
+    """Importing celery_redlock.app.config alone still fills the registries (the package's
     __init__ imports the run side): every kind accepts its names and lists them."""
     code = (
         "from celery_redlock.app.config import check_task_option as check\n"
