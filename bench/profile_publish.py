@@ -220,7 +220,7 @@ def ablations(app: Any, enq: Any) -> dict[str, tuple[Callable[[], None], Callabl
             task, tuple(args or ()), dict(kwargs or {}), call.get("headers"), options
         )
         if any(call.get(k) for k in _SLOW_PATH) or options.debounce or dedup._running_id(task):
-            held = dedup.publish_held(task, name, options, args, kwargs, call=call, send=send)
+            held = dedup.publish_held(st, task, name, options, args, kwargs, call=call, send=send)
             return True, held
         return False, (st, options, name)
 
@@ -245,7 +245,7 @@ def ablations(app: Any, enq: Any) -> dict[str, tuple[Callable[[], None], Callabl
             replace=replace, running_blocks=running_blocks,
         )  # fmt: skip
         if found.outcome == "duplicate":
-            return dedup.publish_held(task, name, options, args, kwargs, call=call, send=send)
+            return dedup.publish_held(st, task, name, options, args, kwargs, call=call, send=send)
         call["headers"] = {**(call.get("headers") or {}), dedup.HOLD_HEADER: name}
         return send(args, kwargs, **call)
 

@@ -7,7 +7,7 @@ Run the same command on two or more hosts::
 Each process tries to hold the lock ``beat:leader:<app.main>`` (setting
 ``redlock_beat_lock_name``) with a lease of ``redlock_beat_ttl`` seconds, kept
 alive by the per-process renewal thread. The lock is the app's usual one
-(``state_for(app).make_lock``): a ``Lock`` on one Redis, or a ``Redlock`` held by
+(the app state's ``make_lock``): a ``Lock`` on one Redis, or a ``Redlock`` held by
 a majority when ``redlock_url`` lists several masters. The holder (the leader)
 publishes the schedule; the others (standbys) publish nothing and wait for the
 lock, woken at once by a release notice and otherwise at the holder's remaining

@@ -121,11 +121,12 @@ class LockedTask(Task):  # type: ignore[misc]
     ) -> None:
         """Safety net: a lock still held when the run ends is released (see the module doc)."""
         # A run's lock is in state.held until released: most runs need no request lookup.
-        if task_id in state_for(self.app).held:
+        state = state_for(self.app)
+        if task_id in state.held:
             request = self.request
             lock = lock_of(request)
             if lock is not None:
-                release_for_request(self, lock, task_id, request)
+                release_for_request(state, self, lock, task_id, request)
         super().after_return(status, retval, task_id, args, kwargs, einfo)
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
