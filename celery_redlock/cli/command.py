@@ -500,10 +500,7 @@ def pause(ctx: click.Context, key: str, for_: str | None, reason: str) -> None:
 @click.pass_context
 def resume(ctx: click.Context, key: str) -> None:
     """Lift KEY's pause; exit 1 if it was not paused."""
-    session = _Session(ctx)
-    if not _control_call(session, lambda c: c.resume(key)):
-        raise CeleryCommandException(f"{key!r} is not paused", EXIT_NOT_HELD)
-    click.echo(f"resumed {key!r}")
+    _lift(ctx, key, lambda c: c.resume(key), "is not paused", f"resumed {key!r}")
 
 
 @_takes_flags
@@ -566,10 +563,17 @@ def set_(  # noqa: PLR0917 - one parameter per option
 @click.pass_context
 def unset(ctx: click.Context, key: str) -> None:
     """Lift KEY's limit and rate overrides (not a pause); exit 1 if it had none."""
-    session = _Session(ctx)
-    if not _control_call(session, lambda c: c.unset(key)):
-        raise CeleryCommandException(f"{key!r} has no override", EXIT_NOT_HELD)
-    click.echo(f"{key!r}: overrides lifted")
+    _lift(ctx, key, lambda c: c.unset(key), "has no override", f"{key!r}: overrides lifted")
+
+
+def _lift(
+    ctx: click.Context, key: str, lift: Callable[[Controls], bool], missing: str, done: str
+) -> None:
+    """Lift a control of KEY (``resume``, ``unset``); exit 1, saying KEY *missing*, when
+    it had none, else print *done*."""
+    if not _control_call(_Session(ctx), lift):
+        raise CeleryCommandException(f"{key!r} {missing}", EXIT_NOT_HELD)
+    click.echo(done)
 
 
 def _controls_of(session: _Session, pattern: str) -> list[Control]:

@@ -143,27 +143,21 @@ def fail(refusal: Refusal) -> NoReturn:
             log.info("Task %s[%s] failed: %s", refusal.task.name, request.id, held)
         raise held
     if refusal.rate is not None:
-        if request is not None:
-            log.info(
-                "Task %s[%s] failed%s: rate limit %s of %r reached, next slot in %.3fs",
-                refusal.task.name,
-                request.id,
-                " after waiting" if refusal.waited else "",
-                lock.rate,
-                lock.name,
-                refusal.rate.retry_after,
-            )
-        raise RateLimited(lock.name, refusal.rate.retry_after, lock.rate)
-    if request is not None:
-        log.info(
-            "Task %s[%s] failed%s: lock %r is held by %s",
-            refusal.task.name,
-            request.id,
-            " after waiting" if refusal.waited else "",
-            lock.name,
-            describe_holder(lock.holder),
-        )
+        retry_after = refusal.rate.retry_after
+        why = "rate limit %s of %r reached, next slot in %.3fs"
+        _log_failed(refusal, why, lock.rate, lock.name, retry_after)
+        raise RateLimited(lock.name, retry_after, lock.rate)
+    _log_failed(refusal, "lock %r is held by %s", lock.name, describe_holder(lock.holder))
     raise LockContended(lock.name, lock.holder)
+
+
+def _log_failed(refusal: Refusal, why: str, *args: Any) -> None:
+    """The INFO line of a run that fails as refused (a worker's or an eager run: not a
+    direct call, which has no request), *why* formatted with *args*."""
+    if refusal.request is not None:
+        waited = " after waiting" if refusal.waited else ""
+        task, task_id = refusal.task.name, refusal.request.id
+        log.info("Task %s[%s] failed%s: " + why, task, task_id, waited, *args)
 
 
 def skip(refusal: Refusal) -> Any:
