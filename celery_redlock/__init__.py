@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .controls import control
+from .app.controls import control
+from .app.rules import BackOff, Limit, Rate
 from .core import (
     AlreadyQueued,
     ConfigError,
@@ -27,8 +28,7 @@ from .core import (
     remove_hook,
 )
 from .install import install
-from .rules import BackOff, Limit, Rate
-from .task import SKIPPED, LockedTask, is_skipped
+from .task.locked_task import SKIPPED, LockedTask, is_skipped
 
 try:
     __version__ = version("celery-redlock")

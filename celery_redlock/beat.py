@@ -7,7 +7,7 @@ Run the same command on two or more hosts::
 Each process tries to hold the lock ``beat:leader:<app.main>`` (setting
 ``redlock_beat_lock_name``) with a lease of ``redlock_beat_ttl`` seconds, kept
 alive by the per-process renewal thread. The lock is the app's usual one
-(``state_for(app).make_lock``): a ``Lock`` on one Redis, or a ``Redlock`` held by
+(the app state's ``make_lock``): a ``Lock`` on one Redis, or a ``Redlock`` held by
 a majority when ``redlock_url`` lists several masters. The holder (the leader)
 publishes the schedule; the others (standbys) publish nothing and wait for the
 lock, woken at once by a release notice and otherwise at the holder's remaining
@@ -72,13 +72,13 @@ from celery.utils.imports import symbol_by_name
 from celery.utils.time import maybe_make_aware
 from redis.exceptions import RedisError
 
-from .config import Settings, StartupConfigError
+from .app.config import Settings, StartupConfigError
+from .app.observability import BEAT_ROLE
+from .app.state import state_for
 from .core.connect import mask_url
 from .core.errors import ConfigError, RedlockError, one_line
 from .core.lock import Lock
 from .core.records import LockRecords
-from .observability import BEAT_ROLE
-from .state import state_for
 
 __all__ = ["LeaderScheduler", "leader_of"]
 

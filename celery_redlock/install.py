@@ -3,8 +3,8 @@
 No explicit call is needed: defining a task with ``base=LockedTask`` or setting
 ``redlock_tasks`` installs everything for that app; ``install(app)`` does it
 explicitly and is idempotent. It adds the worker bootstep and signal receivers
-(:mod:`celery_redlock.worker`), the logging and metrics hooks, applies
-``redlock_tasks`` (:func:`celery_redlock.task.apply_redlock_tasks`) and makes
+(:mod:`celery_redlock.worker.bootstep`), the logging and metrics hooks, applies
+``redlock_tasks`` (:func:`celery_redlock.task.locked_task.apply_redlock_tasks`) and makes
 ``app.send_task`` de-duplicate like ``apply_async``.
 """
 
@@ -17,15 +17,15 @@ from typing import Any
 
 from celery import signals
 
-from . import task as task_module
+from .app.flags import register_flags
+from .app.observability import enable_prometheus_by_default, logging_hook
+from .app.state import state_for
 from .core.events import add_hook
-from .dedup import publish
-from .flags import register_flags
-from .observability import enable_prometheus_by_default, logging_hook
-from .per_call import call_options
-from .state import state_for
-from .task import LockedTask, apply_redlock_tasks
-from .worker import (
+from .task import locked_task as task_module
+from .task.dedup import publish
+from .task.locked_task import LockedTask, apply_redlock_tasks
+from .task.per_call import call_options
+from .worker.bootstep import (
     RedlockStep,
     check_locked_tasks,
     connect_receivers,
@@ -62,7 +62,7 @@ def install(app: Any) -> None:
 def wrap_send_task(app: Any) -> None:
     """Make ``app.send_task(name, ...)`` de-duplicate like ``apply_async`` when *name* is a
     LockedTask this process knows (beat publishes by name when its process lacks the
-    task's class; then the worker checks instead, see celery_redlock.dedup).
+    task's class; then the worker checks instead, see celery_redlock.task.dedup).
 
     ``Task.apply_async`` calls ``send_task`` with ``task_type``: a LockedTask's calls
     passed ``LockedTask.apply_async`` already and go straight through. Another task's
@@ -138,7 +138,7 @@ def _locked_task(app: Any, name: Any) -> Any:
 # * ``celeryd_init`` warns when a worker's ``-S`` (its state file) names LeaderScheduler,
 #   on any worker: an app that only uses the scheduler installs nothing;
 # * defining a task class on an app (``base=LockedTask``) installs that app: the class
-#   is made in :mod:`celery_redlock.task`, which cannot import this module (this module
+#   is made in :mod:`celery_redlock.task.locked_task`, which cannot import this module (this module
 #   imports it), so it calls what is registered in ``task.app_hooks``.
 register_flags()
 

@@ -158,7 +158,7 @@ def redlock_app_conf(redlock_redis_url: str) -> Callable[..., None]:
     """Call with a Celery app to point its locks at the test server (and a short TTL)."""
 
     def configure(app: Any, ttl: float = 5.0, **settings: Any) -> None:
-        from .state import state_for  # noqa: PLC0415
+        from .app.state import state_for  # noqa: PLC0415
 
         app.conf.redlock_url = redlock_redis_url
         app.conf.redlock_ttl = ttl
@@ -187,8 +187,8 @@ def redlock_celery_config() -> dict[str, Any]:
 def redlock_store(celery_app: Any) -> Iterator[Any]:
     """The memory backend where ``celery_app`` keeps its locks, empty at the start and at
     the end of the test (so no test sees another's locks)."""
+    from .app.state import state_for  # noqa: PLC0415
     from .core.backend import InProcess, has, need  # noqa: PLC0415
-    from .state import state_for  # noqa: PLC0415
 
     backend = state_for(celery_app).backend()
     if not has(backend, InProcess):

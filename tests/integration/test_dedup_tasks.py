@@ -38,9 +38,9 @@ from celery_redlock import (
     install,
     is_skipped,
 )
+from celery_redlock.app.observability import disable_prometheus, enable_prometheus
 from celery_redlock.core import add_hook, remove_hook
 from celery_redlock.core.admin import scan_locks
-from celery_redlock.observability import disable_prometheus, enable_prometheus
 
 RABBIT = "amqp://guest:guest@127.0.0.1:5672//"
 
@@ -759,7 +759,7 @@ def test_a_duplicate_sends_nothing_whether_decided_while_building_or_before(
     wrapped): a duplicate stops there, before any broker work or publish signal. Where the
     builder cannot be wrapped, the answer is read before the publish: the same outcome."""
     if not hooked:
-        monkeypatch.setattr("celery_redlock.claiming.hook", lambda app: False)
+        monkeypatch.setattr("celery_redlock.task.claiming.hook", lambda app: False)
     app = env.app()
 
     @app.task(base=LockedTask, shared=False, lock_key="b:<n>", lock_on="enqueue")

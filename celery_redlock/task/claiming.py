@@ -1,6 +1,6 @@
 """A publish's claim of its queued hold, answered while Celery builds the message.
 
-A de-duplicating publish (:func:`celery_redlock.dedup.publish_held`) sends its claim
+A de-duplicating publish (:func:`celery_redlock.task.dedup.publish_held`) sends its claim
 (:meth:`~celery_redlock.core.queued.QueuedHold.claim_later`) and then calls Celery's own
 ``apply_async``: the claim's round trip to Redis overlaps Celery's work on the message
 (its body serialised, its headers made). The answer is read where the message is built and
@@ -27,8 +27,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from .core import Queued
-from .core.queued import PendingClaim
+from ..core import Queued
+from ..core.queued import PendingClaim
 
 __all__ = ["Deciding", "NotSent", "deciding", "hook"]
 

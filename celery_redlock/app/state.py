@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..core import Backend, Lock, RateLimiter, RunLock, Semaphore, connect, open_backend, process
 from .config import Settings, TaskOptions, load_settings, resolve
-from .core import Backend, Lock, RateLimiter, RunLock, Semaphore, connect, open_backend, process
-from .pools import Pool
+
+if TYPE_CHECKING:  # the worker side sets it; the app side only holds it
+    from ..worker.pools import Pool
 
 __all__ = ["AppState", "state_for"]
 

@@ -1,4 +1,4 @@
-"""The rules of one run of a task (its ``lock_limits``: :mod:`celery_redlock.rules`): each
+"""The rules of one run of a task (its ``lock_limits``: :mod:`celery_redlock.app.rules`): each
 key rendered from the call's arguments as ``lock_key`` is, each cost computed, as the
 :class:`~celery_redlock.core.backend_types.Rule` values its lock takes with it; and the
 check, at decoration, that every template names an argument the task takes.
@@ -10,11 +10,11 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-from .core import ConfigError, KeyTemplate
-from .core.backend_types import Rule
-from .core.keys import lock_keys, permit_keys
+from ..app.rules import Limit, Rate, check_cost
+from ..core import ConfigError, KeyTemplate
+from ..core.backend_types import Rule
+from ..core.keys import lock_keys, permit_keys
 from .naming import check_fields, render_key
-from .rules import Limit, Rate, check_cost
 
 __all__ = ["check_limits", "first_rate_key", "hold_rules", "rules_for"]
 

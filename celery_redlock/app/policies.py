@@ -3,16 +3,16 @@
 
 A registry is the configuration's side of a policy kind: its option's row checks a name
 against it (the check accepts exactly the registered names and lists them in
-registration order), and :func:`celery_redlock.config.resolve` turns the name into its
+registration order), and :func:`celery_redlock.app.config.resolve` turns the name into its
 object once per task class and app, so a run never looks a policy up by name. The run
-side fills the registries: :mod:`celery_redlock.contention` registers its strategies and
-publish policies, :mod:`celery_redlock.interrupt` its lost policies. Adding a policy is
+side fills the registries: :mod:`celery_redlock.task.contention` registers its strategies and
+publish policies, :mod:`celery_redlock.task.interrupt` its lost policies. Adding a policy is
 one ``register`` call beside its code.
 
 When they are filled: on import of the package. ``celery_redlock/__init__.py`` imports
-``task.py``, which imports ``run.py``, which imports ``contention.py`` and
-``interrupt.py``; and Python runs the package's ``__init__`` before any of its modules,
-so a process that imports only ``celery_redlock.config`` still checks against full
+``task/locked_task.py``, which imports ``task/run.py``, which imports ``task/contention.py``
+and ``task/interrupt.py``; and Python runs the package's ``__init__`` before any of its
+modules, so a process that imports only ``celery_redlock.app.config`` still checks against full
 registries (``tests/unit/test_config.py`` runs that in a fresh interpreter). The
 configuration never imports the run side itself: the dependency points one way.
 """

@@ -1,6 +1,6 @@
 """What a call does when its key is held: the ``lock_on_contended`` strategies of a run,
 and the ``lock_on_duplicate`` policies of a publish. Each is registered in its kind's
-registry (:mod:`celery_redlock.policies`); the option accepts every registered name, so a
+registry (:mod:`celery_redlock.app.policies`); the option accepts every registered name, so a
 new one is one registration and its functions.
 
 * a :class:`Strategy` (``policies.CONTENDED``) names a function that decides the fate of
@@ -26,8 +26,10 @@ from typing import Any, NoReturn, Protocol
 
 from celery.exceptions import Ignore, Retry
 
-from .core.backend_types import Queued, RateGrant
-from .core.errors import (
+from ..app.policies import CONTENDED, DUPLICATE
+from ..app.rules import BackOff
+from ..core.backend_types import Queued, RateGrant
+from ..core.errors import (
     AlreadyQueued,
     HeldBack,
     LockContended,
@@ -35,11 +37,9 @@ from .core.errors import (
     RateLimited,
     describe_holder,
 )
-from .core.queued import QueuedHold
-from .core.ratelimit import slot_lead
+from ..core.queued import QueuedHold
+from ..core.ratelimit import slot_lead
 from .next_attempt import defer
-from .policies import CONTENDED, DUPLICATE
-from .rules import BackOff
 
 __all__ = [
     "RATE_SLOT_HEADER",
@@ -143,27 +143,21 @@ def fail(refusal: Refusal) -> NoReturn:
             log.info("Task %s[%s] failed: %s", refusal.task.name, request.id, held)
         raise held
     if refusal.rate is not None:
-        if request is not None:
-            log.info(
-                "Task %s[%s] failed%s: rate limit %s of %r reached, next slot in %.3fs",
-                refusal.task.name,
-                request.id,
-                " after waiting" if refusal.waited else "",
-                lock.rate,
-                lock.name,
-                refusal.rate.retry_after,
-            )
-        raise RateLimited(lock.name, refusal.rate.retry_after, lock.rate)
-    if request is not None:
-        log.info(
-            "Task %s[%s] failed%s: lock %r is held by %s",
-            refusal.task.name,
-            request.id,
-            " after waiting" if refusal.waited else "",
-            lock.name,
-            describe_holder(lock.holder),
-        )
+        retry_after = refusal.rate.retry_after
+        why = "rate limit %s of %r reached, next slot in %.3fs"
+        _log_failed(refusal, why, lock.rate, lock.name, retry_after)
+        raise RateLimited(lock.name, retry_after, lock.rate)
+    _log_failed(refusal, "lock %r is held by %s", lock.name, describe_holder(lock.holder))
     raise LockContended(lock.name, lock.holder)
+
+
+def _log_failed(refusal: Refusal, why: str, *args: Any) -> None:
+    """The INFO line of a run that fails as refused (a worker's or an eager run: not a
+    direct call, which has no request), *why* formatted with *args*."""
+    if refusal.request is not None:
+        waited = " after waiting" if refusal.waited else ""
+        task, task_id = refusal.task.name, refusal.request.id
+        log.info("Task %s[%s] failed%s: " + why, task, task_id, waited, *args)
 
 
 def skip(refusal: Refusal) -> Any:
@@ -308,7 +302,7 @@ def requeue(
     promised a slot by its rate limiter and asks for it when it comes back.
 
     Raises ``Retry`` (re-queued: the new message is published after Celery stored this
-    attempt's RETRY, see :mod:`celery_redlock.next_attempt`) or *exc* (the budget is spent).
+    attempt's RETRY, see :mod:`celery_redlock.task.next_attempt`) or *exc* (the budget is spent).
     """
     headers = dict(getattr(request, "headers", None) or {})
     done = int(headers.get(RETRIES_HEADER) or getattr(request, RETRIES_HEADER, 0) or 0)

@@ -14,9 +14,9 @@ import difflib
 import inspect
 from typing import Any
 
-from .config import TaskOptions
-from .core import ConfigError, KeyTemplate, render_value
-from .state import state_for
+from ..app.config import TaskOptions
+from ..app.state import state_for
+from ..core import ConfigError, KeyTemplate, render_value
 
 __all__ = ["KEY_HEADER", "check_fields", "compile_key", "lock_name_for", "render_key"]
 

@@ -17,10 +17,10 @@ Exit codes: 0 done; 1 the lock is not held, or the release was refused or
 aborted; 2 usage or configuration error; 3 Redis unreachable, or refusing the
 credentials.
 
-Settings come from ``celery_redlock.config.load_settings`` (the checks and the
+Settings come from ``celery_redlock.app.config.load_settings`` (the checks and the
 broker fallback the worker uses); every read and removal is a backend's operator
 verb, called through ``celery_redlock.core.admin``. This module only picks the
-masters and maps errors to exit codes; :mod:`celery_redlock.render` shows the rows.
+masters and maps errors to exit codes; :mod:`celery_redlock.cli.render` shows the rows.
 """
 
 from __future__ import annotations
@@ -34,11 +34,13 @@ from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 from celery.exceptions import CeleryCommandException
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
-from .checks import parse_duration
-from .config import Settings, load_settings
-from .controls import Controls
-from .core import Backend, connect, mask_url, open_backend
-from .core.admin import (
+from ..app.checks import parse_duration
+from ..app.config import Settings, load_settings
+from ..app.controls import Controls
+from ..app.flags import flag_overrides, locks_flags
+from ..app.state import state_for
+from ..core import Backend, connect, mask_url, open_backend
+from ..core.admin import (
     LockInfo,
     RateInfo,
     force_dequeue,
@@ -48,11 +50,10 @@ from .core.admin import (
     scan_locks,
     scan_rates,
 )
-from .core.backend import FlowControl, has, lacks
-from .core.backend_types import Control
-from .core.errors import ConfigError, QuorumUnavailable, describe_holder, one_line
-from .core.keys import lock_keys
-from .flags import flag_overrides, locks_flags
+from ..core.backend import FlowControl, has, lacks
+from ..core.backend_types import Control
+from ..core.errors import ConfigError, QuorumUnavailable, describe_holder, one_line
+from ..core.keys import lock_keys
 from .render import (
     LockRow,
     control_json,
@@ -64,7 +65,6 @@ from .render import (
     rate_table,
     task_of,
 )
-from .state import state_for
 
 __all__ = ["EXIT_NOT_HELD", "EXIT_UNREACHABLE", "LockRow", "locks"]
 
@@ -500,10 +500,7 @@ def pause(ctx: click.Context, key: str, for_: str | None, reason: str) -> None:
 @click.pass_context
 def resume(ctx: click.Context, key: str) -> None:
     """Lift KEY's pause; exit 1 if it was not paused."""
-    session = _Session(ctx)
-    if not _control_call(session, lambda c: c.resume(key)):
-        raise CeleryCommandException(f"{key!r} is not paused", EXIT_NOT_HELD)
-    click.echo(f"resumed {key!r}")
+    _lift(ctx, key, lambda c: c.resume(key), "is not paused", f"resumed {key!r}")
 
 
 @_takes_flags
@@ -566,10 +563,17 @@ def set_(  # noqa: PLR0917 - one parameter per option
 @click.pass_context
 def unset(ctx: click.Context, key: str) -> None:
     """Lift KEY's limit and rate overrides (not a pause); exit 1 if it had none."""
-    session = _Session(ctx)
-    if not _control_call(session, lambda c: c.unset(key)):
-        raise CeleryCommandException(f"{key!r} has no override", EXIT_NOT_HELD)
-    click.echo(f"{key!r}: overrides lifted")
+    _lift(ctx, key, lambda c: c.unset(key), "has no override", f"{key!r}: overrides lifted")
+
+
+def _lift(
+    ctx: click.Context, key: str, lift: Callable[[Controls], bool], missing: str, done: str
+) -> None:
+    """Lift a control of KEY (``resume``, ``unset``); exit 1, saying KEY *missing*, when
+    it had none, else print *done*."""
+    if not _control_call(_Session(ctx), lift):
+        raise CeleryCommandException(f"{key!r} {missing}", EXIT_NOT_HELD)
+    click.echo(done)
 
 
 def _controls_of(session: _Session, pattern: str) -> list[Control]:

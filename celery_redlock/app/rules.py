@@ -27,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .core import ConfigError, KeyTemplate
-from .core.errors import cost_above_burst
-from .core.ratelimit import parse_rate
+from ..core import ConfigError, KeyTemplate
+from ..core.errors import cost_above_burst
+from ..core.ratelimit import parse_rate
 
 #: A cost template: one placeholder and nothing else.
 _ONE_FIELD = re.compile(r"^<[^<>]+>$")

@@ -15,7 +15,7 @@ from celery.exceptions import WorkerLostError
 from celery.worker.request import Request
 
 from . import child_watch
-from .worker import gone_child_handled, installed_state, key_headers, release_for_gone_child
+from .bootstep import gone_child_handled, installed_state, key_headers, release_for_gone_child
 
 __all__ = ["LockedRequest"]
 
@@ -61,7 +61,7 @@ class LockedRequest(Request):  # type: ignore[misc]  # celery is untyped
         """Celery's handling; then, on a pool whose tasks run in child processes (prefork),
         the child running a locked task is watched, so that its lock is released (or kept
         for a requeued message) as soon as it exits, whether or not Celery notices at once
-        (see :mod:`celery_redlock.child_watch`).
+        (see :mod:`celery_redlock.worker.child_watch`).
 
         Other pools pass something else as *pid* (gevent and eventlet: the id of a green
         thread; threads and solo: the worker's own pid): the bootstep learnt the pool from

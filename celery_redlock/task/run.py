@@ -4,12 +4,12 @@ One path for a worker's run (``before_start`` takes the lock, where ``Retry`` an
 ``Ignore`` are honoured), an eager call (``apply()``, ``task_always_eager``) and a
 direct call (``task(...)``, locked when its body starts): :func:`acquire_for_request`
 takes the run's lock and rate slot or applies the contended strategy
-(:mod:`celery_redlock.contention`); :func:`run_locked` runs the body and releases on
+(:mod:`celery_redlock.task.contention`); :func:`run_locked` runs the body and releases on
 every exit; :func:`release_for_request` releases, logging and never raising over the
 task's outcome.
 
 Every lock a worker's run takes is in ``AppState.held`` under the task id until it is
-released, so the worker's own paths (:mod:`celery_redlock.worker`: warm shutdown, a
+released, so the worker's own paths (:mod:`celery_redlock.worker.bootstep`: warm shutdown, a
 child that is gone, the ``task_postrun`` safety net) can tell whether there is still
 something to release.
 """
@@ -26,10 +26,12 @@ from typing import Any, NoReturn
 from celery import signals
 from celery.exceptions import Ignore, Retry
 
-from .config import TaskOptions
-from .contention import RATE_SLOT_HEADER, Refusal, Strategy, known_delay, requeue
-from .controls import control
-from .core import (
+from ..app.config import TaskOptions
+from ..app.controls import control
+from ..app.observability import send_task_event
+from ..app.rules import BackOff
+from ..app.state import AppState, state_for
+from ..core import (
     Handover,
     Lock,
     LockLost,
@@ -40,23 +42,21 @@ from .core import (
     RunLock,
     Semaphore,
 )
-from .core.errors import describe_holder
-from .core.lease import drift
+from ..core.errors import describe_holder
+from ..core.lease import drift
+from .contention import RATE_SLOT_HEADER, Refusal, Strategy, known_delay, requeue
 from .dedup import (
     HOLD_HEADER,
     NO_DEDUP_HEADER,
     attempt_of,
     claim_at_worker,
-    give_back_hold,
+    give_back,
     skip_superseded,
 )
 from .flow import first_rate_key, hold_rules
 from .interrupt import LockLostInterrupt, on_lost, watch
 from .naming import lock_name_for
 from .next_attempt import give_back_on_loss
-from .observability import send_task_event
-from .rules import BackOff
-from .state import AppState, state_for
 
 __all__ = [
     "acquire_for_request",
@@ -171,13 +171,14 @@ def acquire_for_request(
     direct call (*task_id* None: no message to re-queue, mark or hand over).
 
     With ``lock_on="enqueue"``/``"enqueue+run"`` the lock is taken by a hand-over of the
-    message's enqueue-time hold (see celery_redlock.dedup); a message that does not run
+    message's enqueue-time hold (see celery_redlock.task.dedup); a message that does not run
     (skipped, superseded, failed) gives its own hold back, a retried one keeps it.
     """
     if request is None:
         request = task.request
-    request._redlock_checked = True
     state = state_for(task.app)
+    # The run's state, handed to every later step of this run (its body, its release).
+    request._redlock_state = state
     if state.disabled:
         return
     options = state.options_for(task)
@@ -195,7 +196,7 @@ def acquire_for_request(
         # A retry keeps its place; a chain step was sent on purpose: neither is a duplicate.
         keeps_place = attempt != (0, 0) or bool(marks.get(NO_DEDUP_HEADER))
         if not keeps_place and HOLD_HEADER not in marks:
-            claim_at_worker(task, request, name, options)
+            claim_at_worker(state, task, request, name, options)
         handover = Handover(task_id, strict=not keeps_place)
     run = _Run(
         task, request, task_id, name, options, strategy, eager, attempt, (args, kwargs), direct
@@ -208,15 +209,15 @@ def acquire_for_request(
         if handover is not None:
             owner = handover.owner
             give_back_on_loss(
-                owner, lambda: give_back_hold(task.app, name, owner, "could not be re-queued")
+                owner, lambda: give_back(state, name, owner, "could not be re-queued")
             )
         raise
     except BaseException:
         if handover is not None:
-            give_back_hold(task.app, name, handover.owner, "did not start")
+            give_back(state, name, handover.owner, "did not start")
         raise
     if handover is not None and lock_of(request) is None:
-        give_back_hold(task.app, name, handover.owner, "did not start")  # fail-open, a skip
+        give_back(state, name, handover.owner, "did not start")  # fail-open, a skip
 
 
 @dataclass(frozen=True)
@@ -293,15 +294,17 @@ def _acquire(run: _Run, state: AppState, handover: Handover | None) -> None:
                     # self.retry() not released yet): wait for it, at most one TTL.
                     acquired = lock.acquire(blocking=True, timeout=lock.ttl)
             if acquired and copy and _ran_already(lock):
-                release_for_request(task, lock, None, request)
+                release_for_request(state, task, lock, None, request)
                 _drop_copy(task, task_id, name)
             if not acquired:
                 if isinstance(lock, RunLock) and lock.superseded:
                     if copy and _ran_already(lock):
                         _drop_copy(task, task_id, name)  # it ran: its result stays
-                    skip_superseded(task, request, lock)
+                    skip_superseded(state, task, request, lock)
                 if tracked:
-                    send_task_event(task, "contended", lock=name, policy=policy, holder=lock.holder)
+                    send_task_event(
+                        state, task, "contended", lock=name, policy=policy, holder=lock.holder
+                    )
                 # A strategy that does not raise gives the result the run returns instead.
                 request._redlock_skip = strategy.refuse(run.refusal(lock))
                 return
@@ -309,7 +312,7 @@ def _acquire(run: _Run, state: AppState, handover: Handover | None) -> None:
             if tracked:
                 state.held[str(task_id)] = lock
                 if state.send_events:
-                    send_task_event(task, "acquired", lock=name, fence=lock.fence)
+                    send_task_event(state, task, "acquired", lock=name, fence=lock.fence)
         if options.rate is not None:
             owner: dict[str, Any] = {"task_name": task.name}
             if tracked:
@@ -321,9 +324,10 @@ def _acquire(run: _Run, state: AppState, handover: Handover | None) -> None:
             grant = _rate_grant(limiter, request, waits=left, requeues=requeues)
             if not grant:
                 if lock is not None:  # the permit goes back at once: a refusal takes nothing
-                    release_for_request(task, lock, task_id, request)
+                    release_for_request(state, task, lock, task_id, request)
                 if tracked:
                     send_task_event(
+                        state,
                         task,
                         "rate-limited",
                         lock=name,
@@ -333,7 +337,7 @@ def _acquire(run: _Run, state: AppState, handover: Handover | None) -> None:
                 request._redlock_skip = strategy.refuse(run.refusal(limiter, grant))
     except QuorumUnavailable as exc:
         if lock is not None and lock_of(request) is lock:
-            release_for_request(task, lock, task_id, request)
+            release_for_request(state, task, lock, task_id, request)
         if state.settings.fail_open:
             log.warning(
                 "Task %s[%s] runs UNLOCKED (redlock_fail_open=True): %s", task.name, task_id, exc
@@ -439,9 +443,11 @@ def run_locked(
 ) -> Any:
     """Run the task body under its lock and release on every exit."""
     request = task.request
-    if not getattr(request, "_redlock_checked", False):
+    state: AppState | None = getattr(request, "_redlock_state", None)
+    if state is None:
         # Called directly (``task(...)``), not through a worker or apply(): lock here.
         acquire_for_request(task, None, args, kwargs, request)
+        state = request._redlock_state
     skip = getattr(request, "_redlock_skip", None)
     if skip is not None:
         return skip
@@ -450,8 +456,8 @@ def run_locked(
         try:
             return fun(task, *args, **kwargs) if bound else fun(*args, **kwargs)
         except BackOff as exc:
-            back_off(task, request, None, exc, (args, kwargs))
-    running = watch(lock, task.name, state_for(task.app).options_for(task).lost)
+            back_off(state, task, request, None, exc, (args, kwargs))
+    running = watch(lock, task.name, state.options_for(task).lost)
     try:
         try:
             return fun(task, *args, **kwargs) if bound else fun(*args, **kwargs)
@@ -460,23 +466,24 @@ def run_locked(
     except LockLostInterrupt:  # raised in the body, or on the way out before stop() ran
         raise LockLost(lock.name, lock.lost_reason or "lost while the task ran") from None
     except BackOff as exc:
-        back_off(task, request, lock, exc, (args, kwargs))
+        back_off(state, task, request, lock, exc, (args, kwargs))
     finally:
-        release_for_request(task, lock, getattr(request, "id", None), request)
+        release_for_request(state, task, lock, getattr(request, "id", None), request)
 
 
-def back_off(
+def back_off(  # noqa: PLR0917 - the run's state, task, request, lock and call
+    state: AppState,
     task: Any,
     request: Any,
     lock: Lock | None,
     exc: BackOff,
     call: tuple[tuple[Any, ...], dict[str, Any]],
 ) -> NoReturn:
-    """The body raised :class:`~celery_redlock.rules.BackOff`: pause its key for every
+    """The body raised :class:`~celery_redlock.app.rules.BackOff`: pause its key for every
     worker (its own key, else the task's first ``Rate`` key, else the run's lock key),
     then re-queue the run to start when the pause ends, within the lock's retry budget;
     a call with no message to re-queue (eager, direct) raises the BackOff after the pause."""
-    options = state_for(task.app).options_for(task)
+    options = state.options_for(task)
     args, kwargs = call
     key = exc.key
     if key is None:
@@ -495,9 +502,11 @@ def back_off(
 
 
 # -- release -------------------------------------------------------------------------------
-def release_for_request(task: Any, lock: Lock, task_id: str | None, request: Any = None) -> None:
-    """Release a run's lock; problems are logged, never raised over the task's outcome."""
-    state = state_for(task.app)
+def release_for_request(
+    state: AppState, task: Any, lock: Lock, task_id: str | None, request: Any = None
+) -> None:
+    """Release a run's lock (*state*: its app's); problems are logged, never raised over
+    the task's outcome."""
     if task_id is not None:
         state.held.pop(task_id, None)
     if request is None:
@@ -511,10 +520,10 @@ def release_for_request(task: Any, lock: Lock, task_id: str | None, request: Any
     try:
         lock.release()
         if events:
-            send_task_event(task, "released", lock=lock.name, fence=fence, held=held)
+            send_task_event(state, task, "released", lock=lock.name, fence=fence, held=held)
     except LockLost as exc:
         if events:
-            send_task_event(task, "lost", lock=lock.name, reason=str(exc), held=held)
+            send_task_event(state, task, "lost", lock=lock.name, reason=str(exc), held=held)
         policy = state.options_for(task).on_lost
         log.warning("Task %s[%s]: %s (lock_on_lost=%s)", task.name, task_id, exc, policy)
     except QuorumUnavailable as exc:
@@ -537,7 +546,8 @@ _postrun_lock = threading.Lock()
 
 def use_postrun_net() -> None:
     """Connect the ``task_postrun`` safety net (once per process): some LockedTask class has
-    its own ``before_start``, ``__call__`` or ``after_return`` (see celery_redlock.task).
+    its own ``before_start``, ``__call__`` or ``after_return`` (see
+    celery_redlock.task.locked_task).
 
     It is not connected otherwise: any receiver makes Celery send the signal, with its
     lock and keyword dict, for every task.
@@ -557,4 +567,4 @@ def on_postrun(sender: Any = None, task_id: str | None = None, **_: Any) -> None
     state = state_for(app)
     lock = state.held.get(task_id) if state.installed else None
     if lock is not None:
-        release_for_request(sender, lock, task_id)
+        release_for_request(state, sender, lock, task_id)

@@ -13,7 +13,7 @@ interrupts that body's thread:
   the renewal thread is a green thread too), by a callback on the event loop that throws
   the exception into the body's green thread (``greenlet.throw``), so it ends the body's
   blocking call (``time.sleep``, a socket read), where the body yields. A body that never
-  yields starves the renewal as well (see :mod:`celery_redlock.pools`).
+  yields starves the renewal as well (see :mod:`celery_redlock.worker.pools`).
 
 Either way the body sees a :class:`LockLostInterrupt` (a :class:`LockLost`) that names
 the lock and why it was lost. With
@@ -40,8 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .core import LockLost
-from .policies import LOST
+from ..app.policies import LOST
+from ..core import LockLost
 
 __all__ = ["LockLostInterrupt", "LostPolicy", "Watch", "on_lost", "watch", "watch_of"]
 

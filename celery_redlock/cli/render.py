@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from .core.admin import LockInfo, RateInfo
-from .core.backend_types import Control
+from ..core.admin import LockInfo, RateInfo
+from ..core.backend_types import Control
 
 __all__ = [
     "LockRow",

@@ -45,20 +45,21 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any, NoReturn
 
+from ..app.config import TaskOptions
+from ..app.observability import send_publisher_event, send_task_event
+from ..app.state import AppState, state_for
+from ..core import ConfigError, Queued, QueuedHold, QuorumUnavailable
+from ..core.queued import PendingClaim
 from . import claiming
-from .config import TaskOptions
 from .contention import RETRIES_HEADER, Duplicate, skip_message
-from .core import ConfigError, Queued, QueuedHold, QuorumUnavailable
-from .core.queued import PendingClaim
 from .naming import lock_name_for
-from .observability import send_publisher_event, send_task_event
-from .state import AppState, state_for
 
 __all__ = [
     "HOLD_HEADER",
     "NO_DEDUP_HEADER",
     "attempt_of",
     "claim_at_worker",
+    "give_back",
     "give_back_hold",
     "hold_for",
     "publish",
@@ -101,7 +102,8 @@ def hold_for(state: AppState, task: Any, name: str) -> QueuedHold:
 
 
 # -- the publish side ------------------------------------------------------------------------
-def publish_held(
+def publish_held(  # noqa: PLR0917 - the publish's state, task, name, options and call
+    state: AppState,
     task: Any,
     name: str,
     options: TaskOptions,
@@ -115,7 +117,6 @@ def publish_held(
     kwargs, **call)``), unless it is a duplicate; returns what ``apply_async`` returns."""
     from celery.utils import uuid  # noqa: PLC0415 - kept out of the import-time path
 
-    state = state_for(task.app)
     task_id = call.get("task_id") or uuid()
     call["task_id"] = task_id
     # A re-publish of the request this process runs (self.retry(), a contention retry)
@@ -128,7 +129,7 @@ def publish_held(
     special = any(call.get(k) for k in ("chain", "link", "link_error", "chord", "group_id"))
     if not (republish or special) and claiming.hook(task.app):
         publish = functools.partial(send, args, kwargs)
-        return _publish_overlapped(task, name, options, hold, ttl, call, publish)
+        return _publish_overlapped(state, task, name, options, hold, ttl, call, publish)
     try:
         if republish:
             found = hold.claim(task_id, ttl, report=False)
@@ -168,18 +169,18 @@ def publish_held(
         result = send(args, kwargs, **call)
     except BaseException:
         if found.outcome != "duplicate":
-            give_back_hold(task.app, name, task_id, "was not published")
+            give_back(state, name, task_id, "was not published")
         raise
     _log_replaced(task, task_id, name, found)
     return result
 
 
 def _publish_overlapped(  # noqa: PLR0917 - publish_held's call, with its hold and lifetime
-    task: Any, name: str, options: TaskOptions, hold: QueuedHold, ttl: float,
+    state: AppState, task: Any, name: str, options: TaskOptions, hold: QueuedHold, ttl: float,
     call: dict[str, Any], send: Callable[..., Any]
 ) -> Any:  # fmt: skip
     """A plain call's publish (``send(**call)``), its claim answered while Celery builds
-    the message (see :mod:`celery_redlock.claiming`)."""
+    the message (see :mod:`celery_redlock.task.claiming`)."""
     task_id = call["task_id"]
     try:
         pending = hold.claim_later(task_id, ttl, **options.duplicate.terms(options.lock_on))
@@ -208,7 +209,7 @@ def _publish_overlapped(  # noqa: PLR0917 - publish_held's call, with its hold a
             return _duplicate(task, name, options, stop.found, task_id)
         except BaseException:
             if deciding.decided or _claim_taken(deciding):
-                give_back_hold(task.app, name, task_id, "was not published")
+                give_back(state, name, task_id, "was not published")
             raise
         found = deciding.answer()  # made while the message was built (else: now)
     if found is not None:
@@ -311,11 +312,12 @@ def _seconds_until(when: Any, now: datetime) -> float | None:
 
 
 # -- the worker side --------------------------------------------------------------------------
-def claim_at_worker(task: Any, request: Any, name: str, options: TaskOptions) -> None:
+def claim_at_worker(
+    state: AppState, task: Any, request: Any, name: str, options: TaskOptions
+) -> None:
     """A message that took no hold when it was published (sent by name where the task
     class is unknown): take it now; a duplicate does not run (skipped visibly, or
     ``AlreadyQueued`` with ``lock_on_duplicate="raise"``)."""
-    state = state_for(task.app)
     hold = hold_for(state, task, name)
     found = options.duplicate.claim(hold, request.id, options.enqueue_ttl, options.lock_on)
     if found.outcome != "duplicate" or not found.owner or found.owner == request.id:
@@ -331,11 +333,11 @@ def claim_at_worker(task: Any, request: Any, name: str, options: TaskOptions) ->
         found.state,
         options.on_duplicate,
     )
-    send_task_event(task, "duplicate", lock=name, holder=found.owner, state=found.state)
+    send_task_event(state, task, "duplicate", lock=name, holder=found.owner, state=found.state)
     options.duplicate.answer(Duplicate(task, name, request.id, found, request))
 
 
-def skip_superseded(task: Any, request: Any, lock: Any) -> NoReturn:
+def skip_superseded(state: AppState, task: Any, request: Any, lock: Any) -> NoReturn:
     """The message's hold was taken by another call (``replace``, or its own hold ran out
     and another call took the name): it does not run, and its result says which call
     superseded it; raises ``Ignore``. (A redelivered copy whose run ended is dropped before
@@ -348,25 +350,29 @@ def skip_superseded(task: Any, request: Any, lock: Any) -> NoReturn:
         owner,
         lock.name,
     )
-    send_task_event(task, "superseded", lock=lock.name, holder=owner)
+    send_task_event(state, task, "superseded", lock=lock.name, holder=owner)
     skip_message(
         task, request, lock.name, f"superseded by task {owner}", owner=owner, holder=lock.holder
     )
 
 
 def give_back_hold(app: Any, name: str, task_id: str, why: str, *, later: bool = False) -> None:
+    """:func:`give_back` for a worker's signal receiver, which knows the task's *app*."""
+    give_back(state_for(app), name, task_id, why, later=later)
+
+
+def give_back(state: AppState, name: str, task_id: str, why: str, *, later: bool = False) -> None:
     """Give back task *task_id*'s enqueue-time hold of *name*, because its message will
     not run (*why*: skipped, failed, revoked, expired, rejected, not published), so the
     next call can be queued. Owner-checked: another task id's hold is never touched.
     Never raises: a hold not given back ends with its lease. *later*: in a short thread
     (a worker's main process never blocks its consumer on Redis)."""
     if later:
-        args = (app, name, task_id, why)
+        args = (state, name, task_id, why)
         threading.Thread(
-            target=give_back_hold, args=args, name="celery-redlock-dequeue", daemon=True
+            target=give_back, args=args, name="celery-redlock-dequeue", daemon=True
         ).start()
         return
-    state = state_for(app)
     if not state.installed or state.disabled:
         return
     try:
@@ -388,7 +394,7 @@ def publish(
 ) -> Any:
     """Publish one call of a locked task through *send* (``send(args, kwargs, **call)``);
     with ``lock_on="enqueue"`` or ``"enqueue+run"`` after the duplicate check of
-    :mod:`celery_redlock.dedup`."""
+    :mod:`celery_redlock.task.dedup`."""
     app = task.app
     state = state_for(app)
     if state.disabled or app.conf.task_always_eager:
@@ -397,4 +403,4 @@ def publish(
     if options.lock_on == "run":
         return send(args, kwargs, **call)
     name = lock_name_for(task, tuple(args or ()), dict(kwargs or {}), call.get("headers"), options)
-    return publish_held(task, name, options, args, kwargs, call=call, send=send)
+    return publish_held(state, task, name, options, args, kwargs, call=call, send=send)

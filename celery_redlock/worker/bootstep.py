@@ -3,7 +3,7 @@ release of a run whose child process is gone.
 
 Everything here runs in a worker: :class:`RedlockStep` applies the worker flags
 (``--redlock-url``, ``--redlock-ttl``, ``--redlock-lock-on``, ``--redlock-disable``, made
-from the rows by :mod:`celery_redlock.flags`), checks the settings and every locked
+from the rows by :mod:`celery_redlock.app.flags`), checks the settings and every locked
 task's options at start-up (a bad one stops the worker with one line), refuses
 ``memory://`` under a prefork pool, pings the lock Redis, and releases everything held
 at warm shutdown. The receivers release in the worker's main process what a run can no
@@ -27,21 +27,21 @@ from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from redis.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, BusyLoadingError
 
+from ..app.config import StartupConfigError, capabilities_needed
+from ..app.flags import flag_overrides
+from ..app.observability import drop_unscrapable_metrics
+from ..app.state import AppState, state_for
+from ..core import process, renewal
+from ..core.backend import QueuedHolds, has, lacks
+from ..core.connect import mask_url
+from ..core.errors import ConfigError, RedlockError
+from ..core.queued import QueuedHold
+from ..task.dedup import HOLD_HEADER, give_back_hold, hold_for
+from ..task.flow import hold_rules
+from ..task.locked_task import LockedTask, apply_redlock_tasks
+from ..task.naming import KEY_HEADER, lock_name_for
 from .child_watch import alive
-from .config import StartupConfigError, capabilities_needed
-from .core import process, renewal
-from .core.backend import QueuedHolds, has, lacks
-from .core.connect import mask_url
-from .core.errors import ConfigError, RedlockError
-from .core.queued import QueuedHold
-from .dedup import HOLD_HEADER, give_back_hold, hold_for
-from .flags import flag_overrides
-from .flow import hold_rules
-from .naming import KEY_HEADER, lock_name_for
-from .observability import drop_unscrapable_metrics
 from .pools import pool_of
-from .state import AppState, state_for
-from .task import LockedTask, apply_redlock_tasks
 
 __all__ = [
     "RedlockStep",
@@ -153,7 +153,7 @@ def warn_statedb_scheduler(options: Any = None, **_: Any) -> None:
 
 def warn_pool_limits(app: Any, state: AppState) -> None:
     """Say once, at start-up, what this worker's pool cannot do for a locked run (one
-    INFO line; see :mod:`celery_redlock.pools`), and warn of tasks whose
+    INFO line; see :mod:`celery_redlock.worker.pools`), and warn of tasks whose
     ``lock_on_contended="wait"`` would block a solo worker whole."""
     pool = state.pool
     if pool is None:
@@ -185,7 +185,7 @@ def check_locked_tasks(app: Any, state: AppState) -> None:
     """Resolve every locked task's options against the settings now, so a bad combination
     (``lock_limit=None`` without a rate) or an option the lock store cannot keep (a limit
     above one, a rate or enqueue-time holds on Redlock masters: see
-    :func:`~celery_redlock.config.capabilities_needed`) stops the worker at start-up with one
+    :func:`~celery_redlock.app.config.capabilities_needed`) stops the worker at start-up with one
     ConfigError naming every such task (by name) and its option, never deep in a run."""
     backend = state.backend()
     problems: list[str] = []
@@ -301,7 +301,7 @@ def _on_failure(
 
 @contextlib.contextmanager
 def gone_child_handled(task_id: str) -> Iterator[None]:
-    """While a LockedRequest (:mod:`celery_redlock.request`) hands Celery a lost child's
+    """While a LockedRequest (:mod:`celery_redlock.worker.request`) hands Celery a lost child's
     failure of *task_id*: the task_failure receiver leaves it to that request."""
     _handling.add(task_id)
     try:
@@ -426,7 +426,7 @@ def release_for_gone_child(
     id's copy is released (the message does not come after all).
 
     *early*: the main process saw the child exit before Celery said what becomes of the
-    message (:mod:`celery_redlock.child_watch`); *comes_back* is then its forecast, from
+    message (:mod:`celery_redlock.worker.child_watch`); *comes_back* is then its forecast, from
     the task's ``acks_late`` and ``reject_on_worker_lost``. It releases or keeps a run it
     finds and nothing else; Celery's word, when it comes, settles the rest.
     """

@@ -1,11 +1,11 @@
-"""The worker flags, made from the rows whose :class:`~celery_redlock.rows.Flag` is set
+"""The worker flags, made from the rows whose :class:`~celery_redlock.app.rows.Flag` is set
 (``--redlock-url``, ``--redlock-ttl``, ``--redlock-lock-on``, ``--redlock-disable``).
 
 Each flag is ``--`` and its row's setting with dashes, so click hands its value to the
 bootstep under the setting's own name (``redlock_ttl``): :func:`flag_overrides` turns
 what the bootstep got into that worker's setting overrides, with no code per flag. Its
 help is the row's, plus what the flag overrides; its type is the flag's, or the names
-the row's check accepts (a :class:`~celery_redlock.checks.Choice`).
+the row's check accepts (a :class:`~celery_redlock.app.checks.Choice`).
 """
 
 from __future__ import annotations

@@ -24,13 +24,13 @@ import logging
 import math
 from typing import Any
 
-from .core import ConfigError
-from .core.backend import FlowControl, need
-from .core.backend_types import Control
-from .core.keys import lock_keys
-from .core.ratelimit import parse_rate
+from ..core import ConfigError
+from ..core.backend import FlowControl, need
+from ..core.backend_types import Control
+from ..core.keys import lock_keys
+from ..core.ratelimit import parse_rate
 from .observability import send_publisher_event
-from .state import state_for
+from .state import AppState, state_for
 
 __all__ = ["Controls", "control"]
 
@@ -55,11 +55,15 @@ class Controls:
     @property
     def prefix(self) -> str:
         """The key prefix of the controlled keys."""
-        return self._prefix or state_for(self.app).settings.key_prefix
+        return self._prefix or self._state().settings.key_prefix
 
     def _backend(self) -> FlowControl:
-        store = self._store if self._store is not None else state_for(self.app).backend()
+        store = self._store if self._store is not None else self._state().backend()
         return need(store, FlowControl)
+
+    def _state(self) -> AppState:
+        """The app's state, for what was not given (``celery locks`` gives both)."""
+        return state_for(self.app)
 
     def _key(self, name: str) -> str:
         if not isinstance(name, str) or not name:

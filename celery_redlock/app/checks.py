@@ -1,7 +1,7 @@
 """Value checks shared by the ``lock_*`` task options and the ``redlock_*`` settings.
 
 Each check returns the value to use or raises ``TypeError``/``ValueError`` whose text
-completes "... must be <text>"; :mod:`celery_redlock.config` turns that into one
+completes "... must be <text>"; :mod:`celery_redlock.app.config` turns that into one
 :class:`~celery_redlock.core.errors.ConfigError` naming the task or setting and the fix.
 """
 
@@ -11,9 +11,9 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .core.errors import ConfigError
-from .core.lease import MAX_TTL_MS, MIN_TTL, ttl_to_ms
-from .core.ratelimit import parse_rate
+from ..core.errors import ConfigError
+from ..core.lease import MAX_TTL_MS, MIN_TTL, ttl_to_ms
+from ..core.ratelimit import parse_rate
 
 __all__ = [
     "Choice",

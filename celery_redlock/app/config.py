@@ -2,16 +2,16 @@
 each, checked in one pass each.
 
 * :class:`Settings` holds the rows: a typed field each, made by
-  :func:`~celery_redlock.rows.row`, which declares once its setting, its task option,
+  :func:`~celery_redlock.app.rows.row`, which declares once its setting, its task option,
   its check, default and help, and its worker flag. :data:`SETTINGS` (setting -> row),
   :data:`OPTIONS` (task option -> row) and the worker flags
-  (:mod:`celery_redlock.flags`) derive from them (:func:`~celery_redlock.rows.table_of`).
+  (:mod:`celery_redlock.app.flags`) derive from them (:func:`~celery_redlock.app.rows.table_of`).
 * :func:`load_settings` reads the settings from ``app.conf`` (worker flags override) and
   lists every problem in one :class:`ConfigError`.
 * A task class's options are checked when the class is made (:func:`check_declared`)
   and resolved against its app's settings once (:func:`resolve`, cached per app by
   ``AppState.options_for``) into :class:`TaskOptions`: the same fields, plus its key and
-  its three policies as objects (from the registries of :mod:`celery_redlock.policies`).
+  its three policies as objects (from the registries of :mod:`celery_redlock.app.policies`).
 
 Settings belong to the app: two apps in one process keep their own values, clients and
 defaults.
@@ -27,6 +27,10 @@ from typing import Any
 
 import click
 
+from ..core import ConfigError, KeyTemplate
+from ..core.backend import FlowControl, Permits, QueuedHolds, Rates
+from ..core.connect import mask_url
+from ..core.lease import DEFAULT_FENCE_TTL
 from .checks import (
     boolean,
     choice,
@@ -42,10 +46,6 @@ from .checks import (
     url_option,
     whole_number,
 )
-from .core import ConfigError, KeyTemplate
-from .core.backend import FlowControl, Permits, QueuedHolds, Rates
-from .core.connect import mask_url
-from .core.lease import DEFAULT_FENCE_TTL
 from .policies import CONTENDED, DUPLICATE, LOST, Policies
 from .rows import Flag, Needs, Row, row, table_of
 from .rules import limits_option
@@ -80,7 +80,7 @@ class StartupConfigError(ConfigError, click.ClickException):
 
 #: ``lock_on``: when the lock is held. "run": while the body runs; "enqueue": from publish
 #: until the body starts (the run itself is locked as with "run"); "enqueue+run": from
-#: publish until the run ends (one queued-or-running per key). See celery_redlock.dedup.
+#: publish until the run ends (one queued-or-running per key). See celery_redlock.task.dedup.
 LOCK_ON = ("run", "enqueue", "enqueue+run")
 
 #: The class attribute that marks the class holding the options' unset defaults (None):
@@ -92,7 +92,7 @@ DEFAULTS_MARK = "redlock_option_defaults"
 @dataclass(frozen=True)
 class Settings:
     """The ``redlock_*`` settings of one app, checked (worker flags applied), and every
-    task option's default: one row per field (see :mod:`celery_redlock.rows`). The field
+    task option's default: one row per field (see :mod:`celery_redlock.app.rows`). The field
     ``ttl`` is the setting ``redlock_ttl`` and the task option ``lock_ttl``; a field whose
     row is a task option only (``max_hold``) holds that option's default."""
 

@@ -1,7 +1,7 @@
 """One row per option, as Celery's ``celery/app/defaults.py`` declares each of its
 settings once as an ``Option``.
 
-A row is a field of the frozen ``Settings`` dataclass (:mod:`celery_redlock.config`),
+A row is a field of the frozen ``Settings`` dataclass (:mod:`celery_redlock.app.config`),
 made by :func:`row`: the field gives its name and type (checked by mypy), the row
 everything else: its ``redlock_*`` setting (or none), its ``lock_*`` task option (or
 none), its check, default and help, and how it is a worker flag (:class:`Flag`, or
@@ -69,7 +69,7 @@ class Row:
     #: The task option (``"lock_ttl"``), or None: a setting only.
     option: str | None
     #: Returns the value to use, or raises TypeError/ValueError whose text completes
-    #: "... must be <text>" (see :mod:`celery_redlock.checks`).
+    #: "... must be <text>" (see :mod:`celery_redlock.app.checks`).
     check: Callable[[Any], Any]
     #: The value when neither the app nor the task sets it.
     default: Any

@@ -1,7 +1,7 @@
 """The lock options one call may pass: ``apply_async``, a signature's options, ``send_task``.
 
 ``lock_key`` is the one lock option a call may pass: it names this call's lock, and
-travels to the worker in the :data:`~celery_redlock.naming.KEY_HEADER` message header.
+travels to the worker in the :data:`~celery_redlock.task.naming.KEY_HEADER` message header.
 Every other lock option (``lock_on_duplicate``, ``lock_ttl``, ...) belongs to the task
 (or, as a ``redlock_*`` setting, to the app): the publish side and the worker both read
 it from there, so a value that only this call carried would hold at one end and not the
@@ -18,8 +18,8 @@ import difflib
 import inspect
 from typing import Any
 
-from .config import OPTIONS
-from .core import ConfigError
+from ..app.config import OPTIONS
+from ..core import ConfigError
 from .naming import KEY_HEADER, compile_key
 
 __all__ = ["PER_CALL", "call_options", "check_call_options"]

@@ -29,8 +29,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from .core.events import LockEvent, add_hook, remove_hook
-from .state import state_for
+from ..core.events import LockEvent, add_hook, remove_hook
+from .state import AppState
 
 __all__ = [
     "BEAT_ROLE",
@@ -273,9 +273,10 @@ def _actions_for(key: tuple[str, str]) -> list[tuple[Any, Any, Any]]:
     return actions
 
 
-def send_task_event(task: Any, kind: str, **fields: Any) -> None:
-    """Send ``task-lock-<kind>`` as a Celery event when this worker sends task events."""
-    if not state_for(task.app).send_events:
+def send_task_event(state: AppState, task: Any, kind: str, /, **fields: Any) -> None:
+    """Send ``task-lock-<kind>`` as a Celery event when this worker sends task events
+    (*state*: the task's app's)."""
+    if not state.send_events:
         return
     try:
         task.send_event(f"task-lock-{kind}", retry=False, **fields)

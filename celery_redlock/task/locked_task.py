@@ -1,7 +1,7 @@
 """``LockedTask``: the lock around a Celery task, from acquire to every kind of exit.
 
 Where each step happens, and why there (the steps themselves are in
-:mod:`celery_redlock.run`):
+:mod:`celery_redlock.task.run`):
 
 * **acquire** in ``before_start``: the tracer runs it inside the try block where
   ``Retry``, ``Ignore`` and exceptions count, so a contended run can be
@@ -21,7 +21,7 @@ Where each step happens, and why there (the steps themselves are in
 * **the main process** releases the exact acquisition of a child that is gone
   (hard time limit, lost child, ``revoke(terminate=True)``), or keeps it for the
   redelivered copy when the message is requeued (``Request``): see
-  :mod:`celery_redlock.worker`.
+  :mod:`celery_redlock.worker.bootstep`.
 
 ``redlock_tasks`` (:func:`apply_redlock_tasks`) gives tasks that do not use the base
 class the same behaviour.
@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 
 from celery import Task
 
-from .config import (
+from ..app.config import (
     OPTIONS,
     StartupConfigError,
     TaskSpec,
@@ -46,15 +46,15 @@ from .config import (
     check_task_option,
     declared,
 )
+from ..app.rules import BackOff, limits_option
+from ..app.state import state_for
+from ..core import ConfigError, Lock, LockContended, QuorumUnavailable
 from .contention import SKIPPED, is_skipped
-from .core import ConfigError, Lock, LockContended, QuorumUnavailable
 from .dedup import publish
 from .flow import check_limits
 from .naming import compile_key, lock_name_for
 from .per_call import call_options, check_call_options
-from .rules import BackOff, limits_option
 from .run import acquire_for_request, lock_of, release_for_request, run_locked, use_postrun_net
-from .state import state_for
 
 log = logging.getLogger("celery_redlock")
 
@@ -79,7 +79,7 @@ app_hooks: list[Callable[[Any], None]] = []
 class LockedTask(Task):  # type: ignore[misc]
     """Base class: ``@app.task(base=LockedTask, lock_key="sync:<user_id>")``.
 
-    Options: the ``lock_*`` names of :data:`celery_redlock.config.OPTIONS`
+    Options: the ``lock_*`` names of :data:`celery_redlock.app.config.OPTIONS`
     (``lock_key``, ``lock_ttl``, ``lock_on_contended``, ``lock_on_lost``, ...), each
     defaulting from its ``app.conf.redlock_*`` setting; an option a task does not set
     reads as None on it. Inside the body, ``self.lock`` is the held lock (``.fence``,
@@ -93,8 +93,8 @@ class LockedTask(Task):  # type: ignore[misc]
     #: task's own ``lock_limit=None`` (no cap) reads as set (see options.is_set).
     redlock_option_defaults: ClassVar[bool] = True
     #: The worker's request class: it sees a lost child's message requeued, so that run's
-    #: lock is kept for the redelivered copy (see celery_redlock.request.LockedRequest).
-    Request = "celery_redlock.request:LockedRequest"
+    #: lock is kept for the redelivered copy (see celery_redlock.worker.request.LockedRequest).
+    Request = "celery_redlock.worker.request:LockedRequest"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -121,11 +121,12 @@ class LockedTask(Task):  # type: ignore[misc]
     ) -> None:
         """Safety net: a lock still held when the run ends is released (see the module doc)."""
         # A run's lock is in state.held until released: most runs need no request lookup.
-        if task_id in state_for(self.app).held:
+        state = state_for(self.app)
+        if task_id in state.held:
             request = self.request
             lock = lock_of(request)
             if lock is not None:
-                release_for_request(self, lock, task_id, request)
+                release_for_request(state, self, lock, task_id, request)
         super().after_return(status, retval, task_id, args, kwargs, einfo)
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
@@ -133,8 +134,8 @@ class LockedTask(Task):  # type: ignore[misc]
 
         With ``lock_on="enqueue"`` or ``"enqueue+run"``, a call whose lock is already
         queued (or running) is a duplicate: ``lock_on_duplicate`` decides what it returns
-        (see :mod:`celery_redlock.dedup`). Any other lock option, and celery-once's
-        ``once=``, is refused with a ``ConfigError`` (see :mod:`celery_redlock.per_call`).
+        (see :mod:`celery_redlock.task.dedup`). Any other lock option, and celery-once's
+        ``once=``, is refused with a ``ConfigError`` (see :mod:`celery_redlock.task.per_call`).
         """
         if options:  # delay() passes none
             spec = type(self).redlock_spec
@@ -162,7 +163,7 @@ for _option in OPTIONS:
 # -- class preparation (at decoration / finalize time) -------------------------------------
 def prepare_task_class(cls: type) -> None:
     """Check a task class's lock options and wrap its body; a
-    :class:`~celery_redlock.config.StartupConfigError` (a ConfigError) names the task, the
+    :class:`~celery_redlock.app.config.StartupConfigError` (a ConfigError) names the task, the
     option and the fix. Celery makes a task when it is defined on a finalized app, else
     on first use or when a worker or beat finalizes the app: ``celery worker`` and
     ``celery beat`` then print that one line and exit 1."""
@@ -195,7 +196,7 @@ def _prepare(cls: type) -> None:
     cls.redlock_spec = TaskSpec(signature=signature, key=key)  # type: ignore[attr-defined]
 
     # A run refused for contention, or given up on because Redis stayed unreachable, is
-    # an outcome the task's lock options asked for, and celery_redlock.contention has already
+    # an outcome the task's lock options asked for, and celery_redlock.task.contention has already
     # logged why in one line: Celery logs "raised expected" at INFO, not a traceback.
     throws = tuple(inspect.getattr_static(cls, "throws", ()) or ())
     cls.throws = throws + tuple(e for e in _EXPECTED if e not in throws)  # type: ignore[attr-defined]

@@ -2,8 +2,8 @@
 attempt's state, so that nothing this attempt stores can land over the next one's outcome.
 
 A run refused by its lock or rate limit (``lock_on_contended="retry"``), refused while the
-lock Redis is unreachable, or ending in :class:`~celery_redlock.rules.BackOff` is re-queued
-under its task id (:func:`celery_redlock.contention.requeue`): it raises ``Retry``, and
+lock Redis is unreachable, or ending in :class:`~celery_redlock.app.rules.BackOff` is re-queued
+under its task id (:func:`celery_redlock.task.contention.requeue`): it raises ``Retry``, and
 Celery's tracer stores RETRY (``backend.mark_as_retry``). Celery's guard against a late
 write reads the stored state, then writes, and skips the write only when it read SUCCESS:
 not atomic. Published before that store (as ``Task.retry()`` does), the next attempt can
