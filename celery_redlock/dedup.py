@@ -45,7 +45,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any, NoReturn
 
-from . import claiming
+from . import claiming, tracing
 from .config import TaskOptions
 from .contention import RETRIES_HEADER, Duplicate, skip_message
 from .core import ConfigError, Queued, QueuedHold, QuorumUnavailable
@@ -397,4 +397,7 @@ def publish(
     if options.lock_on == "run":
         return send(args, kwargs, **call)
     name = lock_name_for(task, tuple(args or ()), dict(kwargs or {}), call.get("headers"), options)
-    return publish_held(task, name, options, args, kwargs, call=call, send=send)
+    if not tracing.tracing_on():
+        return publish_held(task, name, options, args, kwargs, call=call, send=send)
+    with tracing.enqueue_span(task.name, name, options.lock_on):
+        return publish_held(task, name, options, args, kwargs, call=call, send=send)

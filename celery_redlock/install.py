@@ -3,7 +3,7 @@
 No explicit call is needed: defining a task with ``base=LockedTask`` or setting
 ``redlock_tasks`` installs everything for that app; ``install(app)`` does it
 explicitly and is idempotent. It adds the worker bootstep and signal receivers
-(:mod:`celery_redlock.worker`), the logging and metrics hooks, applies
+(:mod:`celery_redlock.worker`), the logging, metrics and tracing hooks, applies
 ``redlock_tasks`` (:func:`celery_redlock.task.apply_redlock_tasks`) and makes
 ``app.send_task`` de-duplicate like ``apply_async``.
 """
@@ -25,6 +25,7 @@ from .observability import enable_prometheus_by_default, logging_hook
 from .per_call import call_options
 from .state import state_for
 from .task import LockedTask, apply_redlock_tasks
+from .tracing import enable_tracing_by_default
 from .worker import (
     RedlockStep,
     check_locked_tasks,
@@ -53,6 +54,7 @@ def install(app: Any) -> None:
         connect_receivers()
         add_hook(logging_hook)
         enable_prometheus_by_default()
+        enable_tracing_by_default()
         app.on_after_finalize.connect(apply_redlock_tasks, weak=False)
         if app.finalized:
             apply_redlock_tasks(app)
