@@ -130,12 +130,20 @@ def enable_tracing_by_default() -> None:
     with _state_lock:
         if _mode != "off" or _receiver_connected:
             return  # on already, or deciding, or decided and told what to do after a fork
-        if importlib.util.find_spec("opentelemetry") is None:
+        if not _package_installed():
             return
         _mode = "auto"
         _receiver_connected = True
     signals.worker_process_init.connect(_decide_again, weak=False)
     add_hook(tracing_hook)
+
+
+def _package_installed() -> bool:
+    """True when ``opentelemetry`` can be imported (looked up, not imported)."""
+    try:
+        return importlib.util.find_spec("opentelemetry") is not None
+    except (ImportError, ValueError):  # a finder that refuses it, a broken entry
+        return False
 
 
 def _decide_again(**_: Any) -> None:
@@ -208,7 +216,10 @@ def tracing_hook(event: LockEvent) -> None:
     """Turn one lock event into spans (see the module docstring)."""
     tracer = _tracer
     if tracer is None:
-        return
+        # Undecided yet: another hook without a filter made the event without asking ours.
+        if _mode != "auto" or not _decide():
+            return
+        tracer = _tracer
     handler = _HANDLERS.get(event.kind)
     if handler is not None:
         handler(tracer, event)
