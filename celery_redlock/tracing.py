@@ -264,8 +264,11 @@ def _holder(attributes: dict[str, Any], record: Mapping[str, Any]) -> None:
             attributes[name] = value
 
 
-def _acquire_span(tracer: Any, event: LockEvent, outcome: str, **extra: Any) -> Any:
-    """A ``redlock.acquire`` span from the attempt's start to *event*; returned ended."""
+def _acquire_span(
+    tracer: Any, event: LockEvent, outcome: str, error: str = "", **extra: Any
+) -> None:
+    """A ``redlock.acquire`` span from the attempt's start to *event* (failed with
+    *error* when given), ended."""
     end = _ns(event.at)
     waited = event.waited or 0.0
     attributes = _base(event)
@@ -299,8 +302,9 @@ def _acquire_span(tracer: Any, event: LockEvent, outcome: str, **extra: Any) -> 
             },
             timestamp=end,
         )
+    if error:
+        _error(span, error)
     span.end(end_time=end)
-    return span
 
 
 def _on_acquired(tracer: Any, event: LockEvent) -> None:
@@ -331,14 +335,16 @@ def _on_refused(tracer: Any, event: LockEvent) -> None:
         outcome = "rate_limited"
     else:
         outcome = _REFUSALS.get(event.refusal, "contended")
+    if event.refusal == "paused" and event.holder.get("reason"):
+        extra["redlock.pause_reason"] = str(event.holder["reason"])
     if event.retry_after is not None:
         extra["redlock.retry_after_ms"] = round(event.retry_after * 1000, 3)
     _acquire_span(tracer, event, outcome, **extra)
 
 
 def _on_unavailable(tracer: Any, event: LockEvent) -> None:
-    span = _acquire_span(tracer, event, "unavailable", **{"redlock.error": event.error or ""})
-    _error(span, event.error or "Redis unavailable")
+    error = event.error or "Redis unavailable"
+    _acquire_span(tracer, event, "unavailable", error, **{"redlock.error": error})
 
 
 def _on_hold_end(tracer: Any, event: LockEvent) -> None:
@@ -356,7 +362,7 @@ def _on_hold_end(tracer: Any, event: LockEvent) -> None:
 
 
 def _error(span: Any, description: str) -> None:
-    """Mark *span* failed (the span was not ended yet, or the SDK ignores it)."""
+    """Mark *span* failed (before it ends: the SDK ignores a status set after)."""
     from opentelemetry.trace import Status, StatusCode  # noqa: PLC0415 - on with tracing
 
     span.set_status(Status(StatusCode.ERROR, description))

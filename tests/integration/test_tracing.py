@@ -310,3 +310,50 @@ def test_lock_limits_run_shows_each_hold_taken_and_the_rule_that_refused(
     ]
     stopped = attrs(one(spans.children(spans.task_span(paused.id), "redlock.acquire")))
     assert stopped["redlock.outcome"] == "paused" and stopped["redlock.refused_by"] == "job:3"
+    assert stopped["redlock.refusal"] == "paused" and stopped["redlock.pause_reason"] == "test"
+
+
+def test_rate_limited_and_unavailable_runs_say_so_in_their_acquire_span(
+    env: Env, spans: Spans
+) -> None:
+    """A run refused by its ``lock_rate`` is ``rate_limited`` (kind ``rate``, when its
+    next slot is free); a run whose lock Redis does not answer (a closed port,
+    ``redlock_fail_open``: it runs unlocked) is ``unavailable`` with an error status."""
+    app = env.app()
+
+    @app.task(base=LockedTask, shared=False, lock_key="api", lock_rate="1/m",
+              lock_on_contended="skip")  # fmt: skip
+    def call_api() -> str:
+        return "called"
+
+    closed = env.app(lock_url="redis://127.0.0.1:9/1", redlock_fail_open=True)
+
+    @closed.task(base=LockedTask, shared=False, lock_key="nowhere")
+    def unlocked() -> str:
+        return "ran"
+
+    with worker(app, concurrency=1):
+        first = call_api.delay()
+        first.get(timeout=10)
+        second = call_api.delay()
+        second.get(timeout=10)
+        wait_for(lambda: len(spans.named("run/" + call_api.name)) == 2)
+    with worker(closed, concurrency=1):
+        lone = unlocked.delay()
+        assert lone.get(timeout=20) == "ran"
+        wait_for(lambda: spans.named("run/" + unlocked.name))
+    # The run takes its key's mutex, then asks the rate, which refuses: the mutex goes
+    # back at once.
+    task = spans.task_span(second.id)
+    mutex, rate = sorted(
+        (attrs(s) for s in spans.children(task, "redlock.acquire")),
+        key=lambda a: a["redlock.kind"],
+    )
+    assert (mutex["redlock.kind"], mutex["redlock.outcome"]) == ("mutex", "acquired")
+    assert rate["redlock.outcome"] == "rate_limited" and rate["redlock.kind"] == "rate"
+    assert rate["redlock.key"] == "api" and 0 < rate["redlock.retry_after_ms"] <= 60_000
+    assert attrs(one(spans.children(task, "redlock.hold")))["redlock.outcome"] == "released"
+    failed = one(spans.children(spans.task_span(lone.id), "redlock.acquire"))
+    f = attrs(failed)
+    assert f["redlock.outcome"] == "unavailable" and f["redlock.key"] == "nowhere"
+    assert f["redlock.error"] and failed.status.status_code is StatusCode.ERROR
