@@ -3,7 +3,7 @@
 Built on the lock events (:mod:`celery_redlock.core.events`): one hook turns each
 event into spans of the thread's current span, which in a worker's run is the task's
 span (opentelemetry-instrumentation-celery makes it current in ``task_prerun``, before
-the lock is taken in ``before_start``):
+the lock is taken in ``before_start``); where no span is current, none is made:
 
 * ``redlock.acquire``: one per attempt that ended (``acquired``, ``contended``,
   ``paused``, ``rate_limited``, ``superseded``, ``unavailable``), started when the
@@ -221,8 +221,23 @@ def tracing_hook(event: LockEvent) -> None:
             return
         tracer = _tracer
     handler = _HANDLERS.get(event.kind)
-    if handler is not None:
+    if handler is None:
+        return
+    if event.kind in _ENDS or _in_trace() or getattr(_local, "enqueue", None) is not None:
         handler(tracer, event)
+
+
+#: The events that end a span started earlier (they need no current span).
+_ENDS = frozenset({"released", "lost"})
+
+
+def _in_trace() -> bool:
+    """True when this thread has a current span to make children of. Outside any (a
+    beat's leader lock, a script with no span) no span is made: a root span per
+    acquire would be noise."""
+    from opentelemetry import trace  # noqa: PLC0415 - imported once tracing is on
+
+    return bool(trace.get_current_span().get_span_context().is_valid)
 
 
 tracing_hook.lock_event_filter = _wants  # type: ignore[attr-defined]
@@ -408,7 +423,7 @@ def enqueue_span(task_name: str, name: str, lock_on: str) -> Iterator[None]:
     ``duplicate`` event of this thread says so), else ``queued``.
     """
     tracer = _tracer
-    if tracer is None:
+    if tracer is None or not _in_trace():
         yield
         return
     span = tracer.start_span(

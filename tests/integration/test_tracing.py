@@ -25,7 +25,7 @@ from opentelemetry.trace import StatusCode
 from servers import RedisServer, wait_for
 from test_task_inprocess import Env, forget_results, worker
 
-from celery_redlock import Limit, LockedTask, add_hook, control, remove_hook, tracing
+from celery_redlock import Limit, Lock, LockedTask, add_hook, control, remove_hook, tracing
 from celery_redlock.core.events import LockEvent
 
 #: The attribute in which CeleryInstrumentor puts a run's task id.
@@ -357,3 +357,20 @@ def test_rate_limited_and_unavailable_runs_say_so_in_their_acquire_span(
     f = attrs(failed)
     assert f["redlock.outcome"] == "unavailable" and f["redlock.key"] == "nowhere"
     assert f["redlock.error"] and failed.status.status_code is StatusCode.ERROR
+
+
+def test_a_lock_outside_any_span_makes_none_and_inside_one_makes_children(
+    env: Env, spans: Spans
+) -> None:
+    """A ``Lock`` taken where no span is current (a script, a beat's leader lock) makes
+    no span; the same lock taken inside the caller's span makes its acquire and hold
+    spans there."""
+    lock = Lock(env.locks, "plain", ttl=5)
+    with lock:
+        pass
+    assert spans.all() == []
+    with spans.provider.get_tracer("test").start_as_current_span("caller"), lock:
+        pass
+    caller = one(spans.named("caller"))
+    assert attrs(one(spans.children(caller, "redlock.acquire")))["redlock.outcome"] == "acquired"
+    assert attrs(one(spans.children(caller, "redlock.hold")))["redlock.outcome"] == "released"
