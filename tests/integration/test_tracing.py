@@ -10,9 +10,11 @@ docs/tracing.md lists.
 from __future__ import annotations
 
 import gc
+import json
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +26,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 from servers import RedisServer, wait_for
 from test_task_inprocess import Env, forget_results, worker
+from workers import Worker, close_publisher, publisher, values_of
 
 from celery_redlock import Limit, Lock, LockedTask, add_hook, control, remove_hook, tracing
 from celery_redlock.core.events import LockEvent
@@ -374,3 +377,59 @@ def test_a_lock_outside_any_span_makes_none_and_inside_one_makes_children(
     caller = one(spans.named("caller"))
     assert attrs(one(spans.children(caller, "redlock.acquire")))["redlock.outcome"] == "acquired"
     assert attrs(one(spans.children(caller, "redlock.hold")))["redlock.outcome"] == "released"
+
+
+def test_prefork_children_that_set_a_provider_get_spans_without_being_told(
+    env: Env, tmp_path: Path
+) -> None:
+    """A real ``celery worker -P prefork`` whose pool children set OpenTelemetry up in
+    ``worker_process_init`` (tests/apps/otelapp.py, as docs/tracing.md shows), with no
+    call to celery-redlock: each child decides by itself, and each run's acquire and
+    hold spans are children of its task span, made in that child."""
+    urls = {
+        "OTELAPP_BROKER": f"{env.base}/0",
+        "OTELAPP_BACKEND": f"{env.base}/2",
+        "OTELAPP_LOCKS": f"{env.base}/1",
+        "OTELAPP_RECORD": f"{env.base}/3",
+    }
+    w = Worker("tests.apps.otelapp", urls, tmp_path / "worker.log", concurrency=2)
+    client = publisher(urls["OTELAPP_BROKER"], urls["OTELAPP_BACKEND"])
+    try:
+        w.wait_ready()
+        results = [client.send_task("tests.apps.otelapp.work", args=(n,)) for n in range(4)]
+        assert values_of(results, timeout=30) == [0, 1, 2, 3]
+
+        def spans_of_all_runs() -> list[dict[str, Any]]:
+            found = [json.loads(s) for s in env.rec.lrange("spans", 0, -1)]
+            runs = [s for s in found if s["name"].startswith("run/")]
+            return found if len(runs) == 4 else []
+
+        found = wait_for(spans_of_all_runs, timeout=10, what="the four runs' spans")
+    finally:
+        w.stop()
+        close_publisher(client)
+    for result in results:
+        task = one_record(found, "run/", result.id)
+        children = [
+            s
+            for s in found
+            if s["parent_id"] == task["span_id"] and s["trace_id"] == task["trace_id"]
+        ]
+        by_name = {s["name"]: s for s in children}
+        assert sorted(by_name) == ["redlock.acquire", "redlock.hold"], children
+        n = results.index(result)
+        assert by_name["redlock.acquire"]["attributes"]["redlock.key"] == f"otel:{n}"
+        assert by_name["redlock.acquire"]["attributes"]["redlock.outcome"] == "acquired"
+        assert by_name["redlock.hold"]["attributes"]["redlock.outcome"] == "released"
+        assert {s["pid"] for s in children} == {task["pid"]} != {w.proc.pid}
+
+
+def one_record(found: list[dict[str, Any]], prefix: str, task_id: str) -> dict[str, Any]:
+    """The one exported span named *prefix*... of the run of *task_id*."""
+    runs = [
+        s
+        for s in found
+        if s["name"].startswith(prefix) and s["attributes"].get(MESSAGE_ID) == task_id
+    ]
+    assert len(runs) == 1, runs
+    return runs[0]
