@@ -29,6 +29,7 @@ from .core import (
 from .install import install
 from .rules import BackOff, Limit, Rate
 from .task import SKIPPED, LockedTask, is_skipped
+from .tracing import disable_tracing, enable_tracing
 
 try:
     __version__ = version("celery-redlock")
@@ -61,6 +62,8 @@ __all__ = [
     "add_hook",
     "connect",
     "control",
+    "disable_tracing",
+    "enable_tracing",
     "install",
     "is_skipped",
     "remove_hook",
