@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery import Celery
 from opentelemetry.instrumentation.celery import CeleryInstrumentor
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -433,3 +434,60 @@ def one_record(found: list[dict[str, Any]], prefix: str, task_id: str) -> dict[s
     ]
     assert len(runs) == 1, runs
     return runs[0]
+
+
+def test_a_semaphore_run_names_its_kind_and_permits(env: Env, spans: Spans) -> None:
+    """A run of a ``lock_limit=2`` task: its acquire and hold spans say ``semaphore``
+    with ``redlock.limit`` 2, and the hold has the permit's fence."""
+    app = env.app()
+
+    @app.task(base=LockedTask, shared=False, lock_key="pool", lock_limit=2)
+    def pooled() -> str:
+        return "ok"
+
+    with worker(app):
+        result = pooled.delay()
+        assert result.get(timeout=10) == "ok"
+        wait_for(lambda: spans.named("run/" + pooled.name))
+    task = spans.task_span(result.id)
+    acquire = attrs(one(spans.children(task, "redlock.acquire")))
+    hold = attrs(one(spans.children(task, "redlock.hold")))
+    for found in (acquire, hold):
+        assert (found["redlock.kind"], found["redlock.limit"]) == ("semaphore", 2), found
+    assert acquire["redlock.outcome"] == "acquired" and hold["redlock.outcome"] == "released"
+    assert hold["redlock.fence"] == acquire["redlock.fence"]
+
+
+def test_a_duplicate_found_by_the_worker_is_an_enqueue_span_under_the_task_span(
+    env: Env, spans: Spans
+) -> None:
+    """Messages sent by name from a process that does not know the task class carry no
+    hold: the worker checks them. With lock_on="enqueue+run", the second one, sent while
+    the first runs, is a duplicate: a ``redlock.enqueue`` span under its task span names
+    the running one."""
+    app = env.app()
+
+    @app.task(
+        base=LockedTask, shared=False, name="tr.sync", lock_key="s:<n>", lock_on="enqueue+run"
+    )
+    def sync(n: int) -> int:
+        env.rec.set("running", 1)
+        env.hold_until("go")
+        return n
+
+    plain = Celery("plain", broker=f"{env.base}/0", backend=f"{env.base}/2", set_as_current=False)
+    env.apps.append(plain)
+    queue = app.conf.task_default_queue
+    with worker(app, concurrency=2):
+        first = plain.send_task("tr.sync", args=(1,), queue=queue)
+        assert env.hold_until("running")
+        second = plain.send_task("tr.sync", args=(1,), queue=queue)
+        wait_for(lambda: spans.named("run/tr.sync"), what="the duplicate's run span")
+        env.rec.set("go", 1)
+        assert first.get(timeout=10) == 1
+        wait_for(lambda: len(spans.named("run/tr.sync")) == 2)
+    task = spans.task_span(second.id)
+    found = attrs(one(spans.children(task, "redlock.enqueue")))
+    assert found["redlock.outcome"] == "duplicate" and found["redlock.key"] == "s:1"
+    assert found["redlock.holder.task_id"] == first.id
+    assert spans.children(task, "redlock.acquire") == []
