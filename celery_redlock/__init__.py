@@ -6,6 +6,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from .app.controls import control
 from .app.rules import BackOff, Limit, Rate
+from .app.tracing import disable_tracing, enable_tracing
 from .core import (
     AlreadyQueued,
     ConfigError,
@@ -61,6 +62,8 @@ __all__ = [
     "add_hook",
     "connect",
     "control",
+    "disable_tracing",
+    "enable_tracing",
     "install",
     "is_skipped",
     "remove_hook",

@@ -3,7 +3,7 @@
 No explicit call is needed: defining a task with ``base=LockedTask`` or setting
 ``redlock_tasks`` installs everything for that app; ``install(app)`` does it
 explicitly and is idempotent. It adds the worker bootstep and signal receivers
-(:mod:`celery_redlock.worker.bootstep`), the logging and metrics hooks, applies
+(:mod:`celery_redlock.worker.bootstep`), the logging, metrics and tracing hooks, applies
 ``redlock_tasks`` (:func:`celery_redlock.task.locked_task.apply_redlock_tasks`) and makes
 ``app.send_task`` de-duplicate like ``apply_async``.
 """
@@ -20,6 +20,7 @@ from celery import signals
 from .app.flags import register_flags
 from .app.observability import enable_prometheus_by_default, logging_hook
 from .app.state import state_for
+from .app.tracing import enable_tracing_by_default
 from .core.events import add_hook
 from .task import locked_task as task_module
 from .task.dedup import publish
@@ -53,6 +54,7 @@ def install(app: Any) -> None:
         connect_receivers()
         add_hook(logging_hook)
         enable_prometheus_by_default()
+        enable_tracing_by_default()
         app.on_after_finalize.connect(apply_redlock_tasks, weak=False)
         if app.finalized:
             apply_redlock_tasks(app)

@@ -2,8 +2,9 @@
 
 * :func:`logging_hook` logs every :class:`~celery_redlock.core.events.LockEvent`
   as one structured line on ``celery_redlock.events`` (DEBUG for the routine
-  acquire/release, INFO for the rest: the core already logs losses and renewal
-  failures as WARNING on ``celery_redlock.renew``, once). ``install(app)``
+  acquire/release and for what is logged in words elsewhere: duplicates, and Redis
+  unavailable, which is raised; INFO for the rest: the core already logs losses and
+  renewal failures as WARNING on ``celery_redlock.renew``, once). ``install(app)``
   registers it.
 * Celery events ``task-lock-acquired``, ``task-lock-contended``,
   ``task-lock-released``, ``task-lock-lost``, ``task-lock-rate-limited`` (with
@@ -51,7 +52,8 @@ _LEVELS = {
     "renew_failed": logging.INFO,
     "lost": logging.INFO,
     "rate_limited": logging.INFO,
-    "unavailable": logging.INFO,
+    # raised to the caller as QuorumUnavailable, which a run logs once, in words
+    "unavailable": logging.DEBUG,
     # celery_redlock.dedup logs each of these once, in words, at INFO
     "duplicate": logging.DEBUG,
     "superseded": logging.DEBUG,

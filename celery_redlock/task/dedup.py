@@ -45,6 +45,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any, NoReturn
 
+from ..app import tracing
 from ..app.config import TaskOptions
 from ..app.observability import send_publisher_event, send_task_event
 from ..app.state import AppState, state_for
@@ -403,4 +404,7 @@ def publish(
     if options.lock_on == "run":
         return send(args, kwargs, **call)
     name = lock_name_for(task, tuple(args or ()), dict(kwargs or {}), call.get("headers"), options)
-    return publish_held(state, task, name, options, args, kwargs, call=call, send=send)
+    if not tracing.tracing_on():
+        return publish_held(state, task, name, options, args, kwargs, call=call, send=send)
+    with tracing.enqueue_span(task.name, name, options.lock_on):
+        return publish_held(state, task, name, options, args, kwargs, call=call, send=send)
