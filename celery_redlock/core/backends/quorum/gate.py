@@ -1,5 +1,5 @@
 """One member's calls in this process, in turns (:class:`Gate`): how a quorum
-(:mod:`.quorum_calls`) keeps a slow or stopped master from tying up more than one call.
+(:mod:`.round`) keeps a slow or stopped master from tying up more than one call.
 
 A call reaches a member in one of two ways. A member that sends (a Redis master: the
 verb written on a pooled connection by the caller itself, its answer read later) is
@@ -28,8 +28,8 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from .. import process, threads
-from ..errors import QuorumUnavailable
+from ... import process, threads
+from ...errors import QuorumUnavailable
 
 __all__ = ["BUSY", "REAP_AFTER", "Gate", "NoAnswer", "gate_of"]
 
