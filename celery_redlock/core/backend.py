@@ -17,13 +17,14 @@ implements or does not:
 :class:`Sends`            a verb written now, its answer read later (a quorum's fan-out, a
                           publish's claim overlapping Celery's message building)
 :class:`InProcess`        a store in this process that a test may empty
+:class:`Probe`            a health probe of each server (the worker's start-up check)
 ========================= =================================================================
 
 A primitive asks for the capability it needs once, when it is built: :func:`need` gives
 the backend as that protocol, or raises the one :class:`~.errors.ConfigError` that names
 the backend and what it lacks (with the backend's own reason, :meth:`why_not`). Three
-backends implement the verbs, one module each: :mod:`~.backends.redis_backend` (one
-Redis: every capability), :mod:`~.backends.memory` (this process: every capability) and
+backends implement the verbs, one folder each: :mod:`~.backends.redis` (one Redis: every
+capability), :mod:`~.backends.memory` (this process: every capability) and
 :mod:`~.backends.quorum` (Redlock over members: the lock verbs, done marks and records).
 
 What every verb promises (the behaviour suite ``tests/integration/test_backends.py``
@@ -57,6 +58,7 @@ from .backend_types import (
     ForceRelease,
     Grant,
     Handover,
+    Health,
     Holder,
     LockInfo,
     Queued,
@@ -75,6 +77,7 @@ __all__ = [
     "FlowControl",
     "InProcess",
     "Permits",
+    "Probe",
     "QueuedHolds",
     "Rates",
     "Records",
@@ -477,4 +480,15 @@ class InProcess(Protocol):
 
     def clear(self) -> None:
         """Forget every key (for tests)."""
+        ...
+
+
+@capability("a health probe (the worker's start-up check)")
+class Probe(Protocol):
+    """Ask each server whether it can take locks now, without taking any."""
+
+    def check(self) -> list[Health]:
+        """One :class:`~.backend_types.Health` per server (a quorum: per master, in the
+        order of its members). Never raises for what a server answers or fails to
+        answer: that is the result."""
         ...

@@ -9,10 +9,18 @@ from __future__ import annotations
 import fnmatch
 import math
 
-from ...backend_types import ForceRelease, LockInfo, RateInfo, Slot, lock_state, parse_holder
+from ...backend_types import (
+    ForceRelease,
+    LockInfo,
+    RateInfo,
+    Slot,
+    lock_state,
+    mutex_keys,
+    parse_holder,
+)
 from ...errors import ConfigError
 from ...keys import lock_keys, name_of_key, normalize_name, rate_key
-from .store import ForeignData, MemoryStore, mutex_keys, stored_int
+from .store import ForeignData, MemoryStore, stored_int
 
 __all__ = ["force_dequeue", "force_release", "read", "read_rate", "scan", "scan_rates"]
 

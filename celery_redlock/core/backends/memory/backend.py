@@ -32,6 +32,7 @@ from ...backend_types import (
     ForceRelease,
     Grant,
     Handover,
+    Health,
     Holder,
     LockInfo,
     Queued,
@@ -41,6 +42,7 @@ from ...backend_types import (
     Rule,
     Slot,
     Status,
+    mutex_keys,
     parse_holder,
     record_version,
 )
@@ -51,7 +53,6 @@ from .store import (
     ForeignData,
     MemoryStore,
     atomic,
-    mutex_keys,
     parse_permit,
     stored_int,
 )
@@ -106,6 +107,10 @@ class MemoryBackend:
 
     def __repr__(self) -> str:
         return f"<MemoryBackend {self.url}>"
+
+    def check(self) -> list[Health]:
+        """Always ok: nothing to reach."""
+        return [Health(self.url, "ok")]
 
     def clear(self) -> None:
         """Forget every key (for tests); threads blocked in a verb's wait keep waiting."""

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
-from ...backend_types import RECENT_BYTES, Slot
+from ...backend_types import RECENT_BYTES
 from ...errors import ConfigError
 from ...keys import LockKeys
 from ...process import on_fork
@@ -30,7 +30,6 @@ __all__ = [
     "ForeignData",
     "MemoryStore",
     "atomic",
-    "mutex_keys",
     "parse_permit",
     "stored_int",
 ]
@@ -238,13 +237,6 @@ class MemoryStore:
         """True while *token* is among the recently released tokens at *key*."""
         entry = self.live(key)
         return entry is not None and entry.kind == "string" and f" {token} " in entry.value
-
-
-def mutex_keys(slot: Slot) -> LockKeys:
-    """The keys of *slot*, which must be a mutex: permits have no enqueue-time hold."""
-    if slot.permits or not slot.keys.queued:
-        raise ConfigError(f"lock {slot.name!r}: enqueue-time holds take a mutex, not permits")
-    return slot.keys
 
 
 def stored_int(value: str | None) -> int | None:

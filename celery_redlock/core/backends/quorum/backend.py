@@ -47,10 +47,22 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
-from ...backend import Backend, FlowControl, Permits, QueuedHolds, Rates, Sends, Sent, given, need
+from ...backend import (
+    Backend,
+    FlowControl,
+    Permits,
+    Probe,
+    QueuedHolds,
+    Rates,
+    Sends,
+    Sent,
+    given,
+    need,
+)
 from ...backend_types import (
     Claim,
     Grant,
+    Health,
     Holder,
     Renewal,
     Slot,
@@ -549,6 +561,15 @@ class QuorumBackend:
         raise self.unavailable(slot.name, outcomes)
 
     # -- what a quorum cannot do --------------------------------------------------------
+    def check(self) -> list[Health]:
+        """Each master's health, in the order of the members (``unknown`` for a member
+        without a probe)."""
+        found: list[Health] = []
+        for member in self.members:
+            probe = given(member, Probe)
+            found += [Health(member.describe(), "unknown")] if probe is None else probe.check()
+        return found
+
     def why_not(self, capability: type) -> str:
         """Why a quorum lacks *capability* (the reason in :func:`~..backend.lacks`)."""
         return _WHY_NOT.get(capability, f"a Redlock quorum of {self.masters} masters")
