@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
-import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 
@@ -47,7 +46,7 @@ from ...backend_types import (
     record_version,
 )
 from ...errors import ConfigError, QuorumUnavailable
-from ...process import on_fork
+from ...process import ForkLock, made_once
 from . import admin, flow
 from .store import (
     ForeignData,
@@ -63,13 +62,7 @@ _DONE_KEPT = 16
 
 
 _registry: dict[str, MemoryBackend] = {}
-_registry_lock = threading.Lock()
-
-
-@on_fork
-def _new_registry_lock() -> None:
-    global _registry_lock
-    _registry_lock = threading.Lock()  # the parent may have held it while forking
+_registry_lock = ForkLock()
 
 
 class MemoryBackend:
@@ -92,10 +85,7 @@ class MemoryBackend:
     @classmethod
     def for_url(cls, url: str) -> MemoryBackend:
         """The one store of *url* in this process (made on first use)."""
-        with _registry_lock:
-            if url not in _registry:
-                _registry[url] = cls(url)
-            return _registry[url]
+        return made_once(_registry, url, lambda: cls(url), _registry_lock)
 
     def describe(self) -> str:
         """The URL."""

@@ -190,19 +190,13 @@ class Gate:
 #: call, on clients made for each call, still finds its masters heard from, and a master
 #: stuck in a call of ours is stuck for every client of it).
 _gates: dict[Hashable, Gate] = {}
-_gates_lock = threading.Lock()
+_gates_lock = process.ForkLock()
 
 
 def gate_of(identity: Hashable) -> Gate:
     """The one gate in this process of the member whose ``identity()`` is *identity*
     (made on first use)."""
-    gate = _gates.get(identity)
-    if gate is None:
-        with _gates_lock:
-            gate = _gates.get(identity)
-            if gate is None:
-                gate = _gates[identity] = Gate()
-    return gate
+    return process.made_once(_gates, identity, Gate, _gates_lock)
 
 
 class _Reaper:
@@ -241,9 +235,8 @@ _reaper = _Reaper()
 
 
 def _after_fork() -> None:
-    global _gates, _gates_lock, _reaper
+    global _gates, _reaper
     _gates = {}  # a child has none of its parent's calls
-    _gates_lock = threading.Lock()
     _reaper = _Reaper()
 
 

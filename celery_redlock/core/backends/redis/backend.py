@@ -140,13 +140,7 @@ class RedisBackend:
         client, kept while used."""
         pool = plain_pool(client)
         if pool is not None:
-            backend = _pool_backends.get(pool)
-            if backend is None:
-                with _backends_lock:
-                    backend = _pool_backends.get(pool)
-                    if backend is None:
-                        backend = _pool_backends[pool] = cls(client)
-            return backend
+            return process.made_once(_pool_backends, pool, lambda: cls(client), _backends_lock)
         ref = _backends.get(id(client))
         backend = None if ref is None else ref()
         if backend is None or backend.given is not client:
@@ -785,18 +779,10 @@ _backends: dict[int, weakref.ref[RedisBackend]] = {}
 #: Reentrant: a backend dropped in a reference cycle is finalized (_forget) by the cyclic
 #: garbage collector, which may run at any allocation, also inside ``of()`` while this
 #: thread holds the lock; a plain Lock would deadlock the thread there.
-_backends_lock = threading.RLock()
+_backends_lock = process.ForkLock(threading.RLock)
 
 
 def _forget(key: int, ref: weakref.ref[RedisBackend]) -> None:
     with _backends_lock:
         if _backends.get(key) is ref:
             del _backends[key]
-
-
-def _after_fork() -> None:
-    global _backends_lock
-    _backends_lock = threading.RLock()  # a parent's thread may have held it while forking
-
-
-process.on_fork(_after_fork)

@@ -60,7 +60,7 @@ def check_client(client: Any) -> None:
 _PLAIN_POOLS = (redis.ConnectionPool, redis.BlockingConnectionPool)
 #: Each plain pool's lock client, while the pool lives (see :func:`lock_client`).
 _lock_clients: weakref.WeakKeyDictionary[Any, redis.Redis] = weakref.WeakKeyDictionary()
-_lock_clients_lock = threading.Lock()
+_lock_clients_lock = process.ForkLock()
 
 
 def lock_client(client: Any) -> Any:
@@ -87,13 +87,9 @@ def lock_client(client: Any) -> Any:
     pool = plain_pool(client)
     if pool is None:
         return client
-    ours = _lock_clients.get(pool)
-    if ours is None:
-        with _lock_clients_lock:
-            ours = _lock_clients.get(pool)
-            if ours is None:
-                ours = _lock_clients[pool] = _make_lock_client(pool)
-    return ours
+    return process.made_once(
+        _lock_clients, pool, lambda: _make_lock_client(pool), _lock_clients_lock
+    )
 
 
 def plain_pool(client: Any) -> Any:

@@ -518,7 +518,7 @@ def _sentinel_name(sentinel: Any) -> str:
 
 #: The watch of each pool in this process, by id(pool) (dropped when the pool goes).
 _watches: dict[int, MasterWatch] = {}
-_watches_lock = threading.Lock()
+_watches_lock = process.ForkLock()
 
 
 def watch_of(pool: Any) -> MasterWatch:
@@ -540,8 +540,6 @@ def _gone(key: int, watch: MasterWatch) -> None:
 
 
 def _after_fork() -> None:
-    global _watches_lock
-    _watches_lock = threading.Lock()  # a parent's thread may have held it while forking
     for watch in _watches.values():
         watch._forked()
     _watches.clear()
