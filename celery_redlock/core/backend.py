@@ -6,8 +6,9 @@ implements or does not:
 
 ========================= =================================================================
 :class:`Permits`          up to N holders of one name in one place (``Semaphore``, limit > 1)
-:class:`QueuedHolds`      the enqueue-time hold of a queued message, and its hand-over to the
-                          run's lock (``QueuedHold``, ``RunLock``, ``lock_on="enqueue"``)
+:class:`QueuedHolds`      the enqueue-time hold of a queued message, its hand-over to the
+                          run's lock, and a run's hold kept for its redelivered copy
+                          (``park``) (``QueuedHold``, ``RunLock``, ``lock_on="enqueue"``)
 :class:`DoneMarks`        a release that records which run finished (``RunLock``)
 :class:`Rates`            GCRA rate decisions (``RateLimiter``, ``lock_rate``)
 :class:`FlowControl`      several holds of a run taken in one step (``lock_limits``), and
