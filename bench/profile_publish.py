@@ -74,14 +74,20 @@ ENQUEUE_SHA = ""
 
 
 def _enqueue_sha() -> str:
-    """The SHA1 of enqueue.lua (the scripts moved to redis_scripts after 85d1a38)."""
-    try:
-        from celery_redlock.core.backends.redis_scripts import ENQUEUE  # noqa: PLC0415
-    except ImportError:
-        from celery_redlock.core.backends.redis_backend import (  # noqa: PLC0415
-            _ENQUEUE as ENQUEUE,
-        )
-    return str(ENQUEUE.sha)
+    """The SHA1 of enqueue.lua (the scripts moved to redis_scripts after 85d1a38, and to
+    redis/scripts.py with issue 39)."""
+    from importlib import import_module  # noqa: PLC0415
+
+    for module, name in (
+        ("celery_redlock.core.backends.redis.scripts", "ENQUEUE"),
+        ("celery_redlock.core.backends.redis_scripts", "ENQUEUE"),
+        ("celery_redlock.core.backends.redis_backend", "_ENQUEUE"),
+    ):
+        try:
+            return str(getattr(import_module(module), name).sha)
+        except (ImportError, AttributeError):
+            continue
+    raise RuntimeError("enqueue.lua's script object not found")
 
 
 def key_prefix(state: Any) -> str:
@@ -122,7 +128,7 @@ def ablations(app: Any, enq: Any) -> dict[str, tuple[Callable[[], None], Callabl
     from celery_redlock.app import state as state_mod  # noqa: PLC0415
     from celery_redlock.core import QueuedHold  # noqa: PLC0415
     from celery_redlock.core.backend import Queued, parse_holder, text  # noqa: PLC0415
-    from celery_redlock.core.backends import redis_backend as rb  # noqa: PLC0415
+    from celery_redlock.core.backends.redis import backend as rb  # noqa: PLC0415
     from celery_redlock.core.keys import lock_keys  # noqa: PLC0415
     from celery_redlock.task import dedup  # noqa: PLC0415
     from celery_redlock.task import locked_task as task_mod  # noqa: PLC0415

@@ -70,11 +70,11 @@ from typing import Any
 from celery.beat import Scheduler
 from celery.utils.imports import symbol_by_name
 from celery.utils.time import maybe_make_aware
-from redis.exceptions import RedisError
 
 from .app.config import Settings, StartupConfigError
 from .app.observability import BEAT_ROLE
 from .app.state import state_for
+from .core.backends import STORE_ERRORS
 from .core.connect import mask_url
 from .core.errors import ConfigError, RedlockError, one_line
 from .core.lock import Lock
@@ -89,7 +89,7 @@ RECORDS_SUFFIX = "ticks"
 #: What a lock backend that cannot answer raises (core errors), and the client-side Redis
 #: errors it lets through as they are (a client whose pool is exhausted): beat stands by
 #: on either instead of crashing.
-_STORE_ERRORS: tuple[type[Exception], ...] = (RedlockError, RedisError)
+_STORE_ERRORS: tuple[type[Exception], ...] = (RedlockError, *STORE_ERRORS)
 
 
 def _beat_ttl(settings: Settings) -> float:

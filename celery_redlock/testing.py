@@ -95,7 +95,8 @@ def _free_port() -> int:
 
 def start_redis(binary: str, workdir: str) -> tuple[subprocess.Popen[bytes], str]:
     """Start a throwaway server on a free loopback port; returns (process, url)."""
-    import redis  # noqa: PLC0415
+    from .core import connect, open_backend  # noqa: PLC0415 - the plugin loads light
+    from .core.backend import Probe, need  # noqa: PLC0415
 
     for _ in range(5):
         port = _free_port()
@@ -116,15 +117,17 @@ def start_redis(binary: str, workdir: str) -> tuple[subprocess.Popen[bytes], str
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                client.ping()
-                client.close()
-                return proc, f"redis://127.0.0.1:{port}/0"
-            except redis.RedisError:
+        url = f"redis://127.0.0.1:{port}/0"
+        client: Any = connect(url, socket_timeout=0.5)
+        try:
+            probe = need(open_backend(client), Probe)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and proc.poll() is None:
+                if probe.check()[0].ok:
+                    return proc, url
                 time.sleep(0.05)
+        finally:
+            client.close()
         proc.kill()
         proc.wait(5)
     raise RuntimeError(f"could not start {binary} on a free port")

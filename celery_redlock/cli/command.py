@@ -32,7 +32,6 @@ from typing import Any, NoReturn
 import click
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 from celery.exceptions import CeleryCommandException
-from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from ..app.checks import parse_duration
 from ..app.config import Settings, load_settings
@@ -52,7 +51,8 @@ from ..core.admin import (
 )
 from ..core.backend import FlowControl, has, lacks
 from ..core.backend_types import Control
-from ..core.errors import ConfigError, QuorumUnavailable, describe_holder, one_line
+from ..core.backends import STORE_ERRORS, refusal
+from ..core.errors import ConfigError, describe_holder, one_line
 from ..core.keys import lock_keys
 from .render import (
     LockRow,
@@ -99,20 +99,18 @@ class _Unreachable(Exception):
 
 #: What a master that cannot be asked raises: the backend's QuorumUnavailable, or a
 #: client-side Redis error it passes on as it is.
-_UNREACHABLE = (QuorumUnavailable, RedisError)
+_UNREACHABLE = STORE_ERRORS
 
 
 def _refused(exc: BaseException) -> bool:
     """True for a refusal that no retry mends and that is a usage error (missing ACL
-    rights): the backend's QuorumUnavailable carries the Redis error it met as its cause."""
-    cause = exc.__cause__ if isinstance(exc, QuorumUnavailable) else exc
-    return isinstance(cause, ResponseError) and "NOPERM" in str(cause)
+    rights)."""
+    return refusal(exc) == "permissions"
 
 
 def _bad_credentials(exc: BaseException) -> bool:
     """True when Redis refused the user name or password (exit 3: the Redis side)."""
-    cause = exc.__cause__ if isinstance(exc, QuorumUnavailable) else exc
-    return isinstance(cause, AuthenticationError)
+    return refusal(exc) == "credentials"
 
 
 def _conf_url(conf: Any) -> Any:

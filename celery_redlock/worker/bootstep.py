@@ -24,15 +24,14 @@ from typing import Any
 
 from celery import bootsteps, signals
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
-from redis.cluster import RedisCluster
-from redis.exceptions import AuthenticationError, BusyLoadingError
 
 from ..app.config import StartupConfigError, capabilities_needed
 from ..app.flags import flag_overrides
 from ..app.observability import drop_unscrapable_metrics
 from ..app.state import AppState, state_for
 from ..core import process, renewal
-from ..core.backend import QueuedHolds, has, lacks
+from ..core.backend import Probe, QueuedHolds, given, has, lacks
+from ..core.backend_types import Health
 from ..core.connect import mask_url
 from ..core.errors import ConfigError, RedlockError
 from ..core.queued import QueuedHold
@@ -46,7 +45,6 @@ from .pools import pool_of
 __all__ = [
     "RedlockStep",
     "StartupConfigError",
-    "check_lock_redis",
     "check_locked_tasks",
     "connect_receivers",
     "gone_child_handled",
@@ -54,6 +52,7 @@ __all__ = [
     "key_headers",
     "release_all_held",
     "release_for_gone_child",
+    "report_lock_health",
     "warn_pool_limits",
     "warn_statedb_scheduler",
     "watch_app",
@@ -121,12 +120,15 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
         warn_pool_limits(parent.app, state)
         if state.settings.in_process:
             return  # memory://: nothing to reach
-        clients = state.clients()
+        probe = given(state.backend(), Probe)
+        if probe is None:
+            return
         url = state.settings.urls
         urls = url if isinstance(url, list) else [url]
-        per_url = clients if isinstance(clients, list) else [clients]
-        for where, client in zip(urls, per_url, strict=True):
-            check_lock_redis(mask_url(where), client)
+        found = probe.check()  # one per URL: a quorum's members are in the URLs' order
+        wheres = [mask_url(u) for u in urls] if len(urls) == len(found) else []
+        for where, health in zip(wheres or [h.where for h in found], found, strict=True):
+            report_lock_health(where, health)
 
     def stop(self, parent: Any) -> None:
         release_all_held(self.state)
@@ -204,52 +206,41 @@ def check_locked_tasks(app: Any, state: AppState) -> None:
         raise ConfigError("; ".join(problems))
 
 
-def check_lock_redis(where: str, client: Any) -> None:
-    """Ping one lock Redis at start-up; say clearly (naming *where*, a masked URL) what is
-    wrong. Never raises: tasks whose lock cannot be taken are retried, never run unlocked.
+def report_lock_health(where: str, health: Health) -> None:
+    """Say clearly (naming *where*, a masked URL) what the start-up probe of one lock
+    Redis found wrong (:meth:`~celery_redlock.core.backend.Probe.check`). Never raises:
+    tasks whose lock cannot be taken are retried, never run unlocked.
 
     A refused password and a replica are configuration errors (ERROR); a server still
     loading its data set is transient (WARNING); anything else is "unreachable" (ERROR),
     with a hint when the URL asks for TLS, since a TLS client talking to a plain server
     sees only a connect timeout.
     """
-    try:
-        client.ping()
-    except AuthenticationError as exc:
+    if health.state == "credentials":
         log.error(
             "celery-redlock: lock Redis %s refused the credentials (%s): check the user "
             "name and password in redlock_url; locked tasks will be retried until it "
             "accepts them",
             where,
-            exc,
+            health.detail,
         )
-        return
-    except BusyLoadingError as exc:
+    elif health.state == "loading":
         log.warning(
             "celery-redlock: lock Redis %s is loading its data set (%s); locked tasks "
             "will be retried until it is ready",
             where,
-            exc,
+            health.detail,
         )
-        return
-    except Exception as exc:
+    elif health.state == "unreachable":
         tls = " (the URL asks for TLS: does that server accept TLS?)"
         log.error(
             "celery-redlock: lock Redis %s is unreachable (%s)%s; locked tasks will be "
             "retried until it answers",
             where,
-            exc,
+            health.detail,
             tls if where.lower().startswith("rediss://") else "",
         )
-        return
-    if isinstance(client, RedisCluster):
-        return
-    try:
-        role = client.execute_command("ROLE")
-    except Exception:  # an ACL may refuse ROLE: nothing to learn from that
-        return
-    kind = role[0].decode() if isinstance(role[0], bytes) else str(role[0])
-    if kind in ("slave", "replica"):
+    elif health.state == "replica":
         log.error(
             "celery-redlock: lock Redis %s is a read-only replica: no lock can be taken "
             "there; point redlock_url at its master. Locked tasks will be retried",

@@ -49,7 +49,7 @@ from celery_redlock import (
 )
 from celery_redlock.app.state import state_for
 from celery_redlock.core.backend_types import Slot, Status
-from celery_redlock.core.backends.redis_backend import RedisBackend
+from celery_redlock.core.backends.redis import RedisBackend
 from celery_redlock.core.keys import LockKeys
 from celery_redlock.core.lock import Lock as CoreLock
 from celery_redlock.task import next_attempt

@@ -1,5 +1,6 @@
-"""The keys of a memory backend (:class:`~.memory.MemoryBackend`), kept as Redis keeps
-them: :class:`MemoryStore`, which the backend's verbs build on.
+"""The keys of a memory backend (:class:`~.backend.MemoryBackend`), kept as Redis keeps
+them: :class:`MemoryStore`, which the backend's verbs run on as the Redis backend's scripts
+run on a server.
 
 A key holds an entry of one kind (``string``, ``hash``, ``zset``, ``list``) and an
 optional expiry on ``time.monotonic()``; an expired entry is dropped when it is met, and
@@ -17,19 +18,18 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
-from ..backend_types import RECENT_BYTES, Slot
-from ..errors import ConfigError
-from ..keys import LockKeys
-from ..process import on_fork
+from ...backend_types import RECENT_BYTES
+from ...errors import ConfigError
+from ...keys import LockKeys
+from ...process import on_fork
 
 __all__ = [
     "Entry",
     "ForeignData",
     "MemoryStore",
     "atomic",
-    "mutex_keys",
     "parse_permit",
     "stored_int",
 ]
@@ -37,7 +37,7 @@ __all__ = [
 _MAX_NOTICES = 1_000_000
 _SWEEP_AFTER = 1000  # writes at least: a sweep is one pass over the keys
 _KINDS = {"string": "a string", "hash": "a hash", "zset": "a sorted set", "list": "a list"}
-_S = TypeVar("_S", bound="MemoryStore")
+_S = TypeVar("_S", bound="_OnStore")
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -61,15 +61,23 @@ class Entry:
     expires: float | None
 
 
+class _OnStore(Protocol):
+    """What :func:`atomic` wraps a verb of: an object with a :class:`MemoryStore`."""
+
+    store: MemoryStore
+
+
 def atomic(
     verb: Callable[Concatenate[_S, _P], _R],
 ) -> Callable[Concatenate[_S, _P], _R]:
-    """Run *verb* as Redis runs a script: alone, with the clock stopped at its start."""
+    """Run *verb* (of an object with a ``store``) as Redis runs a script: alone, with the
+    store's clock stopped at its start."""
 
     @functools.wraps(verb)
     def run(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with self._lock:
-            self.now = time.monotonic() * 1000.0
+        store = self.store
+        with store.lock:
+            store.now = time.monotonic() * 1000.0
             return verb(self, *args, **kwargs)
 
     return run
@@ -78,17 +86,17 @@ def atomic(
 class MemoryStore:
     """The keys of one store, and the steps a verb is made of, each as the Redis command
     or script step it stands for. The steps run inside a verb (:func:`atomic`: under the
-    store's lock, at the verb's clock :attr:`now`). A forked child starts with an empty
-    store and a new lock."""
+    store's :attr:`lock`, at the verb's clock :attr:`now`). A forked child starts with an
+    empty store and a new lock."""
 
     def __init__(self) -> None:
         self._reset()
         on_fork(self._reset)
 
     def _reset(self) -> None:
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         #: Signalled when a release notice is pushed (on the store's lock).
-        self.notified = threading.Condition(self._lock)
+        self.notified = threading.Condition(self.lock)
         #: Every key's entry, expired ones not yet dropped included.
         self.entries: dict[str, Entry] = {}
         self._writes, self._sweep_after = 0, _SWEEP_AFTER
@@ -97,12 +105,12 @@ class MemoryStore:
 
     def clear(self) -> None:
         """Forget every key (for tests); threads blocked in a verb's wait keep waiting."""
-        with self._lock:
+        with self.lock:
             self.entries.clear()
 
     def size(self) -> int:
         """How many keys the store holds, expired ones not yet dropped included (for tests)."""
-        with self._lock:
+        with self.lock:
             return len(self.entries)
 
     def live(self, key: str) -> Entry | None:
@@ -229,13 +237,6 @@ class MemoryStore:
         """True while *token* is among the recently released tokens at *key*."""
         entry = self.live(key)
         return entry is not None and entry.kind == "string" and f" {token} " in entry.value
-
-
-def mutex_keys(slot: Slot) -> LockKeys:
-    """The keys of *slot*, which must be a mutex: permits have no enqueue-time hold."""
-    if slot.permits or not slot.keys.queued:
-        raise ConfigError(f"lock {slot.name!r}: enqueue-time holds take a mutex, not permits")
-    return slot.keys
 
 
 def stored_int(value: str | None) -> int | None:

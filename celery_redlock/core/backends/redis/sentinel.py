@@ -21,7 +21,7 @@ What the watch does, in every process that locks on a Sentinel-managed master:
   life of the pool in this process). From the leader's
   ``+failover-state-send-slaveof-noone`` until ``+switch-master`` (or the failover's
   end), no script goes to the old master: a call reports it unavailable
-  (:class:`~.redis_client.MasterChanging`, then ``QuorumUnavailable``) rather than
+  (:class:`~.client.MasterChanging`, then ``QuorumUnavailable``) rather than
   write what R would never see.
 * On ``+switch-master`` (or when a call finds its connection on a server other than
   the one the sentinels name) it first marks the old master as replaced
@@ -53,11 +53,11 @@ from typing import Any, NamedTuple
 from redis import exceptions as rx
 from redis.sentinel import SentinelConnectionPool
 
-from .. import process
-from ..backend_types import text
-from ..renewal import get_manager
-from .redis_client import MasterChanging, checkout
-from .redis_scripts import MASTER_MARK, Script, send_script
+from ... import process
+from ...backend_types import text
+from ...renewal import get_manager
+from .client import MasterChanging, checkout
+from .scripts import MASTER_MARK, Script, send_script
 
 __all__ = ["MAX_EPOCH", "MasterView", "MasterWatch", "is_sentinel_master", "watch_of"]
 
@@ -125,7 +125,7 @@ class MasterWatch:
     # -- calls ------------------------------------------------------------------------
     def run(self, pool: Any, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """*script* on the master, behind ``master_guard.lua``, on a connection of *pool*
-        given back before it returns (as :func:`~.redis_scripts.run`)."""
+        given back before it returns (as :func:`~.scripts.run`)."""
         if not self._threads:
             self._start()
         mark = self._mark_of(keys[0] if keys else "")
@@ -518,7 +518,7 @@ def _sentinel_name(sentinel: Any) -> str:
 
 #: The watch of each pool in this process, by id(pool) (dropped when the pool goes).
 _watches: dict[int, MasterWatch] = {}
-_watches_lock = threading.Lock()
+_watches_lock = process.ForkLock()
 
 
 def watch_of(pool: Any) -> MasterWatch:
@@ -540,8 +540,6 @@ def _gone(key: int, watch: MasterWatch) -> None:
 
 
 def _after_fork() -> None:
-    global _watches_lock
-    _watches_lock = threading.Lock()  # a parent's thread may have held it while forking
     for watch in _watches.values():
         watch._forked()
     _watches.clear()

@@ -1,4 +1,4 @@
-"""The operator reads of :class:`~.redis_backend.RedisBackend` (``celery locks``): what is
+"""The operator reads of :class:`~.backend.RedisBackend` (``celery locks``): what is
 held on one Redis, found with ``SCAN``, never ``KEYS``.
 
 Each function works on one client: a plain Redis, a Sentinel master client, or a
@@ -16,7 +16,7 @@ Also here: :func:`foreign_data_message`, the reads that explain why Redis refuse
 script (which key holds what), and :func:`fence_of`.
 
 Errors are raised as redis-py raises them; the backend's verbs report them (see
-:func:`~.redis_client.cannot_decide`).
+:func:`~.client.cannot_decide`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from typing import Any
 from redis.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
-from ..backend_types import Holder, LockInfo, RateInfo, Slot, lock_state, parse_holder, text
-from ..errors import ConfigError
-from ..keys import LockKeys, lock_keys, name_of_key, normalize_name, rate_key
+from ...backend_types import Holder, LockInfo, RateInfo, Slot, lock_state, parse_holder, text
+from ...errors import ConfigError
+from ...keys import LockKeys, lock_keys, name_of_key, normalize_name, rate_key
 
 #: Reads the permits of a slot on one plain node (the Redis backend's ``holders`` verb on
 #: that node's client: passed in, since that backend uses this module).

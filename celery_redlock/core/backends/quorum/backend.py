@@ -31,23 +31,38 @@ Why fences keep increasing across different quorums (a timeline)::
     see docs/redlock.md.)
 
 How a verb reaches the members (in turns, in rounds, a give-back chained behind the
-acquire it undoes) and how their answers are judged: :mod:`~.quorum_calls`.
+acquire it undoes): :mod:`~.round`; one member's calls in this process: :mod:`~.gate`.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
+import functools
+import itertools
 import json
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NoReturn
 
-from ..backend import FlowControl, Permits, QueuedHolds, Rates
-from ..backend_types import (
+from ...backend import (
+    Backend,
+    FlowControl,
+    Permits,
+    Probe,
+    QueuedHolds,
+    Rates,
+    Sends,
+    Sent,
+    given,
+    need,
+)
+from ...backend_types import (
     Claim,
     Grant,
+    Health,
     Holder,
     Renewal,
     Slot,
@@ -55,15 +70,15 @@ from ..backend_types import (
     newest_records,
     record_version,
 )
-from ..errors import ConfigError, QuorumUnavailable, describe_holder
-from .quorum_calls import (
+from ...errors import ConfigError, QuorumUnavailable, describe_holder
+from .gate import NoAnswer, gate_of
+from .round import (
     FIRST_CONTACT,
     MIN_TIMEOUT,
     READ_TIMEOUT,
     Call,
+    Decided,
     Member,
-    NoAnswer,
-    QuorumCalls,
     Round,
     Verb,
     answered,
@@ -85,6 +100,8 @@ __all__ = [
 #: masters of a new name restart alike when their clocks agree to it, so their fences
 #: agree and no write-back round is needed.
 FENCE_STEP_MS = 1000
+#: Keys of calls sent directly, for their member's gate.
+_keys = itertools.count()
 _ONE_REDIS = "use one Redis (a plain server, a Sentinel-managed master or a Cluster) for it"
 #: Why a quorum lacks each capability it lacks (what :func:`~..backend.need` says).
 _WHY_NOT: dict[type, str] = {
@@ -111,13 +128,141 @@ _WHY_NOT: dict[type, str] = {
 }
 
 
-class QuorumBackend(QuorumCalls):
-    """Locks on a majority of independent member backends (Redlock).
+class QuorumBackend:
+    """Locks on a majority of independent member backends (Redlock): each call to them all
+    is a :class:`~.round.Round`, and what came back is judged here (enough answers or not,
+    each member's outcome, what a verb decides from them).
 
     *per_node_timeout* bounds the wait for each member (default: 5% of a lease, at
     least 50 ms; :data:`READ_TIMEOUT` for reads and records). Quorums of equal members
     are equal (they share one renewal batch).
     """
+
+    def __init__(self, members: Sequence[Backend], per_node_timeout: float | None = None) -> None:
+        if isinstance(members, (str, bytes)) or not isinstance(members, Sequence) or not members:
+            raise ConfigError("Redlock needs a non-empty list of backends, one per master")
+        checked = [need(m, Member) for m in members]
+        ids = [m.identity() for m in checked]
+        twice = sorted(
+            {m.describe() for m, i in zip(checked, ids, strict=True) if ids.count(i) > 1}
+        )
+        if twice:
+            raise ConfigError(
+                "Redlock masters must be distinct servers; listed more than once: "
+                + ", ".join(twice)
+            )
+        if per_node_timeout is not None and (
+            isinstance(per_node_timeout, bool)
+            or not isinstance(per_node_timeout, (int, float))
+            or not per_node_timeout > 0
+        ):
+            raise ConfigError(f"per_node_timeout must be > 0 seconds, got {per_node_timeout!r}")
+        self.members: tuple[Member, ...] = tuple(checked)
+        #: Each member's gate (shared with every quorum that has the member).
+        self.gates = [gate_of(i) for i in ids]
+        #: Each member as one that sends (None: its calls go through the pool).
+        self.senders: list[Sends | None] = [given(m, Sends) for m in self.members]
+        self.masters = len(self.members)
+        self.quorum = self.masters // 2 + 1
+        self.per_node_timeout = per_node_timeout
+        #: Each member's name in errors and ``Grant.masters``.
+        self.names = [m.describe() for m in self.members]
+
+    def send_to(self, i: int, call: Call, timeout: float) -> Sent | None:
+        """*call* (a :class:`Verb`) sent to member *i* by the caller: None when the member
+        does not send (or not this verb), has not answered yet in this process (its first
+        call connects in the pool), its last sent call went unanswered, or a call of ours
+        is still outstanding there, unless that one is parked (nobody waits for it): then
+        the call goes behind it on its connection. The caller never waits for a
+        connection to be made, and calls to one member keep their order."""
+        sender = self.senders[i]
+        if sender is None or not isinstance(call, Verb):
+            return None
+        gate = self.gates[i]
+        behind = None
+        if gate.calls:
+            gate.settle()
+            if gate.calls:
+                behind = gate.parked_alone()
+                if behind is None:
+                    return None
+        if not (gate.heard and gate.sends):
+            return None
+        key = next(_keys)
+        gate.sending(key)
+        sent: Sent | None = None
+        try:
+            answered = functools.partial(gate.answered, key)
+            sent = sender.send(call.name, call.args, call.kwargs, answered, behind)
+        finally:
+            if sent is None:  # not sent (or it raised): nothing outstanding
+                gate.forget(key)
+        gate.sent(key, sent)
+        return sent
+
+    def run_on(self, i: int, call: Call, timeout: float) -> cf.Future[Any] | None:
+        """``call(member i)`` in its turn (:class:`Gate`), given up after *timeout*: its
+        future, or None when the member is stuck in a call that ran longer than that.
+        Follow-ups too: a follow-up not sent leaves a lease that expires by itself."""
+        member = self.members[i]
+        return self.gates[i].offer(call, member, timeout)
+
+    def in_flight(self, i: int) -> int:
+        """Calls to member *i* queued or running (from any quorum that has it)."""
+        return self.gates[i].calls
+
+    def describe(self) -> str:
+        """The members' addresses."""
+        return ", ".join(self.names)
+
+    def timeout(self, ttl_ms: int | None) -> float:
+        """How long to wait for each member: the set per-node timeout, else 5% of the
+        lease (at least 50 ms), :data:`READ_TIMEOUT` without one."""
+        if self.per_node_timeout is not None:
+            return self.per_node_timeout
+        return READ_TIMEOUT if ttl_ms is None else max(MIN_TIMEOUT, 0.05 * ttl_ms / 1000)
+
+    def ask(self, call: Call, timeout: float, decided: Decided = lambda _: False) -> list[Any]:
+        """``call`` on every member: each one's answer (see :meth:`Round.wait`)."""
+        sent = Round(self, call, timeout)
+        try:
+            return sent.wait(decided)
+        finally:
+            sent.close()
+
+    def gather(self, name: str, call: Call, timeout: float) -> list[Any]:
+        """Every member's answer; raises unless at least a quorum answered."""
+        results = self.ask(call, timeout)
+        answers = [v for v in results if answered(v)]
+        if len(answers) < self.quorum:
+            self.fail(name, results)
+        return answers
+
+    def outcomes(self, results: Sequence[Any], ok: Callable[[Any], str]) -> dict[str, str]:
+        """Each member's outcome in words, by name: ``ok(answer)``, else its failure."""
+        return {
+            m: ok(v) if answered(v) else describe_failure(v)
+            for m, v in zip(self.names, results, strict=True)
+        }
+
+    def unavailable(self, name: str, errors: Mapping[str, str]) -> QuorumUnavailable:
+        """The error of lock *name* when too few members decided, with each one's outcome."""
+        return QuorumUnavailable(name, errors, needed=self.quorum, total=self.masters)
+
+    def fail(self, name: str, results: Sequence[Any]) -> NoReturn:
+        """Too few answered: ConfigError naming the masters that found foreign data,
+        else QuorumUnavailable."""
+        foreign = [
+            f"{m}: {v}"
+            for m, v in zip(self.names, results, strict=True)
+            if isinstance(v, ConfigError)
+        ]
+        if foreign:
+            raise ConfigError(
+                f"lock {name!r}: {len(foreign)} of {self.masters} masters refused: "
+                + "; ".join(foreign)
+            )
+        raise self.unavailable(name, self.outcomes(results, lambda _: "answered"))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, QuorumBackend) and self.members == other.members
@@ -416,6 +561,15 @@ class QuorumBackend(QuorumCalls):
         raise self.unavailable(slot.name, outcomes)
 
     # -- what a quorum cannot do --------------------------------------------------------
+    def check(self) -> list[Health]:
+        """Each master's health, in the order of the members (``unknown`` for a member
+        without a probe)."""
+        found: list[Health] = []
+        for member in self.members:
+            probe = given(member, Probe)
+            found += [Health(member.describe(), "unknown")] if probe is None else probe.check()
+        return found
+
     def why_not(self, capability: type) -> str:
         """Why a quorum lacks *capability* (the reason in :func:`~..backend.lacks`)."""
         return _WHY_NOT.get(capability, f"a Redlock quorum of {self.masters} masters")

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from contextlib import suppress
 
-from .. import process
+from ... import process
 
 __all__ = ["GIVE_BACK_AFTER", "GIVE_BACK_QUEUE", "GiveBacks", "later"]
 

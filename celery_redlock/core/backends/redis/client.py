@@ -1,26 +1,32 @@
 """The redis-py client as the Redis backend uses it: what is one (:func:`is_client`),
 the client its lock traffic goes through (:func:`lock_client`), what its errors mean
-(:func:`cannot_decide`, :func:`server_refused`), and a connection from its pool for a
-command with a read deadline of its own (:func:`checkout`).
+(:func:`cannot_decide`, :func:`server_refused`; for the code above the seam,
+:data:`STORE_ERRORS` and :func:`refusal`), a server's health (:func:`probe`), and a
+connection from its pool for a command with a read deadline of its own
+(:func:`checkout`). No module above the core imports redis: what they need of its errors
+is here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import threading
 import weakref
-from typing import Any
+from typing import Any, Literal
 
 import redis
 from redis import exceptions as rx
 from redis.cluster import RedisCluster
 
-from .. import process
-from ..connect import LOCK_CLIENT_DEFAULTS, lock_retry
-from ..errors import ConfigError
+from ... import process
+from ...backend_types import Health, text
+from ...connect import LOCK_CLIENT_DEFAULTS, lock_retry
+from ...errors import ConfigError, QuorumUnavailable
 
 __all__ = [
+    "STORE_ERRORS",
     "MasterChanging",
     "cannot_decide",
     "check_client",
@@ -28,6 +34,8 @@ __all__ = [
     "is_client",
     "lock_client",
     "plain_pool",
+    "probe",
+    "refusal",
     "server_refused",
 ]
 
@@ -52,7 +60,7 @@ def check_client(client: Any) -> None:
 _PLAIN_POOLS = (redis.ConnectionPool, redis.BlockingConnectionPool)
 #: Each plain pool's lock client, while the pool lives (see :func:`lock_client`).
 _lock_clients: weakref.WeakKeyDictionary[Any, redis.Redis] = weakref.WeakKeyDictionary()
-_lock_clients_lock = threading.Lock()
+_lock_clients_lock = process.ForkLock()
 
 
 def lock_client(client: Any) -> Any:
@@ -79,13 +87,9 @@ def lock_client(client: Any) -> Any:
     pool = plain_pool(client)
     if pool is None:
         return client
-    ours = _lock_clients.get(pool)
-    if ours is None:
-        with _lock_clients_lock:
-            ours = _lock_clients.get(pool)
-            if ours is None:
-                ours = _lock_clients[pool] = _make_lock_client(pool)
-    return ours
+    return process.made_once(
+        _lock_clients, pool, lambda: _make_lock_client(pool), _lock_clients_lock
+    )
 
 
 def plain_pool(client: Any) -> Any:
@@ -205,7 +209,7 @@ class MasterChanging(rx.RedisError):
     """A script for a Sentinel-managed master was not run: the server the connection
     reached is not the master the sentinels name now, or a failover of that master is
     under way, or the server says a later master replaced it (see
-    :mod:`.sentinel_watch`). Nothing was changed; a later call goes to the new master.
+    :mod:`.sentinel`). Nothing was changed; a later call goes to the new master.
     Not a ``ConnectionError``: a client's retry policy does not wait and re-send it."""
 
 
@@ -272,6 +276,42 @@ def server_refused(exc: BaseException) -> bool:
     if isinstance(exc, (*_SERVER_STATE_ERRORS, rx.ClusterError)):
         return True
     return isinstance(exc, rx.RedisError) and _SERVER_STATE.search(str(exc)) is not None
+
+
+#: What a call to a lock store raises when the store cannot be asked: the seam's
+#: QuorumUnavailable, or an error of the Redis client that a verb passes on as it is
+#: (redis-py's ``RedisError``: a pool with nothing to give, a refused command).
+STORE_ERRORS: tuple[type[Exception], ...] = (QuorumUnavailable, rx.RedisError)
+
+
+def refusal(exc: BaseException) -> Literal["credentials", "permissions"] | None:
+    """What a refusal that no retry mends is, or None: ``credentials`` when Redis refused
+    the user name or password, ``permissions`` when its ACL refused the command
+    (``NOPERM``). A verb's QuorumUnavailable carries the Redis error as its cause."""
+    cause = exc.__cause__ if isinstance(exc, QuorumUnavailable) else exc
+    if isinstance(cause, rx.AuthenticationError):
+        return "credentials"
+    if isinstance(cause, rx.ResponseError) and "NOPERM" in str(cause):
+        return "permissions"
+    return None
+
+
+def probe(where: str, client: Any, *, cluster: bool) -> Health:
+    """The health of *client*'s server: ``PING``, then (not on a cluster, whose client
+    routes to primaries) ``ROLE``, whose refusal (an ACL) says nothing either way."""
+    try:
+        client.ping()
+    except rx.AuthenticationError as exc:
+        return Health(where, "credentials", str(exc))
+    except rx.BusyLoadingError as exc:
+        return Health(where, "loading", str(exc))
+    except Exception as exc:
+        return Health(where, "unreachable", str(exc))
+    kind = "master"
+    if not cluster:
+        with contextlib.suppress(Exception):  # an ACL may refuse ROLE: nothing to learn
+            kind = text(client.execute_command("ROLE")[0])
+    return Health(where, "replica" if kind in ("slave", "replica") else "ok")
 
 
 #: Pool classes whose ``get_connection`` needs a command name (redis-py < 5.3), by type.

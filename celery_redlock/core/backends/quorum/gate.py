@@ -1,5 +1,5 @@
 """One member's calls in this process, in turns (:class:`Gate`): how a quorum
-(:mod:`.quorum_calls`) keeps a slow or stopped master from tying up more than one call.
+(:mod:`.round`) keeps a slow or stopped master from tying up more than one call.
 
 A call reaches a member in one of two ways. A member that sends (a Redis master: the
 verb written on a pooled connection by the caller itself, its answer read later) is
@@ -28,8 +28,8 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from .. import process, threads
-from ..errors import QuorumUnavailable
+from ... import process, threads
+from ...errors import QuorumUnavailable
 
 __all__ = ["BUSY", "REAP_AFTER", "Gate", "NoAnswer", "gate_of"]
 
@@ -190,19 +190,13 @@ class Gate:
 #: call, on clients made for each call, still finds its masters heard from, and a master
 #: stuck in a call of ours is stuck for every client of it).
 _gates: dict[Hashable, Gate] = {}
-_gates_lock = threading.Lock()
+_gates_lock = process.ForkLock()
 
 
 def gate_of(identity: Hashable) -> Gate:
     """The one gate in this process of the member whose ``identity()`` is *identity*
     (made on first use)."""
-    gate = _gates.get(identity)
-    if gate is None:
-        with _gates_lock:
-            gate = _gates.get(identity)
-            if gate is None:
-                gate = _gates[identity] = Gate()
-    return gate
+    return process.made_once(_gates, identity, Gate, _gates_lock)
 
 
 class _Reaper:
@@ -241,9 +235,8 @@ _reaper = _Reaper()
 
 
 def _after_fork() -> None:
-    global _gates, _gates_lock, _reaper
+    global _gates, _reaper
     _gates = {}  # a child has none of its parent's calls
-    _gates_lock = threading.Lock()
     _reaper = _Reaper()
 
 

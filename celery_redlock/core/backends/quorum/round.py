@@ -1,5 +1,6 @@
-"""How one call reaches every member of a quorum (:class:`~.quorum.QuorumBackend`), and
-how their answers are judged (:class:`QuorumCalls`, which the quorum's verbs build on).
+"""How one call reaches every member of a quorum (:class:`~.backend.QuorumBackend`): a
+:class:`Round`, over what the quorum offers it (:class:`Reach`), and what a member's
+answer is (:func:`answered`, :func:`silent`, ...).
 
 How a verb travels (:class:`Round`). To a member that sends (:class:`Sends`: a Redis
 master), the caller writes the verb itself, on a connection of that member's pool, and
@@ -14,7 +15,7 @@ is down: no answer), a :class:`~.errors.ConfigError` (foreign data), or
 :class:`NoAnswer`. Any other error (a client whose pool is exhausted, a wrong argument,
 a bug) is raised to the caller as it is, never counted as a member being down. A member
 with a call outstanding for longer than a round's timeout is sent nothing more until it
-returns (:class:`~.quorum_gate.Gate`), so a stalled member ties up one call.
+returns (:class:`~.gate.Gate`), so a stalled member ties up one call.
 
 A release that undoes an acquire never overtakes it: where the acquire has not answered
 yet, the release is sent once it has (:meth:`Round.then`). A grant that outlives its
@@ -28,16 +29,15 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import functools
-import itertools
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, Protocol
+from typing import Any, Protocol
 
-from ..backend import Backend, DoneMarks, Records, Sends, Sent, capability, given, need
-from ..backend_types import Grant, Slot
-from ..errors import ConfigError, QuorumUnavailable
-from .quorum_gate import BUSY, NoAnswer, gate_of
+from ...backend import Backend, DoneMarks, Records, Sent, capability
+from ...backend_types import Grant, Slot
+from ...errors import ConfigError, QuorumUnavailable
+from .gate import BUSY, Gate, NoAnswer
 
 __all__ = [
     "CUT",
@@ -49,7 +49,7 @@ __all__ = [
     "Decided",
     "Member",
     "NoAnswer",
-    "QuorumCalls",
+    "Reach",
     "Round",
     "Verb",
     "answered",
@@ -97,10 +97,25 @@ class Member(Backend, DoneMarks, Records, Protocol):
 
 
 _PENDING = NoAnswer("not heard from")
-#: Keys of calls sent directly, for their member's gate.
-_keys = itertools.count()
 Call = Callable[[Member], Any]
 Decided = Callable[[Sequence[Any]], bool]
+
+
+class Reach(Protocol):
+    """What a :class:`Round` needs of its quorum: the members, their gates, and the two
+    ways a call reaches member *i* (:class:`~.backend.QuorumBackend` has them)."""
+
+    masters: int
+    members: tuple[Member, ...]
+    gates: list[Gate]
+
+    def send_to(self, i: int, call: Call, timeout: float) -> Sent | None:
+        """*call* written to member *i* by the caller, or None where it is not."""
+        ...
+
+    def run_on(self, i: int, call: Call, timeout: float) -> cf.Future[Any] | None:
+        """*call* on member *i* in the pool, in its turn; None when the member is stuck."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -125,7 +140,7 @@ class Round:
     """
 
     def __init__(
-        self, quorum: QuorumCalls, call: Call, timeout: float, where: Iterable[int] | None = None
+        self, quorum: Reach, call: Call, timeout: float, where: Iterable[int] | None = None
     ) -> None:
         self.quorum = quorum
         self.where = list(range(quorum.masters) if where is None else where)
@@ -139,12 +154,12 @@ class Round:
         self.timeout = timeout * (FIRST_CONTACT if first else 1)
         try:
             for pos, i in enumerate(self.where):
-                sent = quorum._send(i, call, self.timeout)
+                sent = quorum.send_to(i, call, self.timeout)
                 if sent is not None:
                     self.sent[pos] = sent
                     self.sent_to.add(pos)
                     continue
-                future = quorum._start(i, call, self.timeout)
+                future = quorum.run_on(i, call, self.timeout)
                 if future is None:
                     self.results[pos] = NoAnswer(BUSY)
                 else:
@@ -235,12 +250,12 @@ class Round:
                 Round(self.quorum, quiet, self.timeout, now).close(wait=True)
 
     def _follow(self, i: int, call: Call, _: object) -> None:
-        self.quorum._start(i, call, self.timeout)
+        self.quorum.run_on(i, call, self.timeout)
 
     def close(self, *, wait: bool = False) -> None:
         """Done with this round: what was sent and not answered is parked with its
         member's gate, finished by the next call there or the reaper
-        (:meth:`~.quorum_gate.Gate.park`; *wait*: first wait for the answers, up to the
+        (:meth:`~.gate.Gate.park`; *wait*: first wait for the answers, up to the
         timeout)."""
         if wait:
             self.wait(lambda _: False)
@@ -274,141 +289,6 @@ def _quietly(call: Call) -> Call:
             call(member)
 
     return run
-
-
-class QuorumCalls:
-    """N member backends decided at a majority: each call to them all is a :class:`Round`,
-    and what came back is judged here (enough answers or not, each member's outcome).
-
-    *per_node_timeout* bounds the wait for each member (default: 5% of a lease, at
-    least 50 ms; :data:`READ_TIMEOUT` for reads and records).
-    """
-
-    def __init__(self, members: Sequence[Backend], per_node_timeout: float | None = None) -> None:
-        if isinstance(members, (str, bytes)) or not isinstance(members, Sequence) or not members:
-            raise ConfigError("Redlock needs a non-empty list of backends, one per master")
-        checked = [need(m, Member) for m in members]
-        ids = [m.identity() for m in checked]
-        twice = sorted(
-            {m.describe() for m, i in zip(checked, ids, strict=True) if ids.count(i) > 1}
-        )
-        if twice:
-            raise ConfigError(
-                "Redlock masters must be distinct servers; listed more than once: "
-                + ", ".join(twice)
-            )
-        if per_node_timeout is not None and (
-            isinstance(per_node_timeout, bool)
-            or not isinstance(per_node_timeout, (int, float))
-            or not per_node_timeout > 0
-        ):
-            raise ConfigError(f"per_node_timeout must be > 0 seconds, got {per_node_timeout!r}")
-        self.members: tuple[Member, ...] = tuple(checked)
-        #: Each member's gate (shared with every quorum that has the member).
-        self.gates = [gate_of(i) for i in ids]
-        #: Each member as one that sends (None: its calls go through the pool).
-        self.senders: list[Sends | None] = [given(m, Sends) for m in self.members]
-        self.masters = len(self.members)
-        self.quorum = self.masters // 2 + 1
-        self.per_node_timeout = per_node_timeout
-        #: Each member's name in errors and ``Grant.masters``.
-        self.names = [m.describe() for m in self.members]
-
-    def _send(self, i: int, call: Call, timeout: float) -> Sent | None:
-        """*call* (a :class:`Verb`) sent to member *i* by the caller: None when the member
-        does not send (or not this verb), has not answered yet in this process (its first
-        call connects in the pool), its last sent call went unanswered, or a call of ours
-        is still outstanding there, unless that one is parked (nobody waits for it): then
-        the call goes behind it on its connection. The caller never waits for a
-        connection to be made, and calls to one member keep their order."""
-        sender = self.senders[i]
-        if sender is None or not isinstance(call, Verb):
-            return None
-        gate = self.gates[i]
-        behind = None
-        if gate.calls:
-            gate.settle()
-            if gate.calls:
-                behind = gate.parked_alone()
-                if behind is None:
-                    return None
-        if not (gate.heard and gate.sends):
-            return None
-        key = next(_keys)
-        gate.sending(key)
-        sent: Sent | None = None
-        try:
-            answered = functools.partial(gate.answered, key)
-            sent = sender.send(call.name, call.args, call.kwargs, answered, behind)
-        finally:
-            if sent is None:  # not sent (or it raised): nothing outstanding
-                gate.forget(key)
-        gate.sent(key, sent)
-        return sent
-
-    def _start(self, i: int, call: Call, timeout: float) -> cf.Future[Any] | None:
-        """``call(member i)`` in its turn (:class:`Gate`), given up after *timeout*: its
-        future, or None when the member is stuck in a call that ran longer than that.
-        Follow-ups too: a follow-up not sent leaves a lease that expires by itself."""
-        member = self.members[i]
-        return self.gates[i].offer(call, member, timeout)
-
-    def in_flight(self, i: int) -> int:
-        """Calls to member *i* queued or running (from any quorum that has it)."""
-        return self.gates[i].calls
-
-    def describe(self) -> str:
-        """The members' addresses."""
-        return ", ".join(self.names)
-
-    def timeout(self, ttl_ms: int | None) -> float:
-        """How long to wait for each member: the set per-node timeout, else 5% of the
-        lease (at least 50 ms), :data:`READ_TIMEOUT` without one."""
-        if self.per_node_timeout is not None:
-            return self.per_node_timeout
-        return READ_TIMEOUT if ttl_ms is None else max(MIN_TIMEOUT, 0.05 * ttl_ms / 1000)
-
-    def ask(self, call: Call, timeout: float, decided: Decided = lambda _: False) -> list[Any]:
-        """``call`` on every member: each one's answer (see :meth:`Round.wait`)."""
-        sent = Round(self, call, timeout)
-        try:
-            return sent.wait(decided)
-        finally:
-            sent.close()
-
-    def gather(self, name: str, call: Call, timeout: float) -> list[Any]:
-        """Every member's answer; raises unless at least a quorum answered."""
-        results = self.ask(call, timeout)
-        answers = [v for v in results if answered(v)]
-        if len(answers) < self.quorum:
-            self.fail(name, results)
-        return answers
-
-    def outcomes(self, results: Sequence[Any], ok: Callable[[Any], str]) -> dict[str, str]:
-        """Each member's outcome in words, by name: ``ok(answer)``, else its failure."""
-        return {
-            m: ok(v) if answered(v) else describe_failure(v)
-            for m, v in zip(self.names, results, strict=True)
-        }
-
-    def unavailable(self, name: str, errors: Mapping[str, str]) -> QuorumUnavailable:
-        """The error of lock *name* when too few members decided, with each one's outcome."""
-        return QuorumUnavailable(name, errors, needed=self.quorum, total=self.masters)
-
-    def fail(self, name: str, results: Sequence[Any]) -> NoReturn:
-        """Too few answered: ConfigError naming the masters that found foreign data,
-        else QuorumUnavailable."""
-        foreign = [
-            f"{m}: {v}"
-            for m, v in zip(self.names, results, strict=True)
-            if isinstance(v, ConfigError)
-        ]
-        if foreign:
-            raise ConfigError(
-                f"lock {name!r}: {len(foreign)} of {self.masters} masters refused: "
-                + "; ".join(foreign)
-            )
-        raise self.unavailable(name, self.outcomes(results, lambda _: "answered"))
 
 
 def answered(value: Any) -> bool:

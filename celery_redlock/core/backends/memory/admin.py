@@ -1,7 +1,7 @@
-"""The operator reads of :class:`~.memory.MemoryBackend` (``celery locks``) and its
-forced removals: what a store holds under a prefix, read as :mod:`.redis_admin` reads it
+"""The operator reads of :class:`~.backend.MemoryBackend` (``celery locks``) and its
+forced removals: what a store holds under a prefix, read as the Redis backend reads it
 on Redis. Each function runs inside one of the backend's verbs (under the store's lock,
-the clock stopped: :func:`~.memory_store.atomic`).
+the clock stopped: :func:`~.store.atomic`).
 """
 
 from __future__ import annotations
@@ -9,10 +9,18 @@ from __future__ import annotations
 import fnmatch
 import math
 
-from ..backend_types import ForceRelease, LockInfo, RateInfo, Slot, lock_state, parse_holder
-from ..errors import ConfigError
-from ..keys import lock_keys, name_of_key, normalize_name, rate_key
-from .memory_store import ForeignData, MemoryStore, mutex_keys, stored_int
+from ...backend_types import (
+    ForceRelease,
+    LockInfo,
+    RateInfo,
+    Slot,
+    lock_state,
+    mutex_keys,
+    parse_holder,
+)
+from ...errors import ConfigError
+from ...keys import lock_keys, name_of_key, normalize_name, rate_key
+from .store import ForeignData, MemoryStore, stored_int
 
 __all__ = ["force_dequeue", "force_release", "read", "read_rate", "scan", "scan_rates"]
 

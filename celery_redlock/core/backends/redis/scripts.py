@@ -1,7 +1,7 @@
-"""The Lua scripts of the Redis backend (``core/lua/*.lua``, one per file, each with a
-header saying its KEYS, ARGV and replies): each read once and run with ``EVALSHA``
-(``EVAL`` once, after ``NOSCRIPT``), and the replies the verbs share read into typed
-results.
+"""The Lua scripts of the Redis backend (``lua/*.lua`` beside this module, one per file,
+each with a header saying its KEYS, ARGV and replies): each read once and run with
+``EVALSHA`` (``EVAL`` once, after ``NOSCRIPT``). What each verb sends and how its reply
+reads is :mod:`.verbs`.
 
 How a script is sent (:func:`run`): on a client with a connection pool of its own (a
 plain or Sentinel-managed ``redis.Redis``), on a connection taken from that pool for the
@@ -17,15 +17,13 @@ cluster client, or one that keeps a single connection, goes through its own
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any
 
 from redis import exceptions as rx
 
-from ..backend_types import Grant, Holder, Renewal, Status, parse_holder, text
-from .redis_admin import fence_of
-from .redis_client import checkout
+from .client import checkout
 
 __all__ = [
     "ACQUIRE",
@@ -49,9 +47,6 @@ __all__ = [
     "RELEASE",
     "RELEASE_ALL",
     "Script",
-    "extend_many",
-    "grant_of",
-    "permit_holders",
     "pool_of",
     "run",
     "send_script",
@@ -59,7 +54,7 @@ __all__ = [
 
 
 def _lua(filename: str) -> str:
-    folder = resources.files("celery_redlock.core").joinpath("lua")
+    folder = resources.files("celery_redlock.core.backends.redis").joinpath("lua")
     return folder.joinpath(filename).read_text("utf-8")
 
 
@@ -107,13 +102,6 @@ class Script:
             self._guarded = guarded
         return guarded
 
-    def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """Run on *client* (``EVALSHA``; ``EVAL`` when the server has not cached it yet)."""
-        try:
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-        except rx.NoScriptError:
-            return client.eval(self.source, len(keys), *keys, *args)
-
 
 def pool_of(client: Any) -> Any:
     """The connection pool :func:`run` takes a connection from for *client*: its own pool,
@@ -129,7 +117,10 @@ def run(script: Script, client: Any, pool: Any, keys: Sequence[str], args: Seque
     """*script* on *client*: on a connection of *pool* (:func:`pool_of`; see the module
     docstring), or through the client itself when *pool* is None."""
     if pool is None:
-        return script(client, keys, args)
+        try:
+            return client.evalsha(script.sha, len(keys), *keys, *args)
+        except rx.NoScriptError:
+            return client.eval(script.source, len(keys), *keys, *args)
     conn = checkout(pool)
     try:
         return conn.retry.call_with_retry(
@@ -173,48 +164,3 @@ RELEASE_ALL = Script(
 )
 CONTROL = Script("control.lua")
 MASTER_MARK = Script("master_mark.lua")
-
-
-def grant_of(reply: Any, *, permits: bool) -> Grant:
-    """An acquire script's reply (acquire.lua, or permit_acquire.lua) as a Grant."""
-    code = int(reply[0])
-    if code == 1:
-        return Grant(True, fence=int(reply[1]))
-    holder, left = parse_holder(reply[1]), int(reply[2])
-    # A hand-over (acquire.lua with KEYS[4]) adds the queued hold's owner.
-    queued = text(reply[3]) if len(reply) > 3 and not permits else None
-    if code == -1:  # a hand-over whose queued hold belongs to another task id
-        return Grant(False, holder=holder, holder_ttl_ms=left, superseded=True, queued_owner=queued)
-    return Grant(False, holder=holder, holder_ttl_ms=left, wait_ms=left, queued_owner=queued)
-
-
-def permit_holders(reply: Any) -> list[Holder]:
-    """A ``permits.lua`` reply (four entries per live permit), first to expire first."""
-    found = [
-        Holder(
-            text(reply[i]), parse_holder(reply[i + 3]), fence_of(reply[i + 2]), int(reply[i + 1])
-        )
-        for i in range(0, len(reply) - 3, 4)
-    ]
-    return sorted(found, key=lambda h: h.ttl_ms or 0)
-
-
-def extend_many(
-    client: Any,
-    items: Sequence[Renewal],
-    pool: Any = None,
-    send: Callable[[Script, list[str], list[Any]], Any] | None = None,
-) -> list[Status]:
-    """Set each item's lease to its ``ms`` where its token still holds it, on one node in
-    one ``extend_many.lua`` (every key in one slot on a cluster): a status per item.
-    *send* runs the script instead of :func:`run` (the backend's own way, see
-    :meth:`~.redis_calls.RedisCalls._run`)."""
-    args: list[Any] = []
-    for item in items:
-        args += [item.token, item.ms]
-    keys = [item.slot.keys.lock for item in items]
-    if send is not None:
-        reply = send(EXTEND_MANY, keys, args)
-    else:
-        reply = run(EXTEND_MANY, client, pool, keys, args)
-    return [Status.of(code) for code in reply]

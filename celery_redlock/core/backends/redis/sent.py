@@ -1,5 +1,5 @@
 """A script sent now, its answer read later: how a quorum reaches a Redis master without a
-thread between the caller and the master (:class:`~.quorum_calls.Sent`).
+thread between the caller and the master (:class:`~celery_redlock.core.backend.Sent`).
 
 :class:`RedisSent` takes a connection from the client's pool and writes ``EVALSHA`` on
 it at once (redis-py's public ``pack_command`` and ``send_packed_command``); the quorum
@@ -14,22 +14,23 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from redis import exceptions as rx
 
-from .. import threads
-from .redis_client import cannot_decide, checkout
-from .redis_scripts import Script
+from ... import threads
+from .client import cannot_decide, checkout
+from .verbs import Call
 
 __all__ = ["RedisSent"]
 
 
 class RedisSent:
-    """*script* sent on a connection of *pool*; its answer is ``finish(reply)``, or what
-    ``fail(error)`` raises. ``answered(heard)`` is called once the connection is given back
-    (*heard*: the server answered; False when it was down or silent)."""
+    """*call* (:class:`~.verbs.Call`) sent on a connection of *pool*; its answer is
+    ``call.read(reply)``, or what ``fail(error)`` raises. ``answered(heard)`` is called
+    once the connection is given back (*heard*: the server answered; False when it was
+    down or silent)."""
 
     __slots__ = (
         "_answered",
@@ -46,19 +47,17 @@ class RedisSent:
         "_script",
     )
 
-    def __init__(  # noqa: PLR0917 - where it goes, what it sends, and how its answer reads
+    def __init__(
         self,
         pool: Any,
-        script: Script,
-        keys: Sequence[str],
-        args: Sequence[Any],
-        finish: Callable[[Any], Any],
+        call: Call,
         fail: Callable[[Exception], Any],
         answered: Callable[[bool], object],
         behind: RedisSent | None = None,
     ) -> None:
+        script = call.script
         self._pool, self._script, self._answered = pool, script, answered
-        self._keys, self._args, self._finish, self._fail = keys, args, finish, fail
+        self._keys, self._args, self._finish, self._fail = call.keys, call.args, call.read, fail
         self._reply: Any = None
         self._error: Exception | None = None
         self._conn: Any = None
