@@ -30,7 +30,7 @@ from ..app.config import TaskOptions
 from ..app.controls import control
 from ..app.observability import send_task_event
 from ..app.rules import BackOff
-from ..app.state import AppState, state_for
+from ..app.state import AppState
 from ..core import (
     Handover,
     Lock,
@@ -176,12 +176,12 @@ def acquire_for_request(
     """
     if request is None:
         request = task.request
-    state = state_for(task.app)
+    state = task.redlock_state
     # The run's state, handed to every later step of this run (its body, its release).
     request._redlock_state = state
     if state.disabled:
         return
-    options = state.options_for(task)
+    options = task.redlock_options
     direct = task_id is None
     eager = bool(getattr(request, "is_eager", False))
     strategy: Strategy = options.contended  # resolved with the options, never per run
@@ -457,7 +457,7 @@ def run_locked(
             return fun(task, *args, **kwargs) if bound else fun(*args, **kwargs)
         except BackOff as exc:
             back_off(state, task, request, None, exc, (args, kwargs))
-    running = watch(lock, task.name, state.options_for(task).lost)
+    running = watch(lock, task.name, task.redlock_options.lost)
     try:
         try:
             return fun(task, *args, **kwargs) if bound else fun(*args, **kwargs)
@@ -483,7 +483,7 @@ def back_off(  # noqa: PLR0917 - the run's state, task, request, lock and call
     worker (its own key, else the task's first ``Rate`` key, else the run's lock key),
     then re-queue the run to start when the pause ends, within the lock's retry budget;
     a call with no message to re-queue (eager, direct) raises the BackOff after the pause."""
-    options = state.options_for(task)
+    options = task.redlock_options
     args, kwargs = call
     key = exc.key
     if key is None:
@@ -524,7 +524,7 @@ def release_for_request(
     except LockLost as exc:
         if events:
             send_task_event(state, task, "lost", lock=lock.name, reason=str(exc), held=held)
-        policy = state.options_for(task).on_lost
+        policy = task.redlock_options.on_lost
         log.warning("Task %s[%s]: %s (lock_on_lost=%s)", task.name, task_id, exc, policy)
     except QuorumUnavailable as exc:
         log.warning(
@@ -564,7 +564,7 @@ def on_postrun(sender: Any = None, task_id: str | None = None, **_: Any) -> None
     app = getattr(sender, "app", None)
     if app is None or task_id is None or getattr(sender, "redlock_spec", None) is None:
         return
-    state = state_for(app)
+    state = sender.redlock_state
     lock = state.held.get(task_id) if state.installed else None
     if lock is not None:
         release_for_request(state, sender, lock, task_id)
