@@ -107,11 +107,11 @@ class LockedTask(Task):  # type: ignore[misc]
         class and app, and kept on the class as Celery keeps the app (``Task.bind``). A
         run, its publish and the worker's handlers take it from the task."""
         cls = type(self)
-        state: AppState | None = cls.__dict__.get("_redlock_state")
+        state: AppState | None = cls.__dict__.get("_redlock_app_state")
         app = self.app
         if state is None or state.app is not app:  # first use, or bound to another app
             state = state_for(app)
-            cls._redlock_state = state
+            cls._redlock_app_state = state
         return state
 
     @property
