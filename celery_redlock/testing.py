@@ -190,10 +190,13 @@ def redlock_celery_config() -> dict[str, Any]:
 def redlock_store(celery_app: Any) -> Iterator[Any]:
     """The memory backend where ``celery_app`` keeps its locks, empty at the start and at
     the end of the test (so no test sees another's locks)."""
-    from .app.state import state_for  # noqa: PLC0415
+    from .app.config import load_settings  # noqa: PLC0415
+    from .core import connect, open_backend  # noqa: PLC0415
     from .core.backend import InProcess, has, need  # noqa: PLC0415
 
-    backend = state_for(celery_app).backend()
+    # A memory:// URL names one store in this process: the one celery_app's runs use.
+    settings = load_settings(celery_app.conf)
+    backend = open_backend(connect(settings.urls, **settings.client_options))
     if not has(backend, InProcess):
         raise RuntimeError(
             f"redlock_store needs celery_app's redlock_url to be memory://, got "

@@ -37,7 +37,6 @@ from ..app.checks import parse_duration
 from ..app.config import Settings, load_settings
 from ..app.controls import Controls
 from ..app.flags import flag_overrides, locks_flags
-from ..app.state import state_for
 from ..core import Backend, connect, mask_url, open_backend
 from ..core.admin import (
     LockInfo,
@@ -124,14 +123,16 @@ def _conf_url(conf: Any) -> Any:
 class _Session:
     """The app's lock settings and one client per master, with errors mapped to exit codes.
 
-    Settings are read afresh for each command (``load_settings``: the same checks and
-    broker fallback as the worker), so a changed ``app.conf`` is never served stale.
+    Settings are read afresh for each command from ``app.conf`` and this command's flags
+    (``load_settings``: the same checks and broker fallback as the worker), so a changed
+    ``app.conf`` is never served stale. A worker's flags are that worker's own: ``celery
+    locks`` runs in a process of its own and keeps no state of the app.
     """
 
     def __init__(self, ctx: click.Context) -> None:
         self.ctx = ctx
         app = ctx.obj.app
-        overrides = {**state_for(app).overrides, **ctx.meta.get(_OVERRIDES, {})}
+        overrides: dict[str, Any] = dict(ctx.meta.get(_OVERRIDES, {}))
         #: The locks' URL is the broker's (no redlock_url, no --redlock-url).
         self.from_broker = overrides.get("redlock_url") is None and not _conf_url(app.conf)
         try:

@@ -48,7 +48,7 @@ from typing import Any, NoReturn
 from ..app import tracing
 from ..app.config import TaskOptions
 from ..app.observability import send_publisher_event, send_task_event
-from ..app.state import AppState, state_for
+from ..app.state import AppState
 from ..core import ConfigError, Queued, QueuedHold, QuorumUnavailable
 from ..core.queued import PendingClaim
 from . import claiming
@@ -61,7 +61,6 @@ __all__ = [
     "attempt_of",
     "claim_at_worker",
     "give_back",
-    "give_back_hold",
     "hold_for",
     "publish",
     "publish_held",
@@ -357,11 +356,6 @@ def skip_superseded(state: AppState, task: Any, request: Any, lock: Any) -> NoRe
     )
 
 
-def give_back_hold(app: Any, name: str, task_id: str, why: str, *, later: bool = False) -> None:
-    """:func:`give_back` for a worker's signal receiver, which knows the task's *app*."""
-    give_back(state_for(app), name, task_id, why, later=later)
-
-
 def give_back(state: AppState, name: str, task_id: str, why: str, *, later: bool = False) -> None:
     """Give back task *task_id*'s enqueue-time hold of *name*, because its message will
     not run (*why*: skipped, failed, revoked, expired, rejected, not published), so the
@@ -396,11 +390,10 @@ def publish(
     """Publish one call of a locked task through *send* (``send(args, kwargs, **call)``);
     with ``lock_on="enqueue"`` or ``"enqueue+run"`` after the duplicate check of
     :mod:`celery_redlock.task.dedup`."""
-    app = task.app
-    state = state_for(app)
-    if state.disabled or app.conf.task_always_eager:
+    state = task.redlock_state
+    if state.disabled or task.app.conf.task_always_eager:
         return send(args, kwargs, **call)
-    options = state.options_for(task)
+    options = task.redlock_options
     if options.lock_on == "run":
         return send(args, kwargs, **call)
     name = lock_name_for(task, tuple(args or ()), dict(kwargs or {}), call.get("headers"), options)

@@ -41,13 +41,14 @@ from celery import Task
 from ..app.config import (
     OPTIONS,
     StartupConfigError,
+    TaskOptions,
     TaskSpec,
     check_declared,
     check_task_option,
     declared,
 )
 from ..app.rules import BackOff, limits_option
-from ..app.state import state_for
+from ..app.state import AppState, state_for
 from ..core import ConfigError, Lock, LockContended, QuorumUnavailable
 from .contention import SKIPPED, is_skipped
 from .dedup import publish
@@ -101,6 +102,25 @@ class LockedTask(Task):  # type: ignore[misc]
         prepare_task_class(cls)
 
     @property
+    def redlock_state(self) -> AppState:
+        """This task's app's state (settings, backend, the locks held): found once per task
+        class and app, and kept on the class as Celery keeps the app (``Task.bind``). A
+        run, its publish and the worker's handlers take it from the task."""
+        cls = type(self)
+        state: AppState | None = cls.__dict__.get("_redlock_app_state")
+        app = self.app
+        if state is None or state.app is not app:  # first use, or bound to another app
+            state = state_for(app)
+            cls._redlock_app_state = state
+        return state
+
+    @property
+    def redlock_options(self) -> TaskOptions:
+        """This task's lock options, resolved against its app's settings on first use and
+        kept by the app's state until those settings change (``AppState.reset``)."""
+        return self.redlock_state.options_for(self)
+
+    @property
     def lock(self) -> Lock | None:
         """The lock held for the running request (None outside a locked run)."""
         return lock_of(self.request)
@@ -121,7 +141,7 @@ class LockedTask(Task):  # type: ignore[misc]
     ) -> None:
         """Safety net: a lock still held when the run ends is released (see the module doc)."""
         # A run's lock is in state.held until released: most runs need no request lookup.
-        state = state_for(self.app)
+        state = self.redlock_state
         if task_id in state.held:
             request = self.request
             lock = lock_of(request)

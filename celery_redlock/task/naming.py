@@ -15,7 +15,6 @@ import inspect
 from typing import Any
 
 from ..app.config import TaskOptions
-from ..app.state import state_for
 from ..core import ConfigError, KeyTemplate, render_value
 
 __all__ = ["KEY_HEADER", "check_fields", "compile_key", "lock_name_for", "render_key"]
@@ -31,9 +30,10 @@ def lock_name_for(
     headers: Any = None,
     options: TaskOptions | None = None,
 ) -> str:
-    """The rendered lock name of one call: per-call key, task key, app default, task name."""
+    """The rendered lock name of one call: per-call key, task key, app default, task name
+    (*options*: the task's, when the caller has them at hand)."""
     if options is None:
-        options = state_for(task.app).options_for(task)
+        options = task.redlock_options
     key = headers.get(KEY_HEADER) if isinstance(headers, dict) else None
     if key is None:
         key = options.key

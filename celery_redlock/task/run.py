@@ -30,7 +30,7 @@ from ..app.config import TaskOptions
 from ..app.controls import control
 from ..app.observability import send_task_event
 from ..app.rules import BackOff
-from ..app.state import AppState, state_for
+from ..app.state import AppState
 from ..core import (
     Handover,
     Lock,
@@ -79,51 +79,6 @@ RATE_SHORT_WAIT = 0.25
 def lock_of(request: Any) -> Lock | None:
     """The lock held for the run of *request* (None outside a locked run)."""
     return getattr(request, "_redlock_lock", None)
-
-
-def _new_lock(
-    task: Any,
-    state: AppState,
-    options: TaskOptions,
-    name: str,
-    task_id: str | None,
-    *,
-    call: tuple[tuple[Any, ...], dict[str, Any]],
-    host: Any,
-    attempt: tuple[int, int] = (0, 0),
-    handover: Handover | None = None,
-    done_as: str | None = None,
-) -> Lock:
-    """The lock of one run, built through the app's state (the one place that builds locks).
-
-    Its holder record names the task id and, from the second attempt on, which attempt
-    (``retries``, ``lock_retries``): a delivery that finds its own task id holding the
-    lock tells an earlier attempt (a ``self.retry()`` whose body has not released yet)
-    from another copy of its own message (a redelivery).
-    """
-    owner: dict[str, Any] = {"task_name": task.name, "task_id": task_id}
-    if host:
-        owner["worker"] = host
-    if attempt[0]:
-        owner["retries"] = attempt[0]
-    if attempt[1]:
-        owner["lock_retries"] = attempt[1]
-    extra: dict[str, Any] = {}
-    if handover is not None:
-        extra["handover"] = handover
-    if done_as is not None:
-        extra.update(done_as=done_as, done_ttl=options.enqueue_ttl)
-    lock = state.make_lock(
-        name,
-        options.ttl,
-        limit=options.limit or 1,
-        owner_info=owner,
-        max_hold=options.max_hold,
-        on_lost=on_lost,
-        **extra,
-    )
-    hold_rules(lock, task, options, *call)
-    return lock
 
 
 def _held_by_this_task(lock: Lock, task_id: str) -> bool:
@@ -176,12 +131,13 @@ def acquire_for_request(
     """
     if request is None:
         request = task.request
-    state = state_for(task.app)
-    # The run's state, handed to every later step of this run (its body, its release).
+    state = task.redlock_state
+    # The run's state and options, handed to every later step of this run (its body, its
+    # release).
     request._redlock_state = state
     if state.disabled:
         return
-    options = state.options_for(task)
+    options = request._redlock_options = task.redlock_options
     direct = task_id is None
     eager = bool(getattr(request, "is_eager", False))
     strategy: Strategy = options.contended  # resolved with the options, never per run
@@ -199,10 +155,11 @@ def acquire_for_request(
             claim_at_worker(state, task, request, name, options)
         handover = Handover(task_id, strict=not keeps_place)
     run = _Run(
-        task, request, task_id, name, options, strategy, eager, attempt, (args, kwargs), direct
-    )
+        state, task, request, task_id, name, options, strategy, eager, attempt, (args, kwargs),
+        direct,
+    )  # fmt: skip
     try:
-        _acquire(run, state, handover)
+        _acquire(run, handover)
     except Retry:
         # Re-queued under the same task id: it keeps its hold, unless that re-queue cannot
         # be published (next_attempt publishes it once Celery stored RETRY).
@@ -224,6 +181,8 @@ def acquire_for_request(
 class _Run:
     """One run being started: what ``_acquire`` needs to know about it."""
 
+    #: The task's app's state, as the task holds it.
+    state: AppState
     task: Any
     request: Any
     task_id: str | None
@@ -243,9 +202,44 @@ class _Run:
         waited = self.strategy.waits
         return Refusal(self.task, request, lock, self.options, self.eager, waited, rate=rate)
 
+    def new_lock(self, host: Any, handover: Handover | None, done_as: str | None) -> Lock:
+        """The run's lock: ``options.ttl``, ``limit`` and ``max_hold`` handed to
+        ``AppState.make_lock`` (the one place that builds locks), its rules held with it.
 
-def _acquire(run: _Run, state: AppState, handover: Handover | None) -> None:
+        Its holder record names the task id and, from the second attempt on, which
+        attempt (``retries``, ``lock_retries``): a delivery that finds its own task id
+        holding the lock tells an earlier attempt (a ``self.retry()`` whose body has not
+        released yet) from another copy of its own message (a redelivery).
+        """
+        options, attempt = self.options, self.attempt
+        owner: dict[str, Any] = {"task_name": self.task.name, "task_id": self.task_id}
+        if host:
+            owner["worker"] = host
+        if attempt[0]:
+            owner["retries"] = attempt[0]
+        if attempt[1]:
+            owner["lock_retries"] = attempt[1]
+        extra: dict[str, Any] = {}
+        if handover is not None:
+            extra["handover"] = handover
+        if done_as is not None:
+            extra.update(done_as=done_as, done_ttl=options.enqueue_ttl)
+        lock = self.state.make_lock(
+            self.name,
+            options.ttl,
+            limit=options.limit or 1,
+            owner_info=owner,
+            max_hold=options.max_hold,
+            on_lost=on_lost,
+            **extra,
+        )
+        hold_rules(lock, self.task, options, *self.call)
+        return lock
+
+
+def _acquire(run: _Run, handover: Handover | None) -> None:
     """Take the run's lock (or permit) and its rate slot, or apply the contended strategy."""
+    state = run.state
     task, request, task_id, name = run.task, run.request, run.task_id, run.name
     options, strategy, eager = run.options, run.strategy, run.eager
     policy = strategy.name
@@ -266,18 +260,7 @@ def _acquire(run: _Run, state: AppState, handover: Handover | None) -> None:
     done_as = f"{task_id}:{run.attempt[0]}" if task.acks_late and queued and mutex else None
     try:
         if options.limit is not None:
-            lock = _new_lock(
-                task,
-                state,
-                options,
-                name,
-                task_id,
-                call=run.call,
-                host=host,
-                attempt=run.attempt,
-                handover=handover,
-                done_as=done_as,
-            )
+            lock = run.new_lock(host, handover, done_as)
             acquired = lock.acquire(blocking=False)
             superseded = isinstance(lock, RunLock) and lock.superseded
             if not acquired and not superseded:
@@ -457,7 +440,8 @@ def run_locked(
             return fun(task, *args, **kwargs) if bound else fun(*args, **kwargs)
         except BackOff as exc:
             back_off(state, task, request, None, exc, (args, kwargs))
-    running = watch(lock, task.name, state.options_for(task).lost)
+    options: TaskOptions = request._redlock_options  # set with the lock, by the acquire
+    running = watch(lock, task.name, options.lost)
     try:
         try:
             return fun(task, *args, **kwargs) if bound else fun(*args, **kwargs)
@@ -483,7 +467,7 @@ def back_off(  # noqa: PLR0917 - the run's state, task, request, lock and call
     worker (its own key, else the task's first ``Rate`` key, else the run's lock key),
     then re-queue the run to start when the pause ends, within the lock's retry budget;
     a call with no message to re-queue (eager, direct) raises the BackOff after the pause."""
-    options = state.options_for(task)
+    options = task.redlock_options
     args, kwargs = call
     key = exc.key
     if key is None:
@@ -524,7 +508,7 @@ def release_for_request(
     except LockLost as exc:
         if events:
             send_task_event(state, task, "lost", lock=lock.name, reason=str(exc), held=held)
-        policy = state.options_for(task).on_lost
+        policy = task.redlock_options.on_lost
         log.warning("Task %s[%s]: %s (lock_on_lost=%s)", task.name, task_id, exc, policy)
     except QuorumUnavailable as exc:
         log.warning(
@@ -564,7 +548,7 @@ def on_postrun(sender: Any = None, task_id: str | None = None, **_: Any) -> None
     app = getattr(sender, "app", None)
     if app is None or task_id is None or getattr(sender, "redlock_spec", None) is None:
         return
-    state = state_for(app)
+    state = sender.redlock_state
     lock = state.held.get(task_id) if state.installed else None
     if lock is not None:
         release_for_request(state, sender, lock, task_id)

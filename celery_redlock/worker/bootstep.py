@@ -35,7 +35,7 @@ from ..core.backend_types import Health
 from ..core.connect import mask_url
 from ..core.errors import ConfigError, RedlockError
 from ..core.queued import QueuedHold
-from ..task.dedup import HOLD_HEADER, give_back_hold, hold_for
+from ..task.dedup import HOLD_HEADER, give_back, hold_for
 from ..task.flow import hold_rules
 from ..task.locked_task import LockedTask, apply_redlock_tasks
 from ..task.naming import KEY_HEADER, lock_name_for
@@ -80,7 +80,13 @@ def watch_app(state: AppState) -> None:
 
 # -- the bootstep ----------------------------------------------------------------------------
 class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Applies worker flags, checks settings at start-up, releases on warm shutdown."""
+    """Applies worker flags, checks settings at start-up, releases on warm shutdown.
+
+    It finds its app's state once and hands it to what needs it: the start-up checks,
+    the release at shutdown, and the receivers that give back the queued hold of a
+    message that never runs (:meth:`on_revoked`, :meth:`on_rejected`), which may name a
+    task this worker does not know, so no task can hand them the state.
+    """
 
     label = "celery-redlock"
 
@@ -91,6 +97,10 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
         _worker_pid = os.getpid()
         app = parent.app
         self.state = state = state_for(app)
+        # Held weakly: they go with this step (an in-process test worker's too).
+        signals.task_revoked.connect(self.on_revoked)
+        signals.task_rejected.connect(self.on_rejected)
+        signals.task_unknown.connect(self.on_rejected)
         state.overrides.update(flag_overrides(kwargs))
         state.send_events = bool(getattr(parent, "task_events", False))
         state.pool = pool_of(getattr(parent, "pool_cls", None))
@@ -135,6 +145,36 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def shutdown(self, parent: Any) -> None:
         renewal.shutdown(timeout=2.0)
+
+    def on_revoked(
+        self,
+        sender: Any = None,
+        request: Any = None,
+        terminated: bool = False,
+        expired: bool = False,
+        **_: Any,
+    ) -> None:
+        """In the worker's main process: a message of this app discarded before it ran
+        (revoked, or past its ``expires``) frees its hold. (A terminated run's lock is
+        released by ``_on_revoked``.)"""
+        if request is None or terminated or getattr(sender, "app", None) is not self.state.app:
+            return
+        hold = _hold_of(request)
+        task_id = getattr(request, "id", None)
+        if hold and task_id:
+            why = "expired" if expired else "revoked"
+            give_back(self.state, hold, task_id, why, later=True)
+
+    def on_rejected(self, sender: Any = None, message: Any = None, **_: Any) -> None:
+        """In the worker's main process: a message of this app rejected unread (unknown
+        task, bad message) frees its hold, read from its headers: this worker may not know
+        the task."""
+        headers = getattr(message, "headers", None)
+        if not isinstance(headers, dict) or getattr(sender, "app", None) is not self.state.app:
+            return
+        hold, task_id = headers.get(HOLD_HEADER), headers.get("id")
+        if isinstance(hold, str) and hold and isinstance(task_id, str):
+            give_back(self.state, hold, task_id, "rejected", later=True)
 
 
 def warn_statedb_scheduler(options: Any = None, **_: Any) -> None:
@@ -257,18 +297,16 @@ def connect_receivers() -> None:
             return
         signals.task_failure.connect(_on_failure, weak=False)
         signals.task_revoked.connect(_on_revoked, weak=False)
-        signals.task_rejected.connect(_on_rejected, weak=False)
-        signals.task_unknown.connect(_on_rejected, weak=False)
         signals.worker_process_shutdown.connect(_on_process_shutdown, weak=False)
         signals.worker_process_init.connect(_on_process_init, weak=False)
         _receivers_connected = True
 
 
 def installed_state(task: Any) -> AppState | None:
-    app = getattr(task, "app", None)
-    if app is None or not isinstance(task, LockedTask):
+    """*task*'s app's state, if *task* is a LockedTask of an installed app."""
+    if not isinstance(task, LockedTask):
         return None
-    state = state_for(app)
+    state = task.redlock_state
     return state if state.installed else None
 
 
@@ -308,22 +346,11 @@ def key_headers(request: Any) -> dict[str, Any]:
 
 
 def _on_revoked(
-    sender: Any = None,
-    request: Any = None,
-    terminated: bool = False,
-    expired: bool = False,
-    **_: Any,
+    sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
 ) -> None:
-    """In the worker's main process: ``revoke(terminate=True)`` frees the lock now; a
-    message discarded before it ran (revoked, or past its ``expires``) frees its hold."""
-    if request is None:
-        return
-    if not terminated:
-        hold = _hold_of(request)
-        task_id = getattr(request, "id", None)
-        app = getattr(sender, "app", None)
-        if hold and task_id and app is not None:
-            give_back_hold(app, hold, task_id, "expired" if expired else "revoked", later=True)
+    """In the worker's main process: ``revoke(terminate=True)`` frees the lock now (a
+    message discarded before it ran frees its hold: ``RedlockStep.on_revoked``)."""
+    if request is None or not terminated:
         return
     state = installed_state(sender)
     task_id = getattr(request, "id", None)
@@ -346,17 +373,6 @@ def _hold_of(request: Any) -> str | None:
     if value is None:
         value = getattr(request, HOLD_HEADER, None)
     return value if isinstance(value, str) and value else None
-
-
-def _on_rejected(sender: Any = None, message: Any = None, **_: Any) -> None:
-    """In the worker's main process: a message rejected unread (unknown task, bad message)
-    frees its hold, read from its headers: this worker may not know the task."""
-    headers = getattr(message, "headers", None)
-    if not isinstance(headers, dict):
-        return
-    hold, task_id, app = headers.get(HOLD_HEADER), headers.get("id"), getattr(sender, "app", None)
-    if isinstance(hold, str) and hold and isinstance(task_id, str) and app is not None:
-        give_back_hold(app, hold, task_id, "rejected", later=True)
 
 
 def _on_process_init(**_: Any) -> None:
@@ -422,8 +438,8 @@ def release_for_gone_child(
     finds and nothing else; Celery's word, when it comes, settles the rest.
     """
     try:
-        state = state_for(task.app)
-        options = state.options_for(task)
+        state = task.redlock_state
+        options = task.redlock_options
         if options.limit is None:
             return  # a rate limit alone: nothing is held while the task runs
         name = lock_name_for(task, tuple(args or ()), dict(kwargs or {}), headers, options)
