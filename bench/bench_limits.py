@@ -93,9 +93,9 @@ SEMAPHORES: list[tuple[str, Callable[[redis.Redis], Cycle]]] = [
 
 
 def _script_commands() -> frozenset[str]:
-    """The commands our Lua scripts call (read from ``core/lua/*.lua``), as commandstats
-    names: the server counts those calls too, though no client sent them."""
-    folder = resources.files("celery_redlock.core").joinpath("lua")
+    """The commands our Lua scripts call (read from ``core/backends/redis/lua/*.lua``), as
+    commandstats names: the server counts those calls too, though no client sent them."""
+    folder = resources.files("celery_redlock.core.backends.redis").joinpath("lua")
     found: set[str] = set()
     for item in folder.iterdir():
         if item.name.endswith(".lua"):

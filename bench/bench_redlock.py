@@ -74,7 +74,7 @@ import redis
 from _docs import DOCS, write_block
 
 from celery_redlock import Lock, Redlock
-from celery_redlock.core.backends.redis_client import checkout
+from celery_redlock.core.backends.redis.client import checkout
 from celery_redlock.core.renewal import shutdown as stop_renewal
 
 

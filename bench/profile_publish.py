@@ -74,14 +74,20 @@ ENQUEUE_SHA = ""
 
 
 def _enqueue_sha() -> str:
-    """The SHA1 of enqueue.lua (the scripts moved to redis_scripts after 85d1a38)."""
-    try:
-        from celery_redlock.core.backends.redis_scripts import ENQUEUE  # noqa: PLC0415
-    except ImportError:
-        from celery_redlock.core.backends.redis_backend import (  # noqa: PLC0415
-            _ENQUEUE as ENQUEUE,
-        )
-    return str(ENQUEUE.sha)
+    """The SHA1 of enqueue.lua (the scripts moved to redis_scripts after 85d1a38, and to
+    redis/scripts.py with issue 39)."""
+    from importlib import import_module  # noqa: PLC0415
+
+    for module, name in (
+        ("celery_redlock.core.backends.redis.scripts", "ENQUEUE"),
+        ("celery_redlock.core.backends.redis_scripts", "ENQUEUE"),
+        ("celery_redlock.core.backends.redis_backend", "_ENQUEUE"),
+    ):
+        try:
+            return str(getattr(import_module(module), name).sha)
+        except (ImportError, AttributeError):
+            continue
+    raise RuntimeError("enqueue.lua's script object not found")
 
 
 def key_prefix(state: Any) -> str:
@@ -119,13 +125,13 @@ def per_call(fn: Callable[[int], Any], calls: int, start: int) -> tuple[float, f
 def ablations(app: Any, enq: Any) -> dict[str, tuple[Callable[[], None], Callable[[], None]]]:
     """name -> (patch, unpatch): the lock_on=enqueue publish with one part replaced, by
     monkeypatching in this process only (the package is not changed)."""
-    from celery_redlock import dedup  # noqa: PLC0415
-    from celery_redlock import state as state_mod  # noqa: PLC0415
-    from celery_redlock import task as task_mod  # noqa: PLC0415
+    from celery_redlock.app import state as state_mod  # noqa: PLC0415
     from celery_redlock.core import QueuedHold  # noqa: PLC0415
     from celery_redlock.core.backend import Queued, parse_holder, text  # noqa: PLC0415
-    from celery_redlock.core.backends import redis_backend as rb  # noqa: PLC0415
+    from celery_redlock.core.backends.redis import backend as rb  # noqa: PLC0415
     from celery_redlock.core.keys import lock_keys  # noqa: PLC0415
+    from celery_redlock.task import dedup  # noqa: PLC0415
+    from celery_redlock.task import locked_task as task_mod  # noqa: PLC0415
 
     saved: dict[str, Any] = {}
 
@@ -220,7 +226,7 @@ def ablations(app: Any, enq: Any) -> dict[str, tuple[Callable[[], None], Callabl
             task, tuple(args or ()), dict(kwargs or {}), call.get("headers"), options
         )
         if any(call.get(k) for k in _SLOW_PATH) or options.debounce or dedup._running_id(task):
-            held = dedup.publish_held(task, name, options, args, kwargs, call=call, send=send)
+            held = dedup.publish_held(st, task, name, options, args, kwargs, call=call, send=send)
             return True, held
         return False, (st, options, name)
 
@@ -245,7 +251,7 @@ def ablations(app: Any, enq: Any) -> dict[str, tuple[Callable[[], None], Callabl
             replace=replace, running_blocks=running_blocks,
         )  # fmt: skip
         if found.outcome == "duplicate":
-            return dedup.publish_held(task, name, options, args, kwargs, call=call, send=send)
+            return dedup.publish_held(st, task, name, options, args, kwargs, call=call, send=send)
         call["headers"] = {**(call.get("headers") or {}), dedup.HOLD_HEADER: name}
         return send(args, kwargs, **call)
 
@@ -400,7 +406,7 @@ def variants_and_fns(
 ]:
     """The ablation variants (name -> patch, unpatch) and the calls of those that are not
     ``enq.apply_async((i,))``."""
-    from celery_redlock.state import state_for  # noqa: PLC0415
+    from celery_redlock.app.state import state_for  # noqa: PLC0415
 
     none = (lambda: None, lambda: None)
     client = state_for(enq.app).backend().client
@@ -567,10 +573,10 @@ def main() -> None:
     from celery import Task  # noqa: PLC0415
     from celery.utils import uuid as celery_uuid  # noqa: PLC0415
 
-    from celery_redlock import dedup  # noqa: PLC0415
+    from celery_redlock.app.state import state_for  # noqa: PLC0415
     from celery_redlock.core import QueuedHold  # noqa: PLC0415
-    from celery_redlock.naming import lock_name_for  # noqa: PLC0415
-    from celery_redlock.state import state_for  # noqa: PLC0415
+    from celery_redlock.task import dedup  # noqa: PLC0415
+    from celery_redlock.task.naming import lock_name_for  # noqa: PLC0415
 
     with _servers.running() as server:
         if opts.pin:

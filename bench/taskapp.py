@@ -154,7 +154,7 @@ if wanted("lua"):
     import secrets
     from importlib import resources
 
-    _LUA = resources.files("celery_redlock.core").joinpath("lua")
+    _LUA = resources.files("celery_redlock.core.backends.redis").joinpath("lua")
     _ACQUIRE = _LUA.joinpath("acquire.lua").read_text("utf-8")
     _RELEASE = _LUA.joinpath("release.lua").read_text("utf-8")
     _locks: redis.Redis | None = None

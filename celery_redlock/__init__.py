@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .controls import control
+from .app.controls import control
+from .app.rules import BackOff, Limit, Rate
+from .app.tracing import disable_tracing, enable_tracing
 from .core import (
     AlreadyQueued,
     ConfigError,
@@ -27,8 +29,7 @@ from .core import (
     remove_hook,
 )
 from .install import install
-from .rules import BackOff, Limit, Rate
-from .task import SKIPPED, LockedTask, is_skipped
+from .task.locked_task import SKIPPED, LockedTask, is_skipped
 
 try:
     __version__ = version("celery-redlock")
@@ -61,6 +62,8 @@ __all__ = [
     "add_hook",
     "connect",
     "control",
+    "disable_tracing",
+    "enable_tracing",
     "install",
     "is_skipped",
     "remove_hook",

@@ -7,7 +7,7 @@ Run the same command on two or more hosts::
 Each process tries to hold the lock ``beat:leader:<app.main>`` (setting
 ``redlock_beat_lock_name``) with a lease of ``redlock_beat_ttl`` seconds, kept
 alive by the per-process renewal thread. The lock is the app's usual one
-(``state_for(app).make_lock``): a ``Lock`` on one Redis, or a ``Redlock`` held by
+(the app state's ``make_lock``): a ``Lock`` on one Redis, or a ``Redlock`` held by
 a majority when ``redlock_url`` lists several masters. The holder (the leader)
 publishes the schedule; the others (standbys) publish nothing and wait for the
 lock, woken at once by a release notice and otherwise at the holder's remaining
@@ -70,15 +70,15 @@ from typing import Any
 from celery.beat import Scheduler
 from celery.utils.imports import symbol_by_name
 from celery.utils.time import maybe_make_aware
-from redis.exceptions import RedisError
 
-from .config import Settings, StartupConfigError
+from .app.config import Settings, StartupConfigError
+from .app.observability import BEAT_ROLE
+from .app.state import AppState, state_for
+from .core.backends import STORE_ERRORS
 from .core.connect import mask_url
 from .core.errors import ConfigError, RedlockError, one_line
 from .core.lock import Lock
 from .core.records import LockRecords
-from .observability import BEAT_ROLE
-from .state import state_for
 
 __all__ = ["LeaderScheduler", "leader_of"]
 
@@ -89,7 +89,7 @@ RECORDS_SUFFIX = "ticks"
 #: What a lock backend that cannot answer raises (core errors), and the client-side Redis
 #: errors it lets through as they are (a client whose pool is exhausted): beat stands by
 #: on either instead of crashing.
-_STORE_ERRORS: tuple[type[Exception], ...] = (RedlockError, RedisError)
+_STORE_ERRORS: tuple[type[Exception], ...] = (RedlockError, *STORE_ERRORS)
 
 
 def _beat_ttl(settings: Settings) -> float:
@@ -119,18 +119,27 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
     retry_fraction = 1 / 3
 
     def __new__(cls, *args: Any, **kwargs: Any) -> LeaderScheduler:
+        # Beat's entry point: the app's state is found here once, for the choice of the
+        # led scheduler and for __init__ (which every scheduler made here runs next).
+        app = kwargs.get("app", args[0] if args else None)
+        state = state_for(app) if app is not None else None
         kind = cls
         if cls is LeaderScheduler:
-            led = _led_scheduler(kwargs.get("app", args[0] if args else None))
+            led = _led_scheduler(state)
             if led is not Scheduler:
                 kind = leader_of(led)
         made: LeaderScheduler = super().__new__(kind)
+        if state is not None:
+            made._app_state = state
         return made
 
+    #: The app's state (settings, backend), found by ``__new__`` from the same app.
+    _app_state: AppState
+
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
-        self._app_state = state_for(app)
+        state = self._app_state
         try:  # a bad setting: `celery beat` prints one line and exits 1
-            settings = self._app_state.settings
+            settings = state.settings
             settings.check_single_process(
                 "beat's leader election is between beat processes, which would each see "
                 "only their own"
@@ -474,14 +483,14 @@ def _resolve_scheduler(value: Any, where: str) -> type:
     return led
 
 
-def _led_scheduler(app: Any) -> type:
-    """The scheduler ``redlock_beat_scheduler`` of *app* names; at beat start a bad one
-    stops beat with one line."""
+def _led_scheduler(state: AppState | None) -> type:
+    """The scheduler ``redlock_beat_scheduler`` of *state*'s app names; at beat start a bad
+    one stops beat with one line."""
     plain: type = Scheduler
-    if app is None:
+    if state is None:
         return plain
     try:
-        value = state_for(app).settings.beat_scheduler
+        value = state.settings.beat_scheduler
         return plain if value is None else _resolve_scheduler(value, "redlock_beat_scheduler")
     except ConfigError as exc:
         raise StartupConfigError(str(exc)) from None

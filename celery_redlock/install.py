@@ -3,8 +3,8 @@
 No explicit call is needed: defining a task with ``base=LockedTask`` or setting
 ``redlock_tasks`` installs everything for that app; ``install(app)`` does it
 explicitly and is idempotent. It adds the worker bootstep and signal receivers
-(:mod:`celery_redlock.worker`), the logging and metrics hooks, applies
-``redlock_tasks`` (:func:`celery_redlock.task.apply_redlock_tasks`) and makes
+(:mod:`celery_redlock.worker.bootstep`), the logging, metrics and tracing hooks, applies
+``redlock_tasks`` (:func:`celery_redlock.task.locked_task.apply_redlock_tasks`) and makes
 ``app.send_task`` de-duplicate like ``apply_async``.
 """
 
@@ -17,16 +17,18 @@ from typing import Any
 
 from celery import signals
 
-from . import task as task_module
+from .app.flags import register_flags
+from .app.observability import enable_prometheus_by_default, logging_hook
+from .app.state import state_for
+from .app.tracing import enable_tracing_by_default
 from .board.recorder import record
+from .cli import command as cli_command
 from .core.events import add_hook
-from .dedup import publish
-from .flags import register_flags
-from .observability import enable_prometheus_by_default, logging_hook
-from .per_call import call_options
-from .state import state_for
-from .task import LockedTask, apply_redlock_tasks
-from .worker import (
+from .task import locked_task as task_module
+from .task.dedup import publish
+from .task.locked_task import LockedTask, apply_redlock_tasks
+from .task.per_call import call_options
+from .worker.bootstep import (
     RedlockStep,
     check_locked_tasks,
     connect_receivers,
@@ -53,8 +55,9 @@ def install(app: Any) -> None:
         wrap_send_task(app)
         connect_receivers()
         add_hook(logging_hook)
-        record(app)
+        record(state)
         enable_prometheus_by_default()
+        enable_tracing_by_default()
         app.on_after_finalize.connect(apply_redlock_tasks, weak=False)
         if app.finalized:
             apply_redlock_tasks(app)
@@ -64,7 +67,7 @@ def install(app: Any) -> None:
 def wrap_send_task(app: Any) -> None:
     """Make ``app.send_task(name, ...)`` de-duplicate like ``apply_async`` when *name* is a
     LockedTask this process knows (beat publishes by name when its process lacks the
-    task's class; then the worker checks instead, see celery_redlock.dedup).
+    task's class; then the worker checks instead, see celery_redlock.task.dedup).
 
     ``Task.apply_async`` calls ``send_task`` with ``task_type``: a LockedTask's calls
     passed ``LockedTask.apply_async`` already and go straight through. Another task's
@@ -140,7 +143,7 @@ def _locked_task(app: Any, name: Any) -> Any:
 # * ``celeryd_init`` warns when a worker's ``-S`` (its state file) names LeaderScheduler,
 #   on any worker: an app that only uses the scheduler installs nothing;
 # * defining a task class on an app (``base=LockedTask``) installs that app: the class
-#   is made in :mod:`celery_redlock.task`, which cannot import this module (this module
+#   is made in :mod:`celery_redlock.task.locked_task`, which cannot import this module (this module
 #   imports it), so it calls what is registered in ``task.app_hooks``.
 register_flags()
 
@@ -160,3 +163,13 @@ def _install_configured(sender: Any = None, **_: Any) -> None:
 signals.worker_init.connect(_install_configured, weak=False)
 signals.celeryd_init.connect(warn_statedb_scheduler, weak=False)
 task_module.app_hooks.append(install)
+
+
+def _serve_board(*args: Any, **kwargs: Any) -> None:
+    """``celery locks serve``: the board, imported when the command runs."""
+    from .board.serve import serve_board  # noqa: PLC0415 - only the command serves
+
+    serve_board(*args, **kwargs)
+
+
+cli_command.board_servers.append(_serve_board)

@@ -95,7 +95,8 @@ def _free_port() -> int:
 
 def start_redis(binary: str, workdir: str) -> tuple[subprocess.Popen[bytes], str]:
     """Start a throwaway server on a free loopback port; returns (process, url)."""
-    import redis  # noqa: PLC0415
+    from .core import connect, open_backend  # noqa: PLC0415 - the plugin loads light
+    from .core.backend import Probe, need  # noqa: PLC0415
 
     for _ in range(5):
         port = _free_port()
@@ -116,15 +117,17 @@ def start_redis(binary: str, workdir: str) -> tuple[subprocess.Popen[bytes], str
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                client.ping()
-                client.close()
-                return proc, f"redis://127.0.0.1:{port}/0"
-            except redis.RedisError:
+        url = f"redis://127.0.0.1:{port}/0"
+        client: Any = connect(url, socket_timeout=0.5)
+        try:
+            probe = need(open_backend(client), Probe)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and proc.poll() is None:
+                if probe.check()[0].ok:
+                    return proc, url
                 time.sleep(0.05)
+        finally:
+            client.close()
         proc.kill()
         proc.wait(5)
     raise RuntimeError(f"could not start {binary} on a free port")
@@ -158,7 +161,7 @@ def redlock_app_conf(redlock_redis_url: str) -> Callable[..., None]:
     """Call with a Celery app to point its locks at the test server (and a short TTL)."""
 
     def configure(app: Any, ttl: float = 5.0, **settings: Any) -> None:
-        from .state import state_for  # noqa: PLC0415
+        from .app.state import state_for  # noqa: PLC0415
 
         app.conf.redlock_url = redlock_redis_url
         app.conf.redlock_ttl = ttl
@@ -187,10 +190,13 @@ def redlock_celery_config() -> dict[str, Any]:
 def redlock_store(celery_app: Any) -> Iterator[Any]:
     """The memory backend where ``celery_app`` keeps its locks, empty at the start and at
     the end of the test (so no test sees another's locks)."""
+    from .app.config import load_settings  # noqa: PLC0415
+    from .core import connect, open_backend  # noqa: PLC0415
     from .core.backend import InProcess, has, need  # noqa: PLC0415
-    from .state import state_for  # noqa: PLC0415
 
-    backend = state_for(celery_app).backend()
+    # A memory:// URL names one store in this process: the one celery_app's runs use.
+    settings = load_settings(celery_app.conf)
+    backend = open_backend(connect(settings.urls, **settings.client_options))
     if not has(backend, InProcess):
         raise RuntimeError(
             f"redlock_store needs celery_app's redlock_url to be memory://, got "

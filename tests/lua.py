@@ -1,6 +1,6 @@
 """The package's Lua scripts, for tests that run one as another client would.
 
-Each is read from the installed package (``celery_redlock/core/lua``) and run with
+Each is read from the installed package (``celery_redlock/core/backends/redis/lua``) and run with
 redis-py's ``eval``: what a second program sharing the server could send.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-LUA = resources.files("celery_redlock.core").joinpath("lua")
+LUA = resources.files("celery_redlock.core.backends.redis").joinpath("lua")
 
 
 class Script:

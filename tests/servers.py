@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -502,6 +502,42 @@ class RedisServer:
             client.close()
         entry = stats.get(f"cmdstat_{cmd.lower()}", {})
         return int(entry.get("calls", 0)) if isinstance(entry, dict) else 0
+
+    @contextlib.contextmanager
+    def monitor(self) -> Iterator[Counter[str]]:
+        """Count, by name, the commands the server is sent while the block runs (MONITOR).
+
+        Unlike ``INFO commandstats``, MONITOR shows a blocking command when it arrives:
+        valkey 8 counts a ``BLPOP`` only once it completes, so one whose client gave up
+        and closed its connection first is in no counter there."""
+        seen: Counter[str] = Counter()
+        marker = f"monitor-end-{os.getpid()}-{id(seen)}"
+        watcher = redis.Redis(host=self.host, port=self.port, socket_timeout=10)
+        started = threading.Event()
+
+        def listen() -> None:
+            with watcher.monitor() as feed:
+                started.set()
+                for entry in feed.listen():
+                    command = str(entry["command"])
+                    if marker in command:
+                        return
+                    seen[command.split(" ", 1)[0].upper()] += 1
+
+        thread = threading.Thread(target=listen, name="monitor", daemon=True)
+        thread.start()
+        try:
+            assert started.wait(10), "MONITOR did not start"
+            yield seen
+        finally:
+            client = self.client()
+            try:
+                client.echo(marker)
+            finally:
+                client.close()
+            thread.join(10)
+            watcher.close()
+            assert not thread.is_alive(), "MONITOR never saw its end marker"
 
     def reset_stats(self) -> None:
         """CONFIG RESETSTAT (zeroes command counters)."""

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from ..render import _duration, _ttl
+from ..cli.render import _duration, _ttl
 from .rules import KeyRule, matching
 from .source import Problem, View
 

@@ -25,7 +25,6 @@ from typing import Any
 from ..core.backend import EventLog, given
 from ..core.events import LockEvent, add_hook
 from ..core.process import on_fork
-from ..state import state_for
 
 __all__ = ["FLUSH_EVERY", "KINDS", "MAXLEN", "event_json", "log_key", "record", "recorder_hook"]
 
@@ -92,8 +91,8 @@ class _Recorder:
     """The queue of events and the thread that writes them (one per process)."""
 
     def __init__(self) -> None:
-        #: The apps that record (weakly: an app that goes stops recording); a forked
-        #: child keeps them.
+        #: The states of the apps that record (weakly: an app that goes stops recording);
+        #: a forked child keeps them.
         self.apps: list[weakref.ref[Any]] = []
         #: False once no registered app records: the hook then takes no event.
         self.enabled = True
@@ -108,10 +107,10 @@ class _Recorder:
         self.queue: collections.deque[LockEvent] = collections.deque(maxlen=_BACKLOG)
         self.thread: threading.Thread | None = None
 
-    def add(self, app: Any) -> None:
+    def add(self, state: Any) -> None:
         with self.lock:
-            if not any(ref() is app for ref in self.apps):
-                self.apps.append(weakref.ref(app))
+            if not any(ref() is state for ref in self.apps):
+                self.apps.append(weakref.ref(state))
             self.enabled = True
 
     def put(self, event: LockEvent) -> None:
@@ -150,10 +149,9 @@ class _Recorder:
         #: prefix (tests, several apps of one project) write each event once.
         written: set[tuple[Any, str]] = set()
         for ref in list(self.apps):
-            app = ref()
-            if app is None:
+            state = ref()
+            if state is None:
                 continue
-            state = state_for(app)
             try:
                 settings = state.settings
             except Exception:  # noqa: S112 - a bad setting is reported where the app runs tasks
@@ -216,9 +214,10 @@ def _wants(kind: str) -> bool:
 recorder_hook.lock_event_filter = _wants  # type: ignore[attr-defined]
 
 
-def record(app: Any) -> None:
-    """Record *app*'s task runs' lock events (unless its ``redlock_event_log`` is off)."""
-    _recorder.add(app)
+def record(state: Any) -> None:
+    """Record the task runs' lock events of the app whose state (an ``AppState``) is
+    *state*, unless its ``redlock_event_log`` is off."""
+    _recorder.add(state)
     add_hook(recorder_hook)
 
 

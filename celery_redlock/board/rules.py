@@ -13,10 +13,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ..app.rules import Limit, Rate
 from ..core.keys import KeyTemplate
-from ..rules import Limit, Rate
-from ..state import state_for
-from ..task import LockedTask
+from ..task.locked_task import LockedTask
 
 __all__ = ["KeyRule", "matching", "task_rules"]
 
@@ -53,12 +52,11 @@ def task_rules(app: Any) -> list[KeyRule]:
     """The rules of every LockedTask of *app* (a task whose options do not resolve is
     left out: the worker reports it)."""
     found: list[KeyRule] = []
-    state = state_for(app)
     for name, task in sorted(app.tasks.items()):
         if not isinstance(task, LockedTask):
             continue
         try:
-            options = state.options_for(task)
+            options = task.redlock_options
         except Exception:  # noqa: S112 - a bad option is the worker's to report
             continue
         own = _template(options.key, name)

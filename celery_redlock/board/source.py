@@ -14,22 +14,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.exceptions import RedisError
-
-from ..config import Settings, load_settings
-from ..controls import Controls
+from ..app.config import Settings, load_settings
+from ..app.controls import Controls
+from ..cli.render import LockRow, control_json, rate_json
 from ..core import Backend, connect, mask_url, open_backend
 from ..core.admin import read_lock, read_rate, scan_locks, scan_rates
 from ..core.backend import EventLog, FlowControl, given, has
-from ..core.errors import ConfigError, QuorumUnavailable, one_line
-from ..render import LockRow, control_json, rate_json
-from ..state import state_for
+from ..core.backends import STORE_ERRORS
+from ..core.errors import ConfigError, one_line
 from .recorder import MAXLEN, log_key
 
 __all__ = ["Problem", "Source", "View", "glob_escape"]
 
 #: What a master that cannot be asked raises (as ``celery locks`` catches it).
-_UNREACHABLE = (QuorumUnavailable, RedisError)
+_UNREACHABLE = STORE_ERRORS
 #: Events read from a log to find one key's (the log holds every key's).
 EVENTS_READ = MAXLEN
 
@@ -73,9 +71,7 @@ class Source:
     @property
     def settings(self) -> Settings:
         if self._settings is None:
-            self._settings = load_settings(
-                self.app.conf, {**state_for(self.app).overrides, **self.overrides}
-            )
+            self._settings = load_settings(self.app.conf, self.overrides)
         return self._settings
 
     @property

@@ -27,7 +27,7 @@ from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, quote
 
-from ..checks import parse_duration
+from ..app.checks import parse_duration
 from ..core.admin import force_dequeue, force_release
 from ..core.errors import ConfigError, QuorumUnavailable, describe_holder, one_line
 from . import pages

@@ -6,8 +6,9 @@ implements or does not:
 
 ========================= =================================================================
 :class:`Permits`          up to N holders of one name in one place (``Semaphore``, limit > 1)
-:class:`QueuedHolds`      the enqueue-time hold of a queued message, and its hand-over to the
-                          run's lock (``QueuedHold``, ``RunLock``, ``lock_on="enqueue"``)
+:class:`QueuedHolds`      the enqueue-time hold of a queued message, its hand-over to the
+                          run's lock, and a run's hold kept for its redelivered copy
+                          (``park``) (``QueuedHold``, ``RunLock``, ``lock_on="enqueue"``)
 :class:`DoneMarks`        a release that records which run finished (``RunLock``)
 :class:`Rates`            GCRA rate decisions (``RateLimiter``, ``lock_rate``)
 :class:`FlowControl`      several holds of a run taken in one step (``lock_limits``), and
@@ -18,13 +19,14 @@ implements or does not:
 :class:`Sends`            a verb written now, its answer read later (a quorum's fan-out, a
                           publish's claim overlapping Celery's message building)
 :class:`InProcess`        a store in this process that a test may empty
+:class:`Probe`            a health probe of each server (the worker's start-up check)
 ========================= =================================================================
 
 A primitive asks for the capability it needs once, when it is built: :func:`need` gives
 the backend as that protocol, or raises the one :class:`~.errors.ConfigError` that names
 the backend and what it lacks (with the backend's own reason, :meth:`why_not`). Three
-backends implement the verbs, one module each: :mod:`~.backends.redis_backend` (one
-Redis: every capability), :mod:`~.backends.memory` (this process: every capability) and
+backends implement the verbs, one folder each: :mod:`~.backends.redis` (one Redis: every
+capability), :mod:`~.backends.memory` (this process: every capability) and
 :mod:`~.backends.quorum` (Redlock over members: the lock verbs, done marks and records).
 
 What every verb promises (the behaviour suite ``tests/integration/test_backends.py``
@@ -58,6 +60,7 @@ from .backend_types import (
     ForceRelease,
     Grant,
     Handover,
+    Health,
     Holder,
     LockInfo,
     Queued,
@@ -77,6 +80,7 @@ __all__ = [
     "FlowControl",
     "InProcess",
     "Permits",
+    "Probe",
     "QueuedHolds",
     "Rates",
     "Records",
@@ -496,4 +500,15 @@ class InProcess(Protocol):
 
     def clear(self) -> None:
         """Forget every key (for tests)."""
+        ...
+
+
+@capability("a health probe (the worker's start-up check)")
+class Probe(Protocol):
+    """Ask each server whether it can take locks now, without taking any."""
+
+    def check(self) -> list[Health]:
+        """One :class:`~.backend_types.Health` per server (a quorum: per master, in the
+        order of its members). Never raises for what a server answers or fails to
+        answer: that is the result."""
         ...

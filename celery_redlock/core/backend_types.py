@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Literal
 
+from .errors import ConfigError
 from .keys import LockKeys
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "ForceRelease",
     "Grant",
     "Handover",
+    "Health",
     "Holder",
     "LockInfo",
     "Queued",
@@ -35,6 +37,7 @@ __all__ = [
     "Slot",
     "Status",
     "lock_state",
+    "mutex_keys",
     "newest_records",
     "parse_holder",
     "record_version",
@@ -398,6 +401,34 @@ class ForceRelease:
 #: foreign data, and would otherwise travel whole into errors, logs and task results.
 MAX_RECORD = 65536
 _RAW_HEAD = 200
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """What a health probe (:meth:`~celery_redlock.core.backend.Probe.check`) found on one
+    server: ``ok``; ``credentials`` (it refused the user name or password); ``loading``
+    (it is loading its data set: transient); ``replica`` (a read-only replica: no lock can
+    be taken there); ``unreachable`` (no answer, or an error: *detail* says which);
+    ``unknown`` (a quorum's member with no probe of its own)."""
+
+    #: The server, password-free (its backend's ``describe()``).
+    where: str
+    state: Literal["ok", "credentials", "loading", "replica", "unreachable", "unknown"]
+    #: The error met, in words ("" when there was none).
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """True when the server answered and can take locks."""
+        return self.state == "ok"
+
+
+def mutex_keys(slot: Slot) -> LockKeys:
+    """The keys of *slot*, which must be a mutex: permits have no enqueue-time hold or
+    done marks."""
+    if slot.permits or not slot.keys.queued:
+        raise ConfigError(f"lock {slot.name!r}: enqueue-time holds take a mutex, not permits")
+    return slot.keys
 
 
 def parse_holder(raw: Any) -> dict[str, Any]:

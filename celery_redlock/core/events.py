@@ -44,8 +44,15 @@ class LockEvent:
     replaced; ``holder`` is the newer one's), ours otherwise. ``owner`` is ours
     (the waiting task's record for ``contended``), where the lock knows it.
     ``rate_limited``: a rate limiter refused a start, and ``retry_after`` says in how
-    many seconds its next slot is free. ``backed_off``: a run raised ``BackOff``, which
-    paused ``name`` for ``retry_after`` seconds (``error``: its reason).
+    many seconds its next slot is free. ``unavailable``: Redis could not answer an
+    acquire (``error`` says why). ``limit`` is the lock's permits (1: a mutex), where a
+    lock emits the event. ``refused_by`` and ``refusal`` name the name and the reason
+    (``paused``, ``limit``, ``rate``) of an operator control or a ``lock_limits`` rule
+    that refused a ``contended`` acquire ("" when its holder was in the way). ``rules``
+    are the ``lock_limits`` holds an ``acquired`` acquisition took with it, one mapping
+    each: ``name``, ``kind`` (``limit`` or ``rate``), ``limit``, ``fence`` (a limit's).
+    ``backed_off``: a run raised ``BackOff``, which paused ``name`` for ``retry_after``
+    seconds (``error``: its reason).
     """
 
     kind: EventKind
@@ -60,6 +67,10 @@ class LockEvent:
     at: float = field(default_factory=time.time)
     retry_after: float | None = None
     owner: Mapping[str, Any] = field(default_factory=dict)
+    limit: int | None = None
+    refused_by: str = ""
+    refusal: str = ""
+    rules: tuple[Mapping[str, Any], ...] = ()
 
 
 Hook = Callable[[LockEvent], object]

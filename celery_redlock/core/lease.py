@@ -214,12 +214,31 @@ class Lease:
             return f"acquired in process {self._pid}; a forked child holds none of its locks"
         return "not acquired by this lock object"
 
+    def _rule_holds(self) -> tuple[dict[str, Any], ...]:
+        """The ``lock_limits`` holds of the current acquisition, for its ``acquired`` event."""
+        holds = []
+        for index, rule in enumerate(self.slot.rules):
+            fence = self._rule_fences[index] if index < len(self._rule_fences) else None
+            holds.append(
+                {
+                    "name": rule.name,
+                    "kind": "rate" if rule.is_rate else "limit",
+                    "limit": rule.limit,
+                    "fence": None if rule.is_rate else fence,
+                }
+            )
+        return tuple(holds)
+
     def _event(self, kind: events.EventKind, **fields: Any) -> None:
         if not events.wanted(kind):
             return
         fields.setdefault("fence", self._fence)
         fields.setdefault("holder", self.owner_info)
         fields.setdefault("owner", self.owner_info)
+        slot = self.slot
+        fields.setdefault("limit", slot.limit)
+        if kind == "acquired" and slot.rules:
+            fields["rules"] = self._rule_holds()
         events.emit(
             events.LockEvent(kind=kind, name=self.name, key=self.keys.lock, ttl=self.ttl, **fields)
         )

@@ -239,7 +239,11 @@ class Lock(Lease):
             token = os.urandom(TOKEN_BYTES).hex()  # 160 fresh CSPRNG bits per attempt
             will_wait = blocking and (deadline is None or time.monotonic() < deadline)
             started = time.monotonic()
-            grant = self._attempt(token, record, will_wait, answer_by)  # QuorumUnavailable
+            try:
+                grant = self._attempt(token, record, will_wait, answer_by)
+            except QuorumUnavailable as exc:
+                self._event("unavailable", waited=time.monotonic() - begin, error=str(exc))
+                raise
             self.masters = dict(grant.masters)
             self.refused_by, self.refusal = grant.refused_by, grant.refusal
             if grant.acquired:
@@ -273,7 +277,13 @@ class Lock(Lease):
             now = time.monotonic()
             left = None if deadline is None else deadline - now
             if not blocking or (left is not None and left <= 0):
-                self._event("contended", holder=self.holder, waited=now - begin)
+                self._event(
+                    "contended",
+                    holder=self.holder,
+                    waited=now - begin,
+                    refused_by=self.refused_by,
+                    refusal=self.refusal,
+                )
                 return False
             wait = self.ttl if not grant.wait_ms or grant.wait_ms < 0 else grant.wait_ms / 1000
             if grant.refused_by and grant.wait_ms is None:

@@ -1,4 +1,5 @@
-"""This process: its id, and the one after-fork reset for everything kept per process.
+"""This process: its id, the one after-fork reset for everything kept per process, and
+the locks and tables kept per process (:class:`ForkLock`, :func:`made_once`).
 
 Whatever the package keeps per process (the renewal thread, the thread pool, memory
 stores, a quorum's calls in flight, an app's Redis clients) registers a reset with
@@ -13,10 +14,14 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from types import MethodType
+from typing import Any, TypeVar
 
-__all__ = ["on_fork", "pid"]
+__all__ = ["ForkLock", "made_once", "on_fork", "pid"]
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 log = logging.getLogger("celery_redlock")
 
@@ -70,3 +75,36 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class ForkLock:
+    """A lock of this process (``threading.Lock``, or what *make* makes): a forked child
+    gets a new one, since a thread of the parent may have held it while forking."""
+
+    __slots__ = ("__weakref__", "_lock", "_make")
+
+    def __init__(self, make: Callable[[], Any] = threading.Lock) -> None:
+        self._make = make
+        self._lock = make()
+        on_fork(self._renew)
+
+    def _renew(self) -> None:
+        self._lock = self._make()
+
+    def __enter__(self) -> bool:
+        return bool(self._lock.__enter__())
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.__exit__(*exc)
+
+
+def made_once(table: MutableMapping[_K, _V], key: _K, make: Callable[[], _V], lock: ForkLock) -> _V:
+    """``table[key]``, made by ``make()`` the first time, under *lock* (taken only when it
+    is missing: the common path takes no lock), so that two threads make one."""
+    found = table.get(key)
+    if found is None:
+        with lock:
+            found = table.get(key)
+            if found is None:
+                found = table[key] = make()
+    return found

@@ -99,7 +99,7 @@ def stealable(self, name: str, seconds: float) -> str:
 @app.task(base=LockedTask, lock_key="metrics:<n>")
 def metrics_state(n: int) -> dict[str, object]:
     """A locked run that reports whether this pool child counts into Prometheus."""
-    from celery_redlock import observability  # noqa: PLC0415 - only this task needs it
+    from celery_redlock.app import observability  # noqa: PLC0415 - only this task needs it
     from celery_redlock.core import events  # noqa: PLC0415
 
     return {

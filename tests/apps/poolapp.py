@@ -135,7 +135,7 @@ def waiting(name: str) -> str:
 @app.task(base=LockedTask, shared=False, lock_key="metrics:<n>")
 def metrics_state(n: int) -> dict[str, object]:
     """A locked run that reports whether its process counts into Prometheus."""
-    from celery_redlock import observability  # noqa: PLC0415 - only this task needs it
+    from celery_redlock.app import observability  # noqa: PLC0415 - only this task needs it
     from celery_redlock.core import events  # noqa: PLC0415
 
     return {"hook": observability.prometheus_hook in events._hooks, "pid": os.getpid()}

@@ -469,7 +469,7 @@ def _recent_bytes(target: Any, nodes: list[RedisServer], key: str) -> int:
     """Bytes of the released-token record at *key*, on the one store or master holding the
     most (a cluster: the node that serves its slot)."""
     if not nodes:
-        entry = open_backend(target).entries.get(key)  # memory: the store's own entry
+        entry = open_backend(target).store.entries.get(key)  # memory: the store's own entry
         return 0 if entry is None else len(entry.value)
     sizes = []
     for server in nodes:

@@ -45,13 +45,13 @@ from kombu.utils.json import loads as kombu_loads
 from servers import RedisServer, free_port
 
 from celery_redlock import ConfigError, Lock, LockedTask, QuorumUnavailable, connect
-from celery_redlock.config import OPTIONS as TASK_OPTIONS
-from celery_redlock.config import load_settings
-from celery_redlock.contention import backoff_delay
+from celery_redlock.app.config import OPTIONS as TASK_OPTIONS
+from celery_redlock.app.config import load_settings
+from celery_redlock.app.state import state_for
 from celery_redlock.core.connect import mask_url
 from celery_redlock.core.keys import MAX_NAME_LENGTH, lock_keys
-from celery_redlock.state import state_for
-from celery_redlock.task import lock_name_for
+from celery_redlock.task.contention import backoff_delay
+from celery_redlock.task.locked_task import lock_name_for
 from tests.apps import keysapp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -201,7 +201,7 @@ def test_names_are_the_same_in_another_process_with_another_hash_seed() -> None:
     script = (
         "import json, pickle, sys\n"
         "from tests.apps import keysapp\n"
-        "from celery_redlock.task import lock_name_for\n"
+        "from celery_redlock.task.locked_task import lock_name_for\n"
         "calls = pickle.load(sys.stdin.buffer)\n"
         "print(json.dumps([lock_name_for(keysapp.app.tasks[t], a, k) for t, a, k in calls]))\n"
     )

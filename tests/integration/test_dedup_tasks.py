@@ -38,9 +38,10 @@ from celery_redlock import (
     install,
     is_skipped,
 )
+from celery_redlock.app.observability import disable_prometheus, enable_prometheus
 from celery_redlock.core import add_hook, remove_hook
 from celery_redlock.core.admin import scan_locks
-from celery_redlock.observability import disable_prometheus, enable_prometheus
+from celery_redlock.task.dedup import HOLD_HEADER, hold_for
 
 RABBIT = "amqp://guest:guest@127.0.0.1:5672//"
 
@@ -538,6 +539,27 @@ def test_revoked_and_expired_messages_free_their_hold_when_a_worker_sees_them(en
     assert env.items("runs") == [1]
 
 
+def test_a_message_for_a_task_the_worker_does_not_know_frees_its_hold(env: Env) -> None:
+    """A message that took a hold at publish but names a task its worker does not know is
+    rejected unread (``task_unknown``): the worker's bootstep gives the hold back at once,
+    with its app's state, so the next call of the key is queued."""
+    app = env.app()
+
+    @app.task(base=LockedTask, shared=False, lock_key="u", lock_on="enqueue")
+    def job() -> None:
+        return None
+
+    task_id = str(uuid.uuid4())
+    with worker(app):
+        # Given a hold of "u" for a message of a task name no process knows
+        assert hold_for(job.redlock_state, job, "u").claim(task_id, 30).outcome == "queued"
+        assert hold_owner(env, "u") == task_id
+        # When that message reaches the worker
+        app.send_task("nobody.knows.this", task_id=task_id, headers={HOLD_HEADER: "u"})
+        # Then its hold is given back long before its 30 s lease ends
+        wait_for(lambda: hold_owner(env, "u") is None, 10)
+
+
 def test_hold_lives_lock_enqueue_ttl_plus_the_countdown(env: Env) -> None:
     """The hold of a message with a countdown lives lock_enqueue_ttl plus that delay."""
     app = env.app()
@@ -759,7 +781,7 @@ def test_a_duplicate_sends_nothing_whether_decided_while_building_or_before(
     wrapped): a duplicate stops there, before any broker work or publish signal. Where the
     builder cannot be wrapped, the answer is read before the publish: the same outcome."""
     if not hooked:
-        monkeypatch.setattr("celery_redlock.claiming.hook", lambda app: False)
+        monkeypatch.setattr("celery_redlock.task.claiming.hook", lambda app: False)
     app = env.app()
 
     @app.task(base=LockedTask, shared=False, lock_key="b:<n>", lock_on="enqueue")

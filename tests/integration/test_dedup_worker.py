@@ -54,7 +54,7 @@ def _client(env: dict[str, str]) -> Celery:
         result_backend=env["DEDUP_BACKEND"],
         redlock_url=env["DEDUP_LOCKS"],
     )
-    from celery_redlock.state import state_for  # noqa: PLC0415
+    from celery_redlock.app.state import state_for  # noqa: PLC0415
 
     state_for(app).reset()
     return app

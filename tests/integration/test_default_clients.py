@@ -21,7 +21,7 @@ import redis
 from servers import RedisServer, wait_for
 
 from celery_redlock import Lock, QuorumUnavailable, Redlock, connect
-from celery_redlock.core.backends.redis_client import checkout
+from celery_redlock.core.backends.redis.client import checkout
 
 Servers = Callable[[int], list[RedisServer]]
 

@@ -38,7 +38,7 @@ from servers import RedisServer
 
 from celery_redlock.core import Lock, Slot, connect
 from celery_redlock.core.backend_types import Rule
-from celery_redlock.core.backends.redis_backend import RedisBackend
+from celery_redlock.core.backends.redis import RedisBackend
 from celery_redlock.core.keys import lock_keys, permit_keys
 
 TTL = 60.0

@@ -55,7 +55,7 @@ from celery_redlock.core import (
     connect,
     get_manager,
 )
-from celery_redlock.core.backends.redis_client import lock_client
+from celery_redlock.core.backends.redis.client import lock_client
 from celery_redlock.core.threads import MAX_WORKERS
 
 #: What may be added to each figure after any number of calls, per server watched: a

@@ -30,9 +30,9 @@ from celery_redlock import (
     Semaphore,
     is_skipped,
 )
+from celery_redlock.app.observability import disable_prometheus, enable_prometheus
+from celery_redlock.app.state import state_for
 from celery_redlock.install import check_locked_tasks
-from celery_redlock.observability import disable_prometheus, enable_prometheus
-from celery_redlock.state import state_for
 
 
 @pytest.fixture

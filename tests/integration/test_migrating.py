@@ -26,8 +26,8 @@ from servers import RedisServer, wait_for
 from test_task_inprocess import Env, forget_results, worker
 
 from celery_redlock import AlreadyQueued, ConfigError, LockedTask, RedlockError
-from celery_redlock.config import SETTINGS
-from celery_redlock.state import state_for
+from celery_redlock.app.config import SETTINGS
+from celery_redlock.app.state import state_for
 
 celery_once = pytest.importorskip("celery_once")
 celery_singleton = pytest.importorskip("celery_singleton")

@@ -27,13 +27,13 @@ from workers import Worker
 
 import celery_redlock
 from celery_redlock import Lock, LockContended, LockedTask, LockEvent, is_skipped
-from celery_redlock.core import events
-from celery_redlock.observability import (
+from celery_redlock.app.observability import (
     BEAT_ROLE,
     disable_prometheus,
     enable_prometheus,
     logging_hook,
 )
+from celery_redlock.core import events
 
 APP = "tests.apps.configapp"
 

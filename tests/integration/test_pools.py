@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 APP = "tests.apps.poolapp"
 #: Every pool Celery ships, with the concurrency its worker gets here.
 POOLS = {"prefork": 2, "threads": 4, "solo": 1, "gevent": 8, "eventlet": 8}
-#: The start-up line of a pool without child processes (celery_redlock.pools).
+#: The start-up line of a pool without child processes (celery_redlock.worker.pools).
 NO_CHILD = "no pool child to watch"
 SOLO_WAIT = "lock_on_contended='wait', but this worker's pool is solo"
 
@@ -68,7 +68,7 @@ def pool_worker(
 def client(server: RedisServer, pool_worker: Worker) -> Iterator[Celery]:
     """The test app (it imports the tasks, so a publish takes enqueue-time holds), pointed
     at this module's server; the record list is emptied first."""
-    from celery_redlock.state import state_for  # noqa: PLC0415
+    from celery_redlock.app.state import state_for  # noqa: PLC0415
     from tests.apps import poolapp  # noqa: PLC0415 - configured below, not from the env
 
     server.client(db=3).delete("events")

@@ -26,7 +26,7 @@ from celery_redlock.core.backend import (
 from celery_redlock.core.backend_types import Grant, Renewal, Slot, Status
 from celery_redlock.core.backends.memory import MemoryBackend
 from celery_redlock.core.backends.quorum import QuorumBackend
-from celery_redlock.core.backends.redis_backend import RedisBackend
+from celery_redlock.core.backends.redis import RedisBackend
 from celery_redlock.core.errors import ConfigError, QuorumUnavailable
 from celery_redlock.core.keys import lock_keys
 

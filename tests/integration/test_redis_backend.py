@@ -18,8 +18,8 @@ from redis.cluster import RedisCluster
 from servers import ClusterSetup, FaultProxy, RedisServer
 
 from celery_redlock.core.backend_types import Handover, Renewal, Slot, Status
-from celery_redlock.core.backends.redis_backend import RedisBackend, cannot_decide, server_refused
-from celery_redlock.core.backends.redis_client import lock_client
+from celery_redlock.core.backends.redis import RedisBackend, cannot_decide, server_refused
+from celery_redlock.core.backends.redis.client import lock_client
 from celery_redlock.core.errors import ConfigError, QuorumUnavailable
 from celery_redlock.core.keys import lock_keys, permit_keys, rate_key
 
@@ -265,6 +265,36 @@ def test_stopped_server_is_unavailable(redis_server: RedisServer) -> None:
             assert list(caught.value.errors) == [backend.describe()]
     finally:
         client.close()
+
+
+def test_health_probe_reads_credentials_replica_and_a_stopped_server() -> None:
+    """check() says ok for a master, "credentials" for a refused password, "replica" for
+    a replica, and "unreachable" (promptly, naming the error) once the server stops."""
+    master = RedisServer.start(["--requirepass", "s3cret"])
+    replica = RedisServer.start(["--replicaof", master.host, str(master.port)])
+    clients = [
+        redis.Redis(host=master.host, port=master.port, password="s3cret"),
+        redis.Redis(host=master.host, port=master.port, password="wrong"),
+        redis.Redis(host=replica.host, port=replica.port),
+    ]
+    try:
+        [ok] = RedisBackend.of(clients[0]).check()
+        assert (ok.state, ok.where) == ("ok", RedisBackend.of(clients[0]).describe())
+        assert ok.ok
+        [refused] = RedisBackend.of(clients[1]).check()
+        assert refused.state == "credentials" and refused.detail
+        [copy] = RedisBackend.of(clients[2]).check()
+        assert copy.state == "replica" and not copy.ok
+        master.stop()
+        began = time.monotonic()
+        [down] = RedisBackend.of(clients[0]).check()
+        assert down.state == "unreachable" and down.detail
+        assert time.monotonic() - began < 1.0
+    finally:
+        for client in clients:
+            client.close()
+        replica.stop()
+        master.stop()
 
 
 def test_wait_returns_on_release_and_gives_its_connection_back(

@@ -16,7 +16,7 @@ from servers import FaultProxy, RedisServer, wait_child, wait_for
 
 from celery_redlock import Lock, Redlock, connect
 from celery_redlock.core import ConfigError, Slot, Status, lock_keys
-from celery_redlock.core.backends.redis_backend import RedisBackend
+from celery_redlock.core.backends.redis import RedisBackend
 
 ProxyFactory = Callable[[RedisServer], FaultProxy]
 

@@ -27,7 +27,7 @@ from celery_redlock import (
     connect,
 )
 from celery_redlock.core.backend_types import Slot
-from celery_redlock.core.backends.redis_backend import RedisBackend
+from celery_redlock.core.backends.redis import RedisBackend
 from celery_redlock.core.keys import lock_keys
 from celery_redlock.core.renewal import get_manager
 

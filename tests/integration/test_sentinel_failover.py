@@ -32,7 +32,7 @@ from workers import Worker
 
 from celery_redlock import Lock, QuorumUnavailable, Semaphore, connect
 from celery_redlock.core.backend_types import Rule
-from celery_redlock.core.backends.sentinel_watch import CHANNELS, MasterWatch, watch_of
+from celery_redlock.core.backends.redis.sentinel import CHANNELS, MasterWatch, watch_of
 from celery_redlock.core.keys import lock_keys, permit_keys
 
 APP = "tests.apps.failoverapp"

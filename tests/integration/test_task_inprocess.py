@@ -46,16 +46,16 @@ from celery_redlock import (
     QuorumUnavailable,
     install,
     is_skipped,
-    next_attempt,
 )
-from celery_redlock import run as run_module
+from celery_redlock.app.state import state_for
 from celery_redlock.core.backend_types import Slot, Status
-from celery_redlock.core.backends.redis_backend import RedisBackend
+from celery_redlock.core.backends.redis import RedisBackend
 from celery_redlock.core.keys import LockKeys
 from celery_redlock.core.lock import Lock as CoreLock
-from celery_redlock.interrupt import LockLostInterrupt, Watch, watch_of
-from celery_redlock.state import state_for
-from celery_redlock.task import needs_postrun_net
+from celery_redlock.task import next_attempt
+from celery_redlock.task import run as run_module
+from celery_redlock.task.interrupt import LockLostInterrupt, Watch, watch_of
+from celery_redlock.task.locked_task import needs_postrun_net
 
 LOGGER = "celery_redlock"
 _app_numbers = itertools.count(1)

@@ -193,7 +193,7 @@ def test_a_beat_on_memory_stops_at_start_up(tmp_path: Path) -> None:
 
 def test_check_single_process_names_the_url_and_the_way_out() -> None:
     """The start-up refusal is a ConfigError that names the URL and says what to use."""
-    from celery_redlock.config import load_settings  # noqa: PLC0415
+    from celery_redlock.app.config import load_settings  # noqa: PLC0415
 
     settings = load_settings({"redlock_url": "memory://x"})
     with pytest.raises(ConfigError, match=r"memory://x.*point redlock_url at Redis"):

@@ -13,6 +13,7 @@ import pytest
 from celery import Celery
 
 from celery_redlock import LockedTask, QueuedHold, RateLimiter, Semaphore, connect
+from celery_redlock.app.state import state_for
 from celery_redlock.core import Handover, RunLock, open_backend
 from celery_redlock.core.backend import (
     Admin,
@@ -29,8 +30,7 @@ from celery_redlock.core.backend import (
 )
 from celery_redlock.core.backend_types import Grant, Holder, Renewal, Slot, Status
 from celery_redlock.core.errors import ConfigError, QuorumUnavailable
-from celery_redlock.state import state_for
-from celery_redlock.worker import check_locked_tasks
+from celery_redlock.worker.bootstep import check_locked_tasks
 
 
 def _quorum_urls() -> list[str]:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from celery_redlock import child_watch
+from celery_redlock.worker import child_watch
 
 
 @pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "proc-poll"])

@@ -19,8 +19,8 @@ import pytest
 from celery import Celery
 
 from celery_redlock import LockedTask
-from celery_redlock.checks import seconds
-from celery_redlock.config import (
+from celery_redlock.app.checks import seconds
+from celery_redlock.app.config import (
     OPTIONS,
     SETTINGS,
     Settings,
@@ -29,13 +29,13 @@ from celery_redlock.config import (
     load_settings,
     resolve,
 )
-from celery_redlock.contention import PublishPolicy, Strategy
+from celery_redlock.app.flags import flag_overrides, worker_flags
+from celery_redlock.app.policies import CONTENDED, DUPLICATE, LOST, POLICIES, Policies
+from celery_redlock.app.rows import Flag, row, table_of
+from celery_redlock.app.state import state_for
 from celery_redlock.core import ConfigError
-from celery_redlock.flags import flag_overrides, worker_flags
-from celery_redlock.interrupt import LostPolicy
-from celery_redlock.policies import CONTENDED, DUPLICATE, LOST, POLICIES, Policies
-from celery_redlock.rows import Flag, row, table_of
-from celery_redlock.state import state_for
+from celery_redlock.task.contention import PublishPolicy, Strategy
+from celery_redlock.task.interrupt import LostPolicy
 
 URL = {"redlock_url": "memory://config"}
 PACKAGE = Path(__file__).resolve().parents[2] / "celery_redlock"
@@ -298,10 +298,10 @@ def test_a_run_uses_the_strategy_resolved_with_its_options_not_a_name() -> None:
 
 
 def test_a_fresh_interpreter_importing_only_config_checks_every_policy_name() -> None:
-    """Importing celery_redlock.config alone still fills the registries (the package's
+    """Importing celery_redlock.app.config alone still fills the registries (the package's
     __init__ imports the run side): every kind accepts its names and lists them."""
     code = (
-        "from celery_redlock.config import check_task_option as check\n"
+        "from celery_redlock.app.config import check_task_option as check\n"
         "print(check('t', 'lock_on_contended', 'skip'), check('t', 'lock_on_lost', 'warn'),"
         " check('t', 'lock_on_duplicate', 'queue_one'))\n"
         "for option in ('lock_on_contended', 'lock_on_lost', 'lock_on_duplicate'):\n"
@@ -324,15 +324,20 @@ def test_a_fresh_interpreter_importing_only_config_checks_every_policy_name() ->
 
 def test_the_configuration_side_imports_nothing_from_the_run_side() -> None:
     """config.py, rows.py, policies.py, checks.py and flags.py import no module that runs
-    tasks (contention, dedup, run, interrupt, task, worker, state): the run side fills the
+    tasks (task/, worker/, install, app/state.py): the run side fills the
     registries, never the other way round."""
-    run_side = {"contention", "dedup", "run", "interrupt", "task", "worker", "state", "install"}
+    run_side = ("task", "worker", "install", "app.state")
     for module in ("config", "rows", "policies", "checks", "flags"):
-        tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+        tree = ast.parse((PACKAGE / "app" / f"{module}.py").read_text())
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                names = {node.module} if node.module else {a.name for a in node.names}
-                assert not names & run_side, f"{module}.py imports {names & run_side}"
+            if isinstance(node, ast.ImportFrom) and node.level:
+                # the import's target inside celery_redlock/, from app/<module>.py
+                base = ["app"][: 2 - node.level]
+                targets = [
+                    ".".join([*base, *filter(None, [node.module, a.name])]) for a in node.names
+                ]
+                for target in targets:
+                    assert not target.startswith(run_side), f"{module}.py imports {target}"
 
 
 # -- settings ---------------------------------------------------------------------------------

@@ -29,12 +29,12 @@ from celery_redlock import (
     install,
     is_skipped,
 )
-from celery_redlock.checks import parse_duration
+from celery_redlock.app.checks import parse_duration
+from celery_redlock.app.rules import check_cost, limits_option
+from celery_redlock.app.state import state_for
 from celery_redlock.core.backend_types import Rule
 from celery_redlock.core.keys import lock_keys, permit_keys
-from celery_redlock.rules import check_cost, limits_option
-from celery_redlock.state import state_for
-from celery_redlock.task import apply_redlock_tasks
+from celery_redlock.task.locked_task import apply_redlock_tasks
 
 #: A fixed "now" for Retry-After dates: 2026-10-21 07:28:00 UTC.
 NOW = email.utils.parsedate_to_datetime("Wed, 21 Oct 2026 07:28:00 GMT").timestamp()

@@ -17,10 +17,11 @@ from celery.concurrency import get_implementation
 from celery.contrib.testing.mocks import TaskMessage
 from celery.worker import state as worker_state
 
-from celery_redlock import LockedTask, child_watch
-from celery_redlock.pools import Pool, pool_of
-from celery_redlock.request import LockedRequest
-from celery_redlock.state import state_for
+from celery_redlock import LockedTask
+from celery_redlock.app.state import state_for
+from celery_redlock.worker import child_watch
+from celery_redlock.worker.pools import Pool, pool_of
+from celery_redlock.worker.request import LockedRequest
 
 
 def test_each_pool_celery_ships_is_told_apart_by_its_class() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from celery_redlock.worker import redelivery_wait
+from celery_redlock.worker.bootstep import redelivery_wait
 
 
 def _app(broker: str, **conf: object) -> Celery:

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from celery_redlock import ConfigError, KeyTemplate, LockedTask
-from celery_redlock.task import lock_name_for
+from celery_redlock.task.locked_task import lock_name_for
 
 
 def f_plain(user_id, region="eu", *, dry=False, limit=10):  # type: ignore[no-untyped-def]

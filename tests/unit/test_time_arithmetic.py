@@ -26,10 +26,10 @@ from freezegun import freeze_time
 
 from celery_redlock import Lock, LockedTask, LockLost, RateLimiter, connect
 from celery_redlock.beat import RECORDS_SUFFIX, LeaderScheduler
-from celery_redlock.contention import backoff_delay, rate_delay
 from celery_redlock.core import ConfigError, LockRecords, RateGrant
 from celery_redlock.core.admin import read_lock
 from celery_redlock.core.backend_types import Renewal
+from celery_redlock.task.contention import backoff_delay, rate_delay
 
 START = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.timezone.utc)
 

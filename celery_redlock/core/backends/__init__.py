@@ -1,4 +1,5 @@
-"""The backends behind :mod:`celery_redlock.core.backend`, one module each, and
+"""The backends behind :mod:`celery_redlock.core.backend`, one folder each (``redis/``,
+``memory/``, ``quorum/``), and
 :func:`open_backend`, which picks one for what a user passes to a primitive."""
 
 from __future__ import annotations
@@ -9,10 +10,16 @@ from ..backend import Backend, has
 from ..errors import ConfigError
 from .memory import MemoryBackend
 from .quorum import QuorumBackend
-from .redis_backend import RedisBackend
-from .redis_client import is_client
+from .redis import STORE_ERRORS, RedisBackend, is_client, refusal
 
-__all__ = ["MemoryBackend", "QuorumBackend", "RedisBackend", "open_backend"]
+__all__ = [
+    "STORE_ERRORS",
+    "MemoryBackend",
+    "QuorumBackend",
+    "RedisBackend",
+    "open_backend",
+    "refusal",
+]
 
 #: The backends of this package: told apart by a plain isinstance, which costs far less
 #: than one against the Backend protocol (a check of every verb) on every Lock made.

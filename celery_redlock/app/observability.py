@@ -1,0 +1,298 @@
+"""What celery-redlock tells the outside world: log lines, Celery events, metrics.
+
+* :func:`logging_hook` logs every :class:`~celery_redlock.core.events.LockEvent`
+  as one structured line on ``celery_redlock.events`` (DEBUG for the routine
+  acquire/release and for what is logged in words elsewhere: duplicates, and Redis
+  unavailable, which is raised; INFO for the rest: the core already logs losses and
+  renewal failures as WARNING on ``celery_redlock.renew``, once). ``install(app)``
+  registers it.
+* Celery events ``task-lock-acquired``, ``task-lock-contended``,
+  ``task-lock-released``, ``task-lock-lost``, ``task-lock-rate-limited`` (with
+  ``retry_after``), and ``task-lock-duplicate`` and ``task-lock-superseded`` for
+  de-duplication, are sent from the task when the worker sends task events (``-E``
+  or ``worker_send_task_events``), for Flower and other event consumers. A
+  semaphore's permits are locks here: the same events, one per permit. A publisher
+  whose app sets ``task_send_sent_event`` sends ``task-lock-duplicate`` for each
+  call it does not send.
+* With ``prometheus_client`` installed, :func:`prometheus_hook` counts events by
+  kind and task, and records wait and hold times in histograms, in every
+  registry passed to :func:`enable_prometheus` (``install(app)`` enables the
+  default one, except in prefork pool children without multiprocess mode, where
+  nothing could read it: :func:`drop_unscrapable_metrics`). Lock names are not
+  labels: per-argument keys would explode the cardinality.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from ..core.events import LockEvent, add_hook, remove_hook
+from .state import AppState
+
+__all__ = [
+    "BEAT_ROLE",
+    "disable_prometheus",
+    "enable_prometheus",
+    "logging_hook",
+    "prometheus_hook",
+    "send_publisher_event",
+    "send_task_event",
+]
+
+log = logging.getLogger("celery_redlock.events")
+
+_LEVELS = {
+    "acquired": logging.DEBUG,
+    "released": logging.DEBUG,
+    "contended": logging.INFO,
+    "renew_failed": logging.INFO,
+    "lost": logging.INFO,
+    "rate_limited": logging.INFO,
+    # raised to the caller as QuorumUnavailable, which a run logs once, in words
+    "unavailable": logging.DEBUG,
+    # celery_redlock.dedup logs each of these once, in words, at INFO
+    "duplicate": logging.DEBUG,
+    "superseded": logging.DEBUG,
+}
+
+
+def logging_hook(event: LockEvent) -> None:
+    """Log one line per lock event, with the fields a person needs."""
+    level = _LEVELS.get(event.kind, logging.INFO)
+    if event.kind == "contended" and event.owner.get("role") in _ROUTINE_WAITERS:
+        level = logging.DEBUG
+    if not log.isEnabledFor(level):
+        return
+    parts = [f"lock-{event.kind}", f"name={event.name!r}"]
+    other = event.kind in _HOLDER_IS_OTHER
+    ours = event.owner if other else event.holder
+    if ours.get("task_name"):
+        parts.append(f"task={ours['task_name']}[{ours.get('task_id')}]")
+    if other and event.holder:
+        parts.append(f"holder={_who(event.holder)}")
+    if event.fence is not None:
+        parts.append(f"fence={event.fence}")
+    if event.waited is not None:
+        parts.append(f"waited={event.waited * 1000:.1f}ms")
+    if event.held is not None:
+        parts.append(f"held={event.held:.3f}s")
+    if event.error:
+        parts.append(f"error={event.error!r}")
+    if event.retry_after is not None:
+        parts.append(f"retry_after={event.retry_after:.3f}s")
+    log.log(level, " ".join(parts))
+
+
+#: The ``role`` in the holder record of beat's leader lock (``LeaderScheduler``).
+BEAT_ROLE = "beat-leader"
+#: Owners (their record's ``role``) for whom waiting is the normal state: a standby beat
+#: asks for the leader lock every few seconds while another beat leads.
+_ROUTINE_WAITERS = frozenset({BEAT_ROLE})
+#: The events whose ``holder`` is the other owner (the one in the way), not ours.
+_HOLDER_IS_OTHER = frozenset({"contended", "duplicate", "superseded"})
+
+
+def _who(record: Mapping[str, Any]) -> str:
+    """A holder in a log line: its task and id, else its host and pid."""
+    if record.get("task_name"):
+        return f"{record['task_name']}[{record.get('task_id')}]"
+    return f"{record.get('hostname', '?')}:{record.get('pid', '?')}"
+
+
+def _logging_wants(kind: str) -> bool:
+    return log.isEnabledFor(_LEVELS.get(kind, logging.INFO))
+
+
+# The routine acquire/release lines are DEBUG: while that level is off, those two events
+# per task are not even built for this hook.
+logging_hook.lock_event_filter = _logging_wants  # type: ignore[attr-defined]
+
+
+#: id(registry) -> (registry, its metrics); the registry is kept so its id is never reused.
+_metrics: dict[int, tuple[Any, dict[str, Any]]] = {}
+_metrics_lock = threading.Lock()
+
+
+def enable_prometheus(registry: Any = None) -> bool:
+    """Count lock events into *registry* (default: prometheus_client's global one).
+
+    Idempotent per registry; each registry gets its own counters and histograms,
+    so a test can pass a fresh ``CollectorRegistry`` even after ``install(app)``
+    enabled the default one. False when ``prometheus_client`` is not installed.
+    """
+    try:
+        import prometheus_client as prom  # noqa: PLC0415 - optional dependency
+    except ImportError:
+        return False
+    target = prom.REGISTRY if registry is None else registry
+    with _metrics_lock:
+        _auto.discard(id(target))  # asked for by name: kept in pool children too
+        if id(target) in _metrics:
+            return True
+        _metrics[id(target)] = (
+            target,
+            {
+                "events": prom.Counter(
+                    "celery_redlock_events_total",
+                    "Lock events by kind (acquired, contended, released, renew_failed, lost, "
+                    "rate_limited, duplicate, superseded)",
+                    ["kind", "task"],
+                    registry=target,
+                ),
+                "wait": prom.Histogram(
+                    "celery_redlock_wait_seconds",
+                    "Time spent acquiring a lock (acquired or contended)",
+                    ["task"],
+                    registry=target,
+                ),
+                "hold": prom.Histogram(
+                    "celery_redlock_hold_seconds",
+                    "Time a lock was held (released or lost)",
+                    ["task"],
+                    buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600),
+                    registry=target,
+                ),
+            },
+        )
+        _actions.clear()
+    add_hook(prometheus_hook)
+    return True
+
+
+def disable_prometheus(registry: Any = None) -> None:
+    """Stop counting into *registry* and unregister its collectors (unknown: no-op)."""
+    try:
+        import prometheus_client as prom  # noqa: PLC0415 - optional dependency
+    except ImportError:
+        return
+    target = prom.REGISTRY if registry is None else registry
+    with _metrics_lock:
+        entry = _metrics.pop(id(target), None)
+        _auto.discard(id(target))
+        _actions.clear()
+        if not _metrics:
+            remove_hook(prometheus_hook)  # nothing to count into: no call per event
+    if entry is not None:
+        for collector in entry[1].values():
+            target.unregister(collector)
+
+
+#: ids of registries counted into only because ``install()`` enabled them by default.
+_auto: set[int] = set()
+
+
+def enable_prometheus_by_default() -> None:
+    """What ``install()`` does: count into the default registry, unless told otherwise.
+
+    Not marked as asked for, so :func:`drop_unscrapable_metrics` may switch it off again
+    in a prefork pool child (an explicit :func:`enable_prometheus` is never undone).
+    """
+    try:
+        import prometheus_client as prom  # noqa: PLC0415 - optional dependency
+    except ImportError:
+        return
+    with _metrics_lock:
+        known = id(prom.REGISTRY) in _metrics
+    if not known and enable_prometheus():
+        with _metrics_lock:
+            _auto.add(id(prom.REGISTRY))
+
+
+def multiprocess_mode() -> bool:
+    """True when prometheus_client's multiprocess mode is on (its directory is set)."""
+    return bool(
+        os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        # the older name, which prometheus_client still reads
+        or os.environ.get("prometheus_multiproc_dir")  # noqa: SIM112
+    )
+
+
+def drop_unscrapable_metrics() -> None:
+    """In a prefork pool child: stop counting into a default registry nobody can read.
+
+    Without prometheus_client's multiprocess mode, what a pool child counts goes into
+    its own private copy of the registry, which no exporter of the worker can see: a
+    cost on every task for nothing. The default registry that ``install()`` enabled is
+    switched off in the child then; with ``PROMETHEUS_MULTIPROC_DIR`` set, or after an
+    explicit :func:`enable_prometheus` (say, in the user's own ``worker_process_init``
+    receiver, next to a per-child exporter), counting goes on.
+    """
+    if multiprocess_mode():
+        return
+    try:
+        import prometheus_client as prom  # noqa: PLC0415 - optional dependency
+    except ImportError:
+        return
+    with _metrics_lock:
+        auto = id(prom.REGISTRY) in _auto
+    if auto:
+        disable_prometheus()
+        log.debug(
+            "pid %d: Prometheus lock metrics off in this pool child (no "
+            "PROMETHEUS_MULTIPROC_DIR: nothing could scrape them)",
+            os.getpid(),
+        )
+
+
+def prometheus_hook(event: LockEvent) -> None:
+    """Count the event and record wait/hold times in every enabled registry."""
+    if not _metrics:
+        return
+    task = str(event.holder.get("task_name") or "")
+    key = (event.kind, task)
+    actions = _actions.get(key)
+    if actions is None:
+        actions = _actions_for(key)
+    for inc, observe_wait, observe_hold in actions:
+        inc()
+        if event.waited is not None:
+            observe_wait(event.waited)
+        if event.held is not None:
+            observe_hold(event.held)
+
+
+#: (kind, task) -> per registry: (counter.inc, wait.observe, hold.observe) for those
+#: labels; ``labels()`` costs a lock and a dict build, so each label set is resolved once.
+_actions: dict[tuple[str, str], list[tuple[Any, Any, Any]]] = {}
+
+
+def _actions_for(key: tuple[str, str]) -> list[tuple[Any, Any, Any]]:
+    kind, task = key
+    with _metrics_lock:
+        actions = [
+            (
+                metrics["events"].labels(kind, task).inc,
+                metrics["wait"].labels(task).observe,
+                metrics["hold"].labels(task).observe,
+            )
+            for _, metrics in _metrics.values()
+        ]
+        _actions[key] = actions
+    return actions
+
+
+def send_task_event(state: AppState, task: Any, kind: str, /, **fields: Any) -> None:
+    """Send ``task-lock-<kind>`` as a Celery event when this worker sends task events
+    (*state*: the task's app's)."""
+    if not state.send_events:
+        return
+    try:
+        task.send_event(f"task-lock-{kind}", retry=False, **fields)
+    except Exception as exc:  # monitoring must never break a task
+        log.debug("could not send task-lock-%s: %s", kind, exc)
+
+
+def send_publisher_event(app: Any, kind: str, **fields: Any) -> None:
+    """Send ``task-lock-<kind>`` from a publishing process, when its app sends task events
+    (``task_send_sent_event``); never raises."""
+    if not app.conf.get("task_send_sent_event"):
+        return
+    try:
+        with app.events.default_dispatcher() as dispatcher:
+            dispatcher.send(f"task-lock-{kind}", **fields)
+    except Exception as exc:  # monitoring must never break a publish
+        log.debug("could not send task-lock-%s: %s", kind, exc)

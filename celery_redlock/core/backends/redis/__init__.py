@@ -1,0 +1,26 @@
+"""The Redis backend: one Redis (a plain server, a Sentinel-managed master or a Cluster)
+behind the seam (:class:`~.backend.RedisBackend`), with its Lua scripts beside it
+(``lua/``, run by :mod:`.scripts`), each verb's script call written once (:mod:`.verbs`),
+and what redis-py's clients and errors mean to it (:mod:`.client`)."""
+
+from __future__ import annotations
+
+from .backend import RedisBackend
+from .client import (
+    STORE_ERRORS,
+    cannot_decide,
+    check_client,
+    is_client,
+    refusal,
+    server_refused,
+)
+
+__all__ = [
+    "STORE_ERRORS",
+    "RedisBackend",
+    "cannot_decide",
+    "check_client",
+    "is_client",
+    "refusal",
+    "server_refused",
+]

@@ -1,0 +1,304 @@
+"""The operator reads of :class:`~.backend.RedisBackend` (``celery locks``): what is
+held on one Redis, found with ``SCAN``, never ``KEYS``.
+
+Each function works on one client: a plain Redis, a Sentinel master client, or a
+``RedisCluster`` (then every primary is scanned, and one name's keys are read on the node
+that owns their slot). Locks are found with ``SCAN ... MATCH <prefix>{<pattern>}* TYPE
+hash`` (and ``<prefix>{\\\\<pattern>}*`` for names starting with ``}`` or ``\\``, whose
+tag has a backslash in front): each lock hash (state ``running`` for a task's run, else
+``held``), each enqueue-time hold ``<lock key>:queued`` (state ``queued``) and each
+semaphore's permits ``<lock key>:permits`` (one
+:class:`~celery_redlock.core.backend.LockInfo` per live permit); a rate limiter's state
+``<lock key>:rate`` the same way. Hashes that are none of these (no ``token`` or
+``owner`` field, foreign data) are skipped.
+
+Also here: :func:`foreign_data_message`, the reads that explain why Redis refused a lock
+script (which key holds what), and :func:`fence_of`.
+
+Errors are raised as redis-py raises them; the backend's verbs report them (see
+:func:`~.client.cannot_decide`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from redis.cluster import RedisCluster
+from redis.exceptions import ResponseError
+
+from ...backend_types import Holder, LockInfo, RateInfo, Slot, lock_state, parse_holder, text
+from ...errors import ConfigError
+from ...keys import LockKeys, lock_keys, name_of_key, normalize_name, rate_key
+
+#: Reads the permits of a slot on one plain node (the Redis backend's ``holders`` verb on
+#: that node's client: passed in, since that backend uses this module).
+Permits = Callable[[Any, Slot], list[Holder]]
+
+__all__ = [
+    "fence_of",
+    "foreign_data_message",
+    "node_of",
+    "primaries",
+    "read",
+    "read_rate",
+    "scan",
+    "scan_rates",
+]
+
+#: Keys asked for per SCAN round trip, and hashes read per pipeline.
+SCAN_COUNT = 500
+READ_BATCH = 200
+
+_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
+_QUEUED, _PERMITS, _RATE = "}:queued", "}:permits", "}:rate"
+#: How a glob may start that matches a name starting with "}" or "\\" (whose tag has a
+#: backslash in front: :func:`~..keys.lock_keys`).
+_MAY_ESCAPE = ("}", "\\", "*", "?", "[")
+#: The order of one name's rows: its lock, its permits, then its queued hold.
+_RANK = {"lock": 0, "permit": 1}
+
+
+def scan(
+    client: Any, prefix: str, pattern: str, permits: Permits, limit: int | None = None
+) -> list[LockInfo]:
+    """Every held lock, live permit and queued hold whose name matches the glob *pattern*
+    (``sync:*``: ``*``, ``?`` and ``[abc]``), sorted by name; one name's permits first
+    to expire first. With *limit*, only the first *limit* names are read (a page)."""
+    found: list[LockInfo] = []
+    for node in primaries(client):
+        keys = _named(node, prefix, pattern, "*")
+        if limit is not None:
+            name_of = {k: name_of_key(k, prefix) for k in keys}
+            first = set(sorted(set(name_of.values()))[:limit])
+            keys = [k for k in keys if name_of[k] in first]
+        found += _locks(node, [k for k in keys if k.endswith("}")], prefix)
+        found += _queued(node, [k for k in keys if k.endswith(_QUEUED)], prefix)
+        for key in (k for k in keys if k.endswith(_PERMITS)):
+            found += _permits(permits, node, key, name_of_key(key, prefix))
+    found.sort(key=lambda i: (i.name, 2 if i.state == "queued" else _RANK[i.kind]))
+    if limit is not None:  # a cluster's nodes each gave their first names
+        names = sorted({i.name for i in found})[:limit]
+        found = [i for i in found if i.name <= names[-1]] if names else []
+    return found
+
+
+def read(client: Any, prefix: str, name: str, permits: Permits) -> list[LockInfo]:
+    """Lock *name*'s holder, queued hold and live permits (empty when none).
+
+    Raises :class:`~celery_redlock.core.errors.ConfigError` for a name or prefix no lock
+    can have, and when the lock key holds something that is not a lock (foreign data).
+    """
+    keys = lock_keys(name, prefix)
+    node = node_of(client, keys.lock)
+    found = _locks(node, [keys.lock], prefix)
+    if not found:
+        kind = text(node.type(keys.lock))
+        if kind != "none":  # something is there, but not a lock celery-redlock wrote
+            what = "a hash without a lock token" if kind == "hash" else f"a {kind}"
+            raise ConfigError(
+                f"{keys.lock!r} holds {what}, not a celery-redlock lock: something else "
+                f"writes under the key prefix {prefix!r}; celery-redlock leaves it alone "
+                "(delete it with redis-cli if it is stale)"
+            )
+    found += _queued(node, [keys.queued], prefix)
+    return found + _permits(permits, node, f"{keys.lock}:permits", keys.name)
+
+
+def scan_rates(client: Any, prefix: str, pattern: str = "*") -> list[RateInfo]:
+    """The state of every rate limiter whose name matches *pattern*, sorted by name."""
+    found: list[RateInfo] = []
+    for node in primaries(client):
+        for key in _named(node, prefix, pattern, ":rate"):
+            if key.endswith(_RATE):
+                info = _limiter(node, key, name_of_key(key, prefix))
+                if info is not None:
+                    found.append(info)
+    return sorted(found, key=lambda info: info.name)
+
+
+def read_rate(client: Any, prefix: str, name: str) -> RateInfo | None:
+    """The state of rate limiter *name*, or None when it is idle (no state)."""
+    key = rate_key(name, prefix)
+    return _limiter(node_of(client, key), key, normalize_name(name))
+
+
+def primaries(client: Any) -> list[Any]:
+    """Plain clients to scan: the client itself, or one per primary of a cluster."""
+    if isinstance(client, RedisCluster):
+        return [client.get_redis_connection(n) for n in client.get_primaries()]  # type: ignore[no-untyped-call]
+    return [client]
+
+
+def node_of(client: Any, key: str) -> Any:
+    """A plain client of the node that serves *key*: the client itself, or a cluster's
+    node of the key's slot."""
+    if isinstance(client, RedisCluster):
+        return client.get_redis_connection(client.get_node_from_key(key))  # type: ignore[no-untyped-call]
+    return client
+
+
+def _named(node: Any, prefix: str, pattern: str, tail: str) -> list[str]:
+    """The keys ``<prefix>{<tag>}<tail>`` (*tail* a glob) on one plain node whose name
+    matches *pattern*, sorted. A name starting with "}" or "\\" has a backslash in front
+    in its tag: such names are looked for with that backslash, other names without."""
+    head = _GLOB_SPECIAL.sub(r"\\\1", prefix) + "{"
+    found = {text(k) for k in _scan(node, head + pattern + "}" + tail)}
+    found = {k for k in found if k.startswith(prefix + "{")}
+    if pattern != "*":  # "*" matches every name, and so every tag, escaped or not
+        found = {k for k in found if not _escaped(k, prefix)}
+        if pattern.startswith(_MAY_ESCAPE):
+            escaped = {text(k) for k in _scan(node, head + "\\\\" + pattern + "}" + tail)}
+            found |= {k for k in escaped if k.startswith(prefix + "{") and _escaped(k, prefix)}
+    return sorted(found)
+
+
+def _escaped(key: str, prefix: str) -> bool:
+    """True when the tag of *key* is a name with a backslash in front."""
+    return key[len(prefix) + 1 : key.rindex("}")] != name_of_key(key, prefix)
+
+
+def _scan(node: Any, match: str) -> Iterator[Any]:
+    try:
+        yield from node.scan_iter(match=match, count=SCAN_COUNT, _type="hash")
+    except ResponseError as exc:
+        if "syntax" not in str(exc).lower():  # Redis < 6 has no SCAN ... TYPE
+            raise
+        yield from node.scan_iter(match=match, count=SCAN_COUNT)
+
+
+def foreign_data_message(client: Any, keys: LockKeys, exc: BaseException) -> str:
+    """Say which of a lock's keys holds data celery-redlock did not write, and what to do.
+
+    Called after Redis refused a lock command on the data (``WRONGTYPE``, a counter that
+    is not an integer): looks at the keys (a few reads, on this error path only).
+    """
+    detail = ""
+    prefix = keys.lock[: keys.lock.index("{")]
+    try:
+        kind = text(client.type(keys.lock))
+        queued = text(client.type(keys.queued)) if keys.queued else "none"
+        fence_kind = text(client.type(keys.fence))
+        value = text(client.get(keys.fence)) if fence_kind == "string" else None
+    except Exception:  # the refusal itself is reported below
+        kind = queued = fence_kind = "none"
+        value = None
+    if kind not in ("hash", "none"):
+        detail = f"{keys.lock!r} holds a {kind}, not a lock hash"
+    elif queued not in ("hash", "none"):
+        detail = f"its queued hold {keys.queued!r} holds a {queued}, not a hash"
+    elif fence_kind not in ("string", "none"):
+        detail = f"its fence counter {keys.fence!r} holds a {fence_kind}, not an integer"
+    elif value is not None and not _is_int64(value):
+        detail = f"its fence counter {keys.fence!r} holds {value[:40]!r}, not an integer"
+    elif value is not None and int(value) >= 2**63 - 1:
+        detail = f"its fence counter {keys.fence!r} is at the largest integer Redis keeps"
+    if not detail:
+        return f"lock {keys.name!r}: Redis refused the lock script on {keys.lock!r} ({exc})"
+    return (
+        f"lock {keys.name!r}: {detail}. Something other than celery-redlock writes under the "
+        f"key prefix {prefix!r}: delete that key if it is stale, or give celery-redlock a "
+        "prefix of its own (key_prefix=, or the redlock_key_prefix setting)"
+    )
+
+
+def _is_int64(value: str) -> bool:
+    try:
+        return -(2**63) <= int(value) < 2**63 and value.strip() == value
+    except ValueError:
+        return False
+
+
+def _permits(permits: Permits, node: Any, key: str, name: str) -> list[LockInfo]:
+    """The live permits at *key* on one plain node, first to expire first."""
+    slot = Slot(LockKeys(name=name, lock=key, fence="", notify="", waiting=""), limit=2)
+    try:
+        holders = permits(node, slot)
+    except ConfigError:
+        return []  # not a permits hash: foreign data, left alone
+    return [
+        LockInfo(
+            name,
+            key,
+            h.fence,
+            -2 if h.ttl_ms is None else h.ttl_ms,
+            dict(h.record),
+            kind="permit",
+            state=lock_state(h.record),
+        )
+        for h in holders
+    ]
+
+
+def _hashes(node: Any, keys: Sequence[str], *fields: str) -> Iterator[tuple[str, list[Any], int]]:
+    """(key, fields, lease left) of each of *keys* that is a hash with its first field
+    set, pipelined on one plain node (what is no such hash, or went away, is skipped)."""
+    for start in range(0, len(keys), READ_BATCH):
+        chunk = keys[start : start + READ_BATCH]
+        pipe = node.pipeline(transaction=False)
+        for key in chunk:
+            pipe.hmget(key, *fields)
+            pipe.pttl(key)
+        replies = pipe.execute(raise_on_error=False)
+        for i, key in enumerate(chunk):
+            values, pttl = replies[2 * i], replies[2 * i + 1]
+            if isinstance(values, list) and values[0]:
+                yield key, values, pttl if isinstance(pttl, int) else -2
+
+
+def _locks(node: Any, keys: Sequence[str], prefix: str) -> list[LockInfo]:
+    found: list[LockInfo] = []
+    for key, (_, fence, info), ttl in _hashes(node, keys, "token", "fence", "info"):
+        record = parse_holder(info)
+        state = lock_state(record)
+        found.append(
+            LockInfo(name_of_key(key, prefix), key, fence_of(fence), ttl, record, state=state)
+        )
+    return found
+
+
+def _queued(node: Any, keys: Sequence[str], prefix: str) -> list[LockInfo]:
+    found: list[LockInfo] = []
+    for key, (owner, info), ttl in _hashes(node, keys, "owner", "info"):
+        record = parse_holder(info)
+        record.setdefault("task_id", text(owner))
+        name = name_of_key(key, prefix)
+        found.append(LockInfo(name, key, None, ttl, record, state="queued"))
+    return found
+
+
+def _limiter(node: Any, key: str, name: str) -> RateInfo | None:
+    pipe = node.pipeline(transaction=False)
+    pipe.hmget(key, "tat", "line", "interval", "burst")
+    pipe.pttl(key)
+    pipe.time()
+    fields, pttl, (seconds, micros) = pipe.execute(raise_on_error=False)
+    if not isinstance(fields, list):
+        return None  # not a limiter's hash: foreign data, left alone
+    tat, line, interval, burst = (fence_of(v) for v in fields)
+    if not interval or not burst:
+        return None
+    now = int(seconds) * 1_000_000 + int(micros)
+    next_at = max(tat or 0, now) - (burst - 1) * interval
+    free = (now - next_at) // interval + 1 if next_at <= now else 0
+    # Promised slots still due lie between the next possible grant and the line.
+    start = max(now, next_at)
+    queued = math.ceil(((line or 0) - start) / interval) if (line or 0) > start else 0
+    return RateInfo(
+        name=name,
+        key=key,
+        interval_us=interval,
+        burst=burst,
+        free=int(free),
+        next_ms=max(0, next_at - now) // 1000,
+        queued=queued,
+        ttl_ms=int(pttl) if isinstance(pttl, int) else -2,
+    )
+
+
+def fence_of(value: Any) -> int | None:
+    """A stored fence (or another counter) as an int; None when it is not one."""
+    digits = text(value)
+    return int(digits) if digits.isascii() and digits.isdigit() else None  # not "²"

@@ -1,0 +1,166 @@
+"""The Lua scripts of the Redis backend (``lua/*.lua`` beside this module, one per file,
+each with a header saying its KEYS, ARGV and replies): each read once and run with
+``EVALSHA`` (``EVAL`` once, after ``NOSCRIPT``). What each verb sends and how its reply
+reads is :mod:`.verbs`.
+
+How a script is sent (:func:`run`): on a client with a connection pool of its own (a
+plain or Sentinel-managed ``redis.Redis``), on a connection taken from that pool for the
+call and given back before it returns, with redis-py's public connection API
+(``pack_command``, ``send_packed_command``, ``read_response``) under the connection's own
+retry policy (``conn.retry``, as redis-py's ``execute_command`` uses it). That skips the
+per-command layers of ``execute_command`` (observability hooks, option parsing, response
+callbacks, which scripts have none of): see docs/benchmarks.md, "Single-node lock". A
+cluster client, or one that keeps a single connection, goes through its own
+``evalsha``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from typing import Any
+
+from redis import exceptions as rx
+
+from .client import checkout
+
+__all__ = [
+    "ACQUIRE",
+    "CLAIM_FIELD",
+    "CONTROL",
+    "DEQUEUE",
+    "ENQUEUE",
+    "EXTEND",
+    "EXTEND_MANY",
+    "EXTEND_NODE",
+    "FORCE_RELEASE",
+    "HOLD_ALL",
+    "MASTER_MARK",
+    "PARK",
+    "PERMITS",
+    "PERMIT_ACQUIRE",
+    "PERMIT_EXTEND",
+    "PERMIT_RELEASE",
+    "RAISE_FENCE",
+    "RATE",
+    "RELEASE",
+    "RELEASE_ALL",
+    "Script",
+    "pool_of",
+    "run",
+    "send_script",
+]
+
+
+def _lua(filename: str) -> str:
+    folder = resources.files("celery_redlock.core.backends.redis").joinpath("lua")
+    return folder.joinpath(filename).read_text("utf-8")
+
+
+class Script:
+    """A Lua script of this package: the file, then any shared parts appended to it; in
+    front of it, each of *functions* (Lua function name -> file) as a local function of
+    ``(KEYS, ARGV)``, so that a script can run another's steps on keys and arguments it
+    chooses. :attr:`guarded` is the same script with ``master_guard.lua`` in front, for
+    a Sentinel-managed master."""
+
+    __slots__ = ("_body", "_guarded", "name", "sha", "source")
+
+    def __init__(
+        self, filename: str, *parts: str, functions: Mapping[str, str] | None = None
+    ) -> None:
+        self.name = filename
+        head = "".join(
+            f"local function {fn}(KEYS, ARGV)\n{_lua(f)}end\n"
+            for fn, f in (functions or {}).items()
+        )
+        self._body = head + "".join(_lua(f) for f in (filename, *parts))
+        self._guarded: Script | None = None
+        self._set_source("")
+
+    def _set_source(self, prelude: str) -> None:
+        """The source: *prelude* in front of the body, after its ``#!lua`` line if any
+        (script flags are read from the first line only)."""
+        body, flags = self._body, ""
+        if body.startswith("#!"):
+            flags, _, body = body.partition("\n")
+            flags += "\n"
+        self.source = flags + prelude + body
+        self.sha = hashlib.sha1(self.source.encode("utf-8"), usedforsecurity=False).hexdigest()
+
+    @property
+    def guarded(self) -> Script:
+        """This script behind ``master_guard.lua``: it takes one key and one argument
+        more, last (the replaced-master mark, the master's config-epoch)."""
+        guarded = self._guarded
+        if guarded is None:
+            guarded = Script.__new__(Script)
+            guarded.name = f"{self.name} (guarded)"
+            guarded._body, guarded._guarded = self._body, None
+            guarded._set_source(_lua("master_guard.lua"))
+            self._guarded = guarded
+        return guarded
+
+
+def pool_of(client: Any) -> Any:
+    """The connection pool :func:`run` takes a connection from for *client*: its own pool,
+    or None for a client that routes commands itself (a cluster) or holds one connection
+    (``single_connection_client``)."""
+    if getattr(client, "connection", None) is not None:
+        return None
+    pool = getattr(client, "connection_pool", None)
+    return pool if pool is not None and hasattr(pool, "get_connection") else None
+
+
+def run(script: Script, client: Any, pool: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    """*script* on *client*: on a connection of *pool* (:func:`pool_of`; see the module
+    docstring), or through the client itself when *pool* is None."""
+    if pool is None:
+        try:
+            return client.evalsha(script.sha, len(keys), *keys, *args)
+        except rx.NoScriptError:
+            return client.eval(script.source, len(keys), *keys, *args)
+    conn = checkout(pool)
+    try:
+        return conn.retry.call_with_retry(
+            lambda: send_script(conn, script, keys, args), lambda _error: conn.disconnect()
+        )
+    finally:
+        pool.release(conn)
+
+
+def send_script(conn: Any, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    """*script* on the connected *conn* (``EVALSHA``; ``EVAL`` after ``NOSCRIPT``): its reply."""
+    conn.send_packed_command(conn.pack_command("EVALSHA", script.sha, len(keys), *keys, *args))
+    try:
+        return conn.read_response()
+    except rx.NoScriptError:  # a reply was read: the connection is fine
+        conn.send_packed_command(conn.pack_command("EVAL", script.source, len(keys), *keys, *args))
+        return conn.read_response()
+
+
+ACQUIRE = Script("acquire.lua")
+RELEASE = Script("release.lua")
+EXTEND = Script("extend.lua")
+EXTEND_MANY = Script("extend_many.lua", "extend_items.lua")
+EXTEND_NODE = Script("extend_node.lua", "extend_items.lua")  # a cluster node, across slots
+RAISE_FENCE = Script("raise_fence.lua")
+FORCE_RELEASE = Script("force_release.lua")
+CLAIM_FIELD = Script("claim_field.lua")
+PERMIT_ACQUIRE = Script("permit_acquire.lua")
+PERMIT_RELEASE = Script("permit_release.lua")
+PERMIT_EXTEND = Script("permit_extend.lua")
+PERMITS = Script("permits.lua")
+RATE = Script("rate.lua")
+ENQUEUE = Script("enqueue.lua")
+DEQUEUE = Script("dequeue.lua")
+PARK = Script("park.lua")
+HOLD_ALL = Script(
+    "hold_all.lua", functions={"take_lock": "acquire.lua", "take_permit": "permit_acquire.lua"}
+)
+RELEASE_ALL = Script(
+    "release_all.lua", functions={"give_lock": "release.lua", "give_permit": "permit_release.lua"}
+)
+CONTROL = Script("control.lua")
+MASTER_MARK = Script("master_mark.lua")
