@@ -21,6 +21,8 @@ from .app.flags import register_flags
 from .app.observability import enable_prometheus_by_default, logging_hook
 from .app.state import state_for
 from .app.tracing import enable_tracing_by_default
+from .board.recorder import record
+from .cli import command as cli_command
 from .core.events import add_hook
 from .task import locked_task as task_module
 from .task.dedup import publish
@@ -53,6 +55,7 @@ def install(app: Any) -> None:
         wrap_send_task(app)
         connect_receivers()
         add_hook(logging_hook)
+        record(state)
         enable_prometheus_by_default()
         enable_tracing_by_default()
         app.on_after_finalize.connect(apply_redlock_tasks, weak=False)
@@ -160,3 +163,13 @@ def _install_configured(sender: Any = None, **_: Any) -> None:
 signals.worker_init.connect(_install_configured, weak=False)
 signals.celeryd_init.connect(warn_statedb_scheduler, weak=False)
 task_module.app_hooks.append(install)
+
+
+def _serve_board(*args: Any, **kwargs: Any) -> None:
+    """``celery locks serve``: the board, imported when the command runs."""
+    from .board.serve import serve_board  # noqa: PLC0415 - only the command serves
+
+    serve_board(*args, **kwargs)
+
+
+cli_command.board_servers.append(_serve_board)

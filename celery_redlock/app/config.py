@@ -220,6 +220,12 @@ class Settings:
         task=False,
     )
     client_options: dict[str, Any] = row(mapping, {}, "Extra redis-py client options", task=False)
+    event_log: bool = row(
+        boolean,
+        True,
+        "Record task runs' lock events in a capped stream the board reads",
+        task=False,
+    )
 
     @property
     def urls(self) -> str | list[str]:

@@ -586,3 +586,62 @@ def _controls_of(session: _Session, pattern: str) -> list[Control]:
         )
     except _UNREACHABLE:
         return []  # the lock reads have reported it
+
+
+# -- the board -------------------------------------------------------------------------
+#: What serves the board: ``celery_redlock.board`` sits above this folder, so
+#: ``install`` (at the top) hands its server in here, as ``task.app_hooks`` is filled.
+board_servers: list[Callable[..., None]] = []
+
+
+@_takes_flags
+@locks.command(cls=CeleryCommand)
+@click.option(
+    "--host",
+    cls=CeleryOption,
+    default="127.0.0.1",
+    help_group="Board Options",
+    help="Address to listen on (default 127.0.0.1; another needs a token).",
+)
+@click.option(
+    "--port",
+    cls=CeleryOption,
+    type=int,
+    default=5566,
+    help_group="Board Options",
+    help="Port to listen on (default 5566; 0: any free port).",
+)
+@click.option(
+    "--actions",
+    cls=CeleryOption,
+    is_flag=True,
+    help_group="Board Options",
+    help="Offer release, pause/resume and set/unset (needs a token).",
+)
+@click.option(
+    "--token-file",
+    cls=CeleryOption,
+    default=None,
+    metavar="PATH",
+    help_group="Board Options",
+    help="The tokens that may act, one name:secret a line (else REDLOCK_BOARD_TOKEN).",
+)
+@click.pass_context
+def serve(ctx: click.Context, host: str, port: int, actions: bool, token_file: str | None) -> None:
+    """Serve the lock board (see docs/board.md) until interrupted."""
+    if not board_servers:
+        raise CeleryCommandException(
+            "the board is not installed in this process (import celery_redlock)", EXIT_USAGE
+        )
+    try:
+        board_servers[0](
+            ctx.obj.app,
+            host=host,
+            port=port,
+            actions=actions,
+            token_file=token_file,
+            overrides=ctx.meta.get(_OVERRIDES, {}),
+            echo=click.echo,
+        )
+    except ConfigError as exc:
+        raise CeleryCommandException(str(exc), EXIT_USAGE) from None

@@ -33,10 +33,15 @@ __all__ = [
 ]
 
 
-def scan_locks(target: Any, prefix: str, pattern: str = "*") -> list[LockInfo]:
+def scan_locks(
+    target: Any, prefix: str, pattern: str = "*", limit: int | None = None
+) -> list[LockInfo]:
     """Every held lock, live permit and queued hold whose rendered name matches the glob
-    *pattern* (``sync:*``; ``*``, ``?`` and ``[abc]``), sorted by name."""
-    return _admin(target).scan(prefix, pattern)
+    *pattern* (``sync:*``; ``*``, ``?`` and ``[abc]``), sorted by name; with *limit*,
+    those of the first *limit* names (a page)."""
+    if limit is None:
+        return _admin(target).scan(prefix, pattern)
+    return _admin(target).scan(prefix, pattern, limit)
 
 
 def read_lock(target: Any, prefix: str, name: str) -> list[LockInfo]:

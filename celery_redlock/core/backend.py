@@ -15,6 +15,7 @@ implements or does not:
                           operator controls read by that step (``celery locks pause/set``)
 :class:`Records`          records only a lock's holder may write (``LockRecords``: beat)
 :class:`Admin`            operator reads and forced removals (``celery locks``)
+:class:`EventLog`         a capped log of lock events per key prefix (the board's events)
 :class:`Sends`            a verb written now, its answer read later (a quorum's fan-out, a
                           publish's claim overlapping Celery's message building)
 :class:`InProcess`        a store in this process that a test may empty
@@ -75,6 +76,7 @@ __all__ = [
     "Admin",
     "Backend",
     "DoneMarks",
+    "EventLog",
     "FlowControl",
     "InProcess",
     "Permits",
@@ -403,9 +405,10 @@ class Records(Protocol):
 class Admin(Protocol):
     """What ``celery locks`` reads and removes on one store (see :mod:`~.admin`)."""
 
-    def scan(self, prefix: str, pattern: str = "*") -> list[LockInfo]:
+    def scan(self, prefix: str, pattern: str = "*", limit: int | None = None) -> list[LockInfo]:
         """Every held lock, live permit and queued hold under *prefix* whose name matches
-        the glob *pattern*, sorted by name (``SCAN`` on Redis, never ``KEYS``)."""
+        the glob *pattern*, sorted by name (``SCAN`` on Redis, never ``KEYS``); with
+        *limit*, those of the first *limit* names only (a page: only they are read)."""
         ...
 
     def read(self, prefix: str, name: str) -> list[LockInfo]:
@@ -429,6 +432,22 @@ class Admin(Protocol):
 
     def force_dequeue(self, slot: Slot, owner: str | None) -> ForceRelease:
         """Remove the enqueue-time hold (only task *owner*'s, when given)."""
+        ...
+
+
+@capability("a lock event log (the board's recent events)")
+class EventLog(Protocol):
+    """A capped log of lock events under one key (``<prefix>events``): workers append
+    batches from a background thread, the board reads the newest."""
+
+    def log_events(self, log_key: str, events: Sequence[str], maxlen: int, ttl_ms: int) -> None:
+        """Append *events* (JSON texts, oldest first) to the log at *log_key* in one round
+        trip, keeping about the newest *maxlen*; the log goes *ttl_ms* after its last write."""
+        ...
+
+    def read_events(self, log_key: str, count: int) -> list[str]:
+        """The newest *count* events of the log at *log_key*, newest first (empty when
+        there is none). :class:`~.errors.ConfigError` when the key holds something else."""
         ...
 
 

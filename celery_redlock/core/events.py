@@ -29,6 +29,7 @@ EventKind = Literal[
     "rate_limited",
     "duplicate",
     "superseded",
+    "backed_off",
 ]
 
 
@@ -50,6 +51,8 @@ class LockEvent:
     that refused a ``contended`` acquire ("" when its holder was in the way). ``rules``
     are the ``lock_limits`` holds an ``acquired`` acquisition took with it, one mapping
     each: ``name``, ``kind`` (``limit`` or ``rate``), ``limit``, ``fence`` (a limit's).
+    ``backed_off``: a run raised ``BackOff``, which paused ``name`` for ``retry_after``
+    seconds (``error``: its reason).
     """
 
     kind: EventKind

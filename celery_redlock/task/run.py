@@ -42,7 +42,9 @@ from ..core import (
     RunLock,
     Semaphore,
 )
+from ..core import events as lock_events
 from ..core.errors import describe_holder
+from ..core.keys import lock_keys
 from ..core.lease import drift
 from .contention import RATE_SLOT_HEADER, Refusal, Strategy, known_delay, requeue
 from .dedup import (
@@ -477,7 +479,19 @@ def back_off(  # noqa: PLR0917 - the run's state, task, request, lock and call
     task_id = getattr(request, "id", None)
     why = exc.reason or "BackOff raised"
     if exc.seconds > 0:
-        control(task.app).pause(key, exc.seconds, reason=f"{why} in {task.name}[{task_id}]")
+        controls = control(task.app)
+        controls.pause(key, exc.seconds, reason=f"{why} in {task.name}[{task_id}]")
+        if lock_events.wanted("backed_off"):
+            lock_events.emit(
+                lock_events.LockEvent(
+                    "backed_off",
+                    key,
+                    lock_keys(key, controls.prefix).lock,
+                    holder={"task_name": task.name, "task_id": task_id},
+                    retry_after=exc.seconds,
+                    error=why,
+                )
+            )
     log.warning("Task %s[%s] backs off: %r paused for %gs (%s)", task.name, task_id, key,
                 exc.seconds, why)  # fmt: skip
     if task_id is None or getattr(request, "is_eager", False):

@@ -135,6 +135,7 @@ def test_the_public_names_are_the_ones_the_rows_give() -> None:
         *(f"redlock_{n}" for n in ("fail_open", "key_prefix", "fence_ttl", "tasks")),
         *(f"redlock_{n}" for n in ("disable", "beat_ttl", "beat_lock_name", "client_options")),
         "redlock_beat_scheduler",  # DESIGN.md, Beat: the scheduler LeaderScheduler leads
+        "redlock_event_log",  # DESIGN.md, The board: the events workers record for it
     }
     assert set(OPTIONS) == {
         *(f"lock_{n}" for n in ("key", "ttl", "on_contended", "on_lost", "max_retries")),

@@ -25,16 +25,22 @@ from .store import ForeignData, MemoryStore, stored_int
 __all__ = ["force_dequeue", "force_release", "read", "read_rate", "scan", "scan_rates"]
 
 
-def scan(store: MemoryStore, prefix: str, pattern: str = "*") -> list[LockInfo]:
+def scan(
+    store: MemoryStore, prefix: str, pattern: str = "*", limit: int | None = None
+) -> list[LockInfo]:
     """Every held lock, live permit and queued hold under *prefix* whose name matches
-    the glob *pattern*, sorted by name."""
+    the glob *pattern*, sorted by name (the first *limit* names, when given)."""
     head, found = prefix + "{", list[LockInfo]()
     for key in [k for k in store.entries if k.startswith(head)]:
         for end in ("}", "}:queued", "}:permits"):
             name = name_of_key(key, prefix) if key.endswith(end) else None
             if name is not None and fnmatch.fnmatchcase(name, pattern):
                 found += _infos(store, key, name, end)
-    return sorted(found, key=_order)
+    found.sort(key=_order)
+    if limit is not None:
+        names = sorted({i.name for i in found})[:limit]
+        found = [i for i in found if i.name <= names[-1]] if names else []
+    return found
 
 
 def read(store: MemoryStore, prefix: str, name: str) -> list[LockInfo]:

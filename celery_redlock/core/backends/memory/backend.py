@@ -18,8 +18,10 @@ child's: a prefork worker or a beat on ``memory://`` shares nothing with its sib
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fnmatch
+import itertools
 import math
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -545,8 +547,8 @@ class MemoryBackend:
 
     # -- operator reads and forced release (see admin) -------------------------------
     @atomic
-    def scan(self, prefix: str, pattern: str = "*") -> list[LockInfo]:
-        return admin.scan(self.store, prefix, pattern)
+    def scan(self, prefix: str, pattern: str = "*", limit: int | None = None) -> list[LockInfo]:
+        return admin.scan(self.store, prefix, pattern, limit)
 
     @atomic
     def read(self, prefix: str, name: str) -> list[LockInfo]:
@@ -567,3 +569,20 @@ class MemoryBackend:
     @atomic
     def force_dequeue(self, slot: Slot, owner: str | None) -> ForceRelease:
         return admin.force_dequeue(self.store, slot, owner)
+
+    # -- the lock event log -----------------------------------------------------------------
+    @atomic
+    def log_events(self, log_key: str, events: Sequence[str], maxlen: int, ttl_ms: int) -> None:
+        """Append *events* to the capped log at *log_key* (a stream, as XADD MAXLEN), which
+        goes *ttl_ms* after this write."""
+        log = self.store.get(log_key, "stream")
+        if log is None or log.maxlen != maxlen:
+            log = collections.deque(log or (), maxlen=maxlen)
+        log.extend(events)
+        self.store.put(log_key, "stream", log, ttl_ms)
+
+    @atomic
+    def read_events(self, log_key: str, count: int) -> list[str]:
+        """The newest *count* events of the log at *log_key*, newest first."""
+        log = self.store.get(log_key, "stream")
+        return [] if log is None else list(itertools.islice(reversed(log), count))

@@ -36,7 +36,13 @@ __all__ = [
 
 _MAX_NOTICES = 1_000_000
 _SWEEP_AFTER = 1000  # writes at least: a sweep is one pass over the keys
-_KINDS = {"string": "a string", "hash": "a hash", "zset": "a sorted set", "list": "a list"}
+_KINDS = {
+    "string": "a string",
+    "hash": "a hash",
+    "zset": "a sorted set",
+    "list": "a list",
+    "stream": "a stream",
+}
 _S = TypeVar("_S", bound="_OnStore")
 _P = ParamSpec("_P")
 _R = TypeVar("_R")

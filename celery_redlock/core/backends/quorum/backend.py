@@ -37,6 +37,7 @@ acquire it undoes): :mod:`~.round`; one member's calls in this process: :mod:`~.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -49,6 +50,7 @@ from typing import Any, NoReturn
 
 from ...backend import (
     Backend,
+    EventLog,
     FlowControl,
     Permits,
     Probe,
@@ -559,6 +561,25 @@ class QuorumBackend:
         if any(isinstance(v, ConfigError) for v in results):
             self.fail(slot.name, results)
         raise self.unavailable(slot.name, outcomes)
+
+    # -- the lock event log: each master keeps its own ------------------------------------
+    def log_events(self, log_key: str, events: Sequence[str], maxlen: int, ttl_ms: int) -> None:
+        """Append *events* to the log of every master that answers (a log is what each
+        master saw happen, not a decision: a master down misses its copy)."""
+        for member in self.members:
+            log = given(member, EventLog)
+            if log is not None:
+                with contextlib.suppress(QuorumUnavailable):
+                    log.log_events(log_key, events, maxlen, ttl_ms)
+
+    def read_events(self, log_key: str, count: int) -> list[str]:
+        """The log of the first master that answers (the board reads each master's)."""
+        for member in self.members:
+            log = given(member, EventLog)
+            if log is not None:
+                with contextlib.suppress(QuorumUnavailable):
+                    return log.read_events(log_key, count)
+        return []
 
     # -- what a quorum cannot do --------------------------------------------------------
     def check(self) -> list[Health]:

@@ -61,18 +61,28 @@ _MAY_ESCAPE = ("}", "\\", "*", "?", "[")
 _RANK = {"lock": 0, "permit": 1}
 
 
-def scan(client: Any, prefix: str, pattern: str, permits: Permits) -> list[LockInfo]:
+def scan(
+    client: Any, prefix: str, pattern: str, permits: Permits, limit: int | None = None
+) -> list[LockInfo]:
     """Every held lock, live permit and queued hold whose name matches the glob *pattern*
     (``sync:*``: ``*``, ``?`` and ``[abc]``), sorted by name; one name's permits first
-    to expire first."""
+    to expire first. With *limit*, only the first *limit* names are read (a page)."""
     found: list[LockInfo] = []
     for node in primaries(client):
         keys = _named(node, prefix, pattern, "*")
+        if limit is not None:
+            name_of = {k: name_of_key(k, prefix) for k in keys}
+            first = set(sorted(set(name_of.values()))[:limit])
+            keys = [k for k in keys if name_of[k] in first]
         found += _locks(node, [k for k in keys if k.endswith("}")], prefix)
         found += _queued(node, [k for k in keys if k.endswith(_QUEUED)], prefix)
         for key in (k for k in keys if k.endswith(_PERMITS)):
             found += _permits(permits, node, key, name_of_key(key, prefix))
-    return sorted(found, key=lambda i: (i.name, 2 if i.state == "queued" else _RANK[i.kind]))
+    found.sort(key=lambda i: (i.name, 2 if i.state == "queued" else _RANK[i.kind]))
+    if limit is not None:  # a cluster's nodes each gave their first names
+        names = sorted({i.name for i in found})[:limit]
+        found = [i for i in found if i.name <= names[-1]] if names else []
+    return found
 
 
 def read(client: Any, prefix: str, name: str, permits: Permits) -> list[LockInfo]:

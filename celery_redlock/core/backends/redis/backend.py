@@ -513,9 +513,9 @@ class RedisBackend:
     def _node_permits(self, node: Any, slot: Slot) -> list[Holder]:
         return self.on_node(node).holders(slot)
 
-    def scan(self, prefix: str, pattern: str = "*") -> list[LockInfo]:
+    def scan(self, prefix: str, pattern: str = "*", limit: int | None = None) -> list[LockInfo]:
         with self._errors(pattern):
-            return admin.scan(self.client, prefix, pattern, self._node_permits)
+            return admin.scan(self.client, prefix, pattern, self._node_permits, limit)
 
     def read(self, prefix: str, name: str) -> list[LockInfo]:
         with self._errors(name):
@@ -550,6 +550,22 @@ class RedisBackend:
             return ForceRelease("released", record)
         return ForceRelease("gone" if code is Status.GONE else "refused", record)
 
+    # -- the lock event log (the board's) ----------------------------------------------------
+    def log_events(self, log_key: str, events: Sequence[str], maxlen: int, ttl_ms: int) -> None:
+        """``XADD <log_key> MAXLEN ~ <maxlen>`` per event, then ``PEXPIRE``, in one pipeline."""
+        with self._errors(log_key, partial(_not_a_log, log_key)):
+            pipe = self.client.pipeline(transaction=False)
+            for event in events:
+                pipe.xadd(log_key, {"e": event}, maxlen=maxlen, approximate=True)
+            pipe.pexpire(log_key, ttl_ms)
+            pipe.execute()
+
+    def read_events(self, log_key: str, count: int) -> list[str]:
+        """``XREVRANGE <log_key> + - COUNT <count>``: the newest first."""
+        with self._errors(log_key, partial(_not_a_log, log_key)):
+            entries = self.client.xrevrange(log_key, count=count)
+        return [text(fields.get(b"e", fields.get("e", b""))) for _, fields in entries]
+
     # -- flow control: a slot with rules or controls ----------------------------------------
     def set_control(self, control_key: str, kind: str, value: str | None, ttl_ms: int) -> bool:
         with self._errors(control_key):
@@ -573,7 +589,10 @@ class RedisBackend:
         out = []
         for kind, raw in fields.items():
             until, _, value = text(raw).partition("|")
-            end = int(until or 0)
+            try:
+                end = int(until or 0)
+            except ValueError:  # not a control celery-redlock wrote: left alone
+                continue
             if end and end <= now:
                 continue
             out.append(Control(name, text(kind), value, end - now if end else None))
@@ -786,3 +805,10 @@ def _forget(key: int, ref: weakref.ref[RedisBackend]) -> None:
     with _backends_lock:
         if _backends.get(key) is ref:
             del _backends[key]
+
+
+def _not_a_log(key: str, exc: Exception) -> str:
+    return (
+        f"{key!r} is not a stream of lock events ({exc}): something else writes under the "
+        "lock key prefix; celery-redlock leaves it alone"
+    )

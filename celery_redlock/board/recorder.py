@@ -1,0 +1,229 @@
+"""The lock events of task runs, written to a capped log per key prefix that the board
+reads (:class:`~celery_redlock.core.backend.EventLog`): the board needs no event receiver.
+
+``install(app)`` registers the app (:func:`record`) and the one process-wide hook
+(:func:`recorder_hook`). The hook only appends the event to a bounded queue; a
+background thread (``celery-redlock-events``, started on the first event after start or
+fork, gone after :data:`IDLE` seconds without events) writes each app's events in one
+round trip every :data:`FLUSH_EVERY` seconds. A run pays no round trip for its events.
+
+``redlock_event_log = False`` turns it off for an app; when no app records, the hook
+takes no event and none is built. A log write that fails is logged at DEBUG and dropped:
+the events are for people, never for the locks.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+from ..core.backend import EventLog, given
+from ..core.events import LockEvent, add_hook
+from ..core.process import on_fork
+
+__all__ = ["FLUSH_EVERY", "KINDS", "MAXLEN", "event_json", "log_key", "record", "recorder_hook"]
+
+log = logging.getLogger("celery_redlock.board")
+
+#: The events recorded: a run's lock taken, refused, given back or lost.
+KINDS = frozenset(
+    {
+        "acquired",
+        "contended",
+        "released",
+        "lost",
+        "rate_limited",
+        "duplicate",
+        "superseded",
+        "unavailable",
+        "backed_off",
+    }
+)
+#: About how many events each log keeps (``XADD ... MAXLEN ~``).
+MAXLEN = 10_000
+#: A log nobody writes to goes after this long (ms): a week.
+LOG_TTL_MS = 7 * 24 * 3600 * 1000
+#: Seconds between two writes of the queued events.
+FLUSH_EVERY = 0.25
+#: Seconds without events after which the writing thread ends.
+IDLE = 5.0
+#: Events kept in this process while the log cannot be written (the oldest dropped).
+_BACKLOG = 10_000
+
+
+def log_key(prefix: str) -> str:
+    """The key of the event log of the locks under *prefix* (outside every lock's braces,
+    so ``celery locks`` never takes it for a lock)."""
+    return f"{prefix}events"
+
+
+def event_json(event: LockEvent) -> str:
+    """*event* as the log stores it: the run's task and the other holder, when there is one."""
+    other = event.kind in ("contended", "duplicate", "superseded")
+    ours = event.owner if other else event.holder
+    out: dict[str, Any] = {
+        "kind": event.kind,
+        "name": event.name,
+        "at": event.at,
+        "fence": event.fence,
+        "task_name": ours.get("task_name"),
+        "task_id": ours.get("task_id"),
+        "hostname": ours.get("hostname"),
+        "pid": ours.get("pid"),
+    }
+    for field in ("waited", "held", "retry_after", "error"):
+        value = getattr(event, field)
+        if value is not None:
+            out[field] = value
+    if other and event.holder:
+        out["holder"] = {
+            k: event.holder.get(k) for k in ("task_name", "task_id", "hostname", "pid")
+        }
+    return json.dumps(out, default=str)
+
+
+class _Recorder:
+    """The queue of events and the thread that writes them (one per process)."""
+
+    def __init__(self) -> None:
+        #: The states of the apps that record (weakly: an app that goes stops recording);
+        #: a forked child keeps them.
+        self.apps: list[weakref.ref[Any]] = []
+        #: False once no registered app records: the hook then takes no event.
+        self.enabled = True
+        self._reset()
+        on_fork(self._reset)
+
+    def _reset(self) -> None:
+        """A new lock, an empty queue and no thread (in a forked child: the parent's
+        thread is not there, and its queue was the parent's to write)."""
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.queue: collections.deque[LockEvent] = collections.deque(maxlen=_BACKLOG)
+        self.thread: threading.Thread | None = None
+
+    def add(self, state: Any) -> None:
+        with self.lock:
+            if not any(ref() is state for ref in self.apps):
+                self.apps.append(weakref.ref(state))
+            self.enabled = True
+
+    def put(self, event: LockEvent) -> None:
+        with self.lock:
+            self.queue.append(event)
+            if self.thread is None:
+                self.thread = threading.Thread(
+                    target=self._run, name="celery-redlock-events", daemon=True
+                )
+                self.thread.start()
+
+    def _run(self) -> None:
+        idle = 0.0
+        while True:
+            with self.lock:
+                self.wake.wait(FLUSH_EVERY)  # gathers a batch; notified by nothing
+                if not self.queue:
+                    idle += FLUSH_EVERY
+                    if idle >= IDLE:
+                        self.thread = None
+                        return
+                    continue
+                events = list(self.queue)
+                self.queue.clear()
+            idle = 0.0
+            try:
+                self.write(events)
+            except Exception:  # the loop never dies of one batch
+                log.exception("celery-redlock: writing lock events failed")
+
+    def write(self, events: Iterable[LockEvent]) -> None:
+        """Write *events* to the log of each recording app whose prefix they are under."""
+        events = list(events)
+        recording = 0
+        #: (store, prefix) already written: apps of one process sharing a store and a
+        #: prefix (tests, several apps of one project) write each event once.
+        written: set[tuple[Any, str]] = set()
+        for ref in list(self.apps):
+            state = ref()
+            if state is None:
+                continue
+            try:
+                settings = state.settings
+            except Exception:  # noqa: S112 - a bad setting is reported where the app runs tasks
+                continue
+            if not settings.event_log:
+                continue
+            recording += 1
+            start = settings.key_prefix + "{"
+            mine = [event_json(e) for e in events if e.key.startswith(start)]
+            if not mine:
+                continue
+            store = given(state.backend(), EventLog)
+            if store is None:
+                continue
+            where = (_identity(store), settings.key_prefix)
+            if where in written:
+                continue
+            written.add(where)
+            try:
+                store.log_events(log_key(settings.key_prefix), mine, MAXLEN, LOG_TTL_MS)
+            except Exception as exc:  # unavailable, or foreign data at the log's key
+                log.debug("celery-redlock: lock events not recorded: %s", exc)
+        if not recording:
+            self.enabled = False
+
+
+def _identity(store: Any) -> Any:
+    """What tells two stores apart: the server (or servers) they keep their keys on."""
+    identity = getattr(store, "identity", None)
+    if callable(identity):
+        try:
+            return identity()
+        except Exception:
+            return id(store)
+    members = getattr(store, "members", None)
+    if isinstance(members, tuple):
+        return tuple(_identity(m) for m in members)
+    return id(store)
+
+
+_recorder = _Recorder()
+
+
+def _task_run(event: LockEvent) -> bool:
+    """True for an event of a task's run (the run's own record names its task)."""
+    ours = event.owner if event.kind in ("contended", "duplicate", "superseded") else event.holder
+    return bool(ours.get("task_name"))
+
+
+def recorder_hook(event: LockEvent) -> None:
+    """Queue a task run's lock *event* for its app's event log."""
+    if event.kind in KINDS and _task_run(event):
+        _recorder.put(event)
+
+
+def _wants(kind: str) -> bool:
+    return _recorder.enabled and kind in KINDS
+
+
+recorder_hook.lock_event_filter = _wants  # type: ignore[attr-defined]
+
+
+def record(state: Any) -> None:
+    """Record the task runs' lock events of the app whose state (an ``AppState``) is
+    *state*, unless its ``redlock_event_log`` is off."""
+    _recorder.add(state)
+    add_hook(recorder_hook)
+
+
+def flush() -> None:
+    """Write the queued events now (for tests and tools)."""
+    with _recorder.lock:
+        events = list(_recorder.queue)
+        _recorder.queue.clear()
+    _recorder.write(events)

@@ -1,0 +1,571 @@
+"""The board as a WSGI app, through a WSGI test client (no browser): the same objects as
+``celery locks list --json``, escaping, foreign data, the event log workers write, the
+token and CSRF checks of actions, ``celery locks serve``, and a Flask site mounting it.
+The browser tests are in test_board_browser.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.bin.celery import celery as celery_main
+from click.testing import CliRunner
+from servers import ClusterSetup, RedisServer, SentinelSetup
+from werkzeug.test import Client
+
+from celery_redlock import Lock, LockedTask, Redlock, Semaphore, connect, install
+from celery_redlock.board import make_app
+from celery_redlock.board.auth import Token
+from celery_redlock.board.recorder import flush, log_key
+from celery_redlock.board.serve import make_board_server
+from celery_redlock.core import open_backend
+from celery_redlock.core.backend import EventLog, need
+from tests.apps import locksapp
+
+SECRET = "s3cret-board-token-0123456789"
+TOKEN = Token("ops", SECRET)
+OWNER = {"task_name": "proj.sync", "task_id": "id-1"}
+
+
+@pytest.fixture
+def app(redis_client: redis.Redis, shared_redis: RedisServer) -> Iterator[Celery]:
+    """An app whose locks live on the (flushed) shared server."""
+    app = Celery("boardtest", broker="memory://", set_as_current=False)
+    app.conf.redlock_url = shared_redis.url
+    yield app
+
+
+def _lock(server: RedisServer, name: str, **owner: Any) -> Lock:
+    lock = Lock(server.client(), name, 30, owner_info={**OWNER, **owner}, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    return lock
+
+
+def _text(response: Any) -> str:
+    return str(response.get_data(as_text=True))
+
+
+def _signed_in(board: Any) -> Client:
+    """A client signed in with TOKEN (the session cookie set by /login)."""
+    client = Client(board)
+    answer = client.post("/login", data={"token": SECRET})
+    assert answer.status_code == 303
+    return client
+
+
+def _csrf(page: str) -> str:
+    found = re.search(r'name="csrf" value="([0-9a-f]+)"', page)
+    assert found, page
+    return found.group(1)
+
+
+# -- what it shows ----------------------------------------------------------------------------
+def test_the_api_has_the_objects_of_celery_locks_list_json(
+    shared_redis: RedisServer, redis_client: redis.Redis
+) -> None:
+    """/api/locks answers the objects `celery locks list --json` prints, field for field
+    (the lease left aside: it runs down between the two reads)."""
+    locksapp.app.conf.redlock_url = shared_redis.url
+    try:
+        _lock(shared_redis, "sync:1")
+        _lock(shared_redis, "sync:2", task_id="id-2")
+        cli = CliRunner().invoke(
+            celery_main, ["-A", "tests.apps.locksapp", "locks", "list", "--json"]
+        )
+        assert cli.exit_code == 0, cli.output
+        api = Client(make_app(locksapp.app)).get("/api/locks")
+        assert api.headers["Content-Type"] == "application/json"
+    finally:
+        locksapp.app.conf.redlock_url = None
+
+    def steady(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in o.items() if k != "ttl_ms"} for o in objects]
+
+    assert steady(json.loads(_text(api))) == steady(json.loads(cli.output))
+    assert [o["name"] for o in json.loads(cli.output)] == ["sync:1", "sync:2"]
+
+
+def test_the_overview_shows_each_key_with_its_holder_and_filters_by_prefix_and_kind(
+    app: Celery, shared_redis: RedisServer
+) -> None:
+    """A mutex and two permits of a semaphore show as two rows with their holders; the
+    prefix and kind filters keep only the matching row."""
+    _lock(shared_redis, "sync:1")
+    client = shared_redis.client()
+    permits = [
+        Semaphore(
+            client, "sem:a", 2, 30, owner_info={**OWNER, "task_id": f"p{n}"}, auto_renew=False
+        )
+        for n in (1, 2)
+    ]
+    assert all(p.acquire(blocking=False) for p in permits)
+    board = Client(make_app(app))
+    page = _text(board.get("/"))
+    rows = dict(re.findall(r'<tr data-name="([^"]+)" data-kind="([^"]+)"', page))
+    assert rows == {"sync:1": "mutex", "sem:a": "semaphore"}
+    assert "proj.sync[id-1]" in page and "proj.sync[p1]" in page and "proj.sync[p2]" in page
+    assert "semaphore, 2 held" in page  # no task of this app names sem:a
+    only_sync = _text(board.get("/?prefix=sync", headers={"X-Board-Part": "live"}))
+    assert 'data-name="sync:1"' in only_sync and "sem:a" not in only_sync
+    assert not only_sync.startswith("<!doctype")  # the live part alone
+    only_sem = _text(board.get("/?kind=semaphore"))
+    assert 'data-name="sem:a"' in only_sem and 'data-name="sync:1"' not in only_sem
+
+
+def test_a_script_in_a_lock_name_or_record_is_text_and_no_inline_script_may_run(
+    app: Celery, shared_redis: RedisServer
+) -> None:
+    """A lock name and a holder record holding <script> render escaped, on the overview
+    and on the key page; every answer forbids inline scripts (Content-Security-Policy)."""
+    name = "x:<script>document.title='owned'</script>"
+    _lock(shared_redis, name, task_name="<img src=x onerror=alert(1)>")
+    board = Client(make_app(app))
+    for path in ("/", "/key/" + urllib.request.quote(name, safe="")):
+        answer = board.get(path)
+        page = _text(answer)
+        assert answer.status_code == 200
+        assert "<script>document" not in page and "<img src=x" not in page
+        assert "&lt;script&gt;document.title=&#x27;owned&#x27;&lt;/script&gt;" in page
+        assert "script-src 'self'" in answer.headers["Content-Security-Policy"]
+
+
+def test_foreign_data_under_the_prefix_shows_as_unreadable_never_a_500(
+    app: Celery, shared_redis: RedisServer, redis_client: redis.Redis
+) -> None:
+    """A list where a lock's hash should be, a string at the event log's key and garbage
+    in the log: the pages answer 200 and say "unreadable"."""
+    _lock(shared_redis, "sync:1")
+    redis_client.set(log_key("redlock:"), "not a stream")
+    redis_client.rpush("redlock:{odd}", "x")
+    redis_client.hset("redlock:{weird}", mapping={"token": "t", "fence": "abc", "info": "[1,2]"})
+    redis_client.hset("redlock:{weird}:control", mapping={"pause": "x", "rate": "nonsense"})
+    redis_client.hset("redlock:{weird}:permits", mapping={"x": "garbage"})
+    board = Client(make_app(app))
+    key_page = board.get("/key/sync%3A1")
+    assert key_page.status_code == 200
+    assert "unreadable" in _text(key_page)
+    overview = board.get("/")
+    assert overview.status_code == 200 and 'data-name="sync:1"' in _text(overview)
+    assert board.get("/key/weird").status_code == 200
+    assert board.get("/api/locks").status_code == 200
+    redis_client.delete(log_key("redlock:"))
+    redis_client.xadd(log_key("redlock:"), {"e": "{not json"})
+    redis_client.xadd(
+        log_key("redlock:"), {"e": json.dumps({"kind": "acquired", "name": "sync:1"})}
+    )
+    events = json.loads(_text(board.get("/api/events")))
+    assert [e["kind"] for e in events] == ["acquired", "unreadable"] or [
+        e["kind"] for e in events
+    ] == ["unreadable", "acquired"]
+    assert board.get("/key/sync%3A1").status_code == 200
+
+
+# -- the events workers record -------------------------------------------------------------------
+def test_runs_record_their_lock_events_and_the_key_page_shows_them(app: Celery) -> None:
+    """A run of a LockedTask records acquired and released (with its fence) in the app's
+    event log; a refused run records contended; the key page lists them with the fence
+    history; redlock_event_log=False records nothing."""
+    install(app)
+
+    @app.task(
+        base=LockedTask, shared=False, bind=True, lock_key="rec:<n>", lock_on_contended="skip"
+    )
+    def job(self: Any, n: int) -> int | None:
+        return self.lock.fence  # type: ignore[no-any-return]
+
+    fence = job(1)
+    other = Lock(connect(app.conf.redlock_url), "rec:1", 30, auto_renew=False)
+    assert other.acquire(blocking=False)
+    job(1)  # refused: skipped
+    other.release()
+    flush()
+    events, _ = make_app(app).source.events("rec:1")
+    assert [e["kind"] for e in events] == ["contended", "released", "acquired"]
+    assert events[2]["fence"] == fence and events[2]["task_name"] == job.name
+    page = _text(Client(make_app(app)).get("/key/rec%3A1"))
+    assert f"<b>{fence}</b>" in page  # the fence history
+    assert 'data-kind="contended"' in page and 'data-kind="acquired"' in page
+
+    quiet = Celery("quiet", broker="memory://", set_as_current=False)
+    quiet.conf.redlock_url = "memory://board-quiet"  # no other app of this process writes here
+    quiet.conf.redlock_event_log = False
+    install(quiet)
+
+    @quiet.task(base=LockedTask, shared=False, lock_key="rec:<n>")
+    def quiet_job(n: int) -> None: ...
+
+    quiet_job(2)
+    flush()
+    assert make_app(quiet).source.events("rec:2")[0] == []
+
+
+@pytest.mark.parametrize("url", ["memory://board-log", "redis"])
+def test_the_event_log_is_capped_and_read_newest_first(
+    url: str, shared_redis: RedisServer, redis_client: redis.Redis
+) -> None:
+    """EventLog on memory and Redis: events come back newest first, and the log keeps
+    about maxlen of them (Redis trims whole nodes: at most twice as many)."""
+    backend = need(open_backend(connect(shared_redis.url if url == "redis" else url)), EventLog)
+    backend.log_events("t:events", [str(i) for i in range(1000)], 100, 60_000)
+    newest = backend.read_events("t:events", 3)
+    assert newest == ["999", "998", "997"]
+    assert 100 <= len(backend.read_events("t:events", 5000)) <= 200
+    if url == "redis":  # the log goes when nobody writes to it
+        assert 0 < redis_client.pttl("t:events") <= 60_000
+
+
+def test_a_redlock_board_shows_each_masters_view(
+    three_servers: list[RedisServer],
+) -> None:
+    """On a Redlock deployment each master's row shows with its master."""
+    for server in three_servers:
+        server.client().flushall()
+    lock = Redlock(
+        [s.client() for s in three_servers], "red:1", 30, owner_info=OWNER, auto_renew=False
+    )
+    assert lock.acquire(blocking=False)
+    app = Celery("redlockboard", broker="memory://", set_as_current=False)
+    app.conf.redlock_url = [s.url for s in three_servers]
+    try:
+        objects = json.loads(_text(Client(make_app(app)).get("/api/locks")))
+        assert sorted(o["master"] for o in objects) == sorted(
+            open_backend(connect(s.url)).describe() for s in three_servers
+        )
+        page = _text(Client(make_app(app)).get("/"))
+        assert page.count('data-name="red:1"') == 3 and "<th>master</th>" in page
+    finally:
+        lock.release()
+
+
+# -- actions -----------------------------------------------------------------------------------
+def test_an_action_needs_the_token_and_the_csrf_token_and_asks_first(
+    app: Celery, shared_redis: RedisServer, redis_client: redis.Redis
+) -> None:
+    """Release with the signed-in token and the form's CSRF token: a confirmation page
+    first (nothing changed), then the lock is released and the change logged with the
+    token's name. Without the cookie, without the CSRF token or with actions off: 403
+    and the lock stays."""
+    lock = _lock(shared_redis, "act:1")
+    board = make_app(app, actions=True, token=TOKEN)
+    client = _signed_in(board)
+    page = _text(client.get("/key/act%3A1"))
+    csrf = _csrf(page)
+    form = {"verb": "release", "name": "act:1", "fence": str(lock.fence), "state": "running"}
+
+    anonymous = Client(board).post("/action", data={**form, "csrf": csrf, "confirmed": "yes"})
+    assert anonymous.status_code == 403
+    no_csrf = client.post("/action", data={**form, "confirmed": "yes"})
+    assert no_csrf.status_code == 403
+    wrong_csrf = client.post("/action", data={**form, "csrf": "0" * 64, "confirmed": "yes"})
+    assert wrong_csrf.status_code == 403
+    off = Client(make_app(app)).post("/action", data={**form, "csrf": csrf, "confirmed": "yes"})
+    assert off.status_code == 403
+    ask = client.post("/action", data={**form, "csrf": csrf})
+    assert ask.status_code == 200 and "Release lock" in _text(ask)
+    assert lock.locked()
+
+    done = client.post("/action", data={**form, "csrf": csrf, "confirmed": "yes"})
+    assert done.status_code == 303
+    assert not lock.locked()
+    shown = _text(client.get(done.headers["Location"]))
+    assert "released" in shown and "proj.sync[id-1]" in shown
+
+
+def test_pause_and_set_go_through_the_controls_of_celery_locks(
+    app: Celery, shared_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Pause (with a reason and a duration), set a limit, resume and unset: each shows in
+    the API's control objects as `celery locks list --json` prints them, and each is
+    logged with the token's name."""
+    board = make_app(app, actions=True, token=TOKEN)
+    client = _signed_in(board)
+    csrf = _csrf(_text(client.get("/key/partner%3Aacme")))
+
+    def act(**fields: str) -> None:
+        answer = client.post(
+            "/action", data={"name": "partner:acme", "csrf": csrf, "confirmed": "yes", **fields}
+        )
+        assert answer.status_code == 303
+
+    with caplog.at_level("INFO", logger="celery_redlock.board"):
+        act(verb="pause", reason="429 from acme", **{"for": "10m"})
+        act(verb="set", limit="3")
+    controls = {o["control"]: o for o in json.loads(_text(client.get("/api/locks")))}
+    assert controls["pause"]["value"] == "429 from acme" and controls["pause"]["ttl_ms"] > 590_000
+    assert controls["limit"]["value"] == "3"
+    assert "pause (token 'ops')" in caplog.text and "set (token 'ops')" in caplog.text
+    act(verb="resume")
+    act(verb="unset")
+    assert json.loads(_text(client.get("/api/locks"))) == []
+
+
+def test_a_bad_or_missing_token_is_refused_with_a_clear_message(app: Celery) -> None:
+    """Actions without a token, or a short secret, are a ConfigError that says what to do."""
+    from celery_redlock import ConfigError  # noqa: PLC0415
+
+    with pytest.raises(ConfigError, match="REDLOCK_BOARD_TOKEN"):
+        make_app(app, actions=True)
+    with pytest.raises(ConfigError, match="too short"):
+        make_app(app, actions=True, token="ops:short")
+    page = _text(
+        Client(make_app(app, actions=True, token=TOKEN)).post("/login", data={"token": "nope"})
+    )
+    assert "not a token of this board" in page
+    board = make_app(app, actions=True, token=TOKEN)
+    for elsewhere in ("//evil.example/", "/\\evil.example/", "https://evil.example/"):
+        signed = Client(board).post("/login", data={"token": SECRET, "next": elsewhere})
+        assert signed.headers["Location"] == "/"  # never sent to another site
+    back = Client(board).post("/login", data={"token": SECRET, "next": "/key/a"})
+    assert back.headers["Location"] == "/key/a"
+
+
+# -- serving and mounting -------------------------------------------------------------------------
+def test_serve_refuses_a_non_loopback_address_without_a_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`celery locks serve --host 0.0.0.0` with no token exits 2 saying why."""
+    monkeypatch.delenv("REDLOCK_BOARD_TOKEN", raising=False)
+    result = CliRunner().invoke(
+        celery_main,
+        ["-A", "tests.apps.locksapp", "locks", "serve", "--host", "0.0.0.0", "--port", "0"],
+    )
+    assert result.exit_code == 2
+    assert "needs a token" in result.output and "0.0.0.0" in result.output
+    result = CliRunner().invoke(
+        celery_main, ["-A", "tests.apps.locksapp", "locks", "serve", "--actions"]
+    )
+    assert result.exit_code == 2 and "--actions needs a token" in result.output
+
+
+def test_the_served_board_answers_over_http_and_a_private_one_asks_to_sign_in(
+    app: Celery, shared_redis: RedisServer, tmp_path: Any
+) -> None:
+    """The command's server answers the overview on a free port; served beyond loopback
+    (private), every page needs the token first."""
+    _lock(shared_redis, "http:1")
+    server = make_board_server(app, host="127.0.0.1", port=0)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1})
+    thread.start()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/", timeout=10) as r:
+            assert 'data-name="http:1"' in r.read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+    private = make_app(app)
+    private.private, private.tokens = True, [TOKEN]
+    assert Client(private).get("/").status_code == 303
+    assert Client(private).get("/api/locks").status_code == 403
+    assert 'data-name="http:1"' in _text(_signed_in(private).get("/"))
+
+
+def test_mounted_under_a_prefix_in_a_flask_site_it_serves_the_same_pages(
+    app: Celery, shared_redis: RedisServer
+) -> None:
+    """A Flask app with the board under /ops/locks: the same rows, links and static files
+    under the prefix, the site's own routes untouched."""
+    from flask import Flask  # noqa: PLC0415 - only this test needs Flask
+    from werkzeug.middleware.dispatcher import DispatcherMiddleware  # noqa: PLC0415
+
+    _lock(shared_redis, "mounted:1")
+    site = Flask("site")
+
+    @site.route("/")
+    def home() -> str:
+        return "the site"
+
+    site.wsgi_app = DispatcherMiddleware(site.wsgi_app, {"/ops/locks": make_app(app)})  # type: ignore[method-assign]
+    client = site.test_client()
+    assert client.get("/").get_data(as_text=True) == "the site"
+    page = client.get("/ops/locks/").get_data(as_text=True)
+    alone = _text(Client(make_app(app)).get("/"))
+    assert 'data-name="mounted:1"' in page
+    assert (
+        'href="/ops/locks/key/mounted%3A1"' in page and 'href="/ops/locks/static/board.css"' in page
+    )
+    assert page.replace("/ops/locks", "").count("data-name") == alone.count("data-name")
+    assert client.get("/ops/locks/static/board.js").status_code == 200
+    assert "mounted:1" in client.get("/ops/locks/key/mounted%3A1").get_data(as_text=True)
+
+
+@pytest.mark.parametrize("where", ["memory", "redis"])
+def test_the_overview_reads_one_page_of_names_and_says_more_match(
+    where: str,
+    shared_redis: RedisServer,
+    redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With more names than a page, the overview reads the first names in order (a
+    name's permits and queued hold with it) and says that more match; the API lists all."""
+    from celery_redlock.board import pages  # noqa: PLC0415
+    from celery_redlock.core.admin import scan_locks  # noqa: PLC0415
+
+    url = shared_redis.url if where == "redis" else "memory://board-page"
+    target = connect(url)
+    held = [Lock(target, f"page:{i}", 30, owner_info=OWNER, auto_renew=False) for i in (4, 1, 3, 2)]
+    assert all(lock.acquire(blocking=False) for lock in held)
+    permit = Semaphore(target, "page:2", 2, 30, auto_renew=False)
+    assert permit.acquire(blocking=False)
+    try:
+        first = scan_locks(target, "redlock:", "page:*", limit=2)
+        assert [(i.name, i.kind) for i in first] == [
+            ("page:1", "lock"),
+            ("page:2", "lock"),
+            ("page:2", "permit"),
+        ]
+        app = Celery("paged", broker="memory://", set_as_current=False)
+        app.conf.redlock_url = url
+        monkeypatch.setattr(pages, "PAGE", 2)
+        page = _text(Client(make_app(app)).get("/?prefix=page:"))
+        assert re.findall(r'<tr data-name="([^"]+)"', page) == ["page:1", "page:2"]
+        assert "more match" in page
+        assert len(json.loads(_text(Client(make_app(app)).get("/api/locks?pattern=page:*")))) == 5
+    finally:
+        for lock in [*held, permit]:
+            lock.release()
+
+
+def test_each_key_shows_the_task_rules_that_name_it(app: Celery, shared_redis: RedisServer) -> None:
+    """A task's lock_key (with its lock_limit) and its lock_limits rules show on the rows
+    of the keys they can give, and the semaphore's limit comes from the rule."""
+    from celery_redlock import Limit, Rate  # noqa: PLC0415
+
+    @app.task(
+        base=LockedTask,
+        shared=False,
+        name="proj.import_rows",
+        lock_key="imp:<n>",
+        lock_limits=[Limit("imports", 3), Rate("partner:<p>", "60/m")],
+    )
+    def import_rows(n: int, p: str) -> None: ...
+
+    @app.task(
+        base=LockedTask, shared=False, name="proj.report", lock_key="report:<day>", lock_limit=2
+    )
+    def report(day: str) -> None: ...
+
+    client = shared_redis.client()
+    held = [
+        Lock(client, "imp:1", 30, owner_info=OWNER, auto_renew=False),
+        Semaphore(client, "imports", 3, 30, owner_info=OWNER, auto_renew=False),
+        Semaphore(client, "report:mon", 2, 30, owner_info=OWNER, auto_renew=False),
+    ]
+    assert all(h.acquire(blocking=False) for h in held)
+    page = _text(Client(make_app(app)).get("/"))
+    rows = dict(re.findall(r'<tr data-name="([^"]+)".*?<td data-col="rules">(.*?)</td>', page))
+    assert rows["imp:1"] == "proj.import_rows: lock_key=&#x27;imp:&lt;n&gt;&#x27;"
+    assert rows["imports"] == "proj.import_rows: Limit(&#x27;imports&#x27;, 3)"
+    assert "lock_limit=2" in rows["report:mon"]
+    assert "semaphore 1/2" in page and "semaphore 1/3" in page
+    key_page = _text(Client(make_app(app)).get("/key/imports"))
+    assert "Rules that name it" in key_page and "Limit(&#x27;imports&#x27;, 3)" in key_page
+
+
+def test_a_back_off_is_recorded_and_shown_with_the_pause(app: Celery) -> None:
+    """A run that raises BackOff(30) records a backed_off event on the key it paused, with
+    its reason; the key page shows the event and the pause."""
+    from celery_redlock import BackOff  # noqa: PLC0415
+
+    install(app)
+
+    @app.task(base=LockedTask, shared=False, name="proj.call_partner", lock_key="partner:<p>")
+    def call_partner(p: str) -> None:
+        raise BackOff(30, reason="429 from the partner")
+
+    with pytest.raises(BackOff):
+        call_partner("acme")
+    flush()
+    events, _ = make_app(app).source.events("partner:acme")
+    backed = [e for e in events if e["kind"] == "backed_off"]
+    assert len(backed) == 1 and backed[0]["retry_after"] == 30
+    assert backed[0]["error"] == "429 from the partner"
+    assert backed[0]["task_name"] == "proj.call_partner"
+    page = _text(Client(make_app(app)).get("/key/partner%3Aacme"))
+    assert 'data-kind="backed_off"' in page and "paused: 429 from the partner" in page
+
+
+def test_on_a_cluster_the_board_finds_keys_on_every_primary_and_their_events(
+    redis_cluster: ClusterSetup,
+) -> None:
+    """On a Redis Cluster the overview and the API list locks held on all three
+    primaries (one page of names across them, in order), and the event log is written
+    and read there."""
+    client = redis_cluster.client()
+    names = [f"job:{i:02d}" for i in range(12)]
+    owners = {client.get_node_from_key(f"redlock:{{{n}}}").name for n in names}
+    assert len(owners) == 3, "the names should spread over all three primaries"
+    held = [Lock(client, n, 30, owner_info=OWNER, auto_renew=False) for n in names]
+    assert all(lock.acquire(blocking=False) for lock in held)
+    app = Celery("clusterboard", broker="memory://", set_as_current=False)
+    app.conf.redlock_url = redis_cluster.nodes[0].url
+    app.conf.redlock_client_options = {"cluster": True}
+    try:
+        board = make_app(app)
+        assert (
+            sorted(o["name"] for o in json.loads(_text(Client(board).get("/api/locks")))) == names
+        )
+        assert re.findall(r'<tr data-name="([^"]+)"', _text(Client(board).get("/"))) == names
+        view = board.source.listing("job:*", limit=5)
+        assert [o["name"] for o in view.objects] == names[:5] and view.more
+        store = need(open_backend(client), EventLog)
+        store.log_events(
+            log_key("redlock:"), [json.dumps({"kind": "acquired", "name": "job:01"})], 100, 60_000
+        )
+        assert [e["kind"] for e in board.source.events("job:01")[0]] == ["acquired"]
+    finally:
+        for lock in held:
+            lock.release()
+        client.close()
+
+
+def test_on_sentinel_the_board_reads_the_master(sentinel_setup: SentinelSetup) -> None:
+    """With a sentinel:// URL the board shows the locks on the current master."""
+    url = ";".join(sentinel_setup.sentinel_urls) + "?master=mymaster"
+    lock = Lock(connect(url), "sent:1", 30, owner_info=OWNER, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    app = Celery("sentinelboard", broker="memory://", set_as_current=False)
+    app.conf.redlock_url = url
+    try:
+        page = _text(Client(make_app(app)).get("/"))
+        assert 'data-name="sent:1"' in page and "proj.sync[id-1]" in page
+    finally:
+        lock.release()
+
+
+def test_the_recorder_writes_from_its_thread_which_ends_when_idle(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without flush(), a run's events reach the log from the background thread, which
+    then ends by itself when no event comes (no thread is left behind)."""
+    from celery_redlock.board import recorder  # noqa: PLC0415
+
+    monkeypatch.setattr(recorder, "FLUSH_EVERY", 0.05)
+    monkeypatch.setattr(recorder, "IDLE", 0.3)
+    install(app)
+
+    @app.task(base=LockedTask, shared=False, lock_key="bg:<n>")
+    def job(n: int) -> None: ...
+
+    job(1)
+    board = make_app(app)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(board.source.events("bg:1")[0]) < 2:
+        time.sleep(0.02)
+    assert [e["kind"] for e in board.source.events("bg:1")[0]] == ["released", "acquired"]
+
+    def writer_alive() -> bool:
+        return any(t.name == "celery-redlock-events" for t in threading.enumerate())
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and writer_alive():
+        time.sleep(0.02)
+    assert not writer_alive()
