@@ -17,11 +17,11 @@ from typing import Any
 
 from celery import signals
 
+from .app.event_log import record
 from .app.flags import register_flags
 from .app.observability import enable_prometheus_by_default, logging_hook
 from .app.state import state_for
 from .app.tracing import enable_tracing_by_default
-from .board.recorder import record
 from .cli import command as cli_command
 from .core.events import add_hook
 from .task import locked_task as task_module

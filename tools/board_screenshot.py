@@ -35,7 +35,7 @@ from celery_redlock import (  # noqa: E402 - after the path of this checkout
     control,
     install,
 )
-from celery_redlock.board.recorder import flush  # noqa: E402
+from celery_redlock.app.event_log import flush  # noqa: E402
 from celery_redlock.board.serve import make_board_server  # noqa: E402
 
 URL = "memory://board-screenshot"

@@ -1,6 +1,6 @@
 """What the board reads: the app's lock store, master by master, through the same reads
 and the same JSON objects as ``celery locks list --json`` (:mod:`celery_redlock.core.admin`,
-:mod:`celery_redlock.render`), and the recent lock events (:mod:`.recorder`).
+:mod:`celery_redlock.render`), and the recent lock events (:mod:`celery_redlock.app.event_log`).
 
 A master that cannot be asked, or whose data under the prefix is not ours, is a
 :class:`Problem` shown on the page ("unreachable", "unreadable"), never an error page.
@@ -16,13 +16,13 @@ from typing import Any
 
 from ..app.config import Settings, load_settings
 from ..app.controls import Controls
+from ..app.event_log import MAXLEN, log_key
 from ..cli.render import LockRow, control_json, rate_json
 from ..core import Backend, connect, mask_url, open_backend
 from ..core.admin import read_lock, read_rate, scan_locks, scan_rates
 from ..core.backend import EventLog, FlowControl, given, has
 from ..core.backends import STORE_ERRORS
 from ..core.errors import ConfigError, one_line
-from .recorder import MAXLEN, log_key
 
 __all__ = ["Problem", "Source", "View", "glob_escape"]
 

@@ -28,12 +28,12 @@ from typing import Any
 from urllib.parse import parse_qs, quote
 
 from ..app.checks import parse_duration
+from ..app.event_log import MAXLEN
 from ..core.admin import force_dequeue, force_release
 from ..core.errors import ConfigError, QuorumUnavailable, describe_holder, one_line
 from . import pages
 from .auth import Token, load_tokens, pasted, token_of
 from .pages import e, hidden
-from .recorder import MAXLEN
 from .rules import matching, task_rules
 from .source import Source, glob_escape
 

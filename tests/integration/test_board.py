@@ -5,6 +5,7 @@ The browser tests are in test_board_browser.py."""
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import threading
@@ -22,9 +23,9 @@ from servers import ClusterSetup, RedisServer, SentinelSetup
 from werkzeug.test import Client
 
 from celery_redlock import Lock, LockedTask, Redlock, Semaphore, connect, install
+from celery_redlock.app.event_log import flush, log_key
 from celery_redlock.board import make_app
 from celery_redlock.board.auth import Token
-from celery_redlock.board.recorder import flush, log_key
 from celery_redlock.board.serve import make_board_server
 from celery_redlock.core import open_backend
 from celery_redlock.core.backend import EventLog, need
@@ -546,8 +547,11 @@ def test_the_recorder_writes_from_its_thread_which_ends_when_idle(
 ) -> None:
     """Without flush(), a run's events reach the log from the background thread, which
     then ends by itself when no event comes (no thread is left behind)."""
-    from celery_redlock.board import recorder  # noqa: PLC0415
+    from celery_redlock.app import event_log as recorder  # noqa: PLC0415
 
+    # Earlier tests' apps record until they are collected: one whose servers are gone
+    # would hold the writer thread in its client's timeouts before this app's turn.
+    gc.collect()
     monkeypatch.setattr(recorder, "FLUSH_EVERY", 0.05)
     monkeypatch.setattr(recorder, "IDLE", 0.3)
     install(app)
