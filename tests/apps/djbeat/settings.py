@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+import django
+
 SECRET_KEY = "tests-only"
 DEBUG = False
 USE_TZ = True
@@ -18,6 +20,12 @@ DATABASES = {
         "OPTIONS": {"timeout": 20},
     }
 }
+# Two beats and the test's own edits write the one file: a deferred transaction that
+# reads, then writes, gets "database is locked" at once when another writer is ahead of
+# it (SQLite does not wait there); an IMMEDIATE one takes the write lock first and waits
+# its timeout like any other (Django 5.1 and later).
+if django.VERSION >= (5, 1):
+    DATABASES["default"]["OPTIONS"]["transaction_mode"] = "IMMEDIATE"
 DEFAULT_AUTO_FIELD = "django.db.models.AutoField"
 
 _REDIS = os.environ.get("DJBEAT_REDIS", "redis://127.0.0.1:1")
