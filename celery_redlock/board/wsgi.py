@@ -30,7 +30,7 @@ from urllib.parse import parse_qs, quote
 from ..app.checks import parse_duration
 from ..app.event_log import MAXLEN
 from ..core.admin import force_dequeue, force_release
-from ..core.errors import ConfigError, QuorumUnavailable, describe_holder, one_line
+from ..core.errors import ConfigError, QuorumUnavailable, one_line
 from . import pages
 from .auth import Token, load_tokens, pasted, token_of
 from .pages import e, hidden
@@ -335,16 +335,7 @@ class Board:
                 continue
             fence = form.get("fence") or None
             done = force_release(backend, prefix, name, fence, notice_ttl=notice_ttl)
-            holder = describe_holder(done.record)
-            if done.outcome == "released":
-                said.append(f"released {name!r}: was held by {holder}, fence {done.fence}")
-            elif done.outcome == "gone":
-                said.append(f"{name!r} was already gone (expired or released)")
-            else:
-                said.append(
-                    f"{name!r} is now held by {holder} (fence {done.fence}), not by the "
-                    "acquisition shown; left alone"
-                )
+            said.append(done.said(name))
         return "; ".join(said) or f"{name!r}: no master {master!r}"
 
 

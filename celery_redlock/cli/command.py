@@ -51,7 +51,7 @@ from ..core.admin import (
 from ..core.backend import FlowControl, has, lacks
 from ..core.backend_types import Control
 from ..core.backends import STORE_ERRORS, refusal
-from ..core.errors import ConfigError, describe_holder, one_line
+from ..core.errors import ConfigError, one_line
 from ..core.keys import lock_keys
 from .render import (
     LockRow,
@@ -385,18 +385,9 @@ def release(ctx: click.Context, name: str, force: bool) -> None:
         except _UNREACHABLE as exc:
             session.unreachable.append(_Unreachable(url, exc))
             continue
-        where = f" on {master}" if master else ""
-        holder = describe_holder(done.record)
         if done.outcome == "released":
             released += 1
-            click.echo(f"released {name!r}{where}: was held by {holder}, fence {done.fence}")
-        elif done.outcome == "gone":
-            click.echo(f"{name!r}{where} was already gone (expired or released)")
-        else:
-            click.echo(
-                f"{name!r}{where} is now held by {holder} (fence {done.fence}), not by "
-                "the acquisition shown; left alone"
-            )
+        click.echo(done.said(name, master or ""))
     if session.unreachable:
         session.fail_unreachable()
     if not released:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Literal
 
-from .errors import ConfigError
+from .errors import ConfigError, describe_holder
 from .keys import LockKeys
 
 __all__ = [
@@ -395,6 +395,20 @@ class ForceRelease:
     record: dict[str, Any] = field(default_factory=dict)
     #: Its fence (None when gone, or a queued hold).
     fence: int | None = None
+
+    def said(self, name: str, where: str = "") -> str:
+        """What an operator is told of it (``celery locks release``, the board): lock
+        *name*, on master *where* when a deployment has several."""
+        on = f" on {where}" if where else ""
+        holder = describe_holder(self.record)
+        if self.outcome == "released":
+            return f"released {name!r}{on}: was held by {holder}, fence {self.fence}"
+        if self.outcome == "gone":
+            return f"{name!r}{on} was already gone (expired or released)"
+        return (
+            f"{name!r}{on} is now held by {holder} (fence {self.fence}), not by the "
+            "acquisition shown; left alone"
+        )
 
 
 #: Holder records longer than this (ours are a few hundred bytes) are not decoded: they are
