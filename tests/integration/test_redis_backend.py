@@ -185,10 +185,12 @@ def test_unclear_acquire_is_taken_back(
 
 
 # -- nothing held past a call ------------------------------------------------------------
-def test_many_calls_on_a_tiny_pool(shared_redis: RedisServer, redis_client: redis.Redis) -> None:
+def test_many_calls_on_a_tiny_pool(redis_server: RedisServer) -> None:
     """200 verb calls on a client whose pool allows 2 connections all succeed, and neither
-    the server's client list nor this process's open files grow."""
-    client = shared_redis.client(max_connections=2)
+    the server's client list nor this process's open files grow. (A server of its own:
+    other tests' background threads, such as the event log's writer, use the shared one.)"""
+    client = redis_server.client(max_connections=2)
+    redis_client = redis_server.client()
     backend = RedisBackend.of(client)
     slot, sem = mutex(), permits()
 
@@ -214,6 +216,7 @@ def test_many_calls_on_a_tiny_pool(shared_redis: RedisServer, redis_client: redi
         assert client.ping()  # the user's own client still works
     finally:
         client.close()
+        redis_client.close()
 
 
 def test_exhausted_pool_is_not_unavailable(
