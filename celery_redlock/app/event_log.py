@@ -163,7 +163,11 @@ class _Recorder:
             mine = [event_json(e) for e in events if e.key.startswith(start)]
             if not mine:
                 continue
-            store = given(state.backend(), EventLog)
+            try:
+                store = given(state.backend(), EventLog)
+            except Exception as exc:  # this app's store cannot be opened: the others still write
+                log.debug("celery-redlock: lock events not recorded: %s", exc)
+                continue
             if store is None:
                 continue
             where = (_identity(store), settings.key_prefix)

@@ -5,8 +5,10 @@ The browser tests are in test_board_browser.py."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import logging
 import re
 import threading
 import time
@@ -170,6 +172,46 @@ def test_foreign_data_under_the_prefix_shows_as_unreadable_never_a_500(
 
 
 # -- the events workers record -------------------------------------------------------------------
+def test_an_app_whose_store_cannot_open_leaves_the_others_recording(app: Celery) -> None:
+    """An app of the process with a bad redlock_url (its store never opens) records
+    nothing, and another app's events are still written, with nothing logged as ERROR."""
+    broken = Celery("broken", broker="memory://", set_as_current=False)
+    broken.conf.redlock_url = "http://127.0.0.1:1/1"
+    install(broken)
+    install(app)
+
+    @app.task(base=LockedTask, shared=False, lock_key="ok:<n>")
+    def job(n: int) -> None: ...
+
+    with _error_lines() as errors:
+        job(1)
+        flush()
+    assert [e["kind"] for e in make_app(app).source.events("ok:1")[0]] == [
+        "released",
+        "acquired",
+    ]
+    assert errors == []
+
+
+@contextlib.contextmanager
+def _error_lines() -> Iterator[list[str]]:
+    """The ERROR lines logged by celery_redlock while the block runs."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.ERROR:
+                lines.append(record.getMessage())
+
+    handler = Keep()
+    logger = logging.getLogger("celery_redlock")
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+
+
 def test_runs_record_their_lock_events_and_the_key_page_shows_them(app: Celery) -> None:
     """A run of a LockedTask records acquired and released (with its fence) in the app's
     event log; a refused run records contended; the key page lists them with the fence
