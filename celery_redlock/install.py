@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from celery import signals
@@ -165,11 +166,11 @@ signals.celeryd_init.connect(warn_statedb_scheduler, weak=False)
 task_module.app_hooks.append(install)
 
 
-def _serve_board(*args: Any, **kwargs: Any) -> None:
+def _serve_board(app: Any, *, echo: Callable[[str], object], **options: Any) -> None:
     """``celery locks serve``: the board, imported when the command runs."""
-    from .board.serve import serve_board  # noqa: PLC0415 - only the command serves
+    from .board import serve  # noqa: PLC0415 - only the command serves
 
-    serve_board(*args, **kwargs)
+    serve.serve_board(serve.make_board_server(app, **options), echo=echo)
 
 
 cli_command.board_servers.append(_serve_board)

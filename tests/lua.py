@@ -1,44 +1,29 @@
 """The package's Lua scripts, for tests that run one as another client would.
 
-Each is read from the installed package (``celery_redlock/core/backends/redis/lua``) and run with
-redis-py's ``eval``: what a second program sharing the server could send.
+Each is the source the Redis backend sends (its file with the shared parts it lists, from
+``celery_redlock.core.backends.redis.scripts``), run with redis-py's ``eval``: what a
+second program sharing the server could send.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from importlib import resources
 from typing import Any
 
 import redis
 
-LUA = resources.files("celery_redlock.core.backends.redis").joinpath("lua")
+from celery_redlock.core.backends.redis import scripts
+from celery_redlock.core.backends.redis.scripts import Script
 
-
-class Script:
-    """One script file (with the shared parts appended, as the backend sends it)."""
-
-    def __init__(self, filename: str, *parts: str) -> None:
-        self.filename = filename
-        self.source = "".join(LUA.joinpath(name).read_text("utf-8") for name in (filename, *parts))
-
-    def run(self, client: redis.Redis, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """The script's reply on *client*."""
-        return client.eval(self.source, len(keys), *keys, *args)
-
-    def __repr__(self) -> str:
-        return f"Script({self.filename!r})"
-
-
-ACQUIRE = Script("acquire.lua")
-RELEASE = Script("release.lua")
-EXTEND = Script("extend.lua")
-FORCE_RELEASE = Script("force_release.lua")
-PERMIT_ACQUIRE = Script("permit_acquire.lua")
+ACQUIRE = scripts.ACQUIRE
+RELEASE = scripts.RELEASE
+EXTEND = scripts.EXTEND
+FORCE_RELEASE = scripts.FORCE_RELEASE
+PERMIT_ACQUIRE = scripts.PERMIT_ACQUIRE
 
 
 def run_script(
     client: redis.Redis, script: Script, keys: Sequence[str], args: Sequence[Any]
 ) -> Any:
-    """Run one of the package's scripts directly, as another client would."""
-    return script.run(client, keys, args)
+    """Run one of the package's scripts directly with ``EVAL``, as another client would."""
+    return client.eval(script.source, len(keys), *keys, *args)

@@ -78,23 +78,15 @@ def make_board_server(
         raise ConfigError(f"cannot serve the board on {host}:{port}: {exc}") from None
 
 
-def serve_board(
-    app: Any,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 5566,
-    actions: bool = False,
-    token_file: str | None = None,
-    overrides: Mapping[str, Any] | None = None,
-    echo: Callable[[str], object] = print,
-) -> None:
-    """Serve *app*'s board until interrupted."""
-    server = make_board_server(
-        app, host=host, port=port, actions=actions, token_file=token_file, overrides=overrides
-    )
+def serve_board(server: WSGIServer, *, echo: Callable[[str], object] = print) -> None:
+    """Serve the board of *server* (:func:`make_board_server`) until interrupted, then
+    close it."""
+    host, port = str(server.server_address[0]), server.server_address[1]
+    board = server.get_app()
     shown = f"[{host}]" if ":" in host else host
-    where = f"http://{shown}:{server.server_port}/"
-    echo(f"celery-redlock board on {where} ({'actions on' if actions else 'read-only'})")
+    where = f"http://{shown}:{port}/"
+    mode = "actions on" if isinstance(board, Board) and board.actions else "read-only"
+    echo(f"celery-redlock board on {where} ({mode})")
     try:
         server.serve_forever(poll_interval=0.5)
     except KeyboardInterrupt:

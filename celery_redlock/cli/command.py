@@ -485,15 +485,6 @@ def pause(ctx: click.Context, key: str, for_: str | None, reason: str) -> None:
 
 
 @_takes_flags
-@locks.command(cls=CeleryCommand)
-@click.argument("key")
-@click.pass_context
-def resume(ctx: click.Context, key: str) -> None:
-    """Lift KEY's pause; exit 1 if it was not paused."""
-    _lift(ctx, key, lambda c: c.resume(key), "is not paused", f"resumed {key!r}")
-
-
-@_takes_flags
 @locks.command(name="set", cls=CeleryCommand)
 @click.argument("key")
 @click.option(
@@ -547,23 +538,30 @@ def set_(  # noqa: PLR0917 - one parameter per option
         click.echo(f"{key!r}: rate {rate}{more}{span}")
 
 
-@_takes_flags
-@locks.command(cls=CeleryCommand)
-@click.argument("key")
-@click.pass_context
-def unset(ctx: click.Context, key: str) -> None:
-    """Lift KEY's limit and rate overrides (not a pause); exit 1 if it had none."""
-    _lift(ctx, key, lambda c: c.unset(key), "has no override", f"{key!r}: overrides lifted")
+def _lifting(
+    name: str, help: str, lift: Callable[[Controls, str], bool], missing: str, done: str
+) -> click.Command:
+    """The command *name* KEY that lifts a control of KEY with *lift*: exit 1, saying KEY
+    *missing*, when it had none, else print *done* (``{key}`` in it: KEY quoted)."""
+
+    @click.argument("key")
+    @click.pass_context
+    def lifts(ctx: click.Context, key: str) -> None:
+        if not _control_call(_Session(ctx), lambda c: lift(c, key)):
+            raise CeleryCommandException(f"{key!r} {missing}", EXIT_NOT_HELD)
+        click.echo(done.format(key=repr(key)))
+
+    return _takes_flags(locks.command(name=name, cls=CeleryCommand, help=help)(lifts))
 
 
-def _lift(
-    ctx: click.Context, key: str, lift: Callable[[Controls], bool], missing: str, done: str
-) -> None:
-    """Lift a control of KEY (``resume``, ``unset``); exit 1, saying KEY *missing*, when
-    it had none, else print *done*."""
-    if not _control_call(_Session(ctx), lift):
-        raise CeleryCommandException(f"{key!r} {missing}", EXIT_NOT_HELD)
-    click.echo(done)
+resume = _lifting(
+    "resume", "Lift KEY's pause; exit 1 if it was not paused.", Controls.resume,
+    "is not paused", "resumed {key}",
+)  # fmt: skip
+unset = _lifting(
+    "unset", "Lift KEY's limit and rate overrides (not a pause); exit 1 if it had none.",
+    Controls.unset, "has no override", "{key}: overrides lifted",
+)  # fmt: skip
 
 
 def _controls_of(session: _Session, pattern: str) -> list[Control]:

@@ -9,11 +9,17 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import re
+import select
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +39,7 @@ from celery_redlock.core import open_backend
 from celery_redlock.core.backend import EventLog, need
 from tests.apps import locksapp
 
+ROOT = Path(__file__).resolve().parents[2]
 SECRET = "s3cret-board-token-0123456789"
 TOKEN = Token("ops", SECRET)
 OWNER = {"task_name": "proj.sync", "task_id": "id-1"}
@@ -386,6 +393,43 @@ def test_serve_refuses_a_non_loopback_address_without_a_token(
         celery_main, ["-A", "tests.apps.locksapp", "locks", "serve", "--actions"]
     )
     assert result.exit_code == 2 and "--actions needs a token" in result.output
+
+
+@pytest.mark.slow
+def test_the_serve_command_prints_its_address_and_serves_until_stopped(
+    shared_redis: RedisServer,
+) -> None:
+    """`celery -A app locks serve --port 0` in a real process prints where it serves and
+    whether actions are on, answers the API there, and exits when interrupted."""
+    _lock(shared_redis, "served:1")
+    env = dict(os.environ, LOCKSAPP_REDLOCK_URL=shared_redis.url)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.pop("REDLOCK_BOARD_TOKEN", None)
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "celery"), "-A", "tests.apps.locksapp", "locks",
+         "serve", "--port", "0"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "no address printed within 60 s"
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        found = re.fullmatch(
+            r"celery-redlock board on (http://127\.0\.0\.1:\d+/) \(read-only\)\n", line
+        )
+        assert found, line
+        with urllib.request.urlopen(found.group(1) + "api/locks", timeout=10) as r:
+            assert [row["name"] for row in json.loads(r.read())] == ["served:1"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
 
 
 def test_the_served_board_answers_over_http_and_a_private_one_asks_to_sign_in(

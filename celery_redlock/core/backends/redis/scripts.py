@@ -59,23 +59,30 @@ def _lua(filename: str) -> str:
 
 
 class Script:
-    """A Lua script of this package: the file, then any shared parts appended to it; in
-    front of it, each of *functions* (Lua function name -> file) as a local function of
-    ``(KEYS, ARGV)``, so that a script can run another's steps on keys and arguments it
-    chooses. :attr:`guarded` is the same script with ``master_guard.lua`` in front, for
-    a Sentinel-managed master."""
+    """A Lua script of this package: the file, then any shared parts appended to it. In
+    front of it, first each file of *uses* as it is (shared parts that define local
+    functions, such as ``owner_of.lua``), then each of *functions* (Lua function name ->
+    file) as a local function of ``(KEYS, ARGV)``, so that a script can run another's
+    steps on keys and arguments it chooses. :attr:`guarded` is the same script with
+    ``master_guard.lua`` in front, for a Sentinel-managed master."""
 
     __slots__ = ("_body", "_guarded", "name", "sha", "source")
 
     def __init__(
-        self, filename: str, *parts: str, functions: Mapping[str, str] | None = None
+        self,
+        filename: str,
+        *parts: str,
+        uses: Sequence[str] = (),
+        functions: Mapping[str, str] | None = None,
     ) -> None:
         self.name = filename
-        head = "".join(
+        head = "".join(_lua(f) for f in uses) + "".join(
             f"local function {fn}(KEYS, ARGV)\n{_lua(f)}end\n"
             for fn, f in (functions or {}).items()
         )
         self._body = head + "".join(_lua(f) for f in (filename, *parts))
+        if head and self._body.startswith("#!", len(head)):
+            raise ValueError(f"{filename}: a script with flags (#!) takes nothing in front")
         self._guarded: Script | None = None
         self._set_source("")
 
@@ -140,24 +147,26 @@ def send_script(conn: Any, script: Script, keys: Sequence[str], args: Sequence[A
         return conn.read_response()
 
 
-ACQUIRE = Script("acquire.lua")
+ACQUIRE = Script("acquire.lua", uses=("fence_floor.lua",))
 RELEASE = Script("release.lua")
-EXTEND = Script("extend.lua")
+EXTEND = Script("extend.lua", uses=("owner_of.lua",))
 EXTEND_MANY = Script("extend_many.lua", "extend_items.lua")
 EXTEND_NODE = Script("extend_node.lua", "extend_items.lua")  # a cluster node, across slots
 RAISE_FENCE = Script("raise_fence.lua")
 FORCE_RELEASE = Script("force_release.lua")
 CLAIM_FIELD = Script("claim_field.lua")
-PERMIT_ACQUIRE = Script("permit_acquire.lua")
+PERMIT_ACQUIRE = Script("permit_acquire.lua", uses=("fence_floor.lua",))
 PERMIT_RELEASE = Script("permit_release.lua")
 PERMIT_EXTEND = Script("permit_extend.lua")
 PERMITS = Script("permits.lua")
 RATE = Script("rate.lua")
 ENQUEUE = Script("enqueue.lua")
 DEQUEUE = Script("dequeue.lua")
-PARK = Script("park.lua")
+PARK = Script("park.lua", uses=("owner_of.lua",))
 HOLD_ALL = Script(
-    "hold_all.lua", functions={"take_lock": "acquire.lua", "take_permit": "permit_acquire.lua"}
+    "hold_all.lua",
+    uses=("fence_floor.lua",),
+    functions={"take_lock": "acquire.lua", "take_permit": "permit_acquire.lua"},
 )
 RELEASE_ALL = Script(
     "release_all.lua", functions={"give_lock": "release.lua", "give_permit": "permit_release.lua"}

@@ -69,14 +69,7 @@ if queued and not parked and queued[1] and queued[1] ~= ARGV[6] and ARGV[7] == '
   return {-1, queued[2] or '', redis.call('PTTL', KEYS[4]), queued[1]}
 end
 local fence = redis.call('INCR', KEYS[2])
-if ARGV.fence_floor then -- a Sentinel-managed master: no fence below its epoch's floor
-  local now = redis.call('TIME')
-  local least = ARGV.fence_floor + tonumber(now[1]) * 1000000 + tonumber(now[2])
-  if fence < least then
-    fence = least
-    redis.call('SET', KEYS[2], string.format('%d', least))
-  end
-end
+fence = fence_floor(KEYS[2], fence, ARGV.fence_floor, nil)
 local fence_ttl = tonumber(ARGV[5] or '0')
 if fence_ttl > 0 then
   if fence == 1 then -- the counter was gone: restart it above anything it counted to

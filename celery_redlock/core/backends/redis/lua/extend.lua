@@ -7,15 +7,9 @@
 --          0   no such lock (expired or removed): lost
 --          -1  held by another token: lost
 --          -2  the key holds something that is not a lock hash (foreign data): lost
-local tok = redis.pcall('HGET', KEYS[1], 'token')
-if type(tok) == 'table' and tok.err then
-  return -2
-end
-if not tok then
-  return 0
-end
-if tok ~= ARGV[1] then
-  return -1
+local owned = owner_of(KEYS[1], ARGV[1])
+if owned ~= 1 then
+  return owned
 end
 local ms = tonumber(ARGV[2])
 if ARGV[3] ~= '1' then

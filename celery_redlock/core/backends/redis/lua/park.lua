@@ -15,15 +15,9 @@
 --          0   no such lock (expired or removed)
 --          -1  held by another token: nothing touched
 --          -2  the key holds something that is not a lock hash: nothing touched
-local tok = redis.pcall('HGET', KEYS[1], 'token')
-if type(tok) == 'table' and tok.err then
-  return -2
-end
-if not tok then
-  return 0
-end
-if tok ~= ARGV[1] then
-  return -1
+local owned = owner_of(KEYS[1], ARGV[1])
+if owned ~= 1 then
+  return owned
 end
 redis.call('HSET', KEYS[1], 'token', 'parked:' .. ARGV[2], 'owner', ARGV[2], 'info', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])

@@ -69,13 +69,7 @@ if fence_ttl > 0 and redis.call('EXISTS', KEYS[2]) == 0 then
   redis.call('SET', KEYS[2], t[1] .. string.format('%06d', tonumber(t[2])))
 end
 local fence = redis.call('INCR', KEYS[2])
-if ARGV.fence_floor then -- a Sentinel-managed master: no fence below its floor (acquire.lua)
-  local least = ARGV.fence_floor + tonumber(t[1]) * 1000000 + tonumber(t[2])
-  if fence < least then
-    fence = least
-    redis.call('SET', KEYS[2], string.format('%d', least))
-  end
-end
+fence = fence_floor(KEYS[2], fence, ARGV.fence_floor, t)
 if fence_ttl > 0 then
   redis.call('PEXPIRE', KEYS[2], fence_ttl)
 end
