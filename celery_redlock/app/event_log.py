@@ -56,6 +56,10 @@ IDLE = 5.0
 _BACKLOG = 10_000
 
 
+#: One encoder for every event (``json.dumps`` with an option builds one per call).
+_encode = json.JSONEncoder(default=str).encode
+
+
 def log_key(prefix: str) -> str:
     """The key of the event log of the locks under *prefix* (outside every lock's braces,
     so ``celery locks`` never takes it for a lock)."""
@@ -84,7 +88,7 @@ def event_json(event: LockEvent) -> str:
         out["holder"] = {
             k: event.holder.get(k) for k in ("task_name", "task_id", "hostname", "pid")
         }
-    return json.dumps(out, default=str)
+    return _encode(out)
 
 
 class _Recorder:

@@ -37,6 +37,7 @@ from celery_redlock.board.auth import Token
 from celery_redlock.board.serve import make_board_server
 from celery_redlock.core import open_backend
 from celery_redlock.core.backend import EventLog, need
+from celery_redlock.core.errors import ConfigError
 from tests.apps import locksapp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -270,6 +271,19 @@ def test_the_event_log_is_capped_and_read_newest_first(
     assert 100 <= len(backend.read_events("t:events", 5000)) <= 200
     if url == "redis":  # the log goes when nobody writes to it
         assert 0 < redis_client.pttl("t:events") <= 60_000
+
+
+def test_an_event_log_key_holding_foreign_data_is_a_config_error_naming_it(
+    shared_redis: RedisServer, redis_client: redis.Redis
+) -> None:
+    """A string where the log should be: the write fails naming the key (never "Redis
+    down"), and the foreign value is left as it was."""
+    backend = need(open_backend(connect(shared_redis.url)), EventLog)
+    redis_client.set("t:events", "theirs")
+    with pytest.raises(ConfigError, match="'t:events' is not a stream of lock events"):
+        backend.log_events("t:events", ["1", "2"], 100, 60_000)
+    assert redis_client.get("t:events") == b"theirs"
+    assert redis_client.pttl("t:events") == -1
 
 
 def test_a_redlock_board_shows_each_masters_view(

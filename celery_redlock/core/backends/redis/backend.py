@@ -97,7 +97,7 @@ from .flow import (
     rule_items,
     rule_renewals,
 )
-from .scripts import HOLD_ALL, RELEASE_ALL, Script, pool_of, run
+from .scripts import HOLD_ALL, LOG_EVENTS, RELEASE_ALL, Script, pool_of, run
 from .sent import RedisSent
 from .sentinel import is_sentinel_master, watch_of
 from .verbs import Call
@@ -107,6 +107,8 @@ __all__ = ["RedisBackend"]
 
 #: How long after its time a wait's ``BLPOP`` may answer before the wait ends without it.
 WAIT_SLACK = 0.002
+#: The most events one ``log_events.lua`` call appends.
+EVENTS_PER_CALL = 500
 
 
 class RedisBackend:
@@ -552,13 +554,13 @@ class RedisBackend:
 
     # -- the lock event log (the board's) ----------------------------------------------------
     def log_events(self, log_key: str, events: Sequence[str], maxlen: int, ttl_ms: int) -> None:
-        """``XADD <log_key> MAXLEN ~ <maxlen>`` per event, then ``PEXPIRE``, in one pipeline."""
+        """``log_events.lua``: ``XADD <log_key> MAXLEN ~ <maxlen>`` per event, then
+        ``PEXPIRE``, one script call per :data:`EVENTS_PER_CALL` events (a bounded time
+        inside the server)."""
         with self._errors(log_key, partial(_not_a_log, log_key)):
-            pipe = self.client.pipeline(transaction=False)
-            for event in events:
-                pipe.xadd(log_key, {"e": event}, maxlen=maxlen, approximate=True)
-            pipe.pexpire(log_key, ttl_ms)
-            pipe.execute()
+            for start in range(0, len(events), EVENTS_PER_CALL):
+                chunk = events[start : start + EVENTS_PER_CALL]
+                self._run(LOG_EVENTS, [log_key], [maxlen, ttl_ms, *chunk])
 
     def read_events(self, log_key: str, count: int) -> list[str]:
         """``XREVRANGE <log_key> + - COUNT <count>``: the newest first."""

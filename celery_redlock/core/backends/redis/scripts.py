@@ -36,6 +36,7 @@ __all__ = [
     "EXTEND_NODE",
     "FORCE_RELEASE",
     "HOLD_ALL",
+    "LOG_EVENTS",
     "MASTER_MARK",
     "PARK",
     "PERMITS",
@@ -173,3 +174,4 @@ RELEASE_ALL = Script(
 )
 CONTROL = Script("control.lua")
 MASTER_MARK = Script("master_mark.lua")
+LOG_EVENTS = Script("log_events.lua")
