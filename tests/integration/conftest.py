@@ -21,6 +21,7 @@ import kombu
 import pytest
 import redis
 from celery.contrib.testing.worker import test_worker_started, test_worker_stopped
+from inprocess import Env
 from kombu.asynchronous import set_event_loop
 from servers import (
     ClusterSetup,
@@ -30,6 +31,7 @@ from servers import (
     kill_all_servers,
     start_servers,
 )
+from workers import forget_results
 
 # Servers must not outlive an interrupted run: atexit covers normal exit and Ctrl-C, and a
 # SIGTERM handler (installed only if nobody else owns SIGTERM) covers being terminated.
@@ -141,6 +143,22 @@ def redis_client(shared_redis: RedisServer) -> Iterator[redis.Redis]:
         yield client
     finally:
         client.close()
+
+
+@pytest.fixture
+def env(shared_redis: RedisServer, redis_client: redis.Redis) -> Iterator[Env]:
+    """The shared throwaway server, flushed, with clients of its lock and record dbs and
+    the test's apps (:class:`inprocess.Env`), closed afterwards."""
+    e = Env(shared_redis)
+    try:
+        yield e
+    finally:
+        gc.collect()  # results die now, while their server still runs (see forget_results)
+        for app in e.apps:
+            forget_results(app)
+            app.close()
+        e.locks.close()
+        e.rec.close()
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ and the in-process worker come from test_task_inprocess.
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import re
 import socket
@@ -21,14 +20,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import redis
 from amqp.exceptions import ChannelError
 from celery import Celery, chord, group, signals
 from celery.result import AsyncResult
+from inprocess import Env, worker
 from prometheus_client import CollectorRegistry
-from servers import RedisServer, wait_for
+from servers import wait_for
 from test_observability import EventCapture
-from test_task_inprocess import Env, forget_results, worker
 
 from celery_redlock import (
     AlreadyQueued,
@@ -70,21 +68,6 @@ def queued_messages(app: Celery) -> int:
 def hold_owner(env: Env, name: str) -> str | None:
     """The task id holding lock *name*'s enqueue-time hold, or None."""
     return env.locks.hget(f"redlock:{{{name}}}:queued", "owner")
-
-
-@pytest.fixture
-def env(shared_redis: RedisServer, redis_client: redis.Redis) -> Iterator[Env]:
-    """The shared throwaway server, flushed, plus record/lock clients; apps closed after."""
-    e = Env(shared_redis)
-    try:
-        yield e
-    finally:
-        gc.collect()  # results die now, while their server still runs (see forget_results)
-        for app in e.apps:
-            forget_results(app)
-            app.close()
-        e.locks.close()
-        e.rec.close()
 
 
 @pytest.fixture

@@ -9,17 +9,14 @@ are in test_limit_workers.py.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
+from inprocess import Env, worker
 from prometheus_client import CollectorRegistry
 from servers import RedisServer, wait_for
-from test_task_inprocess import Env, forget_results, worker
 
 from celery_redlock import (
     ConfigError,
@@ -33,21 +30,6 @@ from celery_redlock import (
 from celery_redlock.app.observability import disable_prometheus, enable_prometheus
 from celery_redlock.app.state import state_for
 from celery_redlock.install import check_locked_tasks
-
-
-@pytest.fixture
-def env(shared_redis: RedisServer, redis_client: redis.Redis) -> Iterator[Env]:
-    """The shared throwaway server, flushed; apps closed afterwards."""
-    e = Env(shared_redis)
-    try:
-        yield e
-    finally:
-        gc.collect()  # results die now, while their server still runs (see forget_results)
-        for app in e.apps:
-            forget_results(app)
-            app.close()
-        e.locks.close()
-        e.rec.close()
 
 
 # ------------------------------------------------------------------------------ options

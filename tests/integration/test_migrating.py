@@ -12,18 +12,16 @@ or a test whose row is gone, fails.
 from __future__ import annotations
 
 import functools
-import gc
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import redis
 from celery import Celery
-from servers import RedisServer, wait_for
-from test_task_inprocess import Env, forget_results, worker
+from inprocess import Env, worker
+from servers import wait_for
 
 from celery_redlock import AlreadyQueued, ConfigError, LockedTask, RedlockError
 from celery_redlock.app.config import SETTINGS
@@ -105,21 +103,6 @@ SINGLETON_CASES = {
 
 
 # -- fixtures and helpers ---------------------------------------------------------------------
-@pytest.fixture
-def env(shared_redis: RedisServer, redis_client: redis.Redis) -> Iterator[Env]:
-    """The shared throwaway server, flushed; apps closed after."""
-    e = Env(shared_redis)
-    try:
-        yield e
-    finally:
-        gc.collect()
-        for app in e.apps:
-            forget_results(app)
-            app.close()
-        e.locks.close()
-        e.rec.close()
-
-
 def _url(env: Env) -> str:
     # both libraries keep one client per process for the first URL they see: the
     # session's shared server, db 4, is the only one they are ever given here

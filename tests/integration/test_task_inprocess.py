@@ -28,13 +28,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import redis
 from celery import Celery, signals
-from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
 from celery.result import AsyncResult
+from inprocess import Env, worker
 from servers import RedisServer, wait_for
-from workers import forget_results
 
 from celery_redlock import (
     BackOff,
@@ -58,93 +56,9 @@ from celery_redlock.task.interrupt import LockLostInterrupt, Watch, watch_of
 from celery_redlock.task.locked_task import needs_postrun_net
 
 LOGGER = "celery_redlock"
-_app_numbers = itertools.count(1)
 
 
 # ------------------------------------------------------------------------------- helpers
-class Env:
-    """The throwaway Redis of one test: broker db 0, locks db 1, results db 2, records db 3."""
-
-    def __init__(self, server: RedisServer) -> None:
-        self.server = server
-        self.base = f"redis://{server.host}:{server.port}"
-        self.locks = server.client(db=1, decode_responses=True)
-        self.rec = server.client(db=3, decode_responses=True)
-        self.apps: list[Celery] = []
-
-    def app(self, lock_url: str | list[str] | None = None, **conf: Any) -> Celery:
-        """A fresh app on this server; ``conf`` entries go to ``app.conf``."""
-        number = next(_app_numbers)
-        app = Celery(
-            f"inproc{number}",
-            broker=f"{self.base}/0",
-            backend=f"{self.base}/2",
-            set_as_current=False,
-        )
-        app.conf.update(
-            redlock_url=lock_url or f"{self.base}/1",
-            task_default_queue=f"inproc{number}-{uuid.uuid4().hex[:6]}",
-            worker_hijack_root_logger=False,
-            broker_connection_retry_on_startup=True,
-            broker_transport_options={"polling_interval": 0.1},
-            result_backend_transport_options={"retry_policy": {"max_retries": 2}},
-            worker_prefetch_multiplier=1,
-        )
-        app.conf.update(conf)
-        self.apps.append(app)
-        return app
-
-    # -- records written by task bodies (db 3) --
-    def push(self, key: str, value: Any) -> None:
-        self.rec.rpush(key, json.dumps(value))
-
-    def items(self, key: str) -> list[Any]:
-        return [json.loads(v) for v in self.rec.lrange(key, 0, -1)]
-
-    def held_keys(self) -> list[str]:
-        """Lock keys (not fence counters, notify lists or the board's event log) currently
-        in the lock store."""
-        side = (":fence", ":notify", ":recent")
-        found = self.locks.scan_iter("redlock:*")
-        return sorted(k for k in found if not k.endswith(side) and k != "redlock:events")
-
-    def hold_until(self, flag: str, limit: float = 10.0) -> bool:
-        """Block (in small steps) until ``flag`` is set in the record db; False on timeout."""
-        deadline = time.monotonic() + limit
-        while time.monotonic() < deadline:
-            if self.rec.exists(flag):
-                return True
-            time.sleep(0.01)
-        return False
-
-
-@pytest.fixture
-def env(shared_redis: RedisServer, redis_client: redis.Redis) -> Iterator[Env]:
-    """The shared throwaway server, flushed, plus record/lock clients; apps closed after."""
-    e = Env(shared_redis)
-    try:
-        yield e
-    finally:
-        gc.collect()  # see forget_results: results die now, while their server still runs
-        for app in e.apps:
-            forget_results(app)
-            app.close()
-        e.locks.close()
-        e.rec.close()
-
-
-# start_worker, not redlock_worker: tests start it mid-test (after publishing), on per-test apps.
-@contextlib.contextmanager
-def worker(app: Celery, pool: str = "threads", concurrency: int = 4) -> Iterator[Any]:
-    """An in-process worker (a background thread of this process) for *app*."""
-    with start_worker(
-        app,
-        pool=pool,
-        concurrency=concurrency,
-        perform_ping_check=False,
-        shutdown_timeout=30.0,
-    ) as w:
-        yield w
 
 
 def messages(caplog: pytest.LogCaptureFixture, level: int = logging.DEBUG) -> list[str]:

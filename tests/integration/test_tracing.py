@@ -9,7 +9,6 @@ docs/tracing.md lists.
 
 from __future__ import annotations
 
-import gc
 import json
 import threading
 import time
@@ -18,15 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from celery import Celery
+from inprocess import Env, worker
 from opentelemetry.instrumentation.celery import CeleryInstrumentor
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
-from servers import RedisServer, wait_for
-from test_task_inprocess import Env, forget_results, worker
+from servers import wait_for
 from workers import Worker, close_publisher, publisher, values_of
 
 from celery_redlock import Limit, Lock, LockedTask, add_hook, control, remove_hook
@@ -70,21 +68,6 @@ class Spans:
             and s.parent.span_id == ctx.span_id
             and s.get_span_context().trace_id == ctx.trace_id
         ]
-
-
-@pytest.fixture
-def env(shared_redis: RedisServer, redis_client: redis.Redis) -> Iterator[Env]:
-    """The shared throwaway server, flushed; apps closed afterwards."""
-    e = Env(shared_redis)
-    try:
-        yield e
-    finally:
-        gc.collect()  # results die now, while their server still runs (see forget_results)
-        for app in e.apps:
-            forget_results(app)
-            app.close()
-        e.locks.close()
-        e.rec.close()
 
 
 @pytest.fixture
