@@ -22,6 +22,7 @@ from servers import RedisServer, wait_for
 
 from celery_redlock import Lock, QuorumUnavailable, Redlock, connect
 from celery_redlock.core.backends.redis.client import checkout
+from celery_redlock.core.keys import lock_keys
 
 Servers = Callable[[int], list[RedisServer]]
 
@@ -50,6 +51,11 @@ def warm(clients: list[Any], masters: int) -> None:
         assert lock.acquire(blocking=False)
         heard |= {name for name, said in lock.masters.items() if "acquired" in said}
         lock.release()
+        # The next round starts once this release reached every master: a master slower
+        # than the majority (a loaded machine) would otherwise stay a call behind and never
+        # answer a round in time.
+        key = lock_keys(f"warm:{i}").lock
+        wait_for(lambda key=key: not any(c.exists(key) for c in clients), 3, "the release")
         if len(heard) == masters:
             return
     raise AssertionError(f"a master never answered: {lock.masters}")
