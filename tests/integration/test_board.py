@@ -629,15 +629,22 @@ def test_on_a_cluster_the_board_finds_keys_on_every_primary_and_their_events(
 
 
 def test_on_sentinel_the_board_reads_the_master(sentinel_setup: SentinelSetup) -> None:
-    """With a sentinel:// URL the board shows the locks on the current master."""
+    """With a sentinel:// URL the board shows the locks on the current master, and the
+    event log is written there (its script sent behind the master guard) and read back."""
     url = ";".join(sentinel_setup.sentinel_urls) + "?master=mymaster"
-    lock = Lock(connect(url), "sent:1", 30, owner_info=OWNER, auto_renew=False)
+    client = connect(url)
+    lock = Lock(client, "sent:1", 30, owner_info=OWNER, auto_renew=False)
     assert lock.acquire(blocking=False)
     app = Celery("sentinelboard", broker="memory://", set_as_current=False)
     app.conf.redlock_url = url
     try:
-        page = _text(Client(make_app(app)).get("/"))
+        board = make_app(app)
+        page = _text(Client(board).get("/"))
         assert 'data-name="sent:1"' in page and "proj.sync[id-1]" in page
+        store = need(open_backend(client), EventLog)
+        events = [json.dumps({"kind": kind, "name": "sent:1"}) for kind in ("acquired", "released")]
+        store.log_events(log_key("redlock:"), events, 100, 60_000)
+        assert [e["kind"] for e in board.source.events("sent:1")[0]] == ["released", "acquired"]
     finally:
         lock.release()
 
