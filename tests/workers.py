@@ -20,6 +20,29 @@ from servers import wait_for
 ROOT = Path(__file__).resolve().parent.parent
 
 
+
+def worker_env(
+    server: Any,
+    prefix: str = "REDLOCK_TEST",
+    *,
+    broker: str | None = None,
+    locks: str | None = None,
+    **extra: str,
+) -> dict[str, str]:
+    """The environment a test app (``tests/apps``) reads its URLs from, all on *server*:
+    ``<prefix>_BROKER`` db 0, ``_LOCKS`` db 1, ``_BACKEND`` db 2, ``_RECORD`` db 3 (what
+    task bodies write for the test to read); *broker* and *locks* replace theirs, and
+    *extra* is added as it is."""
+    base = f"redis://127.0.0.1:{server.port}"
+    return {
+        f"{prefix}_BROKER": broker or f"{base}/0",
+        f"{prefix}_BACKEND": f"{base}/2",
+        f"{prefix}_LOCKS": locks or f"{base}/1",
+        f"{prefix}_RECORD": f"{base}/3",
+        **extra,
+    }
+
+
 class Worker:
     """A `celery -A <app> worker -P <pool>` subprocess (prefork by default) logging to
     *log_path*."""

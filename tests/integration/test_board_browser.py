@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from servers import RedisServer
-from workers import Worker, forget_results
+from workers import Worker, forget_results, worker_env
 
 from celery_redlock import Lock
 from celery_redlock.board.serve import make_board_server
@@ -76,23 +76,13 @@ def browser() -> Iterator[Any]:
         driver.quit()
 
 
-def _env(server: RedisServer) -> dict[str, str]:
-    base = f"redis://127.0.0.1:{server.port}"
-    return {
-        "REDLOCK_TEST_BROKER": f"{base}/0",
-        "REDLOCK_TEST_BACKEND": f"{base}/2",
-        "REDLOCK_TEST_LOCKS": f"{base}/1",
-        "REDLOCK_TEST_RECORD": f"{base}/3",
-    }
-
-
 @pytest.fixture(scope="module")
 def workers(
     server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[Worker]]:
     """Two prefork workers of concurrency 2 of tests.apps.boardapp."""
     logs = tmp_path_factory.mktemp("board")
-    started = [Worker(APP, _env(server), logs / f"w{i}.log", concurrency=2) for i in range(2)]
+    started = [Worker(APP, worker_env(server), logs / f"w{i}.log", concurrency=2) for i in range(2)]
     try:
         for w in started:
             w.wait_ready()
@@ -109,7 +99,7 @@ def board(
     server: RedisServer, workers: list[Worker], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     """The board of boardapp (actions on, one token) served on a free loopback port: its URL."""
-    env = _env(server)
+    env = worker_env(server)
     conf = boardapp.app.conf
     saved = {k: conf.get(k) for k in ("broker_url", "result_backend", "redlock_url")}
     conf.update(broker_url=env["REDLOCK_TEST_BROKER"], result_backend=env["REDLOCK_TEST_BACKEND"])

@@ -25,7 +25,7 @@ import kombu
 import pytest
 from celery import Celery
 from servers import RedisServer, wait_for
-from workers import ROOT, Worker
+from workers import ROOT, Worker, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -33,15 +33,7 @@ APP = "tests.apps.dedupapp"
 
 
 def _env(server: RedisServer, ttl: float, **extra: str) -> dict[str, str]:
-    base = f"redis://127.0.0.1:{server.port}"
-    return {
-        "DEDUP_BROKER": f"{base}/0",
-        "DEDUP_BACKEND": f"{base}/2",
-        "DEDUP_LOCKS": f"{base}/1",
-        "DEDUP_RECORD": f"{base}/3",
-        "DEDUP_TTL": str(ttl),
-        **extra,
-    }
+    return worker_env(server, "DEDUP", DEDUP_TTL=str(ttl), **extra)
 
 
 def _client(env: dict[str, str]) -> Celery:

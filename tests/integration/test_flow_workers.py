@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from servers import RedisServer, wait_for
-from workers import Worker, close_publisher, publisher, values_of
+from workers import Worker, close_publisher, publisher, values_of, worker_env
 
 from celery_redlock import control
 
@@ -30,16 +30,6 @@ pytestmark = pytest.mark.slow
 
 APP = "tests.apps.flowapp"
 QUEUES = ("fw0", "fw1")  # each worker's own queue (besides the default one)
-
-
-def _env(server: RedisServer) -> dict[str, str]:
-    base = f"redis://127.0.0.1:{server.port}"
-    return {
-        "REDLOCK_TEST_BROKER": f"{base}/0",
-        "REDLOCK_TEST_BACKEND": f"{base}/2",
-        "REDLOCK_TEST_LOCKS": f"{base}/1",
-        "REDLOCK_TEST_RECORD": f"{base}/3",
-    }
 
 
 def _events(server: RedisServer, kind: str) -> list[dict[str, Any]]:
@@ -83,7 +73,9 @@ def workers(
     consumes queue QUEUES[i]."""
     logs = tmp_path_factory.mktemp("flow")
     started = [
-        Worker(APP, _env(server), logs / f"w{i}.log", concurrency=3, extra=("-Q", f"celery,{q}"))
+        Worker(
+            APP, worker_env(server), logs / f"w{i}.log", concurrency=3, extra=("-Q", f"celery,{q}")
+        )
         for i, q in enumerate(QUEUES)
     ]
     try:
@@ -103,7 +95,7 @@ def client(server: RedisServer, workers: list[Worker]) -> Iterator[Celery]:
     """A client app for the shared workers, able to set controls (its redlock_url is
     theirs); the record list is emptied first."""
     server.client(db=3).delete("events")
-    env = _env(server)
+    env = worker_env(server)
     app = publisher(env["REDLOCK_TEST_BROKER"], env["REDLOCK_TEST_BACKEND"])
     app.conf.redlock_url = env["REDLOCK_TEST_LOCKS"]
     try:

@@ -22,7 +22,7 @@ import pytest
 from celery import Celery
 from servers import RedisServer, free_port, wait_for
 from test_observability import EventCapture
-from workers import Worker, close_publisher, publisher, values_of
+from workers import Worker, close_publisher, publisher, values_of, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -30,13 +30,7 @@ APP = "tests.apps.limitsapp"
 
 
 def _env(server: RedisServer, locks: str | None = None) -> dict[str, str]:
-    base = f"redis://127.0.0.1:{server.port}"
-    return {
-        "REDLOCK_TEST_BROKER": f"{base}/0",
-        "REDLOCK_TEST_BACKEND": f"{base}/2",
-        "REDLOCK_TEST_LOCKS": locks or f"{base}/1",
-        "REDLOCK_TEST_RECORD": f"{base}/3",
-    }
+    return worker_env(server, locks=locks)
 
 
 def _events(server: RedisServer, kind: str) -> list[dict[str, Any]]:

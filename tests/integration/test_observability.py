@@ -23,7 +23,7 @@ import pytest
 from celery import Celery
 from prometheus_client import CollectorRegistry
 from servers import RedisServer, logger_at_debug, wait_for
-from workers import Worker
+from workers import Worker, worker_env
 
 import celery_redlock
 from celery_redlock import Lock, LockContended, LockedTask, LockEvent, is_skipped
@@ -402,14 +402,7 @@ class EventCapture:
 @pytest.mark.slow
 def test_worker_with_E_sends_task_lock_events(redis_server: RedisServer, tmp_path: Path) -> None:
     """`celery worker -E` sends task-lock-acquired/-contended/-released with lock and fence."""
-    base = f"redis://127.0.0.1:{redis_server.port}"
-    env = {
-        "REDLOCK_TEST_BROKER": f"{base}/0",
-        "REDLOCK_TEST_BACKEND": f"{base}/2",
-        "REDLOCK_TEST_LOCKS": f"{base}/1",
-        "REDLOCK_TEST_RECORD": f"{base}/3",
-        "REDLOCK_TEST_CONF": "",
-    }
+    env = worker_env(redis_server, REDLOCK_TEST_CONF="")
     worker = Worker(APP, env, tmp_path / "events.log", concurrency=2, extra=("-E",))
     client = Celery(
         "client", broker=env["REDLOCK_TEST_BROKER"], backend=env["REDLOCK_TEST_BACKEND"]

@@ -25,7 +25,7 @@ from celery import Celery
 from celery.concurrency import get_implementation
 from celery.concurrency.base import BasePool
 from servers import RedisServer, wait_for
-from workers import Worker, close_publisher
+from workers import Worker, close_publisher, worker_env
 
 from celery_redlock import Lock
 
@@ -40,13 +40,7 @@ SOLO_WAIT = "lock_on_contended='wait', but this worker's pool is solo"
 
 
 def _env(server: RedisServer) -> dict[str, str]:
-    base = f"redis://127.0.0.1:{server.port}"
-    return {
-        "POOLAPP_BROKER": f"{base}/0",
-        "POOLAPP_BACKEND": f"{base}/2",
-        "POOLAPP_LOCKS": f"{base}/1",
-        "POOLAPP_RECORD": f"{base}/3",
-    }
+    return worker_env(server, "POOLAPP")
 
 
 @pytest.fixture(scope="module", params=list(POOLS))

@@ -18,28 +18,18 @@ from typing import Any
 import pytest
 from celery import Celery
 from servers import RedisServer, wait_for
-from workers import Worker, close_publisher, publisher
+from workers import Worker, close_publisher, publisher, worker_env
 
 pytestmark = pytest.mark.slow
 
 APP = "tests.apps.retryapp"
 
 
-def _env(server: RedisServer) -> dict[str, str]:
-    base = f"redis://127.0.0.1:{server.port}"
-    return {
-        "REDLOCK_TEST_BROKER": f"{base}/0",
-        "REDLOCK_TEST_BACKEND": f"{base}/2",
-        "REDLOCK_TEST_LOCKS": f"{base}/1",
-        "REDLOCK_TEST_RECORD": f"{base}/3",
-    }
-
-
 @pytest.fixture(scope="module")
 def worker(server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     """One prefork worker of concurrency 6 (a child pauses in each slowed write)."""
     log = tmp_path_factory.mktemp("retry-order") / "worker.log"
-    started = Worker(APP, _env(server), log, concurrency=6)
+    started = Worker(APP, worker_env(server), log, concurrency=6)
     try:
         started.wait_ready()
         yield started
@@ -49,7 +39,7 @@ def worker(server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 @pytest.fixture
 def client(server: RedisServer, worker: Worker) -> Iterator[Celery]:
-    env = _env(server)
+    env = worker_env(server)
     app = publisher(env["REDLOCK_TEST_BROKER"], env["REDLOCK_TEST_BACKEND"])
     try:
         yield app

@@ -23,7 +23,7 @@ import kombu
 import pytest
 from celery import Celery
 from servers import RedisServer, wait_for
-from workers import Worker, close_publisher, publisher
+from workers import Worker, close_publisher, publisher, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -31,14 +31,7 @@ APP = "tests.apps.lockapp"
 
 
 def _env(server: RedisServer, ttl: float, broker: str | None = None) -> dict[str, str]:
-    base = f"redis://127.0.0.1:{server.port}"
-    return {
-        "REDLOCK_TEST_BROKER": broker or f"{base}/0",
-        "REDLOCK_TEST_BACKEND": f"{base}/2",
-        "REDLOCK_TEST_LOCKS": f"{base}/1",
-        "REDLOCK_TEST_RECORD": f"{base}/3",
-        "REDLOCK_TEST_TTL": str(ttl),
-    }
+    return worker_env(server, broker=broker, REDLOCK_TEST_TTL=str(ttl))
 
 
 def _client_app(env: dict[str, str]) -> Celery:
