@@ -33,7 +33,7 @@ typecheck: $(STAMP)
 # servers and workers, so two share the CI machine's two cores; a file's module fixtures
 # (one chaos scenario run checked by several tests) stay in one process.
 pytest: $(STAMP)
-	$(PY) -m pytest tests -p no:randomly -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest tests -p no:randomly -n 2 --dist loadfile --durations=15 --durations-min=0 $(PYTEST_ARGS)
 
 test: lint typecheck docs pytest
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 from .app.controls import control
 from .app.rules import BackOff, Limit, Rate
 from .app.tracing import disable_tracing, enable_tracing
@@ -31,10 +29,9 @@ from .core import (
 from .install import install
 from .task.locked_task import SKIPPED, LockedTask, is_skipped
 
-try:
-    __version__ = version("celery-redlock")
-except PackageNotFoundError:  # running from a source tree that was not installed
-    __version__ = "0.0.0"
+#: The one place the version is written: pyproject.toml reads it from here when a wheel
+#: or an sdist is built, and the CHANGELOG has a dated heading for it.
+__version__ = "0.1.0"
 
 __all__ = [
     "SKIPPED",

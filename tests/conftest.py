@@ -14,9 +14,15 @@ import random
 import subprocess
 from collections.abc import Iterator
 
+import freezegun
 import pytest
 
 from celery_redlock.core.renewal import get_manager
+
+# pytest times each test through _pytest.timing; freezegun replaces every module's time
+# functions while a test freezes the clock, so without this a frozen test's duration (the
+# 15 slowest that `make test` prints) is the frozen date's distance from the real one.
+freezegun.configure(extend_ignore_list=["_pytest.timing", "_pytest.runner"])
 
 # -- chaos scenarios: one seed for the session, every scenario's figures in the summary -----
 # Here, not in tests/integration/: pytest-xdist's main process collects nothing, so it runs
