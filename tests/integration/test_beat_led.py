@@ -1,16 +1,19 @@
 """``LeaderScheduler`` leading other schedulers, on real processes and a throwaway Redis:
 django-celery-beat's ``DatabaseScheduler`` (two beats sharing one SQLite file),
-``PersistentScheduler`` (a schedule file each), and beat embedded in two workers
+``PersistentScheduler`` (a schedule file each), RedBeat's ``RedBeatScheduler`` (with
+RedBeat's defaults, its own lock on), and beat embedded in two workers
 (``worker -B --scheduler``).
 
-What each beat published is read from its own log: Celery's beat logs one
-``Sending due task <entry> (<task>)`` line per message, with the time.
+What each beat published is read from its own log: Celery's beat (and RedBeat) logs one
+``Sending due task <entry> (<task>)`` line per message, with the time; the RedBeat
+tests also count the messages on the broker (nobody consumes them).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import re
 import signal
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from servers import RedisServer, wait_for
+from test_beat import RECORDS_KEY
 
 pytestmark = pytest.mark.slow
 
@@ -217,6 +221,75 @@ def test_two_beats_lead_persistent_schedulers_with_a_file_each(
     assert list(tmp_path.glob("a*")) and list(tmp_path.glob("b*")), "a schedule file each"
     killed = _kill_just_after_a_tick(a, "heartbeat")
     _assert_handover(a, b, "heartbeat", killed)
+
+
+# -- RedBeat ---------------------------------------------------------------------------------------
+REDBEAT_NOTE = (
+    "leading redbeat.RedBeatScheduler with its own lock off: LeaderScheduler decides who leads"
+)
+
+
+def _redbeat_env(server: RedisServer) -> dict[str, str]:
+    """beatapp led RedBeat: broker db 0, lock store db 1, RedBeat's Redis db 2, all emptied
+    (the module's server is shared with the tests above). Nothing else about RedBeat is
+    set: its own lock is on by default."""
+    for db in (0, 1, 2):
+        server.client(db=db).flushdb()
+    return _beatapp_env(
+        server,
+        BEATAPP_SCHEDULER="redbeat.RedBeatScheduler",
+        BEATAPP_REDBEAT=f"redis://127.0.0.1:{server.port}/2",
+    )
+
+
+def _redbeat_beat(tmp_path: Path) -> Callable[[str], list[str]]:
+    def beat(name: str) -> list[str]:
+        argv = ["-A", "tests.apps.beatapp", "beat", "-l", "info", "--pidfile="]
+        return [*argv, "-S", "celery_redlock.beat:LeaderScheduler", f"--schedule={tmp_path / name}"]
+
+    return beat
+
+
+def test_two_beats_lead_redbeat_with_its_own_lock_off(
+    server: RedisServer, tmp_path: Path, procs: list[Proc]
+) -> None:
+    """redlock_beat_scheduler = redbeat.RedBeatScheduler with RedBeat's defaults: each beat
+    says RedBeat's own lock is off, the second says it stands by, a SIGKILLed leader's
+    successor publishes within TTL + 2 s, no tick is published twice, and the broker
+    holds one message per logged send."""
+    env = _redbeat_env(server)
+    a, b = _leader_and_standby(_redbeat_beat(tmp_path), env, tmp_path, procs)
+    for beat in (a, b):
+        text = beat.text()
+        assert f"    . {REDBEAT_NOTE}" in text, text[-3000:]  # the banner
+        assert f"beat: {REDBEAT_NOTE}" in text  # the log, once
+        assert text.count(REDBEAT_NOTE) == 2
+        assert "scheduler -> celery_redlock.beat.LeaderRedBeatScheduler" in text
+        assert "Acquired lock" not in text, "RedBeat took its own lock"
+    killed = _kill_just_after_a_tick(a, "heartbeat")
+    _assert_handover(a, b, "heartbeat", killed)
+
+    sent = len(a.sent("heartbeat")) + len(b.sent("heartbeat"))
+    assert server.client(db=0).llen("celery") == sent, "a message no beat logged, or none"
+    assert b.proc.poll() is None and "Traceback" not in b.text(), b.text()[-3000:]
+
+
+def test_redbeats_ticks_are_claimed_before_they_are_published(
+    server: RedisServer, tmp_path: Path, procs: list[Proc]
+) -> None:
+    """RedBeat's tick publishes through apply_async, not apply_entry: each of its ticks is
+    still claimed in the tick records first (the record's run count is the number of
+    messages on the broker, its pid the beat's)."""
+    env = _redbeat_env(server)
+    beat = Proc(_redbeat_beat(tmp_path)("a"), env, tmp_path / "a.log")
+    procs.append(beat)
+    broker = server.client(db=0)
+    wait_for(lambda: broker.llen("celery") >= 3, 40, "three ticks")
+    _kill_just_after_a_tick(beat, "heartbeat")  # nothing more is claimed or published
+    raw = server.client(db=1).hget(RECORDS_KEY, "heartbeat")
+    assert raw is not None, "RedBeat's ticks were not claimed"
+    record = json.loads(raw)
+    assert record["n"] == broker.llen("celery") and record["pid"] == beat.proc.pid
 
 
 def _worker_with_beat(name: str, tmp_path: Path, pool: str, flag: str) -> list[str]:
