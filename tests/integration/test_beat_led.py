@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import os
 import re
 import signal
@@ -21,12 +22,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
+from celery import Celery
+from redbeat import RedBeatScheduler
+from redbeat.schedulers import RedBeatSchedulerEntry
 from servers import RedisServer, wait_for
 from test_beat import RECORDS_KEY
+
+from celery_redlock.beat import LeaderScheduler
 
 pytestmark = pytest.mark.slow
 
@@ -290,6 +297,89 @@ def test_redbeats_ticks_are_claimed_before_they_are_published(
     assert raw is not None, "RedBeat's ticks were not claimed"
     record = json.loads(raw)
     assert record["n"] == broker.llen("celery") and record["pid"] == beat.proc.pid
+
+
+def _redbeat_app(server: RedisServer, scheduler: type) -> Celery:
+    """An in-process app whose LeaderScheduler leads *scheduler*, with a 30 s "heartbeat":
+    lock store and RedBeat's Redis db 3 (emptied), broker memory://."""
+    server.client(db=3).flushdb()
+    url = f"redis://127.0.0.1:{server.port}/3"
+    app = Celery("redbeatinproc", broker="memory://", set_as_current=False)
+    app.conf.update(
+        redlock_url=url,
+        redlock_beat_ttl=TTL,
+        redlock_beat_scheduler=scheduler,
+        redbeat_redis_url=url,
+        beat_schedule={"heartbeat": {"task": "redbeatinproc.heartbeat", "schedule": 30.0}},
+    )
+    return app
+
+
+class RenamedLockRedBeat(RedBeatScheduler):  # type: ignore[misc]  # redbeat is untyped
+    """A RedBeat whose lock switch is not called ``lock_key`` (as a later RedBeat might)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.beat_lock_key = self.__dict__.pop("lock_key")
+
+
+def test_redbeats_own_lock_is_switched_off_or_a_warning_names_the_setting(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RedBeat's own lock is switched off where RedBeat has its `lock_key` (one INFO line,
+    and a banner line; none from the banner's lazy scheduler); a RedBeat without it keeps
+    its lock and beat logs one WARNING naming redbeat_lock_key = None."""
+    caplog.set_level(logging.INFO, logger="celery_redlock.beat")
+    app = _redbeat_app(server, RedBeatScheduler)
+    lazy = LeaderScheduler(app=app, lazy=True)
+    assert lazy.lock_key is None and caplog.messages == []
+    scheduler = LeaderScheduler(app=app)
+    assert scheduler.lock_key is None
+    assert caplog.messages == [f"beat: {REDBEAT_NOTE}"]
+    assert f"    . {REDBEAT_NOTE}" in scheduler.info.splitlines()
+    scheduler.close()
+
+    caplog.clear()
+    scheduler = LeaderScheduler(app=_redbeat_app(server, RenamedLockRedBeat))
+    assert scheduler.beat_lock_key == "redbeat::lock", "RedBeat's lock was changed"
+    name = f"{__name__}.RenamedLockRedBeat"
+    assert caplog.messages == [
+        f"beat: cannot switch off the own lock of {name} (it has no lock_key): its lock, not "
+        "LeaderScheduler, may decide who leads and keep a standby waiting at start-up; set "
+        "redbeat_lock_key = None"
+    ]
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "own lock off" not in scheduler.info
+    scheduler.close()
+
+
+def test_a_redbeat_tick_an_earlier_leader_claimed_is_not_published_again(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RedBeat decides what is due from its own entry in Redis: a tick an earlier leader
+    claimed (the tick records) but whose RedBeat entry it never advanced (killed between
+    the two) is not published again by the next leader until due from that claim."""
+    caplog.set_level(logging.INFO, logger="celery_redlock.beat")
+    app = _redbeat_app(server, RedBeatScheduler)
+    records = server.client(db=3)
+    key = "redlock:{beat:leader:redbeatinproc}:ticks"
+    claimed = {"at": time.time() - 1, "pid": 1, "host": "gone", "fence": 0, "n": 5}
+    records.hset(key, "heartbeat", json.dumps(claimed))
+    scheduler = LeaderScheduler(app=app)
+    # RedBeat's own entry says it last ran 40 s ago: due (every 30 s), but not from the claim.
+    entry = RedBeatSchedulerEntry.from_key(f"{app.redbeat_conf.key_prefix}heartbeat", app=app)
+    entry.reschedule(datetime.now(timezone.utc) - timedelta(seconds=40))
+    try:
+        scheduler.tick()  # takes the lead, loads the records, runs RedBeat's tick
+        assert scheduler.is_leader
+        assert any("is now the leader" in m for m in caplog.messages)
+        assert json.loads(records.hget(key, "heartbeat") or "{}")["n"] == 5, "published again"
+        skipped = [m for m in caplog.messages if "by an earlier leader" in m]
+        assert len(skipped) == 1 and skipped[0].startswith("beat: 'heartbeat' was claimed at ")
+        scheduler.tick()
+        assert len([m for m in caplog.messages if "by an earlier leader" in m]) == 1
+    finally:
+        scheduler.close()
 
 
 def _worker_with_beat(name: str, tmp_path: Path, pool: str, flag: str) -> list[str]:
