@@ -47,11 +47,17 @@ Any scheduler can be led. ``redlock_beat_scheduler`` names the one ``LeaderSched
 leads (an import path or a class; default: Celery's in-memory ``Scheduler``), and
 ``leader_of(cls)`` gives the same for a class in code: a class whose instances keep
 the led scheduler's own schedule (django-celery-beat's ``DatabaseScheduler`` reading
-the database, ``PersistentScheduler`` its file) on every beat, and publish only
-while leading. Standbys keep that schedule current (they read it as the led
-scheduler does, and publish nothing). When an entry last ran comes from where the
-led scheduler keeps it or from the tick records in Redis, whichever is newer; a
-reload of the led schedule (the database changed) gets the records applied again.
+the database, ``PersistentScheduler`` its file, RedBeat its entries in Redis) on
+every beat, and publish only while leading. Standbys keep that schedule current
+(they read it as the led scheduler does, and publish nothing). When an entry last
+ran comes from where the led scheduler keeps it or from the tick records in Redis,
+whichever is newer; a reload of the led schedule (the database changed) gets the
+records applied again.
+
+Every tick is claimed, however the led scheduler publishes it: Celery's ``tick``
+calls ``apply_entry`` (claimed there), RedBeat's own ``tick`` calls ``apply_async``
+directly (claimed there, unless it came through ``apply_entry``). RedBeat's own
+beat lock is switched off for the scheduler led here: the leader lock decides.
 """
 
 from __future__ import annotations
