@@ -47,11 +47,17 @@ Any scheduler can be led. ``redlock_beat_scheduler`` names the one ``LeaderSched
 leads (an import path or a class; default: Celery's in-memory ``Scheduler``), and
 ``leader_of(cls)`` gives the same for a class in code: a class whose instances keep
 the led scheduler's own schedule (django-celery-beat's ``DatabaseScheduler`` reading
-the database, ``PersistentScheduler`` its file) on every beat, and publish only
-while leading. Standbys keep that schedule current (they read it as the led
-scheduler does, and publish nothing). When an entry last ran comes from where the
-led scheduler keeps it or from the tick records in Redis, whichever is newer; a
-reload of the led schedule (the database changed) gets the records applied again.
+the database, ``PersistentScheduler`` its file, RedBeat its entries in Redis) on
+every beat, and publish only while leading. Standbys keep that schedule current
+(they read it as the led scheduler does, and publish nothing). When an entry last
+ran comes from where the led scheduler keeps it or from the tick records in Redis,
+whichever is newer; a reload of the led schedule (the database changed) gets the
+records applied again.
+
+Every tick is claimed, however the led scheduler publishes it: Celery's ``tick``
+calls ``apply_entry`` (claimed there), RedBeat's own ``tick`` calls ``apply_async``
+directly (claimed there, unless it came through ``apply_entry``). RedBeat's own
+beat lock is switched off for the scheduler led here: the leader lock decides.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -165,7 +172,46 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
         self._standby_logged = False
         #: The standby problem logged last (foreign data, unreadable records): logged once.
         self._problem = ""
+        #: True inside ``apply_entry``, which claimed the tick: ``apply_async`` then publishes
+        #: without claiming it again.
+        self._claimed = False
+        #: Per entry, the tick of a predecessor last found not to be re-sent (logged once).
+        self._skipped: dict[str, float] = {}
         super().__init__(app, *args, **kwargs)
+        #: The line saying the led scheduler's own lock is off (the banner shows it), or "".
+        self._own_lock_note = self._switch_off_own_lock(quiet=bool(kwargs.get("lazy")))
+
+    # -- the led scheduler's own lock ---------------------------------------------------
+    def _switch_off_own_lock(self, quiet: bool) -> str:
+        """Switch off RedBeat's own beat lock: this leader decides who leads.
+
+        RedBeat (``redbeat.RedBeatScheduler`` and its subclasses) takes a lock of its own
+        (``redbeat::lock``, 25 min by default) in its ``beat_init`` handler, extends it
+        in ``tick`` and releases it in ``close``, each only while the scheduler's
+        ``lock_key`` is set: with it on, a standby blocks in that handler until RedBeat's
+        lock expires. ``lock_key = None`` is RedBeat's own switch (what the setting
+        ``redbeat_lock_key = None`` gives), so it is set here; a RedBeat without that
+        attribute gets a WARNING naming the setting instead. Both lines are logged by the
+        scheduler that runs, not by the lazy one beat's banner makes (*quiet*).
+        """
+        if not _is_redbeat(type(self)):
+            return ""
+        name = _public_name(_led_class(type(self)))
+        if "lock_key" not in vars(self):  # not the RedBeat this is written for
+            if quiet:
+                return ""
+            log.warning(
+                "beat: cannot switch off the own lock of %s (it has no lock_key): its "
+                "lock, not LeaderScheduler, may decide who leads and keep a standby "
+                "waiting at start-up; set redbeat_lock_key = None",
+                name,
+            )
+            return ""
+        self.lock_key = None
+        note = f"leading {name} with its own lock off: LeaderScheduler decides who leads"
+        if not quiet:
+            log.info("beat: %s", note)
+        return note
 
     # -- leadership -------------------------------------------------------------------
     @property
@@ -328,36 +374,65 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
             )
             return
         self._know_tick(name, at, count)
-        self._apply_tick(name)
+        self._apply_tick(self.schedule.get(name))
 
     def _know_tick(self, name: str, at: float, count: int) -> None:
         known = self._ticks.get(name)
         if known is None or (at, count) > known:
             self._ticks[name] = (at, count)
 
-    def _apply_tick(self, name: str) -> None:
-        """Give the led schedule's entry *name* the newest known tick, where the led
-        scheduler's own (its database, its file) is older."""
-        entry = self.schedule.get(name)
-        known = self._ticks.get(name)
-        if entry is None or known is None:
-            return
+    def _apply_tick(self, entry: Any) -> bool:
+        """Give the led schedule's *entry* the newest known tick, where the led
+        scheduler's own (its database, its file, RedBeat's entry in Redis) is older; True
+        when that moved the entry's last run on."""
+        known = None if entry is None else self._ticks.get(entry.name)
+        if known is None:
+            return False
         at, count = known
         own = entry.last_run_at
-        if own is None or maybe_make_aware(own).timestamp() < at:
+        newer = own is None or maybe_make_aware(own).timestamp() < at
+        if newer:
             when = datetime.fromtimestamp(at, tz=timezone.utc)
             entry.last_run_at = when.astimezone(self.app.timezone)
         entry.total_run_count = max(count, entry.total_run_count or 0)
+        return newer
 
     def _led_schedule(self) -> Any:
         """The led scheduler's schedule, read as it reads it (a ``DatabaseScheduler``
-        reloads it when the database changed); a reload gets the known ticks again."""
+        reloads it when the database changed, RedBeat reads it from Redis each time); a
+        reload gets the known ticks again."""
         schedule = self.schedule
         if schedule is not self._seen:
             self._seen = schedule
             for name in self._ticks:
-                self._apply_tick(name)
+                self._apply_tick(schedule.get(name))
         return schedule
+
+    def _sent_before(self, entry: Any) -> bool:
+        """True when an earlier leader's claim (the tick records) is newer than *entry*'s
+        own last run and, counted from it, *entry* is not due: that tick is not sent again.
+
+        Celery's ``tick`` needs no such check (its heap is rebuilt from the records at
+        take-over); a led scheduler that publishes through ``apply_async`` from its own
+        ``tick`` (RedBeat, reading each entry from Redis) decides what is due from its own
+        state, which a leader killed or paused between its claim and its publish left
+        behind the records.
+        """
+        if not self._apply_tick(entry):
+            return False
+        due, _next = entry.is_due()
+        if due:
+            return False
+        at = self._ticks[entry.name][0]
+        if self._skipped.get(entry.name) != at:
+            self._skipped[entry.name] = at
+            log.info(
+                "beat: %r was claimed at %s by an earlier leader and is not due again yet; "
+                "not publishing it",
+                entry.name,
+                datetime.fromtimestamp(at, tz=timezone.utc).isoformat(),
+            )
+        return True
 
     def _claim(self, entry: Any) -> bool:
         """Record this tick of *entry* in Redis; True when this leader may publish it."""
@@ -411,9 +486,24 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
             return self.retry_interval
 
     def apply_entry(self, entry: Any, producer: Any = None) -> None:
-        """Publish *entry* only after this leader claimed its tick in Redis."""
-        if self._claim(entry):
+        """Publish *entry* only after this leader claimed its tick in Redis (Celery's
+        ``tick`` publishes through here)."""
+        if not self._claim(entry):
+            return
+        self._claimed = True
+        try:
             super().apply_entry(entry, producer=producer)
+        finally:
+            self._claimed = False
+
+    def apply_async(
+        self, entry: Any, producer: Any = None, advance: bool = True, **kwargs: Any
+    ) -> Any:
+        """Publish *entry*; a tick that did not come through ``apply_entry`` (RedBeat's
+        ``tick`` calls this directly) is claimed here first. None when it is not sent."""
+        if not self._claimed and (self._sent_before(entry) or not self._claim(entry)):
+            return None
+        return super().apply_async(entry, producer=producer, advance=advance, **kwargs)
 
     def close(self) -> None:
         """Sync, then hand leadership over at once (a standby is woken by the release)."""
@@ -428,7 +518,10 @@ class LeaderScheduler(Scheduler):  # type: ignore[misc]  # celery is untyped
     @property
     def info(self) -> str:
         """Shown in beat's start-up banner."""
-        return f"    . leader lock -> {self.lock_name!r} at {self._where} (ttl {self.ttl:g}s)"
+        lines = [f"    . leader lock -> {self.lock_name!r} at {self._where} (ttl {self.ttl:g}s)"]
+        if self._own_lock_note:
+            lines.append(f"    . {self._own_lock_note}")
+        return "\n".join(lines)
 
 
 _leaders: dict[type, type] = {}
@@ -494,6 +587,27 @@ def _led_scheduler(state: AppState | None) -> type:
         return plain if value is None else _resolve_scheduler(value, "redlock_beat_scheduler")
     except ConfigError as exc:
         raise StartupConfigError(str(exc)) from None
+
+
+def _is_redbeat(kind: type) -> bool:
+    """Whether *kind* leads a RedBeat scheduler (a class of the ``redbeat`` package in its
+    MRO): found by module, so redbeat is never imported."""
+    return any(base.__module__.partition(".")[0] == "redbeat" for base in kind.__mro__)
+
+
+def _led_class(kind: type) -> type:
+    """The scheduler class a leader class *kind* leads: the first in its MRO that is not a
+    leader (``leader_of(cls)`` puts ``cls`` right after ``LeaderScheduler``)."""
+    return next(base for base in kind.__mro__ if not issubclass(base, LeaderScheduler))
+
+
+def _public_name(kind: type) -> str:
+    """``package.Name`` when the top-level package exports *kind* under its name (as
+    ``redbeat.RedBeatScheduler``), else ``module.Name``."""
+    top = sys.modules.get(kind.__module__.partition(".")[0])
+    if top is not None and getattr(top, kind.__qualname__, None) is kind:
+        return f"{top.__name__}.{kind.__qualname__}"
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _describe_leader(holder: Mapping[str, Any]) -> str:

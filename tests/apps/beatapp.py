@@ -4,9 +4,13 @@ Configured from the environment so each test points it at its own throwaway
 servers: ``BEATAPP_BROKER`` (required), ``BEATAPP_LOCKS`` (lock store, default:
 the broker; comma-separated URLs are Redlock masters), ``BEATAPP_BEAT_TTL`` (leader
 lease, seconds), ``BEATAPP_SCHEDULER`` (``redlock_beat_scheduler``: the scheduler the
-leader leads; default Celery's in-memory one). Each published message carries the
+leader leads; default Celery's in-memory one), ``BEATAPP_REDBEAT`` (RedBeat's Redis,
+``redbeat_redis_url``; nothing else about RedBeat is set: its defaults, its own lock
+on). Each published message carries the
 publishing beat's pid and the publish time as its arguments, evaluated by beat at
-publish time, so a test reading the broker queue knows who sent what.
+publish time, so a test reading the broker queue knows who sent what; except under
+RedBeat, which stores each entry as JSON (a ``BeatLazyFunc`` is not): its messages
+carry no arguments.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from celery import Celery
 from celery.beat import BeatLazyFunc
 
 _locks = os.environ.get("BEATAPP_LOCKS", "")
+_redbeat = os.environ.get("BEATAPP_REDBEAT")
 
 app = Celery("beatapp", broker=os.environ["BEATAPP_BROKER"])
 app.conf.update(
@@ -30,12 +35,15 @@ app.conf.update(
         "heartbeat": {
             "task": "beatapp.heartbeat",
             "schedule": 1.0,
-            "args": (BeatLazyFunc(os.getpid), BeatLazyFunc(time.time)),
+            "args": () if _redbeat else (BeatLazyFunc(os.getpid), BeatLazyFunc(time.time)),
         },
     },
 )
 
+if _redbeat:
+    app.conf.redbeat_redis_url = _redbeat
+
 
 @app.task(name="beatapp.heartbeat")
-def heartbeat(pid: int, at: float) -> None:
+def heartbeat(pid: int = 0, at: float = 0.0) -> None:
     """Does nothing: the tests count the messages beat publishes, not runs."""

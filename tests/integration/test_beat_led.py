@@ -1,16 +1,20 @@
 """``LeaderScheduler`` leading other schedulers, on real processes and a throwaway Redis:
 django-celery-beat's ``DatabaseScheduler`` (two beats sharing one SQLite file),
-``PersistentScheduler`` (a schedule file each), and beat embedded in two workers
+``PersistentScheduler`` (a schedule file each), RedBeat's ``RedBeatScheduler`` (with
+RedBeat's defaults, its own lock on), and beat embedded in two workers
 (``worker -B --scheduler``).
 
-What each beat published is read from its own log: Celery's beat logs one
-``Sending due task <entry> (<task>)`` line per message, with the time.
+What each beat published is read from its own log: Celery's beat (and RedBeat) logs one
+``Sending due task <entry> (<task>)`` line per message, with the time; the RedBeat
+tests also count the messages on the broker (nobody consumes them).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import json
+import logging
 import os
 import re
 import signal
@@ -18,11 +22,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
+from celery import Celery
+from redbeat import RedBeatScheduler
+from redbeat.schedulers import RedBeatSchedulerEntry
 from servers import RedisServer, wait_for
+from test_beat import RECORDS_KEY
+
+from celery_redlock.beat import LeaderScheduler
 
 pytestmark = pytest.mark.slow
 
@@ -217,6 +228,158 @@ def test_two_beats_lead_persistent_schedulers_with_a_file_each(
     assert list(tmp_path.glob("a*")) and list(tmp_path.glob("b*")), "a schedule file each"
     killed = _kill_just_after_a_tick(a, "heartbeat")
     _assert_handover(a, b, "heartbeat", killed)
+
+
+# -- RedBeat ---------------------------------------------------------------------------------------
+REDBEAT_NOTE = (
+    "leading redbeat.RedBeatScheduler with its own lock off: LeaderScheduler decides who leads"
+)
+
+
+def _redbeat_env(server: RedisServer) -> dict[str, str]:
+    """beatapp led RedBeat: broker db 0, lock store db 1, RedBeat's Redis db 2, all emptied
+    (the module's server is shared with the tests above). Nothing else about RedBeat is
+    set: its own lock is on by default."""
+    for db in (0, 1, 2):
+        server.client(db=db).flushdb()
+    return _beatapp_env(
+        server,
+        BEATAPP_SCHEDULER="redbeat.RedBeatScheduler",
+        BEATAPP_REDBEAT=f"redis://127.0.0.1:{server.port}/2",
+    )
+
+
+def _redbeat_beat(tmp_path: Path) -> Callable[[str], list[str]]:
+    def beat(name: str) -> list[str]:
+        argv = ["-A", "tests.apps.beatapp", "beat", "-l", "info", "--pidfile="]
+        return [*argv, "-S", "celery_redlock.beat:LeaderScheduler", f"--schedule={tmp_path / name}"]
+
+    return beat
+
+
+def test_two_beats_lead_redbeat_with_its_own_lock_off(
+    server: RedisServer, tmp_path: Path, procs: list[Proc]
+) -> None:
+    """redlock_beat_scheduler = redbeat.RedBeatScheduler with RedBeat's defaults: each beat
+    says RedBeat's own lock is off, the second says it stands by, a SIGKILLed leader's
+    successor publishes within TTL + 2 s, no tick is published twice, and the broker
+    holds one message per logged send."""
+    env = _redbeat_env(server)
+    a, b = _leader_and_standby(_redbeat_beat(tmp_path), env, tmp_path, procs)
+    for beat in (a, b):
+        text = beat.text()
+        assert f"    . {REDBEAT_NOTE}" in text, text[-3000:]  # the banner
+        assert f"beat: {REDBEAT_NOTE}" in text  # the log, once
+        assert text.count(REDBEAT_NOTE) == 2
+        assert "scheduler -> celery_redlock.beat.LeaderRedBeatScheduler" in text
+        assert "Acquired lock" not in text, "RedBeat took its own lock"
+    killed = _kill_just_after_a_tick(a, "heartbeat")
+    _assert_handover(a, b, "heartbeat", killed)
+
+    sent = len(a.sent("heartbeat")) + len(b.sent("heartbeat"))
+    assert server.client(db=0).llen("celery") == sent, "a message no beat logged, or none"
+    assert b.proc.poll() is None and "Traceback" not in b.text(), b.text()[-3000:]
+
+
+def test_redbeats_ticks_are_claimed_before_they_are_published(
+    server: RedisServer, tmp_path: Path, procs: list[Proc]
+) -> None:
+    """RedBeat's tick publishes through apply_async, not apply_entry: each of its ticks is
+    still claimed in the tick records first (the record's run count is the number of
+    messages on the broker, its pid the beat's)."""
+    env = _redbeat_env(server)
+    beat = Proc(_redbeat_beat(tmp_path)("a"), env, tmp_path / "a.log")
+    procs.append(beat)
+    broker = server.client(db=0)
+    wait_for(lambda: broker.llen("celery") >= 3, 40, "three ticks")
+    _kill_just_after_a_tick(beat, "heartbeat")  # nothing more is claimed or published
+    raw = server.client(db=1).hget(RECORDS_KEY, "heartbeat")
+    assert raw is not None, "RedBeat's ticks were not claimed"
+    record = json.loads(raw)
+    assert record["n"] == broker.llen("celery") and record["pid"] == beat.proc.pid
+
+
+def _redbeat_app(server: RedisServer, scheduler: type) -> Celery:
+    """An in-process app whose LeaderScheduler leads *scheduler*, with a 30 s "heartbeat":
+    lock store and RedBeat's Redis db 3 (emptied), broker memory://."""
+    server.client(db=3).flushdb()
+    url = f"redis://127.0.0.1:{server.port}/3"
+    app = Celery("redbeatinproc", broker="memory://", set_as_current=False)
+    app.conf.update(
+        redlock_url=url,
+        redlock_beat_ttl=TTL,
+        redlock_beat_scheduler=scheduler,
+        redbeat_redis_url=url,
+        beat_schedule={"heartbeat": {"task": "redbeatinproc.heartbeat", "schedule": 30.0}},
+    )
+    return app
+
+
+class RenamedLockRedBeat(RedBeatScheduler):  # type: ignore[misc]  # redbeat is untyped
+    """A RedBeat whose lock switch is not called ``lock_key`` (as a later RedBeat might)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.beat_lock_key = self.__dict__.pop("lock_key")
+
+
+def test_redbeats_own_lock_is_switched_off_or_a_warning_names_the_setting(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RedBeat's own lock is switched off where RedBeat has its `lock_key` (one INFO line,
+    and a banner line; none from the banner's lazy scheduler); a RedBeat without it keeps
+    its lock and beat logs one WARNING naming redbeat_lock_key = None."""
+    caplog.set_level(logging.INFO, logger="celery_redlock.beat")
+    app = _redbeat_app(server, RedBeatScheduler)
+    lazy = LeaderScheduler(app=app, lazy=True)
+    assert lazy.lock_key is None and caplog.messages == []
+    scheduler = LeaderScheduler(app=app)
+    assert scheduler.lock_key is None
+    assert caplog.messages == [f"beat: {REDBEAT_NOTE}"]
+    assert f"    . {REDBEAT_NOTE}" in scheduler.info.splitlines()
+    scheduler.close()
+
+    caplog.clear()
+    scheduler = LeaderScheduler(app=_redbeat_app(server, RenamedLockRedBeat))
+    assert scheduler.beat_lock_key == "redbeat::lock", "RedBeat's lock was changed"
+    name = f"{__name__}.RenamedLockRedBeat"
+    assert caplog.messages == [
+        f"beat: cannot switch off the own lock of {name} (it has no lock_key): its lock, not "
+        "LeaderScheduler, may decide who leads and keep a standby waiting at start-up; set "
+        "redbeat_lock_key = None"
+    ]
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "own lock off" not in scheduler.info
+    scheduler.close()
+
+
+def test_a_redbeat_tick_an_earlier_leader_claimed_is_not_published_again(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RedBeat decides what is due from its own entry in Redis: a tick an earlier leader
+    claimed (the tick records) but whose RedBeat entry it never advanced (killed between
+    the two) is not published again by the next leader until due from that claim."""
+    caplog.set_level(logging.INFO, logger="celery_redlock.beat")
+    app = _redbeat_app(server, RedBeatScheduler)
+    records = server.client(db=3)
+    key = "redlock:{beat:leader:redbeatinproc}:ticks"
+    claimed = {"at": time.time() - 1, "pid": 1, "host": "gone", "fence": 0, "n": 5}
+    records.hset(key, "heartbeat", json.dumps(claimed))
+    scheduler = LeaderScheduler(app=app)
+    # RedBeat's own entry says it last ran 40 s ago: due (every 30 s), but not from the claim.
+    entry = RedBeatSchedulerEntry.from_key(f"{app.redbeat_conf.key_prefix}heartbeat", app=app)
+    entry.reschedule(datetime.now(timezone.utc) - timedelta(seconds=40))
+    try:
+        scheduler.tick()  # takes the lead, loads the records, runs RedBeat's tick
+        assert scheduler.is_leader
+        assert any("is now the leader" in m for m in caplog.messages)
+        assert json.loads(records.hget(key, "heartbeat") or "{}")["n"] == 5, "published again"
+        skipped = [m for m in caplog.messages if "by an earlier leader" in m]
+        assert len(skipped) == 1 and skipped[0].startswith("beat: 'heartbeat' was claimed at ")
+        scheduler.tick()
+        assert len([m for m in caplog.messages if "by an earlier leader" in m]) == 1
+    finally:
+        scheduler.close()
 
 
 def _worker_with_beat(name: str, tmp_path: Path, pool: str, flag: str) -> list[str]:
