@@ -186,6 +186,8 @@ def publish_held(  # noqa: PLR0917 - the publish's state, task, name, options an
             )
             call["headers"] = {**(call.get("headers") or {}), NO_DEDUP_HEADER: True}
             return send(args, kwargs, **call)
+        if not member:
+            return _duplicate(task, name, options, found, task_id)
         # A canvas member (a chain's last step, a group or chord member, a link target)
         # or a call under a task id its caller chose: that id's result is awaited, so it
         # is sent without a hold, and its worker skips it visibly as a duplicate whatever
