@@ -293,10 +293,11 @@ def release_notes(rows: Sequence[LockRow]) -> str:
     running; a queued hold only lets the next call be published."""
     notes = []
     if any(r.state != "queued" for r in rows):
-        notes.append("A holder that runs keeps running and may overlap with the next owner.")
+        notes.append("the holder keeps running and may overlap with the next owner")
     if any(r.state == "queued" for r in rows):
-        notes.append(QUEUED_HOLD[0].upper() + QUEUED_HOLD[1:] + ".")
-    return " ".join(notes)
+        notes.append(QUEUED_HOLD)
+    text = "; ".join(notes)
+    return text[:1].upper() + text[1:]
 
 
 def dequeue_said(done: Any, name: str, where: str = "") -> str:

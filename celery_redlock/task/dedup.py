@@ -23,6 +23,16 @@ Where the publish happens:
   name) carries no hold: its worker takes the hold before the body runs
   (:func:`claim_at_worker`) and skips the message visibly if it is a duplicate.
 
+Canvas members are never dropped at publish, whatever ``lock_on_duplicate`` says: a
+caller holds a result of the member's own task id (Celery freezes each member before it
+sends it, so the call carries a task id its caller chose; a link callback carries its
+``parent_id``: :func:`is_member`). A duplicate member that feeds others (a chain step
+with steps after it, a call with callbacks: :func:`feeds_others`) is sent and runs
+(``NO_DEDUP_HEADER``); any other (a chain's last step, a group or chord member, a link
+target) is sent without a hold (``MEMBER_HEADER``), and its worker, finding it still a
+duplicate, skips it visibly (SUCCESS with the skip marker), never ``AlreadyQueued``. A
+plain ``delay()``, in a task body or not, carries neither and is de-duplicated.
+
 On the worker, the message's lock is acquired with a hand-over
 (``RunLock(handover=Handover(task_id))``): the hold becomes the lock in one owner-checked
 script, and a message whose hold another call has taken (replaced, or its own hold
