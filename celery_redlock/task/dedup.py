@@ -26,10 +26,10 @@ Where the publish happens:
 Canvas members are never dropped at publish, whatever ``lock_on_duplicate`` says: a
 caller holds a result of the member's own task id (Celery freezes each member before it
 sends it, so the call carries a task id its caller chose; a link callback carries its
-``parent_id``: :func:`is_member`). A duplicate member that feeds others (a chain step
+``parent_id``: :func:`in_canvas`). A duplicate member that feeds others (a chain step
 with steps after it, a call with callbacks: :func:`feeds_others`) is sent and runs
 (``NO_DEDUP_HEADER``); any other (a chain's last step, a group or chord member, a link
-target) is sent without a hold (``MEMBER_HEADER``), and its worker, finding it still a
+target) is sent without a hold (``CANVAS_HEADER``), and its worker, finding it still a
 duplicate, skips it visibly (SUCCESS with the skip marker), never ``AlreadyQueued``. A
 plain ``delay()``, in a task body or not, carries neither and is de-duplicated.
 
@@ -66,16 +66,16 @@ from .contention import RETRIES_HEADER, Duplicate, answer_with_holder, skip_mess
 from .naming import lock_name_for
 
 __all__ = [
+    "CANVAS_HEADER",
     "HOLD_HEADER",
-    "MEMBER_HEADER",
     "NO_DEDUP_HEADER",
     "attempt_of",
+    "canvas_request",
     "claim_at_worker",
     "feeds_others",
     "give_back",
     "hold_for",
-    "is_member",
-    "member_request",
+    "in_canvas",
     "publish",
     "publish_held",
     "skip_superseded",
@@ -92,7 +92,7 @@ NO_DEDUP_HEADER = "redlock_no_dedup"
 #: Message header of a canvas member (or a call under a task id its caller chose) sent
 #: although its key was held: its worker checks it again and, still a duplicate, skips it
 #: visibly whatever ``lock_on_duplicate`` says, so the result awaited under its id exists.
-MEMBER_HEADER = "redlock_member"
+CANVAS_HEADER = "redlock_canvas"
 #: How long the hold of a message with ``expires=`` outlives that moment: a worker that
 #: receives it later discards it (and frees the hold at once); none may ever receive it.
 EXPIRED_GRACE = 5.0
@@ -126,7 +126,7 @@ def feeds_others(call: dict[str, Any]) -> bool:
     return any(call.get(k) for k in ("chain", "link", "link_error"))
 
 
-def is_member(call: dict[str, Any], *, chosen: bool) -> bool:
+def in_canvas(call: dict[str, Any], *, chosen: bool) -> bool:
     """True for a call whose result something awaits under the call's own task id: a task
     id its caller chose (*chosen*: ``task_id=``, a frozen signature, as Celery sends every
     chain step, group and chord member and chord body), a link target (Celery applies
@@ -164,7 +164,7 @@ def publish_held(  # noqa: PLR0917 - the publish's state, task, name, options an
     ttl = _hold_ttl(options.enqueue_ttl, call)
     hold = hold_for(state, task, name)
     feeds = feeds_others(call)
-    member = not republish and (feeds or is_member(call, chosen=chosen))
+    member = not republish and (feeds or in_canvas(call, chosen=chosen))
     if not (republish or member) and claiming.hook(task.app):
         publish = functools.partial(send, args, kwargs)
         return _publish_overlapped(state, task, name, options, hold, ttl, call, publish)
@@ -212,7 +212,7 @@ def publish_held(  # noqa: PLR0917 - the publish's state, task, name, options an
             found.state,
             found.owner,
         )
-        call["headers"] = {**(call.get("headers") or {}), MEMBER_HEADER: True}
+        call["headers"] = {**(call.get("headers") or {}), CANVAS_HEADER: True}
         return send(args, kwargs, **call)
     if found.outcome != "duplicate":
         call["headers"] = {**(call.get("headers") or {}), HOLD_HEADER: name}
@@ -374,7 +374,7 @@ def claim_at_worker(
     found = options.duplicate.claim(hold, request.id, options.enqueue_ttl, options.lock_on)
     if found.outcome != "duplicate" or not found.owner or found.owner == request.id:
         return
-    member = member_request(request)
+    member = canvas_request(request)
     log.info(
         "Task %s[%s] not started: a duplicate, lock %r is held by task %s, %s (%s; "
         "lock_on_duplicate=%r)",
@@ -395,14 +395,14 @@ def claim_at_worker(
     options.duplicate.answer(dup)
 
 
-def member_request(request: Any) -> bool:
+def canvas_request(request: Any) -> bool:
     """True when the result of *request*'s task id is awaited by a canvas: marked so at
-    publish (:data:`MEMBER_HEADER`), or a group or chord member (a process that sent it by
+    publish (:data:`CANVAS_HEADER`), or a group or chord member (a process that sent it by
     name could not mark it)."""
     headers = getattr(request, "headers", None)
-    if isinstance(headers, dict) and headers.get(MEMBER_HEADER):
+    if isinstance(headers, dict) and headers.get(CANVAS_HEADER):
         return True
-    if getattr(request, MEMBER_HEADER, None):
+    if getattr(request, CANVAS_HEADER, None):
         return True
     return bool(getattr(request, "group", None) or getattr(request, "chord", None))
 

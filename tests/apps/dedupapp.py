@@ -103,9 +103,7 @@ def fin(self: Task, value: int, seconds: float = 0.0, tag: str = "fin") -> int:
     return value
 
 
-@app.task(
-    name="dd.estep", lock_key="estep:<tag>", lock_on_contended="wait", **_ENQUEUE_RUN
-)
+@app.task(name="dd.estep", lock_key="estep:<tag>", lock_on_contended="wait", **_ENQUEUE_RUN)
 def estep(self: Task, a: int, b: int, tag: str = "estep") -> int:
     """A chain step of one key for every call: waits for the key (woken by the release)."""
     record("start", key=tag, task_id=self.request.id)

@@ -225,9 +225,7 @@ def test_a_chord_of_raise_members_completes_with_the_duplicate_skipped(
     so the chord's callback runs and its get() returns within seconds."""
     tag = f"chord-{uuid.uuid4().hex[:6]}"
     part = client.tasks["dd.rpart"]
-    result = chord([part.s(tag, 1), part.s(tag, 1), part.s(tag, 2)])(
-        client.tasks["dd.rtotal"].s()
-    )
+    result = chord([part.s(tag, 1), part.s(tag, 1), part.s(tag, 2)])(client.tasks["dd.rtotal"].s())
     assert result.get(timeout=15) == {"sum": 3, "skipped": 1}
     members = result.parent.results
     assert [m.state for m in members] == ["SUCCESS"] * 3
