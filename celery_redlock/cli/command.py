@@ -4,7 +4,7 @@
 
     celery -A proj locks list [PATTERN] [--json]
     celery -A proj locks show NAME [--json]
-    celery -A proj locks release NAME [--force]
+    celery -A proj locks release NAME|PATTERN [--force] [--yes] [--queued]
 
 Names are the rendered lock names (``sync:42``), not Redis keys. Locks are found
 with ``SCAN`` (never ``KEYS``), on every primary of a Redis Cluster; with a list of
@@ -26,6 +26,7 @@ masters and maps errors to exit codes; :mod:`celery_redlock.cli.render` shows th
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -57,12 +58,13 @@ from .render import (
     LockRow,
     control_json,
     control_table,
+    dequeue_said,
     lock_details,
     lock_table,
     rate_details,
     rate_json,
     rate_table,
-    task_of,
+    release_notes,
 )
 
 __all__ = ["EXIT_NOT_HELD", "EXIT_UNREACHABLE", "LockRow", "locks"]
@@ -333,38 +335,103 @@ def _listed(info: RateInfo | None) -> list[RateInfo]:
     return [] if info is None else [info]
 
 
+#: The characters that make release's argument a glob (a name holding one is released
+#: by escaping it in brackets: ``[*]``).
+_GLOB = frozenset("*?[")
+
+
 @_takes_flags
 @locks.command(cls=CeleryCommand)
-@click.argument("name")
+@click.argument("pattern")
 @click.option(
     "-f",
     "--force",
     cls=CeleryOption,
     is_flag=True,
     help_group="Release Options",
-    help="Don't ask for confirmation.",
+    help="Remove whoever holds it now, not only the acquisition shown; for a NAME, also don't ask.",
+)
+@click.option(
+    "-y",
+    "--yes",
+    cls=CeleryOption,
+    is_flag=True,
+    help_group="Release Options",
+    help="Don't ask for confirmation (a PATTERN without a terminal needs it).",
+)
+@click.option(
+    "--queued",
+    cls=CeleryOption,
+    is_flag=True,
+    help_group="Release Options",
+    help="Release only queued holds (lock_on='enqueue': taken at publish for a message "
+    "that has not started), e.g. after `celery purge`; running locks stay.",
 )
 @click.pass_context
-def release(ctx: click.Context, name: str, force: bool) -> None:
-    """Remove lock NAME whoever holds it, and wake one waiter.
+def release(ctx: click.Context, pattern: str, force: bool, yes: bool, queued: bool) -> None:
+    """Remove lock PATTERN whoever holds it, and wake one waiter.
 
-    The holder is not stopped: its next renewal finds the lock gone and it is told
-    the lock was lost. Without --force, asks first and removes only the
-    acquisition it showed (not one taken meanwhile).
+    PATTERN is a rendered lock name (sync:42) or a glob (sync:*, '*'): a glob lists
+    what it matches and asks before releasing each (--yes skips that; without a
+    terminal it is needed). A running holder is not stopped: its next renewal finds
+    the lock gone and it is told the lock was lost. A queued hold (lock_on="enqueue")
+    was taken at publish for a message that has not started: releasing it lets the
+    next call publish again. Without --force only the acquisitions shown are removed
+    (not one taken meanwhile).
     """
     session = _Session(ctx)
-    rows = _held(session, name)
+    glob = bool(_GLOB & set(pattern))
+    rows = _matching(session, pattern) if glob else _held(session, pattern)
+    if queued:
+        rows = [r for r in rows if r.state == "queued"]
     session.warn_unreachable()  # the release below tries every master again
     session.unreachable.clear()
+    if not rows:
+        what = "queued hold" if queued else "lock"
+        raise CeleryCommandException(
+            f"no {what} matches {pattern!r} at {session.where()}"
+            if glob
+            else f"lock {pattern!r} has no queued hold",
+            EXIT_NOT_HELD,
+        )
+    if glob:
+        click.echo(lock_table(rows, session.is_redlock))
+        if not yes:
+            if not _at_terminal():
+                raise CeleryCommandException(
+                    f"not released: {pattern!r} is a pattern, and releasing what it "
+                    "matches is confirmed at a terminal; pass --yes to release the "
+                    "holds listed above without asking",
+                    EXIT_NOT_HELD,
+                )
+            names = len({r.name for r in rows})
+            click.confirm(
+                f"\nRelease these {len(rows)} holds of {names} locks? {release_notes(rows)}",
+                abort=True,
+            )
+    elif not (force or yes):
+        click.echo("\n\n".join(lock_details(r) for r in rows))
+        click.confirm(f"\nRelease lock {pattern!r}? {release_notes(rows)}", abort=True)
+    released = 0
+    for name in sorted({r.name for r in rows}):
+        released += _release_one(session, name, [r for r in rows if r.name == name], force)
+    if session.unreachable:
+        session.fail_unreachable()
+    if not released:
+        what = f"nothing matching {pattern!r}" if glob else f"lock {pattern!r}"
+        raise CeleryCommandException(f"{what} was released", EXIT_NOT_HELD)
+
+
+def _at_terminal() -> bool:
+    """True when a person can answer a prompt: standard input is a terminal."""
+    stdin = sys.stdin
+    return stdin is not None and stdin.isatty()
+
+
+def _release_one(session: _Session, name: str, rows: list[LockRow], force: bool) -> int:
+    """Release lock *name*'s *rows* (as listed) on every master; how many went."""
     expected = {r.master: r.fence for r in rows if r.state != "queued"}
     queued_ids = {r.master: r.record.get("task_id") for r in rows if r.state == "queued"}
-    if not force:
-        click.echo("\n\n".join(lock_details(r) for r in rows))
-        click.confirm(
-            f"\nRelease lock {name!r}? The holder keeps running and may overlap with the "
-            "next owner",
-            abort=True,
-        )
     notice_ttl: float = session.settings.ttl
     released = 0
     for url, client in session.clients:
@@ -377,7 +444,7 @@ def release(ctx: click.Context, name: str, force: bool) -> None:
                 gone = force_dequeue(client, session.prefix, name, owner)
                 if gone.outcome == "released":
                     released += 1
-                    click.echo(f"released the queued hold of {name!r} (task {task_of(gone)})")
+                click.echo(dequeue_said(gone, name, master or ""))
             if master not in expected:
                 continue
             fence = None if force else expected[master]
@@ -388,10 +455,7 @@ def release(ctx: click.Context, name: str, force: bool) -> None:
         if done.outcome == "released":
             released += 1
         click.echo(done.said(name, master or ""))
-    if session.unreachable:
-        session.fail_unreachable()
-    if not released:
-        raise CeleryCommandException(f"lock {name!r} was not released", EXIT_NOT_HELD)
+    return released
 
 
 def _held(session: _Session, name: str) -> list[LockRow]:
@@ -410,6 +474,16 @@ def _held(session: _Session, name: str) -> list[LockRow]:
             session.fail_unreachable()
         raise CeleryCommandException(f"lock {name!r} is not held", EXIT_NOT_HELD)
     return rows
+
+
+def _matching(session: _Session, pattern: str) -> list[LockRow]:
+    """The rows (locks and queued holds, not permits) whose name matches glob *pattern*,
+    found with SCAN on every master."""
+    prefix = session.prefix
+    found = session.collect(lambda backend: scan_locks(backend, prefix, pattern))
+    if not found and session.unreachable:
+        session.fail_unreachable()
+    return [row for row in found if row.kind != "permit"]
 
 
 # -- operator controls -----------------------------------------------------------------

@@ -18,11 +18,13 @@ __all__ = [
     "LockRow",
     "control_json",
     "control_table",
+    "dequeue_said",
     "lock_details",
     "lock_table",
     "rate_details",
     "rate_json",
     "rate_table",
+    "release_notes",
     "task_of",
 ]
 
@@ -276,3 +278,40 @@ def _ttl(ms: int) -> str:
 def task_of(done: Any) -> str:
     """The task id in the record of what a forced release removed ("?" if none)."""
     return str(done.record.get("task_id") or "?")
+
+
+#: What releasing a queued hold means, for the prompt and the line after it.
+QUEUED_HOLD = (
+    "a queued hold is taken at publish (lock_on='enqueue') for a message that has not "
+    "started running; releasing it lets the next call publish again (a message of it "
+    "still queued runs as well)"
+)
+
+
+def release_notes(rows: Sequence[LockRow]) -> str:
+    """What releasing *rows* does, for the confirmation prompt: a running holder keeps
+    running; a queued hold only lets the next call be published."""
+    notes = []
+    if any(r.state != "queued" for r in rows):
+        notes.append("the holder keeps running and may overlap with the next owner")
+    if any(r.state == "queued" for r in rows):
+        notes.append(QUEUED_HOLD)
+    text = "; ".join(notes)
+    return text[:1].upper() + text[1:]
+
+
+def dequeue_said(done: Any, name: str, where: str = "") -> str:
+    """What an operator is told of a removed (or not removed) queued hold of *name*."""
+    on = f" on {where}" if where else ""
+    task = task_of(done)
+    if done.outcome == "released":
+        return (
+            f"released the queued hold of {name!r}{on}: it was taken at publish for task "
+            f"{task}, whose message had not started running; the next call of {name!r} "
+            "publishes again"
+        )
+    if done.outcome == "gone":
+        return (
+            f"the queued hold of {name!r}{on} was already gone (its message started, or it expired)"
+        )
+    return f"the queued hold of {name!r}{on} is now task {task}'s, not the one shown; left alone"

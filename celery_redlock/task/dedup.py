@@ -23,6 +23,16 @@ Where the publish happens:
   name) carries no hold: its worker takes the hold before the body runs
   (:func:`claim_at_worker`) and skips the message visibly if it is a duplicate.
 
+Canvas members are never dropped at publish, whatever ``lock_on_duplicate`` says: a
+caller holds a result of the member's own task id (Celery freezes each member before it
+sends it, so the call carries a task id its caller chose; a link callback carries its
+``parent_id``: :func:`in_canvas`). A duplicate member that feeds others (a chain step
+with steps after it, a call with callbacks: :func:`feeds_others`) is sent and runs
+(``NO_DEDUP_HEADER``); any other (a chain's last step, a group or chord member, a link
+target) is sent without a hold (``CANVAS_HEADER``), and its worker, finding it still a
+duplicate, skips it visibly (SUCCESS with the skip marker), never ``AlreadyQueued``. A
+plain ``delay()``, in a task body or not, carries neither and is de-duplicated.
+
 On the worker, the message's lock is acquired with a hand-over
 (``RunLock(handover=Handover(task_id))``): the hold becomes the lock in one owner-checked
 script, and a message whose hold another call has taken (replaced, or its own hold
@@ -52,16 +62,20 @@ from ..app.state import AppState
 from ..core import ConfigError, Queued, QueuedHold, QuorumUnavailable
 from ..core.queued import PendingClaim
 from . import claiming
-from .contention import RETRIES_HEADER, Duplicate, skip_message
+from .contention import RETRIES_HEADER, Duplicate, answer_with_holder, skip_message
 from .naming import lock_name_for
 
 __all__ = [
+    "CANVAS_HEADER",
     "HOLD_HEADER",
     "NO_DEDUP_HEADER",
     "attempt_of",
+    "canvas_request",
     "claim_at_worker",
+    "feeds_others",
     "give_back",
     "hold_for",
+    "in_canvas",
     "publish",
     "publish_held",
     "skip_superseded",
@@ -75,6 +89,10 @@ HOLD_HEADER = "redlock_hold"
 #: Message header of a call sent although its key was held, on purpose (a chain step): its
 #: worker neither checks it for duplicates nor refuses it as superseded.
 NO_DEDUP_HEADER = "redlock_no_dedup"
+#: Message header of a canvas member (or a call under a task id its caller chose) sent
+#: although its key was held: its worker checks it again and, still a duplicate, skips it
+#: visibly whatever ``lock_on_duplicate`` says, so the result awaited under its id exists.
+CANVAS_HEADER = "redlock_canvas"
 #: How long the hold of a message with ``expires=`` outlives that moment: a worker that
 #: receives it later discards it (and frees the hold at once); none may ever receive it.
 EXPIRED_GRACE = 5.0
@@ -102,6 +120,22 @@ def hold_for(state: AppState, task: Any, name: str) -> QueuedHold:
 
 
 # -- the publish side ------------------------------------------------------------------------
+def feeds_others(call: dict[str, Any]) -> bool:
+    """True for a call whose outcome other tasks are sent from: a chain step with steps
+    after it (``chain``), a call with callbacks (``link``, ``link_error``)."""
+    return any(call.get(k) for k in ("chain", "link", "link_error"))
+
+
+def in_canvas(call: dict[str, Any], *, chosen: bool) -> bool:
+    """True for a call whose result something awaits under the call's own task id: a task
+    id its caller chose (*chosen*: ``task_id=``, a frozen signature, as Celery sends every
+    chain step, group and chord member and chord body), a link target (Celery applies
+    callbacks with ``parent_id`` given; a call from a task body gets its parent later, in
+    ``send_task``), a group or chord member. Not a plain ``delay()``, in a task body or
+    not."""
+    return chosen or any(call.get(k) for k in ("parent_id", "chord", "group_id"))
+
+
 def publish_held(  # noqa: PLR0917 - the publish's state, task, name, options and call
     state: AppState,
     task: Any,
@@ -117,6 +151,9 @@ def publish_held(  # noqa: PLR0917 - the publish's state, task, name, options an
     kwargs, **call)``), unless it is a duplicate; returns what ``apply_async`` returns."""
     from celery.utils import uuid  # noqa: PLC0415 - kept out of the import-time path
 
+    # A task id the caller chose (``task_id=``, or a frozen signature: Celery freezes every
+    # canvas member before it sends it) is one the caller already holds a result of.
+    chosen = bool(call.get("task_id"))
     task_id = call.get("task_id") or uuid()
     call["task_id"] = task_id
     # A re-publish of the request this process runs (self.retry(), a contention retry)
@@ -126,8 +163,9 @@ def publish_held(  # noqa: PLR0917 - the publish's state, task, name, options an
         call["countdown"] = max(float(call.get("countdown") or 0), options.debounce)
     ttl = _hold_ttl(options.enqueue_ttl, call)
     hold = hold_for(state, task, name)
-    special = any(call.get(k) for k in ("chain", "link", "link_error", "chord", "group_id"))
-    if not (republish or special) and claiming.hook(task.app):
+    feeds = feeds_others(call)
+    member = not republish and (feeds or in_canvas(call, chosen=chosen))
+    if not (republish or member) and claiming.hook(task.app):
         publish = functools.partial(send, args, kwargs)
         return _publish_overlapped(state, task, name, options, hold, ttl, call, publish)
     try:
@@ -143,9 +181,10 @@ def publish_held(  # noqa: PLR0917 - the publish's state, task, name, options an
         _sent_anyway(task, task_id, name, exc)
         return send(args, kwargs, **call)
     if found.outcome == "duplicate" and not republish:
-        if call.get("chain") or call.get("link") or call.get("link_error"):
-            # A step of a chain, or a call with callbacks: the canvas waits on this very
-            # task id, so it is sent and runs (its run is still locked); it takes no hold.
+        if feeds:
+            # A step of a chain with steps after it, or a call with callbacks: what comes
+            # after needs its return value, so it is sent and runs (its run is still
+            # locked); it takes no hold.
             log.info(
                 "%s[%s] sent although lock %r is %s by task %s: a chain step or a call "
                 "with callbacks is never dropped",
@@ -157,12 +196,24 @@ def publish_held(  # noqa: PLR0917 - the publish's state, task, name, options an
             )
             call["headers"] = {**(call.get("headers") or {}), NO_DEDUP_HEADER: True}
             return send(args, kwargs, **call)
-        if call.get("chord") or call.get("group_id"):
-            # A group or chord member: its result is awaited under its own task id, so
-            # it is sent without a hold, and its worker skips it as a duplicate, visibly
-            # (the skipped result counts for the chord).
-            return send(args, kwargs, **call)
-        return _duplicate(task, name, options, found, task_id)
+        if not member:
+            return _duplicate(task, name, options, found, task_id)
+        # A canvas member (a chain's last step, a group or chord member, a link target)
+        # or a call under a task id its caller chose: that id's result is awaited, so it
+        # is sent without a hold, and its worker skips it visibly as a duplicate whatever
+        # lock_on_duplicate says (the skipped result counts for a chord).
+        log.info(
+            "%s[%s] sent although lock %r is %s by task %s: a canvas member (or a call "
+            "whose caller chose its task id) is never dropped; its worker skips it if it "
+            "is still a duplicate",
+            task.name,
+            task_id,
+            name,
+            found.state,
+            found.owner,
+        )
+        call["headers"] = {**(call.get("headers") or {}), CANVAS_HEADER: True}
+        return send(args, kwargs, **call)
     if found.outcome != "duplicate":
         call["headers"] = {**(call.get("headers") or {}), HOLD_HEADER: name}
     try:
@@ -316,25 +367,44 @@ def claim_at_worker(
     state: AppState, task: Any, request: Any, name: str, options: TaskOptions
 ) -> None:
     """A message that took no hold when it was published (sent by name where the task
-    class is unknown): take it now; a duplicate does not run (skipped visibly, or
-    ``AlreadyQueued`` with ``lock_on_duplicate="raise"``)."""
+    class is unknown, or a canvas member whose key was held): take it now; a duplicate
+    does not run (skipped visibly, or ``AlreadyQueued`` with ``lock_on_duplicate="raise"``
+    for a plain call; a canvas member is always skipped visibly, so its result exists)."""
     hold = hold_for(state, task, name)
     found = options.duplicate.claim(hold, request.id, options.enqueue_ttl, options.lock_on)
     if found.outcome != "duplicate" or not found.owner or found.owner == request.id:
         return
+    member = canvas_request(request)
     log.info(
-        "Task %s[%s] not started: a duplicate, lock %r is held by task %s, %s "
-        "(this message was sent without the task class, so its worker checked; "
+        "Task %s[%s] not started: a duplicate, lock %r is held by task %s, %s (%s; "
         "lock_on_duplicate=%r)",
         task.name,
         request.id,
         name,
         found.owner,
         found.state,
+        "a canvas member, skipped whatever the policy"
+        if member
+        else "this message was sent without the task class, so its worker checked",
         options.on_duplicate,
     )
     send_task_event(state, task, "duplicate", lock=name, holder=found.owner, state=found.state)
-    options.duplicate.answer(Duplicate(task, name, request.id, found, request))
+    dup = Duplicate(task, name, request.id, found, request)
+    if member:
+        answer_with_holder(dup)
+    options.duplicate.answer(dup)
+
+
+def canvas_request(request: Any) -> bool:
+    """True when the result of *request*'s task id is awaited by a canvas: marked so at
+    publish (:data:`CANVAS_HEADER`), or a group or chord member (a process that sent it by
+    name could not mark it)."""
+    headers = getattr(request, "headers", None)
+    if isinstance(headers, dict) and headers.get(CANVAS_HEADER):
+        return True
+    if getattr(request, CANVAS_HEADER, None):
+        return True
+    return bool(getattr(request, "group", None) or getattr(request, "chord", None))
 
 
 def skip_superseded(state: AppState, task: Any, request: Any, lock: Any) -> NoReturn:

@@ -88,6 +88,49 @@ def tick(self: Task) -> None:
     record("run-end", name="tick", end=time.time())
 
 
+@app.task(name="dd.pre", shared=False)
+def pre(seconds: float) -> int:
+    """A plain (unlocked) first chain step: sleeps *seconds*, returns 7."""
+    time.sleep(seconds)
+    return 7
+
+
+@app.task(name="dd.fin", lock_key="fin:<tag>", **_ENQUEUE_RUN)
+def fin(self: Task, value: int, seconds: float = 0.0, tag: str = "fin") -> int:
+    """A locked last chain step (or a plain call) that holds its key for *seconds*."""
+    record("start", key=tag, task_id=self.request.id)
+    time.sleep(seconds)
+    return value
+
+
+@app.task(name="dd.estep", lock_key="estep:<tag>", lock_on_contended="wait", **_ENQUEUE_RUN)
+def estep(self: Task, a: int, b: int, tag: str = "estep") -> int:
+    """A chain step of one key for every call: waits for the key (woken by the release)."""
+    record("start", key=tag, task_id=self.request.id)
+    time.sleep(0.3)
+    return a + b
+
+
+@app.task(
+    name="dd.rpart",
+    lock_key="rpart:<tag>:<n>",
+    lock_on_duplicate="raise",
+    **_ENQUEUE_RUN,
+)
+def rpart(self: Task, tag: str, n: int) -> int:
+    """A chord member whose duplicates would raise AlreadyQueued as plain calls."""
+    record("start", key=f"{tag}:{n}", task_id=self.request.id)
+    time.sleep(0.5)
+    return n
+
+
+@app.task(name="dd.rtotal", shared=False)
+def rtotal(results: list[Any]) -> dict[str, int]:
+    """A chord callback: the sum of the members that ran, and how many were skipped."""
+    skipped = [r for r in results if isinstance(r, dict) and r.get("celery_redlock.skipped")]
+    return {"sum": sum(r for r in results if isinstance(r, int)), "skipped": len(skipped)}
+
+
 if os.environ.get("DEDUP_ROLE") != "beat":
 
     @app.task(name="dd.blind_tick", lock_key="blind", lock_on_contended="skip", **_ENQUEUE_RUN)

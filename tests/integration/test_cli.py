@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pty
+import select
 import socket
 import subprocess
 import sys
@@ -573,6 +575,131 @@ def test_list_show_and_release_a_queued_hold(
     assert released.exit_code == 0, released.output
     assert "queued hold" in released.stdout
     assert not locks_on.exists("redlock:{sync:7}", "redlock:{sync:7}:queued")
+
+
+def _some_holds(client: redis.Redis, hold: Callable[..., Lock]) -> None:
+    """sync:1 and sync:2 running, sync:3 queued, report:1 running and report:2 queued."""
+    hold(client, "sync:1", task_name="proj.sync", task_id="r-1")
+    hold(client, "sync:2", task_name="proj.sync", task_id="r-2")
+    QueuedHold(client, "sync:3", owner_info={"task_name": "proj.sync"}).claim("q-3", ttl=60)
+    hold(client, "report:1", task_name="proj.report", task_id="r-4")
+    QueuedHold(client, "report:2", owner_info={"task_name": "proj.report"}).claim("q-5", ttl=60)
+
+
+def _still_held(client: redis.Redis) -> set[str]:
+    names = ("sync:1", "sync:2", "sync:3", "report:1", "report:2")
+    keys = {n: (lock_keys(n).lock, lock_keys(n).lock + ":queued") for n in names}
+    return {n for n, (lock, queued) in keys.items() if client.exists(lock, queued)}
+
+
+def test_release_a_pattern_with_yes_releases_exactly_what_matches(
+    locks_on: redis.Redis, hold: Callable[..., Lock]
+) -> None:
+    """release 'sync:*' --force --yes lists the matching locks and queued holds and releases
+    each of them (found with SCAN), and nothing else."""
+    _some_holds(locks_on, hold)
+    result = run("release", "sync:*", "--force", "--yes")
+    assert result.exit_code == 0, result.output
+    assert "NAME" in result.stdout and "q-3" in result.stdout  # the list of what goes
+    assert "released 'sync:1'" in result.stdout and "released 'sync:2'" in result.stdout
+    assert "released the queued hold of 'sync:3'" in result.stdout
+    assert _still_held(locks_on) == {"report:1", "report:2"}
+    none = run("release", "nothing:*", "--force", "--yes")
+    assert none.exit_code == 1
+    assert "no lock matches 'nothing:*'" in none.stderr
+
+
+def test_release_a_pattern_without_yes_and_without_a_terminal_refuses(
+    locks_on: redis.Redis, hold: Callable[..., Lock]
+) -> None:
+    """release 'sync:*' --force with no terminal and no --yes releases nothing, even with a
+    "y" piped in, and says to pass --yes."""
+    _some_holds(locks_on, hold)
+    result = run("release", "sync:*", "--force", input="y\n")
+    assert result.exit_code == 1
+    assert "pass --yes" in result.stderr
+    assert _still_held(locks_on) == {"sync:1", "sync:2", "sync:3", "report:1", "report:2"}
+
+
+def test_release_queued_releases_only_the_queued_holds(
+    locks_on: redis.Redis, hold: Callable[..., Lock]
+) -> None:
+    """release '*' --queued --force --yes (what docs/dedup.md gives after a purge) releases
+    every queued hold and no running lock."""
+    _some_holds(locks_on, hold)
+    result = run("release", "*", "--queued", "--force", "--yes")
+    assert result.exit_code == 0, result.output
+    assert _still_held(locks_on) == {"sync:1", "sync:2", "report:1"}
+    again = run("release", "*", "--queued", "--force", "--yes")
+    assert again.exit_code == 1
+    assert "no queued hold matches '*'" in again.stderr
+
+
+def test_releasing_a_queued_hold_says_what_a_queued_hold_is(locks_on: redis.Redis) -> None:
+    """Releasing a queued hold by name asks and reports in terms of a message not started
+    (its hold taken at publish; the next call publishes again), not of a holder that runs."""
+    QueuedHold(locks_on, "sync:7", owner_info={"task_name": "proj.sync"}).claim("q-2", ttl=60)
+    result = run("release", "sync:7", input="y\n")
+    assert result.exit_code == 0, result.output
+    assert "keeps running" not in result.stdout
+    assert "taken at publish (lock_on='enqueue') for a message that has not" in result.stdout
+    assert (
+        "released the queued hold of 'sync:7': it was taken at publish for task q-2, whose "
+        "message had not started running; the next call of 'sync:7' publishes again"
+    ) in result.stdout
+    assert not locks_on.exists("redlock:{sync:7}:queued")
+
+
+def test_release_a_pattern_at_a_terminal_lists_and_asks(
+    redis_client: redis.Redis, shared_redis: RedisServer, hold: Callable[..., Lock]
+) -> None:
+    """At a terminal (a pty), `celery locks release 'sync:*' --force` lists the matching
+    holds and asks; "n" keeps them all, "y" releases them."""
+    _some_holds(redis_client, hold)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["LOCKSAPP_REDLOCK_URL"] = shared_redis.url
+
+    def answer(reply: str) -> tuple[int, str]:
+        leader, follower = pty.openpty()
+        proc = subprocess.Popen(
+            [CELERY, "-A", APP, "locks", "release", "sync:*", "--force"],
+            stdin=follower,
+            stdout=follower,
+            stderr=follower,
+            cwd=ROOT,
+            env=env,
+        )
+        os.close(follower)
+        seen = b""
+        try:
+            deadline = time.monotonic() + 30
+            while b"[y/N]" not in seen and time.monotonic() < deadline:
+                ready, _, _ = select.select([leader], [], [], 1.0)
+                if ready:
+                    seen += os.read(leader, 4096)
+            os.write(leader, reply.encode() + b"\n")
+            code = proc.wait(30)
+            with contextlib.suppress(OSError):
+                while select.select([leader], [], [], 0.2)[0]:
+                    chunk = os.read(leader, 4096)
+                    if not chunk:
+                        break
+                    seen += chunk
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+            os.close(leader)
+        return code, seen.decode(errors="replace")
+
+    code, said = answer("n")
+    assert code == 1, said
+    assert "Release these 3 holds of 3 locks?" in said and "q-3" in said
+    assert _still_held(redis_client) == {"sync:1", "sync:2", "sync:3", "report:1", "report:2"}
+    code, said = answer("y")
+    assert code == 0, said
+    assert _still_held(redis_client) == {"report:1", "report:2"}
 
 
 def _doc_sample(heading: str) -> list[str]:

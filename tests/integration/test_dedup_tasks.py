@@ -497,6 +497,45 @@ def test_group_duplicates_are_skipped_visibly_and_chain_steps_run(env: Env) -> N
     assert env.items("runs") == [1, 4]
 
 
+def test_a_link_target_is_sent_and_skipped_while_a_delay_in_a_body_returns_the_holder(
+    env: Env,
+) -> None:
+    """While job(1) runs its key: a link callback job(...) that Celery applies after its
+    parent (not frozen, but given parent_id) is sent under its own id and skipped by its
+    worker; a plain job.delay() made inside another task's body is still a duplicate
+    answered with the running call's id, nothing sent."""
+    app = env.app()
+
+    @app.task(base=LockedTask, shared=False, lock_key="lk", lock_on="enqueue+run")
+    def job(n: int) -> int:
+        env.push("runs", n)
+        env.hold_until(f"go:{n}")
+        return n
+
+    @app.task(shared=False)
+    def starter() -> int:
+        return 3
+
+    @app.task(shared=False)
+    def caller() -> str:
+        return str(job.delay(2).id)
+
+    with worker(app, concurrency=3):
+        first = job.delay(1)
+        wait_for(lambda: env.items("runs") == [1])
+        assert caller.delay().get(timeout=10) == first.id
+        parent = starter.apply_async(link=job.s())
+        assert parent.get(timeout=10) == 3
+        wait_for(lambda: parent.children, timeout=10)
+        (callback,) = parent.children
+        assert callback.id != first.id
+        marker = callback.get(timeout=10)
+        assert is_skipped(marker) and marker["task_id"] == first.id
+        env.rec.set("go:1", 1)
+        assert first.get(timeout=10) == 1
+    assert env.items("runs") == [1]
+
+
 # ------------------------------------------------------- holds freed when a message ends
 def test_revoked_and_expired_messages_free_their_hold_when_a_worker_sees_them(env: Env) -> None:
     """A revoked queued message and one past its expires= release their holds as the

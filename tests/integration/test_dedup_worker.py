@@ -11,6 +11,7 @@ import itertools
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from typing import Any
 
 import kombu
 import pytest
-from celery import Celery
+from celery import Celery, chord
 from servers import RedisServer, wait_for
 from workers import ROOT, Worker, worker_env
 
@@ -182,6 +183,106 @@ def test_a_redelivered_message_does_not_start_while_its_first_delivery_runs(
         w.stop()
         app.conf.update(task_acks_late=False, task_default_queue="celery")
     assert len([e for e in _events(server, "start") if e["task_id"] == result.id]) == 1
+
+
+# -------------------------------------------------------------- canvas members and purge
+def test_a_chains_last_step_whose_key_runs_is_sent_and_skipped_by_its_worker(
+    client: Celery, server: RedisServer
+) -> None:
+    """chain(pre.s(1), fin.s()) while fin.delay(100, 3) runs its key: the chain's last step
+    (frozen, no chain or link of its own) is sent, not answered with the running id, and
+    its worker skips it visibly: the chain's get() returns the skip marker naming the
+    running call within seconds."""
+    tag = f"last-{uuid.uuid4().hex[:6]}"
+    fin = client.tasks["dd.fin"]
+    chained = (client.tasks["dd.pre"].s(1) | fin.s(tag=tag)).apply_async()
+    running = fin.delay(100, 3, tag=tag)
+    value = chained.get(timeout=10)
+    assert isinstance(value, dict) and value.get("celery_redlock.skipped") is True, value
+    assert value["task_id"] == running.id
+    assert running.get(timeout=10) == 100
+
+
+def test_two_identical_chains_both_end_in_a_result(client: Celery, server: RedisServer) -> None:
+    """Two chains estep(0, 1) | estep(10) of one key at once, three times: a chain's second
+    step that finds the other chain's first step holding the key is sent and ends in a
+    result (a run, or the visible skip), so each chain's get() returns within seconds."""
+    estep = client.tasks["dd.estep"]
+    for _ in range(3):
+        tag = f"twin-{uuid.uuid4().hex[:6]}"
+        a = (estep.s(0, 1, tag=tag) | estep.s(10, tag=tag)).apply_async()
+        b = (estep.s(0, 1, tag=tag) | estep.s(10, tag=tag)).apply_async()
+        for value in (a.get(timeout=15), b.get(timeout=15)):
+            skipped = isinstance(value, dict) and value.get("celery_redlock.skipped") is True
+            assert value == 11 or skipped, value
+
+
+def test_a_chord_of_raise_members_completes_with_the_duplicate_skipped(
+    client: Celery, server: RedisServer
+) -> None:
+    """A chord whose header members are lock_on_duplicate="raise" and hold a duplicate: the
+    duplicate is sent and skipped by its worker (SUCCESS, the marker), never AlreadyQueued,
+    so the chord's callback runs and its get() returns within seconds."""
+    tag = f"chord-{uuid.uuid4().hex[:6]}"
+    part = client.tasks["dd.rpart"]
+    result = chord([part.s(tag, 1), part.s(tag, 1), part.s(tag, 2)])(client.tasks["dd.rtotal"].s())
+    assert result.get(timeout=15) == {"sum": 3, "skipped": 1}
+    members = result.parent.results
+    assert [m.state for m in members] == ["SUCCESS"] * 3
+
+
+def _documented_release() -> list[str]:
+    """The command docs/dedup.md gives to clear the holds of purged messages (its argv)."""
+    page = (ROOT / "docs" / "dedup.md").read_text().splitlines()
+    lines = [ln.strip().removeprefix("$ ") for ln in page]
+    (line,) = [ln for ln in lines if ln.startswith("celery -A proj locks release")]
+    return shlex.split(line)
+
+
+def test_after_purge_the_documented_release_lets_the_next_call_be_sent(
+    server: RedisServer,
+) -> None:
+    """`celery -A app purge -f` drops queued lock_on="enqueue+run" messages but not their
+    holds (a new call still returns a purged id); the one command docs/dedup.md gives then
+    releases those holds, and the next call is sent under a new id."""
+    conf = {"task_default_queue": "purged"}
+    env = _env(server, 30, DEDUP_CONF=json.dumps(conf))
+    app = _client(env)
+    app.conf.task_default_queue = "purged"
+    broker = server.client(db=0)
+    tag = f"purge-{uuid.uuid4().hex[:6]}"
+    fin = app.tasks["dd.fin"]
+    try:
+        first = fin.delay(1, tag=tag)
+        assert broker.llen("purged") == 1
+        celery_env = {**os.environ, **env}
+
+        def celery(*argv: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", "celery", "-A", APP, *argv],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                env=celery_env,
+                timeout=60,
+                check=False,
+            )
+
+        purged = celery("purge", "-f")
+        assert purged.returncode == 0, purged.stderr
+        assert broker.llen("purged") == 0
+        assert fin.delay(1, tag=tag).id == first.id  # the purged message's hold is left
+        argv = _documented_release()
+        assert argv[:4] == ["celery", "-A", "proj", "locks"]
+        released = celery(*argv[3:])
+        assert released.returncode == 0, released.stderr
+        assert f"taken at publish for task {first.id}" in released.stdout
+        again = fin.delay(1, tag=tag)
+        assert again.id != first.id
+        assert broker.llen("purged") == 1
+    finally:
+        broker.delete("purged")
+        app.conf.task_default_queue = "celery"
 
 
 def _runs_never_overlap(server: RedisServer, key: str, kills: dict[int, float]) -> None:
