@@ -26,6 +26,7 @@ from typing import Any, NoReturn, Protocol
 
 from celery.exceptions import Ignore, Retry
 
+from ..app.observability import send_skipped_result
 from ..app.policies import CONTENDED, DUPLICATE
 from ..app.rules import BackOff
 from ..core.backend_types import Queued, RateGrant
@@ -202,6 +203,7 @@ def skip(refusal: Refusal) -> Any:
     if refusal.eager:
         return marker
     task.backend.mark_as_done(request.id, marker, request=request)
+    send_skipped_result(task, marker)
     if held is not None:
         raise Ignore(f"skipped: {who}")
     if refusal.rate is not None:
@@ -454,4 +456,5 @@ def skip_message(
     ``Ignore``."""
     marker = {SKIPPED: True, "reason": reason, "lock": name, "task_id": owner, "holder": holder}
     task.backend.mark_as_done(request.id, marker, request=request)
+    send_skipped_result(task, marker)
     raise Ignore(f"skipped: {reason}")
