@@ -7,7 +7,7 @@
   renewal failures as WARNING on ``celery_redlock.renew``, once). ``install(app)``
   registers it.
 * Celery events in a group of their own, ``redlock-<kind>`` for each kind of
-  :data:`EVENT_KINDS`: ``redlock-acquired``, ``redlock-contended``,
+  :data:`CELERY_EVENT_KINDS`: ``redlock-acquired``, ``redlock-contended``,
   ``redlock-released``, ``redlock-lost``, ``redlock-rate-limited`` (with
   ``retry_after``), and ``redlock-duplicate`` and ``redlock-superseded`` for
   de-duplication, are sent from the task when the worker sends task events (``-E``
@@ -47,12 +47,12 @@ from .state import AppState, state_for
 
 __all__ = [
     "BEAT_ROLE",
-    "EVENT_GROUP",
-    "EVENT_KINDS",
-    "EventKind",
+    "CELERY_EVENT_GROUP",
+    "CELERY_EVENT_KINDS",
+    "CeleryEventKind",
+    "celery_event_type",
     "disable_prometheus",
     "enable_prometheus",
-    "event_type",
     "logging_hook",
     "prometheus_hook",
     "send_publisher_event",
@@ -294,10 +294,10 @@ def _actions_for(key: tuple[str, str]) -> list[tuple[Any, Any, Any]]:
 
 #: The group (the type's first word) of every Celery event celery-redlock sends. Not
 #: ``task``: Celery's ``State`` takes a ``task-*`` event's subject for the task's state.
-EVENT_GROUP = "redlock"
+CELERY_EVENT_GROUP = "redlock"
 
 #: A kind of Celery event celery-redlock sends; its type is ``redlock-<kind>``.
-EventKind = Literal[
+CeleryEventKind = Literal[
     "acquired",
     "contended",
     "released",
@@ -309,35 +309,35 @@ EventKind = Literal[
 ]
 #: Every kind of Celery event celery-redlock sends, in the order docs/observability.md
 #: lists them.
-EVENT_KINDS: tuple[EventKind, ...] = get_args(EventKind)
+CELERY_EVENT_KINDS: tuple[CeleryEventKind, ...] = get_args(CeleryEventKind)
 
 
-def event_type(kind: EventKind) -> str:
+def celery_event_type(kind: CeleryEventKind) -> str:
     """The Celery event type of *kind*: ``redlock-<kind>``."""
-    return f"{EVENT_GROUP}-{kind}"
+    return f"{CELERY_EVENT_GROUP}-{kind}"
 
 
-def send_task_event(state: AppState, task: Any, kind: EventKind, /, **fields: Any) -> None:
+def send_task_event(state: AppState, task: Any, kind: CeleryEventKind, /, **fields: Any) -> None:
     """Send ``redlock-<kind>`` from a running task (with its id as ``uuid``) when this
     worker sends task events (*state*: the task's app's)."""
     if not state.send_events:
         return
     try:
-        task.send_event(event_type(kind), retry=False, **fields)
+        task.send_event(celery_event_type(kind), retry=False, **fields)
     except Exception as exc:  # monitoring must never break a task
-        log.debug("could not send %s: %s", event_type(kind), exc)
+        log.debug("could not send %s: %s", celery_event_type(kind), exc)
 
 
-def send_publisher_event(app: Any, kind: EventKind, **fields: Any) -> None:
+def send_publisher_event(app: Any, kind: CeleryEventKind, **fields: Any) -> None:
     """Send ``redlock-<kind>`` from a publishing process, when its app sends task events
     (``task_send_sent_event``); never raises."""
     if not app.conf.get("task_send_sent_event"):
         return
     try:
         with app.events.default_dispatcher() as dispatcher:
-            dispatcher.send(event_type(kind), **fields)
+            dispatcher.send(celery_event_type(kind), **fields)
     except Exception as exc:  # monitoring must never break a publish
-        log.debug("could not send %s: %s", event_type(kind), exc)
+        log.debug("could not send %s: %s", celery_event_type(kind), exc)
 
 
 def send_skipped_result(task: Any, result: Any) -> None:

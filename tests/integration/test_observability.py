@@ -36,10 +36,10 @@ import celery_redlock
 from celery_redlock import SKIPPED, Lock, LockContended, LockedTask, LockEvent, is_skipped
 from celery_redlock.app.observability import (
     BEAT_ROLE,
-    EVENT_KINDS,
+    CELERY_EVENT_KINDS,
+    celery_event_type,
     disable_prometheus,
     enable_prometheus,
-    event_type,
     logging_hook,
 )
 from celery_redlock.app.state import state_for
@@ -555,7 +555,7 @@ def test_every_redlock_event_leaves_celery_state_and_flower_as_celery_says(
         capture = EventCapture(blind, timeout=90)
         capture.wait_live(blind)
         results = _make_every_kind(redis_server, known, blind)
-        wanted = {event_type(kind) for kind in EVENT_KINDS}
+        wanted = {celery_event_type(kind) for kind in CELERY_EVENT_KINDS}
 
         def missing() -> list[str]:
             assert capture is not None
