@@ -21,9 +21,10 @@
   ``LOCK-ACQUIRED``, and it reads the ``uuid`` of each one, so a publisher's event
   without one raised ``KeyError``. An event of another group it counts and leaves be.
 * A skipped run (its result a skip marker, stored before ``Ignore`` ends it) gets
-  Celery's own ``task-succeeded`` from :func:`send_skipped_result`: Celery's worker
-  sends no event for an ignored run, so ``State`` and Flower would show it STARTED for
-  ever while the result backend says SUCCESS.
+  Celery's own ``task-succeeded`` from the worker's request
+  (:class:`~celery_redlock.task.contention.Skipped`): Celery's worker sends no event for
+  an ignored run, so ``State`` and Flower would show it STARTED for ever while the
+  result backend says SUCCESS.
 * With ``prometheus_client`` installed, :func:`prometheus_hook` counts events by
   kind and task, and records wait and hold times in histograms, in every
   registry passed to :func:`enable_prometheus` (``install(app)`` enables the
@@ -40,10 +41,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
-from celery.utils.saferepr import saferepr
-
 from ..core.events import LockEvent, add_hook, remove_hook
-from .state import AppState, state_for
+from .state import AppState
 
 __all__ = [
     "BEAT_ROLE",
@@ -56,7 +55,6 @@ __all__ = [
     "logging_hook",
     "prometheus_hook",
     "send_publisher_event",
-    "send_skipped_result",
     "send_task_event",
 ]
 
@@ -339,20 +337,3 @@ def send_publisher_event(app: Any, kind: CeleryEventKind, **fields: Any) -> None
     except Exception as exc:  # monitoring must never break a publish
         log.debug("could not send %s: %s", celery_event_type(kind), exc)
 
-
-def send_skipped_result(task: Any, result: Any) -> None:
-    """Send Celery's ``task-succeeded`` for the running task, with *result* (a skip marker
-    just stored as its SUCCESS) as Celery's worker shows a result, when this worker sends
-    task events; never raises.
-
-    The run then ends with ``Ignore``, for which Celery's worker sends no event: without
-    this one, event consumers would keep the run STARTED. No ``runtime``: the body did
-    not run.
-    """
-    if not state_for(task.app).send_events:
-        return
-    try:
-        shown = saferepr(result, getattr(task, "resultrepr_maxsize", 1024))
-        task.send_event("task-succeeded", retry=False, result=shown)
-    except Exception as exc:  # monitoring must never break a task
-        log.debug("could not send task-succeeded: %s", exc)

@@ -469,19 +469,24 @@ def _known_publisher(env: dict[str, str]) -> Celery:
     return app
 
 
+def _wait_started(server: RedisServer, task_id: str) -> None:
+    """Until the body of task *task_id* has recorded its start."""
+    records = server.client(db=3)
+
+    def seen() -> bool:
+        found = (json.loads(r) for r in records.lrange("events", 0, -1))
+        return any(e["event"] == "start" and e["task_id"] == task_id for e in found)
+
+    wait_for(seen, 20, f"task {task_id} to start")
+
+
 def _make_every_kind(server: RedisServer, known: Celery, blind: Celery) -> list[Any]:
     """Runs and calls that make each kind of redlock-* event once at least; their results,
     every one stored as a success."""
     from tests.apps import eventsapp  # noqa: PLC0415 - configured by _known_publisher
 
-    records = server.client(db=3)
-
     def started(task_id: str) -> None:
-        def seen() -> bool:
-            found = (json.loads(r) for r in records.lrange("events", 0, -1))
-            return any(e["event"] == "start" and e["task_id"] == task_id for e in found)
-
-        wait_for(seen, 20, f"task {task_id} to start")
+        _wait_started(server, task_id)
 
     # acquired, contended (a skipped run), released
     first = eventsapp.hold.delay("h", 1.5)
@@ -635,3 +640,36 @@ def test_every_redlock_event_leaves_celery_state_and_flower_as_celery_says(
         dumper.on_event(copy.deepcopy(event))
     lines = out.getvalue().splitlines()
     assert len([line for line in lines if "] redlock " in line]) == len(ours)
+
+
+@pytest.mark.slow
+def test_a_skipped_run_ends_success_when_flower_turns_events_on(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A worker started without -E whose task events are turned on at run time, as Flower
+    does (enable_events), ends a skipped run with Celery's task-succeeded: SUCCESS in
+    Flower, as in the result backend."""
+    env = worker_env(redis_server)
+    worker = Worker(EVENTS_APP, env, tmp_path / "events.log", concurrency=2, heartbeat=True)
+    blind = publisher(env["REDLOCK_TEST_BROKER"], env["REDLOCK_TEST_BACKEND"])
+    capture: EventCapture | None = None
+    try:
+        worker.wait_ready()
+        capture = EventCapture(blind, timeout=60)
+        capture.wait_live(blind)
+        assert blind.control.enable_events(reply=True, timeout=5)
+        first = blind.send_task("ev.hold", args=("f", 1.5))
+        _wait_started(redis_server, first.id)
+        skipped = blind.send_task("ev.hold", args=("f", 0.0))
+        assert is_skipped(skipped.get(timeout=20))
+        assert first.get(timeout=20) == "f"
+        wait_for(lambda: capture is not None and capture.of("task-succeeded", skipped.id), 10)
+    finally:
+        if capture is not None:
+            capture.stop()
+        worker.stop()
+        close_publisher(blind)
+    flower = _fed(_flower, capture.events)
+    assert flower.tasks[skipped.id].state == states.SUCCESS
+    assert SKIPPED in flower.tasks[skipped.id].result
+    assert flower.tasks[first.id].state == states.SUCCESS
