@@ -336,4 +336,3 @@ def send_publisher_event(app: Any, kind: CeleryEventKind, **fields: Any) -> None
             dispatcher.send(celery_event_type(kind), **fields)
     except Exception as exc:  # monitoring must never break a publish
         log.debug("could not send %s: %s", celery_event_type(kind), exc)
-

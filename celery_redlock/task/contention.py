@@ -85,7 +85,7 @@ class RetryOptions(Protocol):
     def retry_jitter(self) -> bool: ...
 
 
-class Skipped(Ignore):
+class Skipped(Ignore):  # type: ignore[misc]  # celery is untyped
     """How a skipped run ends in a worker: ``Ignore``, its result (a skip marker) stored
     already, carrying that result as Celery's worker shows one (``shown``).
 
