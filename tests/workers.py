@@ -45,7 +45,8 @@ def worker_env(
 
 class Worker:
     """A `celery -A <app> worker -P <pool>` subprocess (prefork by default) logging to
-    *log_path*."""
+    *log_path*; *heartbeat*: it sends worker heartbeats, as a worker started with
+    Celery's defaults does (so its event dispatcher is on without -E)."""
 
     def __init__(
         self,
@@ -55,13 +56,18 @@ class Worker:
         concurrency: int = 1,
         extra: tuple[str, ...] = (),
         pool: str = "prefork",
+        *,
+        heartbeat: bool = False,
     ) -> None:
         self.log_path = log_path
         self.pool = pool
+        quiet = ("--without-gossip", "--without-mingle")
+        if not heartbeat:
+            quiet = ("--without-heartbeat", *quiet)
         argv = [
             sys.executable, "-m", "celery", "-A", app, "worker", "-P", pool,
             "-c", str(concurrency), "-l", "info", "-n", f"w{uuid.uuid4().hex[:8]}@%h",
-            "--without-heartbeat", "--without-gossip", "--without-mingle", *extra,
+            *quiet, *extra,
         ]  # fmt: skip
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(

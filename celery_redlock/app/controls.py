@@ -15,7 +15,7 @@ effective at the next start on every worker.
 * ``seconds`` makes a change lapse by itself; without it, it holds until lifted.
 
 Each change is logged (``celery_redlock.control``) and sent as the Celery event
-``task-lock-control`` where the app sends task events.
+``redlock-control`` where the app sends task events.
 """
 
 from __future__ import annotations

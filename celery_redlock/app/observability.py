@@ -6,14 +6,25 @@
   unavailable, which is raised; INFO for the rest: the core already logs losses and
   renewal failures as WARNING on ``celery_redlock.renew``, once). ``install(app)``
   registers it.
-* Celery events ``task-lock-acquired``, ``task-lock-contended``,
-  ``task-lock-released``, ``task-lock-lost``, ``task-lock-rate-limited`` (with
-  ``retry_after``), and ``task-lock-duplicate`` and ``task-lock-superseded`` for
+* Celery events in a group of their own, ``redlock-<kind>`` for each kind of
+  :data:`CELERY_EVENT_KINDS`: ``redlock-acquired``, ``redlock-contended``,
+  ``redlock-released``, ``redlock-lost``, ``redlock-rate-limited`` (with
+  ``retry_after``), and ``redlock-duplicate`` and ``redlock-superseded`` for
   de-duplication, are sent from the task when the worker sends task events (``-E``
-  or ``worker_send_task_events``), for Flower and other event consumers. A
-  semaphore's permits are locks here: the same events, one per permit. A publisher
-  whose app sets ``task_send_sent_event`` sends ``task-lock-duplicate`` for each
-  call it does not send.
+  or ``worker_send_task_events``), for Flower and other event consumers; they carry
+  the task's id as ``uuid``. A semaphore's permits are locks here: the same events,
+  one per permit. A publisher whose app sets ``task_send_sent_event`` sends
+  ``redlock-duplicate`` for each call it does not send, and ``redlock-control`` for
+  each operator change (:mod:`celery_redlock.app.controls`); those have no ``uuid``.
+  Not ``task-*``: Celery's ``State`` (behind ``celery events`` and Flower) makes the
+  subject of every ``task-*`` event the task's state, so a running task showed
+  ``LOCK-ACQUIRED``, and it reads the ``uuid`` of each one, so a publisher's event
+  without one raised ``KeyError``. An event of another group it counts and leaves be.
+* A skipped run (its result a skip marker, stored before ``Ignore`` ends it) gets
+  Celery's own ``task-succeeded`` from the worker's request
+  (:class:`~celery_redlock.task.contention.Skipped`): Celery's worker sends no event for
+  an ignored run, so ``State`` and Flower would show it STARTED for ever while the
+  result backend says SUCCESS.
 * With ``prometheus_client`` installed, :func:`prometheus_hook` counts events by
   kind and task, and records wait and hold times in histograms, in every
   registry passed to :func:`enable_prometheus` (``install(app)`` enables the
@@ -28,13 +39,17 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 from ..core.events import LockEvent, add_hook, remove_hook
 from .state import AppState
 
 __all__ = [
     "BEAT_ROLE",
+    "CELERY_EVENT_GROUP",
+    "CELERY_EVENT_KINDS",
+    "CeleryEventKind",
+    "celery_event_type",
     "disable_prometheus",
     "enable_prometheus",
     "logging_hook",
@@ -275,24 +290,49 @@ def _actions_for(key: tuple[str, str]) -> list[tuple[Any, Any, Any]]:
     return actions
 
 
-def send_task_event(state: AppState, task: Any, kind: str, /, **fields: Any) -> None:
-    """Send ``task-lock-<kind>`` as a Celery event when this worker sends task events
-    (*state*: the task's app's)."""
+#: The group (the type's first word) of every Celery event celery-redlock sends. Not
+#: ``task``: Celery's ``State`` takes a ``task-*`` event's subject for the task's state.
+CELERY_EVENT_GROUP = "redlock"
+
+#: A kind of Celery event celery-redlock sends; its type is ``redlock-<kind>``.
+CeleryEventKind = Literal[
+    "acquired",
+    "contended",
+    "released",
+    "lost",
+    "rate-limited",
+    "duplicate",
+    "superseded",
+    "control",
+]
+#: Every kind of Celery event celery-redlock sends, in the order docs/observability.md
+#: lists them.
+CELERY_EVENT_KINDS: tuple[CeleryEventKind, ...] = get_args(CeleryEventKind)
+
+
+def celery_event_type(kind: CeleryEventKind) -> str:
+    """The Celery event type of *kind*: ``redlock-<kind>``."""
+    return f"{CELERY_EVENT_GROUP}-{kind}"
+
+
+def send_task_event(state: AppState, task: Any, kind: CeleryEventKind, /, **fields: Any) -> None:
+    """Send ``redlock-<kind>`` from a running task (with its id as ``uuid``) when this
+    worker sends task events (*state*: the task's app's)."""
     if not state.send_events:
         return
     try:
-        task.send_event(f"task-lock-{kind}", retry=False, **fields)
+        task.send_event(celery_event_type(kind), retry=False, **fields)
     except Exception as exc:  # monitoring must never break a task
-        log.debug("could not send task-lock-%s: %s", kind, exc)
+        log.debug("could not send %s: %s", celery_event_type(kind), exc)
 
 
-def send_publisher_event(app: Any, kind: str, **fields: Any) -> None:
-    """Send ``task-lock-<kind>`` from a publishing process, when its app sends task events
+def send_publisher_event(app: Any, kind: CeleryEventKind, **fields: Any) -> None:
+    """Send ``redlock-<kind>`` from a publishing process, when its app sends task events
     (``task_send_sent_event``); never raises."""
     if not app.conf.get("task_send_sent_event"):
         return
     try:
         with app.events.default_dispatcher() as dispatcher:
-            dispatcher.send(f"task-lock-{kind}", **fields)
+            dispatcher.send(celery_event_type(kind), **fields)
     except Exception as exc:  # monitoring must never break a publish
-        log.debug("could not send task-lock-%s: %s", kind, exc)
+        log.debug("could not send %s: %s", celery_event_type(kind), exc)

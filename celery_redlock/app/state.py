@@ -33,7 +33,7 @@ class AppState:
         #: Setting -> value, from this worker's flags (``redlock_url`` from --redlock-url).
         self.overrides: dict[str, Any] = {}
         self.installed = False
-        #: True when this worker sends task events (-E): task-lock-* events go out too.
+        #: True when this worker sends task events (-E): redlock-* events go out too.
         self.send_events = False
         #: The pool of the worker this process runs (set by its bootstep; None elsewhere).
         self.pool: Pool | None = None

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
 from celery.exceptions import Ignore, Retry
+from celery.utils.saferepr import saferepr
 
 from ..app.policies import CONTENDED, DUPLICATE
 from ..app.rules import BackOff
@@ -49,6 +50,7 @@ __all__ = [
     "PublishPolicy",
     "Refusal",
     "RetryOptions",
+    "Skipped",
     "Strategy",
     "backoff_delay",
     "held_back",
@@ -81,6 +83,28 @@ class RetryOptions(Protocol):
     def retry_backoff_max(self) -> float: ...
     @property
     def retry_jitter(self) -> bool: ...
+
+
+class Skipped(Ignore):  # type: ignore[misc]  # celery is untyped
+    """How a skipped run ends in a worker: ``Ignore``, its result (a skip marker) stored
+    already, carrying that result as Celery's worker shows one (``shown``).
+
+    Celery's worker sends no event for an ignored run, so Flower and ``celery events``
+    would keep it STARTED while its result says SUCCESS: the worker's request
+    (:class:`~celery_redlock.worker.request.LockedRequest`) sends Celery's
+    ``task-succeeded`` with ``shown`` for it, where the worker sends task events.
+    """
+
+    def __init__(self, reason: str, shown: str = "") -> None:
+        super().__init__(reason)
+        #: The stored result, as ``task-succeeded`` shows a result (``saferepr``).
+        self.shown = shown
+
+
+def _skipped(task: Any, request: Any, marker: dict[str, Any], reason: str) -> NoReturn:
+    """Store *marker* as the run's result (SUCCESS) and end the run with :class:`Skipped`."""
+    task.backend.mark_as_done(request.id, marker, request=request)
+    raise Skipped(reason, saferepr(marker, getattr(task, "resultrepr_maxsize", 1024)))
 
 
 def is_skipped(result: Any) -> bool:
@@ -201,12 +225,11 @@ def skip(refusal: Refusal) -> Any:
         )
     if refusal.eager:
         return marker
-    task.backend.mark_as_done(request.id, marker, request=request)
     if held is not None:
-        raise Ignore(f"skipped: {who}")
+        _skipped(task, request, marker, f"skipped: {who}")
     if refusal.rate is not None:
-        raise Ignore(f"skipped: {lock.name!r} is held back by {who}")
-    raise Ignore(f"skipped: lock {lock.name!r} is held by {who}")
+        _skipped(task, request, marker, f"skipped: {lock.name!r} is held back by {who}")
+    _skipped(task, request, marker, f"skipped: lock {lock.name!r} is held by {who}")
 
 
 def retry(refusal: Refusal) -> NoReturn:
@@ -451,7 +474,6 @@ def skip_message(
     task: Any, request: Any, name: str, reason: str, *, owner: str, holder: Any
 ) -> NoReturn:
     """The message does not run: its result is a skip marker naming *owner*; raises
-    ``Ignore``."""
+    :class:`Skipped` (an ``Ignore``)."""
     marker = {SKIPPED: True, "reason": reason, "lock": name, "task_id": owner, "holder": holder}
-    task.backend.mark_as_done(request.id, marker, request=request)
-    raise Ignore(f"skipped: {reason}")
+    _skipped(task, request, marker, f"skipped: {reason}")

@@ -41,8 +41,8 @@ contention retries) re-publish under the same task id and keep their place.
 
 Every duplicate is one log line on ``celery_redlock.dedup`` naming the holder's task
 id, a ``LockEvent`` (``duplicate``; ``superseded`` for a skipped message: counted by
-the Prometheus hook), and a Celery event (``task-lock-duplicate`` /
-``task-lock-superseded``) when events are on (``-E`` on a worker,
+the Prometheus hook), and a Celery event (``redlock-duplicate`` /
+``redlock-superseded``) when events are on (``-E`` on a worker,
 ``task_send_sent_event`` on a publisher).
 """
 

@@ -14,6 +14,7 @@ from billiard.einfo import ExceptionWithTraceback
 from celery.exceptions import WorkerLostError
 from celery.worker.request import Request
 
+from ..task.contention import Skipped
 from . import child_watch
 from .bootstep import gone_child_handled, installed_state, key_headers, release_for_gone_child
 
@@ -24,7 +25,8 @@ log = logging.getLogger("celery_redlock.release")
 
 class LockedRequest(Request):  # type: ignore[misc]  # celery is untyped
     """The worker's request of a locked task (``LockedTask.Request``): it tells the release
-    of a run whose child is gone whether the message comes back.
+    of a run whose child is gone whether the message comes back, and ends a skipped run
+    (:class:`~celery_redlock.task.contention.Skipped`) with Celery's ``task-succeeded``.
 
     In the worker's main process, Celery requeues the message of a lost child
     (``acks_late`` with ``task_reject_on_worker_lost``) or of a hard time limit
@@ -39,13 +41,18 @@ class LockedRequest(Request):  # type: ignore[misc]  # celery is untyped
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
     ) -> None:
-        """Celery's handling, then the release of a lost child's run (requeued or not)."""
+        """Celery's handling, then the release of a lost child's run (requeued or not), or
+        Celery's ``task-succeeded`` for a skipped run (:class:`Skipped`: its result is
+        stored, and Celery sends no event for an ``Ignore``)."""
         self._redlock_requeued = False
         with gone_child_handled(self.id):
             super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
         exc = getattr(exc_info, "exception", None)
         if isinstance(exc, ExceptionWithTraceback):  # how billiard hands a child's error over
             exc = exc.exc
+        if isinstance(exc, Skipped):
+            self.send_event("task-succeeded", result=exc.shown)
+            return
         if isinstance(exc, (WorkerLostError, SystemExit, KeyboardInterrupt)):
             self._release_gone(type(exc).__name__)
 

@@ -3,7 +3,7 @@
 Run it (a Redis on localhost, or set the URLs below)::
 
     cd examples/sync_users
-    celery -A tasks worker -P prefork -c 4 -E -l info     # -E: task-lock-* events for Flower
+    celery -A tasks worker -P prefork -c 4 -E -l info     # -E: redlock-* events for Flower
     celery -A tasks beat -S celery_redlock.beat:LeaderScheduler -l info
     python send.py                                         # nine syncs for three users
 

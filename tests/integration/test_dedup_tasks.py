@@ -747,7 +747,7 @@ def test_threads_racing_one_key_send_one_message(env: Env) -> None:
 
 
 def test_duplicate_is_a_celery_event_and_a_metric(env: Env) -> None:
-    """A publisher that sends task events (task_send_sent_event) sends task-lock-duplicate
+    """A publisher that sends task events (task_send_sent_event) sends redlock-duplicate
     naming the holder; the Prometheus hook counts the duplicate by kind and task."""
     registry = CollectorRegistry()
     enable_prometheus(registry)
@@ -767,14 +767,14 @@ def test_duplicate_is_a_celery_event_and_a_metric(env: Env) -> None:
             time.sleep(0.25)
         first = job.delay()
         job.delay()
-        wait_for(lambda: [e for e in capture.events if e["type"] == "task-lock-duplicate"])
+        wait_for(lambda: [e for e in capture.events if e["type"] == "redlock-duplicate"])
         count = registry.get_sample_value(
             "celery_redlock_events_total", {"kind": "duplicate", "task": "dd.ev"}
         )
     finally:
         capture.stop()
         disable_prometheus(registry)
-    [event] = [e for e in capture.events if e["type"] == "task-lock-duplicate"]
+    [event] = [e for e in capture.events if e["type"] == "redlock-duplicate"]
     assert event["holder"] == first.id and event["lock"] == "ev" and event["state"] == "queued"
     assert count == 1.0
 

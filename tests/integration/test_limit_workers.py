@@ -197,11 +197,11 @@ def test_a_limit_on_redlock_masters_stops_the_worker_naming_task_and_option(
     assert "lock_limit=" in text and "B on 2 and 3, C on 1 and 3" in text
 
 
-def test_permits_and_rate_refusals_are_celery_task_events(
+def test_permits_and_rate_refusals_are_redlock_events(
     client: Celery, server: RedisServer
 ) -> None:
-    """With -E, a permit's acquire and release are task-lock-acquired/-released events with
-    its fence, and a rate refusal is task-lock-rate-limited with the lock and retry_after."""
+    """With -E, a permit's acquire and release are redlock-acquired/-released events with
+    its fence, and a rate refusal is redlock-rate-limited with the lock and retry_after."""
     capture = EventCapture(client)
     try:
         capture.wait_live(client)
@@ -211,16 +211,16 @@ def test_permits_and_rate_refusals_are_celery_task_events(
         calls = [client.send_task(f"{APP}.call_api", args=(name, n)) for n in range(3)]
         for call in calls:
             call.get(timeout=20)
-        wait_for(lambda: capture.of("task-lock-released", permit.id), 10)
+        wait_for(lambda: capture.of("redlock-released", permit.id), 10)
 
         def refusals() -> list[dict[str, Any]]:
-            return [e for c in calls for e in capture.of("task-lock-rate-limited", c.id)]
+            return [e for c in calls for e in capture.of("redlock-rate-limited", c.id)]
 
         wait_for(refusals, 10)
         refused = refusals()
     finally:
         capture.stop()
-    [acquired] = capture.of("task-lock-acquired", permit.id)
+    [acquired] = capture.of("redlock-acquired", permit.id)
     start = _events(server, "start")[0]
     assert acquired["lock"] == f"keep:{name}" and acquired["fence"] == start["fence"]
     assert refused and all(e["lock"] == f"api:{name}" for e in refused)

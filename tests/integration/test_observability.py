@@ -1,15 +1,19 @@
-"""Observability: LockEvent hooks, the logging hook, Prometheus metrics and task-lock-* events.
+"""Observability: LockEvent hooks, the logging hook, Prometheus metrics and redlock-* events.
 
 Hooks and logs are checked on an in-process worker (threads pool) against a real Redis:
 pytest-celery's ``celery_app`` and the plugin's ``redlock_worker``, configured by this
 module's ``celery_config``, ``celery_worker_pool`` and ``celery_worker_parameters``.
-Celery events on a real `celery worker -E` subprocess with an event receiver.
+Celery events on a real `celery worker -E` subprocess with an event receiver, and
+through what reads them: Celery's ``State``, Flower's ``EventsState`` and the dumper of
+`celery events --dump`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import io
 import json
 import logging
 import threading
@@ -20,19 +24,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery import Celery
+from celery import Celery, states
+from celery.events.dumper import Dumper
+from celery.events.state import State
+from flower.events import EventsState
 from prometheus_client import CollectorRegistry
 from servers import RedisServer, logger_at_debug, wait_for
-from workers import Worker, worker_env
+from workers import Worker, close_publisher, publisher, worker_env
 
 import celery_redlock
-from celery_redlock import Lock, LockContended, LockedTask, LockEvent, is_skipped
+from celery_redlock import SKIPPED, Lock, LockContended, LockedTask, LockEvent, is_skipped
 from celery_redlock.app.observability import (
     BEAT_ROLE,
+    CELERY_EVENT_KINDS,
+    celery_event_type,
     disable_prometheus,
     enable_prometheus,
     logging_hook,
 )
+from celery_redlock.app.state import state_for
 from celery_redlock.core import events
 
 APP = "tests.apps.configapp"
@@ -400,8 +410,8 @@ class EventCapture:
 
 
 @pytest.mark.slow
-def test_worker_with_E_sends_task_lock_events(redis_server: RedisServer, tmp_path: Path) -> None:
-    """`celery worker -E` sends task-lock-acquired/-contended/-released with lock and fence."""
+def test_worker_with_E_sends_redlock_events(redis_server: RedisServer, tmp_path: Path) -> None:
+    """`celery worker -E` sends redlock-acquired/-contended/-released with lock and fence."""
     env = worker_env(redis_server, REDLOCK_TEST_CONF="")
     worker = Worker(APP, env, tmp_path / "events.log", concurrency=2, extra=("-E",))
     client = Celery(
@@ -419,7 +429,7 @@ def test_worker_with_E_sends_task_lock_events(redis_server: RedisServer, tmp_pat
         with pytest.raises(LockContended):
             second.get(timeout=20)
         assert first.get(timeout=20) == name
-        wait_for(lambda: capture is not None and capture.of("task-lock-released", first.id), 10)
+        wait_for(lambda: capture is not None and capture.of("redlock-released", first.id), 10)
         start = json.loads(redis_server.client(db=3).lindex("events", 0))
     finally:
         if capture is not None:
@@ -427,11 +437,241 @@ def test_worker_with_E_sends_task_lock_events(redis_server: RedisServer, tmp_pat
         worker.stop()
         client.close()
 
-    [acquired] = capture.of("task-lock-acquired", first.id)
+    [acquired] = capture.of("redlock-acquired", first.id)
     assert acquired["lock"] == f"cfg:{name}" and acquired["fence"] == start["fence"]
-    [released] = capture.of("task-lock-released", first.id)
+    [released] = capture.of("redlock-released", first.id)
     assert released["lock"] == f"cfg:{name}" and released["fence"] == start["fence"]
     assert released["held"] > 0
-    [contended] = capture.of("task-lock-contended", second.id)
+    [contended] = capture.of("redlock-contended", second.id)
     assert contended["lock"] == f"cfg:{name}" and contended["policy"] == "raise"
     assert contended["holder"]["task_id"] == first.id
+
+
+# -- every redlock-* event through Celery's State, Flower and `celery events --dump` ----------
+EVENTS_APP = "tests.apps.eventsapp"
+#: Celery's own events of one task, in the order its worker sends them.
+OWN = ("task-received", "task-started", "task-succeeded")
+
+
+def _known_publisher(env: dict[str, str]) -> Celery:
+    """The events app in this process (its task classes: holds at publish), on this test's
+    server, sending task events (task_send_sent_event) as a publisher."""
+    from tests.apps import eventsapp  # noqa: PLC0415 - configured from the environment
+
+    app: Celery = eventsapp.app
+    app.conf.update(
+        broker_url=env["REDLOCK_TEST_BROKER"],
+        result_backend=env["REDLOCK_TEST_BACKEND"],
+        redlock_url=env["REDLOCK_TEST_LOCKS"],
+        task_send_sent_event=True,
+    )
+    state_for(app).reset()
+    return app
+
+
+def _wait_started(server: RedisServer, task_id: str) -> None:
+    """Until the body of task *task_id* has recorded its start."""
+    records = server.client(db=3)
+
+    def seen() -> bool:
+        found = (json.loads(r) for r in records.lrange("events", 0, -1))
+        return any(e["event"] == "start" and e["task_id"] == task_id for e in found)
+
+    wait_for(seen, 20, f"task {task_id} to start")
+
+
+def _make_every_kind(server: RedisServer, known: Celery, blind: Celery) -> list[Any]:
+    """Runs and calls that make each kind of redlock-* event once at least; their results,
+    every one stored as a success."""
+    from tests.apps import eventsapp  # noqa: PLC0415 - configured by _known_publisher
+
+    def started(task_id: str) -> None:
+        _wait_started(server, task_id)
+
+    # acquired, contended (a skipped run), released
+    first = eventsapp.hold.delay("h", 1.5)
+    started(first.id)
+    second = eventsapp.hold.delay("h", 0.0)
+    assert is_skipped(second.get(timeout=20))
+    assert first.get(timeout=20) == "h"
+    # lost: the key goes while the run holds it
+    lossy = eventsapp.lossy.delay("l")
+    started(lossy.id)
+    server.client(db=1).delete("redlock:{evl:l}")
+    assert lossy.get(timeout=20) is True
+    # rate-limited: one start a minute, the second skipped
+    paced = [eventsapp.paced.delay("r")]
+    assert paced[0].get(timeout=20) == "r"
+    paced.append(eventsapp.paced.delay("r"))
+    assert is_skipped(paced[1].get(timeout=20))
+    # duplicate at the worker: sent by name where the class is unknown (uuid: the call's)
+    by_name = blind.send_task("ev.once", args=("w", 1.5))
+    started(by_name.id)
+    dup = blind.send_task("ev.once", args=("w", 0.0))
+    assert is_skipped(dup.get(timeout=20))
+    assert by_name.get(timeout=20) == "w"
+    # duplicate at the publisher: the call is not sent (no uuid)
+    queued = eventsapp.once.delay("p", 0.5)
+    assert eventsapp.once.delay("p", 0.5).id == queued.id
+    assert queued.get(timeout=20) == "p"
+    # superseded: the newest call takes the hold, the older message is skipped
+    older = eventsapp.newest.delay("n", 1)
+    newer = eventsapp.newest.delay("n", 2)
+    assert is_skipped(older.get(timeout=20))
+    assert newer.get(timeout=20) == 2
+    # control: an operator's pause and resume (a publisher's events, no uuid)
+    controls = celery_redlock.control(known)
+    controls.pause("ev:paused", seconds=30)
+    assert controls.resume("ev:paused") is True
+    return [first, second, lossy, *paced, by_name, dup, queued, older, newer]
+
+
+def _task_states(state: Any) -> dict[str, tuple[str, Any]]:
+    return {tid: (task.state, task.result) for tid, task in state.tasks.items()}
+
+
+def _fed(make: Any, events: list[dict[str, Any]]) -> Any:
+    """A state *make()* fed a copy of each event (State changes the dicts it is given)."""
+    state = make()
+    for event in events:
+        state.event(copy.deepcopy(event))
+    return state
+
+
+def _flower() -> EventsState:
+    return EventsState(max_tasks_in_memory=10000)
+
+
+@pytest.mark.slow
+def test_every_redlock_event_leaves_celery_state_and_flower_as_celery_says(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Every kind of redlock-* event, sent for real by a `worker -E` and a publisher with
+    task_send_sent_event, goes through Celery's State, Flower's EventsState and `celery
+    events --dump` without error and changes no task's state or worker count: a running
+    task stays STARTED, a skipped run ends SUCCESS with its stored result."""
+    env = worker_env(redis_server)
+    worker = Worker(EVENTS_APP, env, tmp_path / "events.log", concurrency=2, extra=("-E",))
+    blind = publisher(env["REDLOCK_TEST_BROKER"], env["REDLOCK_TEST_BACKEND"])
+    known = _known_publisher(env)
+    capture: EventCapture | None = None
+    try:
+        worker.wait_ready()
+        capture = EventCapture(blind, timeout=90)
+        capture.wait_live(blind)
+        results = _make_every_kind(redis_server, known, blind)
+        wanted = {celery_event_type(kind) for kind in CELERY_EVENT_KINDS}
+
+        def missing() -> list[str]:
+            assert capture is not None
+            seen = list(capture.events)
+            done = {e.get("uuid") for e in seen if e["type"] == "task-succeeded"}
+            kinds = wanted - {e["type"] for e in seen}
+            got = {r.id: [e["type"] for e in seen if e.get("uuid") == r.id] for r in results}
+            return sorted(kinds) + [
+                f"no task-succeeded for result {i}, only {got[r.id]}"
+                for i, r in enumerate(results)
+                if r.id not in done
+            ]
+
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: not missing(), 20)
+        assert not missing(), "events not received (a run without task-succeeded stays STARTED)"
+        values = {r.id: r.get(timeout=5) for r in results}
+    finally:
+        if capture is not None:
+            capture.stop()
+        worker.stop()
+        close_publisher(blind)
+        close_publisher(known)
+
+    events = list(capture.events)
+    ours = [e for e in events if e["type"].startswith("redlock-")]
+    assert {e["type"] for e in ours} == wanted
+    assert not [e for e in events if e["type"].startswith("task-lock")]
+    from_publisher = [e for e in ours if "uuid" not in e]
+    assert {e["type"] for e in from_publisher} == {"redlock-duplicate", "redlock-control"}
+
+    # Each task's own events around ours: while it runs, and after it ended.
+    own = {(e["uuid"], e["type"]): e for e in events if e["type"] in OWN and e.get("uuid")}
+    with_ours = sorted({e["uuid"] for e in ours if "uuid" in e})
+    first, skipped, lossy, _, refused, _, dup, _, older, _ = results
+    assert {first.id, skipped.id, lossy.id, refused.id, dup.id, older.id} <= set(with_ours)
+    for make in (State, _flower):
+        for ours_while_running in (True, False):
+            state = make()
+            for tid in with_ours:
+                mine = [e for e in ours if e.get("uuid") == tid] + from_publisher
+                for kind in OWN[:2]:
+                    state.event(copy.deepcopy(own[tid, kind]))
+                if ours_while_running:
+                    for event in mine:
+                        state.event(copy.deepcopy(event))
+                    assert state.tasks[tid].state == states.STARTED, (make, tid)
+                state.event(copy.deepcopy(own[tid, "task-succeeded"]))
+                if not ours_while_running:
+                    for event in mine:
+                        state.event(copy.deepcopy(event))
+                task = state.tasks[tid]
+                assert task.state == states.SUCCESS, (make, tid)
+                assert task.result == own[tid, "task-succeeded"]["result"]
+    assert is_skipped(values[skipped.id])  # the skipped run, SUCCESS above with it
+    assert SKIPPED in own[skipped.id, "task-succeeded"]["result"]
+
+    # Everything in the order it arrived: what Celery's own events alone make of it.
+    celerys = [e for e in events if not e["type"].startswith("redlock-")]
+    for make in (State, _flower):
+        everything, alone = _fed(make, events), _fed(make, celerys)
+        assert _task_states(everything) == _task_states(alone)
+        assert set(everything.workers) == set(alone.workers)
+        assert all(everything.tasks[r.id].state == states.SUCCESS for r in results)
+    counts, own_counts = _fed(_flower, events).counter, _fed(_flower, celerys).counter
+    for host, by_type in counts.items():
+        celery_part = {t: n for t, n in by_type.items() if not t.startswith("redlock-")}
+        assert celery_part == {t: n for t, n in own_counts[host].items() if n}
+    assert sum(c["task-received"] for c in counts.values()) == len(results)
+    assert sum(c["task-succeeded"] for c in counts.values()) == len(results)
+    assert sum(c[t] for c in counts.values() for t in wanted) == len(ours)
+
+    # `celery events --dump`: one line each, no reconnect.
+    out = io.StringIO()
+    dumper = Dumper(out=out)
+    for event in events:
+        dumper.on_event(copy.deepcopy(event))
+    lines = out.getvalue().splitlines()
+    assert len([line for line in lines if "] redlock " in line]) == len(ours)
+
+
+@pytest.mark.slow
+def test_a_skipped_run_ends_success_when_flower_turns_events_on(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A worker started without -E whose task events are turned on at run time, as Flower
+    does (enable_events), ends a skipped run with Celery's task-succeeded: SUCCESS in
+    Flower, as in the result backend (and sends no redlock-* events, as the docs say)."""
+    env = worker_env(redis_server)
+    worker = Worker(EVENTS_APP, env, tmp_path / "events.log", concurrency=2, heartbeat=True)
+    blind = publisher(env["REDLOCK_TEST_BROKER"], env["REDLOCK_TEST_BACKEND"])
+    capture: EventCapture | None = None
+    try:
+        worker.wait_ready()
+        capture = EventCapture(blind, timeout=60)
+        capture.wait_live(blind)
+        assert blind.control.enable_events(reply=True, timeout=5)
+        first = blind.send_task("ev.hold", args=("f", 1.5))
+        _wait_started(redis_server, first.id)
+        skipped = blind.send_task("ev.hold", args=("f", 0.0))
+        assert is_skipped(skipped.get(timeout=20))
+        assert first.get(timeout=20) == "f"
+        wait_for(lambda: capture is not None and capture.of("task-succeeded", skipped.id), 10)
+    finally:
+        if capture is not None:
+            capture.stop()
+        worker.stop()
+        close_publisher(blind)
+    flower = _fed(_flower, capture.events)
+    # the pool's processes cannot see events turned on at run time: no redlock-* events
+    assert not [e for e in capture.events if e["type"].startswith("redlock-")]
+    assert flower.tasks[skipped.id].state == states.SUCCESS
+    assert SKIPPED in flower.tasks[skipped.id].result
+    assert flower.tasks[first.id].state == states.SUCCESS

@@ -57,7 +57,7 @@ def test_every_celery_service_runs_the_sync_users_app() -> None:
 
 
 def test_workers_are_prefork_and_send_events_for_flower_and_beat_leads() -> None:
-    """Two prefork workers with -E (the task-lock-* events Flower shows), distinct names;
+    """Two prefork workers with -E (the redlock-* events Flower counts), distinct names;
     beat uses LeaderScheduler, which imports."""
     services = _services()
     names = set()

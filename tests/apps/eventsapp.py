@@ -1,0 +1,101 @@
+"""A Celery app whose tasks make every kind of ``redlock-*`` Celery event, for a
+`celery worker -E` subprocess and a publisher that imports this module.
+
+Configured from the environment (tests/workers.py ``worker_env``):
+
+REDLOCK_TEST_BROKER   broker URL
+REDLOCK_TEST_BACKEND  result backend URL
+REDLOCK_TEST_LOCKS    redlock_url
+REDLOCK_TEST_RECORD   a Redis URL where tasks record what they did
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery, Task
+
+from celery_redlock import LockedTask
+
+app = Celery(
+    "eventsapp",
+    broker=os.environ.get("REDLOCK_TEST_BROKER", "redis://127.0.0.1:1/0"),
+    backend=os.environ.get("REDLOCK_TEST_BACKEND", "redis://127.0.0.1:1/2"),
+)
+app.conf.update(
+    redlock_url=os.environ.get("REDLOCK_TEST_LOCKS", "redis://127.0.0.1:1/1"),
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+)
+
+_record: redis.Redis | None = None
+
+#: The tests import this module to publish: its tasks must not join every app made later.
+_LOCKED: dict[str, Any] = {"base": LockedTask, "bind": True, "shared": False}
+
+
+def record(event: str, **fields: object) -> None:
+    """Append one JSON event to the record list (read by the test)."""
+    global _record
+    if _record is None:
+        _record = redis.Redis.from_url(os.environ["REDLOCK_TEST_RECORD"])
+    fields.update(event=event, pid=os.getpid(), t=time.time())
+    _record.rpush("events", json.dumps(fields))
+
+
+@app.task(name="ev.hold", lock_key="ev:<name>", lock_on_contended="skip", **_LOCKED)
+def hold(self: Task, name: str, seconds: float) -> str:
+    """Hold ev:<name> for *seconds* (acquired, released; a second call is contended and
+    skipped)."""
+    record("start", name=name, task_id=self.request.id)
+    time.sleep(seconds)
+    return name
+
+
+@app.task(name="ev.lossy", lock_key="evl:<name>", lock_ttl=0.9, lock_on_lost="warn", **_LOCKED)
+def lossy(self: Task, name: str) -> bool:
+    """Run until the lease is found gone (the test deletes the key): lost at release."""
+    record("start", name=name, task_id=self.request.id)
+    deadline = time.monotonic() + 10
+    while not self.lock.lost and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return bool(self.lock.lost)
+
+
+@app.task(
+    name="ev.paced",
+    lock_key="evr:<name>",
+    lock_limit=None,
+    lock_rate="1/m",
+    lock_on_contended="skip",
+    **_LOCKED,
+)
+def paced(self: Task, name: str) -> str:
+    """One start a minute per name: a second call is rate-limited and skipped."""
+    return name
+
+
+@app.task(name="ev.once", lock_key="evo:<name>", lock_on="enqueue+run", **_LOCKED)
+def once(self: Task, name: str, seconds: float) -> str:
+    """One queued or running per name (a duplicate at publish, or at the worker for a
+    call sent by name where the class is unknown)."""
+    record("start", name=name, task_id=self.request.id)
+    time.sleep(seconds)
+    return name
+
+
+@app.task(
+    name="ev.newest",
+    lock_key="evn:<name>",
+    lock_on="enqueue",
+    lock_on_duplicate="replace",
+    lock_debounce=0.5,
+    **_LOCKED,
+)
+def newest(self: Task, name: str, n: int) -> int:
+    """The newest call wins: an older queued one is superseded at its worker."""
+    return n
