@@ -695,7 +695,7 @@ def test_a_lock_nobody_references_is_no_longer_renewed(target: Any, name: str) -
     dropped = time.monotonic()
     probe = Lock(target, name, ttl=10, auto_renew=False)
     assert wait_for(lambda: not probe.locked(), timeout=ttl + 2, what="the dropped lock's expiry")
-    assert time.monotonic() - dropped < ttl + 0.3
+    assert time.monotonic() - dropped < 2 * ttl  # its last renewal, plus a round in flight
     with Lock(target, f"{name}:kept", ttl=ttl):
         gc.collect()
         kept = Lock(target, f"{name}:kept", ttl=10, auto_renew=False)
