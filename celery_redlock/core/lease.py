@@ -31,7 +31,15 @@ from .errors import ConfigError, QuorumUnavailable
 from .keys import LockKeys
 from .renewal import get_manager
 
-__all__ = ["DEFAULT_FENCE_TTL", "MAX_TTL_MS", "MIN_TTL", "Lease", "drift", "ttl_to_ms"]
+__all__ = [
+    "DEFAULT_FENCE_TTL",
+    "MAX_TTL_MS",
+    "MIN_TTL",
+    "Lease",
+    "check_timeout",
+    "drift",
+    "ttl_to_ms",
+]
 
 log_renew = logging.getLogger("celery_redlock.renew")
 
@@ -60,6 +68,27 @@ def ttl_to_ms(ttl: float, what: str = "ttl") -> int:
     return int(ms)
 
 
+def check_timeout(timeout: Any, blocking: bool, what: str = "timeout") -> float | None:
+    """*timeout* (seconds to wait, or None: no limit) as given, or a ConfigError naming it:
+    not a number, negative, NaN, or given together with ``blocking=False`` (as
+    ``threading.Lock.acquire`` refuses; ConfigError is a ValueError too)."""
+    if timeout is None:
+        return None
+    if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)):
+        raise ConfigError(f"{what} must be None or a number of seconds, got {timeout!r}")
+    if not timeout >= 0:  # negative, or NaN (which compares false with everything)
+        raise ConfigError(
+            f"{what} must be None (no limit) or >= 0 seconds, got {timeout!r}; "
+            "pass blocking=False for a single try"
+        )
+    if not blocking:
+        raise ConfigError(
+            f"{what}={timeout!r} with blocking=False: a non-blocking acquire tries once and "
+            "never waits; drop the timeout, or pass blocking=True to wait up to it"
+        )
+    return timeout
+
+
 def drift(ttl: float) -> float:
     """Clock drift allowance for a lease of *ttl* seconds: 1% + 2 ms."""
     return 0.01 * ttl + 0.002
@@ -68,7 +97,12 @@ def drift(ttl: float) -> float:
 class Lease:
     """The local state of one acquisition and its validity; what
     :class:`~celery_redlock.core.lock.Lock` adds is the backend's part. Reads and
-    changes of the state hold ``_state``.
+    changes of the state hold ``_state``; ``_freed`` (on the same lock) is notified when
+    the acquisition ends here (released or lost), for a thread that waits for the object.
+
+    The token is the object's, not a thread's: the renewal thread renews it and any
+    thread may read it. Only the reentrancy count belongs to a thread (``_owner``, the
+    thread that acquired): see :meth:`Lock.acquire <celery_redlock.core.lock.Lock.acquire>`.
     """
 
     name: str
@@ -84,8 +118,18 @@ class Lease:
 
     def __init__(self) -> None:
         self._state = threading.RLock()
+        self._freed = threading.Condition(self._state)
         self._token: str | None = None
         self._pid = 0
+        #: The thread that took the current acquisition (threading.get_ident()).
+        self._owner = 0
+        #: A release of the current token is under way: renewal leaves it alone, and a
+        #: round that answers meanwhile ("key gone", after our own release) is ignored.
+        #: Cleared when the release fails, so that it can be retried.
+        self._releasing = False
+        #: (thread, why) of a reentrant acquisition that was lost and then replaced by
+        #: another thread's: that thread's release() learns the loss (LockLost).
+        self._lost_by: tuple[int, str] | None = None
         self._fence: int | None = None
         #: Each rule's fence, in the slot's order (an acquisition with rules).
         self._rule_fences: tuple[int, ...] = ()
@@ -112,8 +156,9 @@ class Lease:
 
     @property
     def valid_until(self) -> float:
-        """``time.monotonic()`` deadline of the lease (0.0 when not held)."""
-        return self._valid_until if self._held_here() else 0.0
+        """``time.monotonic()`` deadline of the lease (0.0 when not held, or while its
+        release is under way)."""
+        return self._valid_until if self._held_here() and not self._releasing else 0.0
 
     @property
     def lost(self) -> bool:
@@ -131,9 +176,14 @@ class Lease:
         return time.monotonic() - self._acquired_at if self._held_here() else 0.0
 
     def _take(self, token: str, grant: Grant, started: float, valid_until: float) -> None:
+        me = threading.get_ident()
         with self._state:
+            if self._lost and self._held_here() and self._owner != me:
+                self._lost_by = (self._owner, self._lost_reason)
             self._token = token
             self._pid = process.pid()
+            self._owner = me
+            self._releasing = False
             self._fence = grant.fence
             self._rule_fences = grant.fences
             self._valid_until = valid_until
@@ -150,7 +200,7 @@ class Lease:
         """(token, lease ms) to renew this round, or None to skip (not held, lost, or
         past ``max_hold``)."""
         with self._state:
-            if not self._held_here() or self._lost or self._token is None:
+            if not self._held_here() or self._lost or self._releasing or self._token is None:
                 return None
             if self.max_hold is not None and self.held_for >= self.max_hold:
                 if not self._max_hold_logged:
@@ -166,7 +216,7 @@ class Lease:
 
     def renewed(self, started: float, token: str, outcome: Status | QuorumUnavailable) -> None:
         """Take the outcome of a renewal round for the acquisition *token*."""
-        if token != self._token:
+        if token != self._token or self._releasing:
             return  # released (or re-acquired) while the round was in flight
         if isinstance(outcome, QuorumUnavailable):
             left = self._valid_until - time.monotonic()
@@ -193,11 +243,12 @@ class Lease:
 
     def _mark_lost(self, reason: str) -> None:
         with self._state:
-            if not self._held_here() or self._lost:
-                return
+            if not self._held_here() or self._lost or self._releasing:
+                return  # a release under way learns the outcome from the backend itself
             self._lost = True
             self._lost_reason = reason
             held = self.held_for
+            self._freed.notify_all()
         get_manager().unregister(self)
         log_renew.warning(
             "lock %r LOST after %.3f s (fence %s): %s", self.name, held, self._fence, reason

@@ -31,10 +31,11 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from . import process
 from .backend import Backend, FlowControl, has, need
@@ -42,7 +43,7 @@ from .backend_types import Grant, Rule, Slot, Status
 from .backends import open_backend
 from .errors import ConfigError, LockContended, LockLost, NotOwned, QuorumUnavailable, RedlockError
 from .keys import LockKeys, lock_keys
-from .lease import DEFAULT_FENCE_TTL, MIN_TTL, Lease, drift, ttl_to_ms
+from .lease import DEFAULT_FENCE_TTL, MIN_TTL, Lease, check_timeout, drift, ttl_to_ms
 from .renewal import get_manager
 
 __all__ = ["Lock", "Redlock"]
@@ -74,11 +75,6 @@ def _record_head() -> str:
 
 
 _L = TypeVar("_L", bound="Lock")
-
-
-def _seconds(value: Any) -> bool:
-    """True when *value* is a number of seconds (an int or float, not a bool)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class Lock(Lease):
@@ -126,8 +122,7 @@ class Lock(Lease):
         self.fence_ttl_ms = 0 if fence_ttl is None else ttl_to_ms(fence_ttl, "fence_ttl")
         if max_hold is not None:
             ttl_to_ms(max_hold, "max_hold")
-        if timeout is not None and (not _seconds(timeout) or not timeout >= 0):
-            raise ConfigError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
+        check_timeout(timeout, bool(blocking))
         if owner_info is not None and not isinstance(owner_info, Mapping):
             raise ConfigError(f"owner_info must be a mapping, got {type(owner_info).__name__}")
         if owner_info:
@@ -215,24 +210,27 @@ class Lock(Lease):
         Blocking waits are woken by the holder's release notice and capped at the
         holder's remaining lease, since expiry sends no notice. Raises
         :class:`QuorumUnavailable` promptly when Redis cannot answer, also when
-        blocking: waiting is for contention, not for outages.
+        blocking: waiting is for contention, not for outages. *timeout* is None (no
+        limit) or seconds >= 0, and only with blocking: a negative or NaN timeout, or one
+        with ``blocking=False``, is a :class:`ConfigError` (a ``ValueError``).
+
+        An acquisition whose lease ran out (past its local deadline, or reported lost)
+        is never taken again from this object's memory: it is reported lost (once), and
+        the lock is asked for again, as by any other owner. Taking it again while still
+        held: ``reentrant=True`` counts the thread that holds it (release as often);
+        without it, a :class:`RedlockError`. Another thread on a reentrant object is
+        another owner: it waits (within *timeout*) until this object's acquisition ends,
+        then asks for the lock, or returns False at once with ``blocking=False``.
         """
         blocking = self.blocking if blocking is None else blocking
-        if timeout is None:
-            timeout = self.timeout
-        elif not _seconds(timeout):
-            raise ConfigError(f"timeout must be None or a number of seconds, got {timeout!r}")
-        with self._state:
-            if self._held_here() and not self._lost:
-                if not self.reentrant:
-                    raise RedlockError(
-                        f"lock {self.name!r} is already held by this Lock object; "
-                        "pass reentrant=True to take it again"
-                    )
-                self._count += 1
-                return True
+        if timeout is None and blocking:
+            timeout = self.timeout  # the Lock's own timeout is for blocking calls
+        timeout = check_timeout(timeout, bool(blocking))
         begin = time.monotonic()
         deadline = None if timeout is None else begin + timeout
+        here = self._wait_for_this_object(bool(blocking), begin, deadline)
+        if here != "free":
+            return here == "again"
         record = self._holder_record()
         answer_by = None  # the first attempt has its members' whole timeout
         while True:
@@ -296,6 +294,42 @@ class Lock(Lease):
             if deadline is not None:  # a later attempt ends with the caller's timeout
                 answer_by = max(deadline, time.monotonic() + LAST_TRY)
 
+    def _wait_for_this_object(
+        self, blocking: bool, begin: float, deadline: float | None
+    ) -> Literal["free", "again", "refused"]:
+        """What this object's own state says before the backend is asked: ``"free"``
+        once it holds no acquisition (or a lost one); ``"again"`` when the calling
+        thread holds it and took it once more (reentrant: counted); ``"refused"`` when
+        another thread holds this reentrant object past *deadline* (at once without
+        *blocking*)."""
+        me = threading.get_ident()
+        while True:
+            # A lease past its deadline is lost (reported once; outside _state, since
+            # on_lost runs here) and never taken again from memory.
+            self.expire_if_past(time.monotonic())
+            with self._state:
+                if not self._held_here() or self._lost:
+                    return "free"
+                if not self.reentrant:
+                    raise RedlockError(
+                        f"lock {self.name!r} is already held by this Lock object; "
+                        "pass reentrant=True to take it again"
+                    )
+                if self._owner == me:
+                    self._count += 1
+                    return "again"
+                # Another thread holds this reentrant object: wait for it to end here.
+                now = time.monotonic()
+                left = None if deadline is None else deadline - now
+                if blocking and (left is None or left > 0):
+                    wait = max(self._valid_until - now, 0.001)  # it has run out by then
+                    self._freed.wait(wait if left is None else min(wait, left))
+                    continue
+                self.holder = dict(self.owner_info, hostname=_HOSTNAME, pid=process.pid())
+                self.holder_ttl_ms = max(0, round((self._valid_until - now) * 1000))
+            self._event("contended", holder=self.holder, waited=now - begin)
+            return "refused"
+
     def _attempt(self, token: str, record: str, wait: bool, deadline: float | None) -> Grant:
         """One attempt at the backend, its answers awaited until *deadline* at the latest
         (a subclass may take something over with it)."""
@@ -342,31 +376,62 @@ class Lock(Lease):
         or taken by another owner, whatever the local clock says. A re-sent copy of this
         release (after a lost reply) finds its own token remembered as released and
         counts as released (see the module docstring).
+
+        A release the backend did not answer (:class:`QuorumUnavailable`, or any other
+        error) leaves the acquisition as it was, no longer renewed: call ``release()``
+        again to free the key, or it expires within its TTL. A reentrant object is
+        released by the thread that acquired it; any thread may release a plain one.
         """
+        me = threading.get_ident()
         with self._state:
             if not self._held_here():
                 raise NotOwned(self.name, self._not_held_reason())
+            if self.reentrant and self._owner != me:
+                lost_by, self._lost_by = self._lost_by, None
+                if lost_by is not None and lost_by[0] == me:
+                    raise LockLost(self.name, lost_by[1])
+                raise NotOwned(
+                    self.name,
+                    "held by another thread of this reentrant Lock object; it is released "
+                    "by the thread that acquired it",
+                )
+            if self._releasing:
+                raise NotOwned(self.name, "another thread is releasing it now")
             if self._count > 1:
                 self._count -= 1
                 return
             token = self._token
             assert token is not None
             reported = self._lost  # _mark_lost already emitted "lost" for this acquisition
+            lost_reason = self._lost_reason if reported else ""
             held = time.monotonic() - self._acquired_at
             fence = self._fence
-            # From here on the acquisition is being given back, whatever the backend answers:
-            # a renewal round already in flight must not answer "key gone" after our own
-            # release and mark it lost, nor move the deadline of a lease given back.
-            self._token = None
-            self._count = 0
-            self._valid_until = 0.0
+            # Until the backend answers, the acquisition is being given back: a renewal
+            # round already in flight must not answer "key gone" after our own release and
+            # mark it lost, nor move the deadline of a lease given back (see renewed()).
+            # The token stays until then, so that a release the backend did not answer
+            # can be sent again.
+            self._releasing = True
         get_manager().unregister(self)
-        status = self._give_back(token)
+        try:
+            status = self._give_back(token)
+        except BaseException:
+            with self._state:
+                if self._token == token:
+                    self._releasing = False  # still held as far as we know: retry-able
+            raise
+        with self._state:
+            if self._token == token:  # (another thread of a lost object may have taken it)
+                self._token = None
+                self._count = 0
+                self._valid_until = 0.0
+                self._releasing = False
+                self._freed.notify_all()
         if status is Status.OK:
             log_release.debug("released %r fence=%s after %.3f s", self.name, fence, held)
             self._event("released", held=held, fence=fence)
             return
-        reason = self._lost_reason or status.describe()
+        reason = lost_reason or status.describe()
         log_release.warning(
             "lock %r was lost before release (%s) after %.3f s: the work it guarded may "
             "have overlapped with another holder",
@@ -387,6 +452,8 @@ class Lock(Lease):
         with self._state:
             if not self._held_here():
                 raise NotOwned(self.name, self._not_held_reason())
+            if self._releasing:
+                raise NotOwned(self.name, "it is being released")
             token = self._token
             assert token is not None
         started = time.monotonic()
@@ -475,10 +542,21 @@ class Lock(Lease):
         if exc is None:
             self.release()
             return
+        # The body raised: its exception propagates, never replaced by the release's (a
+        # LockLost, or a release the backend did not answer). That one rides along as a
+        # note on the body's exception (Python 3.11+), or as a log line (3.10).
         try:
             self.release()
-        except RedlockError as release_error:  # never mask the body's own exception
-            log_release.warning("release of %r after an error failed: %s", self.name, release_error)
+        except RedlockError as release_error:
+            note = (
+                f"celery-redlock: releasing lock {self.name!r} after this error raised "
+                f"{type(release_error).__name__}: {release_error}"
+            )
+            add_note = getattr(exc, "add_note", None)
+            if add_note is not None:
+                add_note(note)
+            else:
+                log_release.warning("%s", note)
 
     def __repr__(self) -> str:
         state = "held" if self._held_here() else "free"

@@ -16,6 +16,12 @@ Why the local deadline rules (a timeline)::
            lost on its first wake-up, before any confirmed renewal could revive
            it. A's fence (7) is lower than B's (8) for storage that checks.
 
+The manager holds the locks weakly: a ``Lock`` that nobody references any more (dropped
+by a function that returned without releasing it) is no longer renewed, and its key
+expires within its TTL, as python-redis-lock's renewal stops for a collected lock. A
+lock in a ``with`` block, in a variable, or held by a running task is referenced, so
+renewed.
+
 The thread never dies on an error: each round catches, logs and goes on. After
 ``fork`` the child holds none of its parent's locks and starts its own thread
 when it first registers one.
@@ -27,6 +33,7 @@ import concurrent.futures as cf
 import logging
 import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 from functools import partial
@@ -85,7 +92,9 @@ class RenewalManager:
         # condition: the same mutual exclusion without Condition's Python-level enter/exit.
         self._mutex = threading.Lock()
         self._cond = threading.Condition(self._mutex)
-        self._locks: dict[int, Renewable] = {}
+        # Held weakly: a lock nobody references is not renewed, and its key expires within
+        # its TTL (a lock in a ``with`` block or a running task is referenced there).
+        self._locks: weakref.WeakValueDictionary[int, Renewable] = weakref.WeakValueDictionary()
         self._inflight: dict[Backend, cf.Future[list[Status | QuorumUnavailable]]] = {}
         self._next_round = _NEVER
         self._wake_at = 0.0  # when the waiting thread wakes by itself; 0.0 while it runs
@@ -95,7 +104,8 @@ class RenewalManager:
 
     # -- registration -------------------------------------------------------------
     def register(self, lock: Renewable) -> None:
-        """Start keeping *lock* alive; its first renewal comes within ttl/3."""
+        """Start keeping *lock* alive while something else references it; its first
+        renewal comes within ttl/3."""
         with self._mutex:
             self._locks[id(lock)] = lock
             interval = lock.ttl / 3  # _interval(), inlined
@@ -181,6 +191,8 @@ class RenewalManager:
                         self._thread = None
                         break
                 locks = list(self._locks.values())
+                if not locks:  # the last one may have been collected, not unregistered
+                    self._next_round = _NEVER
                 now = time.monotonic()
                 interval = 0.0
                 if locks and now >= self._next_round:

@@ -19,6 +19,7 @@ Servers are shared per module (Sentinel and Cluster are slow to start) or per se
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import json
 import os
@@ -43,7 +44,9 @@ from celery_redlock.core import (
     LockRecords,
     NotOwned,
     QueuedHold,
+    QuorumUnavailable,
     RateLimiter,
+    Redlock,
     RedlockError,
     RunLock,
     Semaphore,
@@ -593,6 +596,207 @@ def test_max_hold_stops_renewal(target: Any, name: str) -> None:
     with pytest.raises(LockLost):
         lock.release()
     other.release()
+
+
+# -- a Lock object's edge cases ------------------------------------------------------------
+def _run_out(target: Any, name: str, lock: Lock) -> None:
+    """Wait until *lock*'s lease ran out: past its local deadline, and its key gone from
+    every master (the server may keep it a little longer than the local clock)."""
+    assert wait_for(lambda: time.monotonic() > lock.valid_until, timeout=3, what="the deadline")
+    assert wait_for(lambda: read_lock(target, PREFIX, name) == [], timeout=3, what="the expiry")
+
+
+def test_a_lease_that_ran_out_is_taken_again_through_the_backend(target: Any, name: str) -> None:
+    """A Lock whose lease ran out acquires again (a new fence, the loss reported once) and,
+    once another owner holds the name, is refused like any other owner."""
+    lost: list[Lock] = []
+    lock = Lock(target, name, ttl=0.2, auto_renew=False, on_lost=lost.append)
+    assert lock.acquire(blocking=False)
+    first = lock.fence
+    _run_out(target, name, lock)
+    assert lock.acquire(blocking=False)
+    assert lost == [lock] and not lock.lost
+    assert first is not None and (lock.fence or 0) > first
+    assert lock.owned() and lock.locked()
+    _run_out(target, name, lock)
+    other = Lock(target, name, ttl=10, auto_renew=False)
+    assert other.acquire(blocking=False)
+    assert lock.acquire(blocking=False) is False
+    assert lost == [lock, lock]
+    assert other.owned()
+    with pytest.raises(LockLost):
+        lock.release()
+    other.release()
+
+
+def test_a_reentrant_lease_that_ran_out_is_not_taken_again_from_memory(
+    target: Any, name: str
+) -> None:
+    """reentrant=True: after its lease ran out and another Lock took the name, acquire()
+    asks the backend and is refused: never two holders."""
+    lock = Lock(target, name, ttl=0.2, auto_renew=False, reentrant=True)
+    assert lock.acquire(blocking=False)
+    assert lock.acquire(blocking=False)  # counted while the lease is valid
+    _run_out(target, name, lock)
+    other = Lock(target, name, ttl=10, auto_renew=False)
+    assert other.acquire(blocking=False)
+    assert lock.acquire(blocking=False) is False
+    assert other.owned() and not lock.owned()
+    assert [info.fence for info in read_lock(target, PREFIX, name)][:1] == [other.fence]
+    other.release()
+    assert lock.acquire(blocking=False)  # free again: taken afresh, counted from one
+    lock.release()
+    assert not lock.locked()
+
+
+def test_a_reentrant_lock_counts_per_thread(target: Any, name: str) -> None:
+    """A reentrant Lock shared by two threads is reentrant for the thread that holds it;
+    the other thread is another owner: refused, or waits until the holder released."""
+    lock = Lock(target, name, ttl=10, auto_renew=False, reentrant=True)
+    assert lock.acquire(blocking=False) and lock.acquire(blocking=False)
+    fence = lock.fence
+    thread, out = _in_thread(lambda: (lock.acquire(blocking=False), lock.acquire(timeout=0.2)))
+    _join_all([thread], 5)
+    assert out.get("result") == (False, False), out
+    thread, out = _in_thread(lock.release)
+    _join_all([thread], 5)
+    assert isinstance(out.get("error"), NotOwned), out
+    assert lock.fence == fence and lock.owned()
+
+    def take_hold_release() -> int | None:
+        assert lock.acquire(timeout=8)
+        held = lock.fence
+        lock.release()
+        return held
+
+    waiter, out = _in_thread(take_hold_release)
+    time.sleep(0.1)  # the waiter is blocked on this object now
+    assert "result" not in out and "error" not in out, out
+    lock.release()
+    assert "result" not in out, "the waiter got in while the holder's thread still held it"
+    released = time.monotonic()
+    lock.release()
+    _join_all([waiter], 9)
+    assert out["at"] - released < 2.0, out
+    assert fence is not None and (out.get("result") or 0) > fence, out
+    assert not lock.locked()
+
+
+def test_a_lock_nobody_references_is_no_longer_renewed(target: Any, name: str) -> None:
+    """A held Lock that was dropped (no release) is not renewed: its key expires within
+    its TTL; one in a ``with`` block, bound to no name, keeps being renewed."""
+    ttl = 0.5
+
+    def take_and_drop() -> None:
+        assert Lock(target, name, ttl=ttl).acquire(blocking=False)
+
+    take_and_drop()
+    gc.collect()
+    dropped = time.monotonic()
+    probe = Lock(target, name, ttl=10, auto_renew=False)
+    assert wait_for(lambda: not probe.locked(), timeout=ttl + 2, what="the dropped lock's expiry")
+    assert time.monotonic() - dropped < 2 * ttl  # its last renewal, plus a round in flight
+    with Lock(target, f"{name}:kept", ttl=ttl):
+        gc.collect()
+        kept = Lock(target, f"{name}:kept", ttl=10, auto_renew=False)
+        until = time.monotonic() + 3 * ttl
+        while time.monotonic() < until:  # bounded: past three of its leases
+            assert kept.locked()
+            time.sleep(0.05)
+    assert not kept.locked()
+
+
+def test_a_release_the_backend_did_not_answer_can_be_retried(target: Any, name: str) -> None:
+    """A release() that raised QuorumUnavailable keeps the acquisition: a renewal answer
+    that arrives meanwhile does not mark it lost, the key stays held, and release() again
+    frees it."""
+    real = open_backend(target)
+
+    class Unanswered:
+        """The real backend, whose first release does not get through."""
+
+        failures = 1
+        lock: Lock | None = None
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(real, attr)
+
+        def release(self, slot: Slot, token: str, notice_ms: int) -> Status:
+            if self.failures:
+                self.failures -= 1
+                assert self.lock is not None
+                # A renewal round that read the lock before release() began answers now.
+                self.lock.renewed(time.monotonic(), token, Status.GONE)
+                raise QuorumUnavailable(name, {"test": "release not answered"})
+            return real.release(slot, token, notice_ms)
+
+    backend = Unanswered()
+    lost: list[Lock] = []
+    lock = Lock(backend, name, ttl=10, on_lost=lost.append)
+    backend.lock = lock
+    assert lock.acquire(blocking=False)
+    with pytest.raises(QuorumUnavailable):
+        lock.release()
+    assert not lock.lost and lost == []
+    assert lock.owned() and lock.valid_until > time.monotonic()
+    other = Lock(target, name, ttl=10, auto_renew=False)
+    assert other.acquire(blocking=False) is False
+    lock.release()
+    assert not lock.locked() and read_lock(target, PREFIX, name) == []
+    assert other.acquire(blocking=False)
+    other.release()
+    with pytest.raises(NotOwned):
+        lock.release()
+
+
+@pytest.mark.parametrize(
+    ("blocking", "timeout", "named"),
+    [(True, -1, "-1"), (None, -0.5, "-0.5"), (True, float("nan"), "nan"), (False, 5, "5")],
+)
+def test_acquire_refuses_a_negative_or_nan_timeout_and_a_timeout_without_blocking(
+    target: Any, name: str, blocking: bool | None, timeout: float, named: str
+) -> None:
+    """acquire() refuses a negative or NaN timeout, and one with blocking=False, with a
+    ConfigError (a ValueError) naming it, on Lock, Semaphore and Redlock; nothing is taken."""
+    locks: list[Lock] = [Lock(target, name, ttl=10), Semaphore(target, name, 1, ttl=10)]
+    if isinstance(target, list):
+        locks.append(Redlock(target, name, ttl=10))
+    for lock in locks:
+        with pytest.raises(ConfigError, match=f"timeout.*{named}") as refused:
+            lock.acquire(blocking, timeout)
+        assert isinstance(refused.value, ValueError)
+        assert lock.fence is None
+    assert not locks[0].locked()
+
+
+def test_a_lock_made_non_blocking_refuses_a_timeout(target: Any, name: str) -> None:
+    """Lock(blocking=False, timeout=...) and a timeout for a non-blocking Lock's acquire()
+    are ConfigErrors; its own timeout does not bind a non-blocking call."""
+    with pytest.raises(ConfigError, match="timeout=5 with blocking=False"):
+        Lock(target, name, blocking=False, timeout=5)
+    quick = Lock(target, name, ttl=10, auto_renew=False, blocking=False)
+    with pytest.raises(ConfigError, match="timeout=1 with blocking=False"):
+        quick.acquire(timeout=1)
+    patient = Lock(target, name, ttl=10, auto_renew=False, timeout=5)
+    assert patient.acquire(blocking=False)
+    assert quick.acquire() is False
+    patient.release()
+
+
+def test_a_with_block_whose_body_raised_notes_the_loss_on_its_exception(
+    target: Any, name: str
+) -> None:
+    """A ``with`` body that raised while its lock was lost propagates its own exception,
+    with the loss as a note; a body that did not raise gets the LockLost."""
+    lock = Lock(target, name, ttl=0.2, auto_renew=False)
+    with pytest.raises(KeyError) as raised, lock:
+        _run_out(target, name, lock)
+        raise KeyError("the body's own error")
+    notes = getattr(raised.value, "__notes__", [])
+    assert len(notes) == 1 and "LockLost" in notes[0] and repr(name) in notes[0], notes
+    assert not lock.locked()
+    with pytest.raises(LockLost), lock:
+        _run_out(target, name, lock)
 
 
 # -- reads ---------------------------------------------------------------------------------

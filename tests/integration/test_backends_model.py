@@ -133,13 +133,14 @@ class LockModel(RuleBasedStateMachine):
     # -- taking the lock ------------------------------------------------------------------
     def _attempt(self, i: int, *, blocking: bool) -> None:
         lock = self.locks[i]
+        timeout = WAIT if blocking else None  # a timeout goes with blocking only
         if self.view[i] == "held":  # not reentrant: taking it again is refused
             with pytest.raises(RedlockError, match="already held") as refused:
-                lock.acquire(blocking=blocking, timeout=WAIT)
+                lock.acquire(blocking=blocking, timeout=timeout)
             assert type(refused.value) is RedlockError
             return
         started = time.monotonic()
-        got = lock.acquire(blocking=blocking, timeout=WAIT)
+        got = lock.acquire(blocking=blocking, timeout=timeout)
         took = time.monotonic() - started
         assert got is (self.holder is None), (
             f"acquire by object {i} gave {got}; the model says the lock is "

@@ -84,7 +84,7 @@ def test_acquire_over_a_non_hash_at_the_lock_key_is_a_config_error_naming_the_ke
     before = raw.dump(lock.keys.lock)
     started = time.monotonic()
     with pytest.raises(ConfigError) as caught:
-        lock.acquire(blocking=blocking, timeout=5)
+        lock.acquire(blocking=blocking, timeout=5 if blocking else None)
     assert time.monotonic() - started < 2
     message = str(caught.value)
     assert repr(lock.keys.lock) in message and f"holds a {kind}" in message

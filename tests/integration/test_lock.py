@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import multiprocessing
 import os
 import socket
@@ -671,6 +672,26 @@ def test_with_raises_lock_contended_carrying_the_holders_record(redis_client: re
     with contender:
         assert contender.owned()
     assert not redis_client.exists(contender.keys.lock)
+
+
+class _NoNotes(Exception):
+    """An exception without ``add_note``, as every exception is on Python 3.10."""
+
+    add_note = None
+
+
+def test_without_add_note_the_loss_under_a_raising_body_is_a_warning(
+    redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where exceptions take no notes (Python 3.10), a with block whose body raised and
+    whose lock was lost propagates the body's exception and logs the loss on
+    celery_redlock.release."""
+    lock = Lock(redis_client, "ctx:no-notes", ttl=0.2, auto_renew=False)
+    with caplog.at_level(logging.WARNING, "celery_redlock.release"), pytest.raises(_NoNotes), lock:
+        assert wait_for(lambda: not redis_client.exists(lock.keys.lock), 3, "the expiry")
+        raise _NoNotes("the body's own error")
+    lines = [r.getMessage() for r in caplog.records if r.name == "celery_redlock.release"]
+    assert any("after this error raised LockLost" in line for line in lines), lines
 
 
 def test_holder_without_task_name_is_described_by_task_id_or_as_an_owner() -> None:

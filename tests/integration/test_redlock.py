@@ -380,6 +380,33 @@ def test_paused_master_does_not_slow_an_acquire_the_others_decide(
         servers[0].resume()
 
 
+def test_a_release_a_paused_majority_did_not_answer_can_be_sent_again(
+    redis_servers: Servers,
+) -> None:
+    """Two of three masters SIGSTOPped during release(): QuorumUnavailable, the lock still
+    held here; once they resume, release() again answers OK and no master holds the key."""
+    servers = redis_servers(3)
+    lock = Redlock(clients_of(servers), "rl:release-again", ttl=5)  # per-node 250 ms
+    warm(lock, servers)
+    assert lock.acquire(blocking=False)
+    assert wait_for(lambda: all(holds_key(s, lock.name) for s in servers), 3, "every grant")
+    for server in servers[:2]:
+        server.pause()
+    try:
+        with pytest.raises(QuorumUnavailable):
+            lock.release()
+        assert lock.token is not None and not lock.lost
+    finally:
+        for server in servers[:2]:
+            server.resume()
+    quorum = lock.backend
+    gates = quorum.gates  # type: ignore[attr-defined]
+    assert wait_for(lambda: all(gate.calls == 0 for gate in gates), timeout=5, what="answers")
+    lock.release()
+    assert lock.token is None and not lock.lost
+    assert wait_for(lambda: not any(holds_key(s, lock.name) for s in servers), 3, "the release")
+
+
 def test_an_answer_nobody_waited_for_gives_its_connection_back(redis_servers: Servers) -> None:
     """A paused master's answers, which the other two made needless, are read once it
     resumes (by the next call there, or the reaper): nothing stays outstanding, its

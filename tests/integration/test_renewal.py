@@ -7,6 +7,7 @@ dead Redis as a loss, survives the errors, and starts afresh after fork.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -103,6 +104,38 @@ def test_short_lock_taken_while_the_thread_sleeps_for_a_long_one_is_renewed_in_t
     assert redis_client.pttl(short.keys.lock) > 0
     short.release()
     long.release()
+
+
+def _cpu_seconds(thread: threading.Thread) -> float:
+    """CPU time (user + system) the thread has used so far, from /proc."""
+    stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_collected_lock_is_dropped_and_the_thread_then_sleeps() -> None:
+    """A lock nobody references leaves the manager's held locks, and the renewal thread,
+    with nothing left to renew, sleeps instead of spinning."""
+    manager = RenewalManager()
+    lock = Lock(connect("memory://renewal-dropped"), "dropped", ttl=0.3, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    manager.register(lock)
+    try:
+        assert wait_for(lambda: manager.rounds >= 1, timeout=3, what="a first round")
+        del lock
+        gc.collect()
+        assert manager.held() == []
+        time.sleep(0.2)  # past the round the collected lock had asked for
+        thread = manager.thread
+        assert thread is not None and thread.is_alive()
+        before, started = _cpu_seconds(thread), time.monotonic()
+        time.sleep(0.5)
+        used = _cpu_seconds(thread) - before
+        assert used < 0.1, (
+            f"the idle renewal thread used {used:.2f} s CPU in {time.monotonic() - started:.2f} s"
+        )
+    finally:
+        manager.stop()
 
 
 class _HoldOnStop(logging.Handler):
