@@ -9,7 +9,8 @@ from pathlib import Path
 
 import celery_redlock
 from celery_redlock.core.backend import Probe, has
-from celery_redlock.core.backends import MemoryBackend, QuorumBackend, RedisBackend
+from celery_redlock.core import connect, open_backend
+from celery_redlock.core.backends import QuorumBackend, RedisBackend
 
 PACKAGE = Path(celery_redlock.__file__).resolve().parent
 
@@ -45,11 +46,12 @@ def test_the_walk_finds_the_core_s_own_redis_imports() -> None:
 
 def test_every_backend_of_the_package_answers_the_health_probe() -> None:
     """The worker's start-up probe is a verb behind the seam that each backend has."""
-    for backend in (RedisBackend, MemoryBackend, QuorumBackend):
+    for backend in (RedisBackend, QuorumBackend):
         assert hasattr(backend, "check"), backend
-    memory = MemoryBackend("memory://probe-test")
+    memory = open_backend(connect("memory://probe-test"))
     assert has(memory, Probe)
-    [health] = memory.check()
+    [health] = memory.check()  # type: ignore[attr-defined]
     assert health.ok and health.where == "memory://probe-test"
-    quorum = QuorumBackend([MemoryBackend(f"memory://probe-{i}") for i in range(3)])
+    quorum = open_backend([connect(f"memory://probe-{i}") for i in range(3)])
+    assert isinstance(quorum, QuorumBackend)
     assert [h.where for h in quorum.check()] == [f"memory://probe-{i}" for i in range(3)]
