@@ -8,8 +8,8 @@ import ast
 from pathlib import Path
 
 import celery_redlock
-from celery_redlock.core.backend import Probe, has
 from celery_redlock.core import connect, open_backend
+from celery_redlock.core.backend import Probe, has
 from celery_redlock.core.backends import QuorumBackend, RedisBackend
 
 PACKAGE = Path(celery_redlock.__file__).resolve().parent
