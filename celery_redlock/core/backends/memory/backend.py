@@ -24,7 +24,7 @@ from typing import Any
 from ...backend_types import Health
 from ...errors import ConfigError
 from ...process import ForkLock, made_once, on_fork
-from ..redis import RedisBackend
+from ..redis import RedisBackend, scripts
 
 __all__ = ["INSTALL", "MemoryBackend"]
 
@@ -65,8 +65,14 @@ class MemoryBackend(RedisBackend):
         on_fork(self._open)
 
     def _open(self) -> None:
-        """Serve from a new, empty server (at first, and in a forked child)."""
-        super().__init__(_fake_redis())
+        """Serve from a new, empty server (at first, and in a forked child), every script
+        loaded: no ``EVALSHA`` meets ``NOSCRIPT``, whose error fakeredis keeps past the
+        call (and with it the caller's frames: a dropped Lock would stay alive)."""
+        client = _fake_redis()
+        for script in vars(scripts).values():
+            if isinstance(script, scripts.Script):
+                client.script_load(script.source)
+        super().__init__(client)
 
     @classmethod
     def for_url(cls, url: str) -> MemoryBackend:
