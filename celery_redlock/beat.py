@@ -81,7 +81,7 @@ from celery.utils.time import maybe_make_aware
 from .app.config import Settings, StartupConfigError
 from .app.observability import BEAT_ROLE
 from .app.state import AppState, state_for
-from .core.backends import STORE_ERRORS
+from .core import STORE_ERRORS
 from .core.connect import mask_url
 from .core.errors import ConfigError, RedlockError, one_line
 from .core.lock import Lock

@@ -6,7 +6,8 @@ Celery fixtures that pytest-celery loads (``celery_config``, ``celery_app``,
 
 * ``redlock_celery_config``: Celery settings for such tests: Celery's ``memory://``
   broker, an in-memory result backend and ``redlock_url = "memory://..."`` (locks kept
-  in this process); return it from your ``celery_config`` fixture;
+  in this process, by the same Lua scripts as on Redis: ``pip install
+  'celery-redlock[testing]'``); return it from your ``celery_config`` fixture;
 * ``redlock_store``: the memory backend of ``celery_app``'s locks, empty when the test
   starts and when it ends; pass it to ``Lock(...)`` to hold a key from the test;
 * ``redlock_worker``: an in-process worker for ``celery_app`` (the ``solo`` or

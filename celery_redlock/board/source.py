@@ -18,10 +18,9 @@ from ..app.config import Settings, load_settings
 from ..app.controls import Controls
 from ..app.event_log import MAXLEN, log_key
 from ..cli.render import LockRow, control_json, rate_json
-from ..core import Backend, connect, mask_url, open_backend
+from ..core import STORE_ERRORS, Backend, connect, mask_url, open_backend
 from ..core.admin import read_lock, read_rate, scan_locks, scan_rates
 from ..core.backend import EventLog, FlowControl, given, has
-from ..core.backends import STORE_ERRORS
 from ..core.errors import ConfigError, one_line
 
 __all__ = ["Problem", "Source", "View", "glob_escape"]

@@ -38,7 +38,7 @@ from ..app.checks import parse_duration
 from ..app.config import Settings, load_settings
 from ..app.controls import Controls
 from ..app.flags import flag_overrides, locks_flags
-from ..core import Backend, connect, mask_url, open_backend
+from ..core import STORE_ERRORS, Backend, connect, mask_url, open_backend, refusal
 from ..core.admin import (
     LockInfo,
     RateInfo,
@@ -51,7 +51,6 @@ from ..core.admin import (
 )
 from ..core.backend import FlowControl, has, lacks
 from ..core.backend_types import Control
-from ..core.backends import STORE_ERRORS, refusal
 from ..core.errors import ConfigError, one_line
 from ..core.keys import lock_keys
 from .render import (

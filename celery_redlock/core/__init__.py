@@ -5,14 +5,16 @@ Dependency points one way: this package never imports celery. The primitives
 (:mod:`.lock`, :mod:`.semaphore`, :mod:`.ratelimit`, :mod:`.queued`, :mod:`.records`)
 and the renewal thread (:mod:`.renewal`) talk to where locks live only through the
 verbs of a backend (:mod:`.backend`): one Redis, a quorum of masters (Redlock), or this
-process's memory (:mod:`.backends`).
+process's memory (:mod:`.backends`). The operator side (beat, the board, ``celery
+locks``) reaches backends through this package: :func:`open_backend`, and for a failed
+call :data:`STORE_ERRORS` and :func:`refusal`.
 """
 
 from __future__ import annotations
 
 from .backend import Backend, need
 from .backend_types import Grant, Handover, Holder, Queued, RateGrant, Slot, Status
-from .backends import open_backend
+from .backends import STORE_ERRORS, open_backend, refusal
 from .connect import connect, mask_url
 from .errors import (
     AlreadyQueued,
@@ -35,6 +37,7 @@ from .renewal import get_manager
 from .semaphore import Semaphore
 
 __all__ = [
+    "STORE_ERRORS",
     "AlreadyQueued",
     "Backend",
     "ConfigError",
@@ -68,6 +71,7 @@ __all__ = [
     "mask_url",
     "need",
     "open_backend",
+    "refusal",
     "remove_hook",
     "render_value",
 ]

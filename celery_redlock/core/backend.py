@@ -26,7 +26,7 @@ A primitive asks for the capability it needs once, when it is built: :func:`need
 the backend as that protocol, or raises the one :class:`~.errors.ConfigError` that names
 the backend and what it lacks (with the backend's own reason, :meth:`why_not`). Three
 backends implement the verbs, one folder each: :mod:`~.backends.redis` (one Redis: every
-capability), :mod:`~.backends.memory` (this process: every capability) and
+capability), :mod:`~.backends.memory` (the Redis backend on an in-process server) and
 :mod:`~.backends.quorum` (Redlock over members: the lock verbs, done marks and records).
 
 What every verb promises (the behaviour suite ``tests/integration/test_backends.py``

@@ -2,7 +2,8 @@
 
 ``redis://``, ``rediss://`` (TLS), ``unix://`` and ``sentinel://`` URLs, or a
 list of them (independent masters, for Redlock); ``memory://`` gives the in-process
-memory backend instead of a client (for tests and single-process tools). Timeouts and
+memory backend instead of a client (the Lua scripts on an in-process server, for tests and
+single-process tools; the ``testing`` extra). Timeouts and
 the retry policy are set on purpose (:func:`lock_retry`): a broken connection (a restarted server,
 a reset) is retried once at once on a new one, which is safe because every lock
 script is idempotent; a timeout is not retried, so a Redis that stopped answering
@@ -83,7 +84,9 @@ def connect(url_or_urls: str | Sequence[str], **options: Any) -> Client | list[C
 
     ``memory://`` (or ``memory://<name>``) gives this process's in-memory backend of
     that URL: the same URL is the same store everywhere in the process, as Celery's
-    ``memory://`` broker; other processes (a forked child too) never see it.
+    ``memory://`` broker; other processes (a forked child too) never see it. It runs the
+    Redis backend's scripts on fakeredis: without ``pip install 'celery-redlock[testing]'``
+    it raises a ConfigError that says so.
 
     ``cluster=True`` makes a ``RedisCluster`` from a ``redis://``/``rediss://`` URL.
     Sentinel: ``sentinel://h1:26379;sentinel://h2:26379/0?master=mymaster``

@@ -42,7 +42,6 @@ from celery_redlock.core import (
     open_backend,
 )
 from celery_redlock.core.admin import ForceRelease, force_release
-from celery_redlock.core.backends.memory import MemoryBackend
 from celery_redlock.core.backends.quorum import QuorumBackend
 
 PREFIX = "redlock:"
@@ -64,12 +63,12 @@ class LockModel(RuleBasedStateMachine):
         self.name = f"model:{uuid.uuid4().hex[:16]}"
         self.slot = Slot(lock_keys(self.name, PREFIX))
         self.clients: list[Any] = []
-        self.stores: list[MemoryBackend] = []
+        self.stores: list[Any] = []
         members: list[Any]
         if self.backend in ("memory", "memory-quorum"):
             count = 1 if self.backend == "memory" else 3
             urls = [f"memory://model-{uuid.uuid4().hex}" for _ in range(count)]
-            self.stores = [connect(url) for url in urls]  # type: ignore[misc]
+            self.stores = [connect(url) for url in urls]
             members = list(self.stores)
         else:
             self.clients = [server.client() for server in self.servers]

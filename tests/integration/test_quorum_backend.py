@@ -8,12 +8,14 @@ import dataclasses
 import json
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import pytest
 from servers import RedisServer
 
+from celery_redlock.core import connect, open_backend
 from celery_redlock.core.backend import (
     Admin,
     Backend,
@@ -24,7 +26,6 @@ from celery_redlock.core.backend import (
     lacks,
 )
 from celery_redlock.core.backend_types import Grant, Renewal, Slot, Status
-from celery_redlock.core.backends.memory import MemoryBackend
 from celery_redlock.core.backends.quorum import QuorumBackend
 from celery_redlock.core.backends.redis import RedisBackend
 from celery_redlock.core.errors import ConfigError, QuorumUnavailable
@@ -40,7 +41,8 @@ class PoolExhausted(Exception):
 
 
 class Flaky:
-    """A member backend over a memory store that fails on demand (a stub backend).
+    """A member backend over a memory store that fails on demand (a stub backend, which
+    calls every verb the usual way: no ``send``).
 
     ``down``: every verb raises QuorumUnavailable; ``stall``: every verb blocks until
     :meth:`heal` (at most 30 s); ``broken``: every verb raises :class:`PoolExhausted`.
@@ -50,7 +52,7 @@ class Flaky:
     masters = 1
 
     def __init__(self, url: str) -> None:
-        self.inner = MemoryBackend(url)
+        self.inner = open_backend(connect(url))
         self.mode = "ok"
         self.gate = threading.Event()
         self.gate.set()
@@ -77,6 +79,8 @@ class Flaky:
         return self.inner.identity()
 
     def __getattr__(self, verb: str) -> Callable[..., Any]:
+        if verb == "send":  # a stub: its verbs run where the quorum calls them
+            raise AttributeError(verb)
         method = getattr(self.inner, verb)
 
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -106,7 +110,7 @@ class Flaky:
 def flaky(request: pytest.FixtureRequest) -> Iterator[list[Flaky]]:
     """Three fresh flaky members (stores of their own), healed at teardown."""
     name = request.node.name
-    members = [Flaky(f"memory://q-{name}-{i}") for i in range(3)]
+    members = [Flaky(f"memory://q-{name}-{uuid.uuid4().hex}-{i}") for i in range(3)]
     yield members
     for member in members:
         member.heal()
@@ -140,13 +144,16 @@ def settle(check: Callable[[], bool], seconds: float = 5.0) -> None:
 # -- construction -----------------------------------------------------------------------
 def test_construction_refuses_bad_member_lists() -> None:
     """An empty list, a string, a member listed twice or a bad timeout is a ConfigError."""
-    a, b = MemoryBackend("memory://q-construct-a"), MemoryBackend("memory://q-construct-b")
+    a, b = (
+        open_backend(connect("memory://q-construct-a")),
+        open_backend(connect("memory://q-construct-b")),
+    )
     with pytest.raises(ConfigError, match="non-empty list"):
         QuorumBackend([])
     with pytest.raises(ConfigError, match="non-empty list"):
         QuorumBackend(cast(Any, "memory://x"))
     with pytest.raises(ConfigError, match="more than once: memory://q-construct-a"):
-        QuorumBackend([a, b, MemoryBackend("memory://q-construct-a")])
+        QuorumBackend([a, b, open_backend(connect("memory://q-construct-a"))])
     for bad in (0, -1.0, True):
         with pytest.raises(ConfigError, match="per_node_timeout"):
             QuorumBackend([a, b], per_node_timeout=cast(Any, bad))
@@ -155,7 +162,7 @@ def test_construction_refuses_bad_member_lists() -> None:
 def test_shape_equality_and_timeouts() -> None:
     """masters, quorum and describe come from the members; equal members make equal
     quorums; the per-member timeout follows the lease unless set."""
-    members = [MemoryBackend(f"memory://q-shape-{i}") for i in range(5)]
+    members = [open_backend(connect(f"memory://q-shape-{i}")) for i in range(5)]
     quorum = QuorumBackend(members)
     assert (quorum.masters, quorum.quorum) == (5, 3)
     assert quorum.describe() == ", ".join(m.describe() for m in members)

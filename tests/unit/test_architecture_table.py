@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from celery_redlock.core import backend as seam
-from celery_redlock.core.backends import MemoryBackend, QuorumBackend, RedisBackend
+from celery_redlock.core import connect, open_backend
+from celery_redlock.core.backends import RedisBackend
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 HEADER = "| capability | verbs | memory | redis | quorum |"
@@ -42,11 +43,11 @@ def test_the_capability_table_matches_the_backends() -> None:
         if isinstance(value, type) and value in seam._MEMBERS
     }
     assert {"Backend", "Permits", "Probe", "Sends"} <= set(capabilities)
-    quorum = QuorumBackend([MemoryBackend(f"memory://table-{i}") for i in range(3)])
+    quorum = open_backend([connect(f"memory://table-{i}") for i in range(3)])
     # A Redis backend's verbs are its class's: no client is needed to read them.
     found = {
         name: (
-            _word(MemoryBackend("memory://table"), capability),
+            _word(connect("memory://table"), capability),
             _word(RedisBackend, capability),
             _word(quorum, capability),
         )

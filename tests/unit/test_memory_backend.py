@@ -1,33 +1,43 @@
-"""The memory backend's verbs, without a server: exclusion, leases, fences, releases,
-notices, permits, rate grants, stores per URL, and what a forked child sees."""
+"""The memory backend's verbs, without a server: the Lua scripts of the Redis backend on
+the in-process server of ``connect("memory://...")``: exclusion, leases, fences, releases,
+notices, permits, rate grants, stores per URL, what a forked child sees, and the error
+that says how to install the engine when it is missing."""
 
 from __future__ import annotations
 
 import json
 import os
 import select
+import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from freezegun import freeze_time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from celery_redlock.core import connect, open_backend
 from celery_redlock.core.backend_types import Handover, Renewal, Slot, Status
-from celery_redlock.core.backends.memory import MemoryBackend
 from celery_redlock.core.errors import ConfigError
 from celery_redlock.core.keys import LockKeys, lock_keys, permit_keys, rate_key
 
 RECORD = json.dumps({"hostname": "here", "pid": 1})
 
 
+def memory(name: str) -> Any:
+    """The memory backend of ``memory://<name>``, as a primitive opens it."""
+    return open_backend(connect(f"memory://{name}"))
+
+
 @pytest.fixture
-def store() -> Iterator[MemoryBackend]:
+def store() -> Iterator[Any]:
     """A store of its own for each test."""
-    backend = MemoryBackend("memory://test")
+    backend = memory(f"test-{uuid.uuid4().hex}")
     yield backend
     backend.clear()
 
@@ -37,7 +47,7 @@ def lock(name: str = "job") -> Slot:
 
 
 def take(
-    store: MemoryBackend,
+    store: Any,
     slot: Slot,
     token: str,
     ttl_ms: int = 10_000,
@@ -58,7 +68,7 @@ def run_threads(count: int, target: Callable[[], None], seconds: float = 30.0) -
         assert not thread.is_alive()
 
 
-def test_one_holder_at_a_time_across_16_threads(store: MemoryBackend) -> None:
+def test_one_holder_at_a_time_across_16_threads(store: Any) -> None:
     """16 threads hammering one lock never find two holders, and each owner check holds."""
     slot, inside, wins, errors = lock(), [0], [0], list[str]()
     guard = threading.Lock()
@@ -88,7 +98,7 @@ def test_one_holder_at_a_time_across_16_threads(store: MemoryBackend) -> None:
     assert wins[0] > 16
 
 
-def test_a_lease_expires_on_the_clock(store: MemoryBackend) -> None:
+def test_a_lease_expires_on_the_clock(store: Any) -> None:
     """A lease holds until its ttl has passed, then another owner takes it; the old owner's
     release and extend then find it taken."""
     slot = lock()
@@ -107,7 +117,7 @@ def test_a_lease_expires_on_the_clock(store: MemoryBackend) -> None:
         assert [h.token for h in store.holders(slot)] == ["b"]
 
 
-def test_fences_strictly_increase_also_after_the_counter_expired(store: MemoryBackend) -> None:
+def test_fences_strictly_increase_also_after_the_counter_expired(store: Any) -> None:
     """Each acquisition's fence is above the last, a re-sent acquire gets its own fence
     again, and a counter gone idle restarts above anything it had counted to."""
     slot, fences = lock(), list[int | None]()
@@ -131,7 +141,7 @@ def test_fences_strictly_increase_also_after_the_counter_expired(store: MemoryBa
     assert numbers[-1] == numbers[-2] + 11
 
 
-def test_a_resent_release_is_ok_a_forced_or_taken_one_is_not(store: MemoryBackend) -> None:
+def test_a_resent_release_is_ok_a_forced_or_taken_one_is_not(store: Any) -> None:
     """A re-sent copy of a release is OK while remembered; after a forced release the holder
     hears GONE, after a takeover TAKEN; a forced release remembers no token."""
     slot = lock()
@@ -156,7 +166,7 @@ def test_a_resent_release_is_ok_a_forced_or_taken_one_is_not(store: MemoryBacken
         assert store.force_release(slot, 999, 1000).outcome == "refused"
 
 
-def test_wait_wakes_on_release_and_times_out_otherwise(store: MemoryBackend) -> None:
+def test_wait_wakes_on_release_and_times_out_otherwise(store: Any) -> None:
     """A blocked waiter wakes within milliseconds of the release; with no release (or no
     waiter mark, so no notice) it waits out its time."""
     slot = lock()
@@ -189,7 +199,7 @@ def test_wait_wakes_on_release_and_times_out_otherwise(store: MemoryBackend) -> 
     assert time.monotonic() - started >= 0.05
 
 
-def test_permits_never_exceed_the_limit_under_threads(store: MemoryBackend) -> None:
+def test_permits_never_exceed_the_limit_under_threads(store: Any) -> None:
     """16 threads taking 3 permits never hold more than 3 at once."""
     slot, held, most, errors = Slot(permit_keys("pool"), limit=3), [0], [0], list[str]()
     guard = threading.Lock()
@@ -216,7 +226,7 @@ def test_permits_never_exceed_the_limit_under_threads(store: MemoryBackend) -> N
     assert store.holders(slot) == []
 
 
-def test_gcra_grants_at_most_rate_plus_burst_minus_one_per_period(store: MemoryBackend) -> None:
+def test_gcra_grants_at_most_rate_plus_burst_minus_one_per_period(store: Any) -> None:
     """At 5/s with a burst of 3, any one-second window sees at most 7 grants, a refusal
     consumes nothing, and peek never writes."""
     key, interval = rate_key("api"), 200_000
@@ -250,7 +260,7 @@ def test_the_line_and_its_grace_never_let_more_through_than_the_rate(
     """Any mix of take and queue calls, at any spacing, with promised slots claimed or
     lapsing: at 10/s with burst b, any one-second window holds at most 10 + b - 1 grants,
     and a refusal's wait is never negative."""
-    store = MemoryBackend("memory://rate-property")
+    store = memory("rate-property")
     key, interval = rate_key("prop"), 100_000
     grants: list[int] = []
     try:
@@ -269,7 +279,7 @@ def test_the_line_and_its_grace_never_let_more_through_than_the_rate(
         assert sum(1 for t in grants if first <= t < first + 1000) <= 10 + burst - 1
 
 
-def test_queue_mode_promises_one_slot_per_caller(store: MemoryBackend) -> None:
+def test_queue_mode_promises_one_slot_per_caller(store: Any) -> None:
     """Refused callers in queue mode are promised successive slots, no further than most_us."""
     key = rate_key("line")
     with freeze_time("2024-01-01"):
@@ -283,7 +293,7 @@ def test_queue_mode_promises_one_slot_per_caller(store: MemoryBackend) -> None:
 
 
 def test_a_promised_slot_unclaimed_past_its_grace_lapses_to_a_newcomer(
-    store: MemoryBackend,
+    store: Any,
 ) -> None:
     """A slot promised to a caller that does not come: a queue-mode newcomer is put behind
     the line until the grant has been possible for the grace, and takes it after; the
@@ -305,26 +315,37 @@ def test_a_promised_slot_unclaimed_past_its_grace_lapses_to_a_newcomer(
 
 
 def test_each_url_is_one_store() -> None:
-    """The same URL gives the same store, another URL another one; other URLs are refused."""
-    a, b = MemoryBackend.for_url("memory://a"), MemoryBackend.for_url("memory://b")
+    """The same URL gives the same store, another URL another one; a Lock opened on a URL
+    sees what the other connect() of that URL holds."""
+    a, b = memory("a"), memory("b")
     try:
-        assert MemoryBackend.for_url("memory://a") is a
+        assert connect("memory://a") is a
         assert a.identity() == ("memory", "memory://a") and a.describe() == "memory://a"
         assert take(a, lock("shared"), "x")
         assert a.locked(lock("shared"))
         assert not b.locked(lock("shared"))
         assert take(b, lock("shared"), "y")
-        with pytest.raises(ConfigError):
-            MemoryBackend.for_url("redis://localhost")
+        assert [h.token for h in memory("a").holders(lock("shared"))] == ["x"]
     finally:
         a.clear()
         b.clear()
 
 
+@pytest.mark.parametrize("missing", ["fakeredis", "lupa"])
+def test_without_the_testing_extra_memory_urls_say_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, missing: str
+) -> None:
+    """With fakeredis (or lupa, its Lua engine) not importable, connect("memory://...")
+    raises a ConfigError that names what is missing and gives the install line."""
+    monkeypatch.setitem(sys.modules, missing, None)  # an import of it raises ImportError
+    with pytest.raises(ConfigError, match=r"fakeredis.*pip install 'celery-redlock\[testing\]'"):
+        connect(f"memory://no-extra-{uuid.uuid4().hex}")
+
+
 def test_a_forked_child_starts_with_an_empty_store() -> None:
     """A forked child sees none of its parent's locks and takes them freely; the parent
     still holds its lock afterwards and never sees the child's."""
-    backend, slot = MemoryBackend.for_url("memory://fork"), lock("forked")
+    backend, slot = memory("fork"), lock("forked")
     try:
         assert take(backend, slot, "parent")
         read_end, write_end = os.pipe()
@@ -332,9 +353,9 @@ def test_a_forked_child_starts_with_an_empty_store() -> None:
         if pid == 0:  # the child: report, then leave without running the parent's cleanup
             try:
                 report = {
-                    "holders": len(MemoryBackend.for_url("memory://fork").holders(slot)),
+                    "holders": len(memory("fork").holders(slot)),
                     "took": take(backend, slot, "child"),
-                    "size": backend.size(),
+                    "keys": len(backend.scan("redlock:")),
                 }
                 os.write(write_end, json.dumps(report).encode())
             finally:
@@ -347,13 +368,13 @@ def test_a_forked_child_starts_with_an_empty_store() -> None:
         while os.waitpid(pid, os.WNOHANG) == (0, 0):
             assert time.monotonic() < deadline, "the child did not exit"
             time.sleep(0.01)
-        assert seen == {"holders": 0, "took": True, "size": 2}
+        assert seen == {"holders": 0, "took": True, "keys": 1}
         assert [h.token for h in backend.holders(slot)] == ["parent"]
     finally:
         backend.clear()
 
 
-def test_foreign_data_at_a_lock_key(store: MemoryBackend) -> None:
+def test_foreign_data_at_a_lock_key(store: Any) -> None:
     """A key of another kind than a verb expects is FOREIGN for owner-checked verbs and a
     ConfigError for the others; renew answers one status per item."""
     mine = lock("m")
@@ -380,7 +401,7 @@ def test_foreign_data_at_a_lock_key(store: MemoryBackend) -> None:
     assert store.renew(items) == [Status.OK, Status.GONE, Status.TAKEN, Status.FOREIGN]
 
 
-def test_done_marks_keep_the_16_most_recent(store: MemoryBackend) -> None:
+def test_done_marks_keep_the_16_most_recent(store: Any) -> None:
     """A release with a done mark adds it; the 16 most recent are kept."""
     slot = lock("d")
     for i in range(20):
@@ -390,7 +411,7 @@ def test_done_marks_keep_the_16_most_recent(store: MemoryBackend) -> None:
     assert all(store.was_done(slot, f"mark-{i}") for i in range(4, 20))
 
 
-def test_an_enqueue_time_hold_is_handed_over(store: MemoryBackend) -> None:
+def test_an_enqueue_time_hold_is_handed_over(store: Any) -> None:
     """A queued hold blocks another id, is handed over to its own task's run, and a run of
     another id is refused as superseded."""
     slot = lock("q")
@@ -411,17 +432,7 @@ def test_an_enqueue_time_hold_is_handed_over(store: MemoryBackend) -> None:
     assert store.dequeue(slot, "id1") is Status.GONE
 
 
-def test_expired_names_are_swept(store: MemoryBackend) -> None:
-    """Names used once do not pile up: expired keys are swept as writes go on."""
-    with freeze_time("2024-01-01") as clock:
-        for i in range(5000):
-            assert take(store, lock(f"once-{i}"), "t", ttl_ms=5, fence_ttl_ms=50)
-            clock.tick(timedelta(milliseconds=1))
-        assert store.size() < 1000 + 2 * 55  # a sweep per 1000 writes; 55 ms of names live
-        assert len(store.scan("redlock:", "once-*")) <= 5
-
-
-def test_a_notice_waits_for_the_next_waiter_until_it_expires(store: MemoryBackend) -> None:
+def test_a_notice_waits_for_the_next_waiter_until_it_expires(store: Any) -> None:
     """A notice sent while nobody waits is kept for notice_ms; permits send one per permit
     given back."""
     slot = lock("n")

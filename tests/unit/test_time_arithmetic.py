@@ -1,8 +1,10 @@
 """Time arithmetic under freezegun, on the memory backend: no server, no sleeping.
 
-The memory backend and the lock's local deadline read ``time.monotonic()`` (its fence
-counter starts from ``time.time_ns()``), and the publish side reads ``datetime.now()``:
-freezegun moves them all at once, so each test steps time by exactly what it is about.
+The memory backend's in-process server reads ``time.time()`` (key expiry, the scripts'
+``TIME``, the fence counter's start), the lock's local deadline ``time.monotonic()``, and
+the publish side ``datetime.now()``: freezegun moves them all at once, so each test steps
+time by exactly what it is about. Expiry is Redis's: a key lives through the millisecond
+its TTL ends (PTTL 0) and is gone 1 ms later.
 
 Beat's leader lease is tested through the pieces ``LeaderScheduler`` uses (a core
 ``Lock`` with beat's lease, ``LockRecords`` with beat's suffix, the renewal round's
@@ -48,14 +50,17 @@ def clock() -> Iterator[Any]:
 
 
 def test_a_lease_ends_exactly_at_its_ttl_on_the_clock(memory: Any, clock: Any) -> None:
-    """A 30 s lease holds at 29.9 s and is free at 30 s: the next owner takes it, and
-    the first owner's release then says LockLost."""
+    """A 30 s lease holds at 29.9 s and still at 30 s (as Redis does, a key lives through
+    the millisecond its TTL ends: PTTL 0), and is free 1 ms later: the next owner takes it,
+    and the first owner's release then says LockLost."""
     first = Lock(memory, "lease", ttl=30, auto_renew=False)
     second = Lock(memory, "lease", ttl=30, auto_renew=False)
     assert first.acquire(blocking=False)
     clock.tick(29.9)
     assert not second.acquire(blocking=False)
     clock.tick(0.1)
+    assert not second.acquire(blocking=False) and second.holder_ttl_ms == 0
+    clock.tick(0.001)
     assert second.acquire(blocking=False)
     assert second.fence is not None and first.fence is not None and second.fence > first.fence
     with pytest.raises(LockLost):
@@ -141,7 +146,8 @@ def _hold_ttl(store: Any, name: str) -> float:
 
 def test_an_eta_or_countdown_lengthens_the_enqueue_hold_by_exactly_that(clock: Any) -> None:
     """lock_enqueue_ttl=3600: a call with an ETA 10 min ahead holds its key 4200 s, one
-    with countdown=30 holds it 3630 s, and an earlier expires cuts the hold to it (+5 s)."""
+    with countdown=30 holds it 3630 s, and an earlier expires cuts the hold to it (+5 s),
+    gone 1 ms after it ends."""
     app, job, store = _publisher(f"hold-{uuid.uuid4().hex[:8]}")
     try:
         job.apply_async((1,), eta=START + dt.timedelta(minutes=10))
@@ -150,7 +156,7 @@ def test_an_eta_or_countdown_lengthens_the_enqueue_hold_by_exactly_that(clock: A
         assert _hold_ttl(store, "job:2") == pytest.approx(3630, abs=0.002)
         job.apply_async((3,), countdown=30, expires=START + dt.timedelta(seconds=100))
         assert _hold_ttl(store, "job:3") == pytest.approx(105, abs=0.002)
-        clock.tick(105)
+        clock.tick(105.001)
         assert not [i for i in read_lock(store, "redlock:", "job:3") if i.state == "queued"]
         assert _hold_ttl(store, "job:2") == pytest.approx(3630 - 105, abs=0.002)
     finally:
@@ -211,7 +217,8 @@ def test_debounce_sends_each_call_at_its_deadline_and_holds_its_key_that_much_lo
     """lock_debounce=30, lock_enqueue_ttl=3600: a call is sent with countdown max(its
     countdown, 30) (ETA now+30 s; countdown=5 -> +30; countdown=100 -> +100), each newer
     call takes the hold (3600 s + that delay); an explicit eta is sent as given (2 s ahead:
-    hold 3602 s); expires 10 s ahead cuts the hold to 15 s, which ends exactly then."""
+    hold 3602 s); expires 10 s ahead cuts the hold to 15 s: 0 ms left at 15 s, gone 1 ms
+    later."""
     app, job, store = _debounced(f"debounce-{uuid.uuid4().hex[:8]}", lock_on)
     try:
         with _sent(job.name) as sent:
@@ -233,6 +240,8 @@ def test_debounce_sends_each_call_at_its_deadline_and_holds_its_key_that_much_lo
             assert _queued(store, "job") == (expiring.id, pytest.approx(15, abs=0.002))
             clock.tick(14.999)
             assert _queued(store, "job") == (expiring.id, pytest.approx(0.001, abs=0.0005))
+            clock.tick(0.001)
+            assert _queued(store, "job") == (expiring.id, 0)
             clock.tick(0.001)
             assert not [i for i in read_lock(store, "redlock:", "job") if i.state == "queued"]
     finally:
@@ -329,7 +338,8 @@ def test_a_beat_leader_claims_ticks_until_its_local_deadline_and_a_standby_takes
     """A 30 s leader lease: the standby is told the exact lease left (26 s at +4 s: its
     wait); the leader's tick claims go through at +29.697 s and are refused from +29.698 s
     (ttl - drift) although the key lives on; the standby is refused at +29.999 s (1 ms
-    left), takes over at +30 s with the next fence, and loads the last tick claimed."""
+    left) and at +30 s (0 ms left: Redis keeps a key through its last millisecond), takes
+    over at +30.001 s with the next fence, and loads the last tick claimed."""
     lost: list[Any] = []
     leader, standby = _beats(memory, lost)
     began = time.monotonic()
@@ -349,6 +359,8 @@ def test_a_beat_leader_claims_ticks_until_its_local_deadline_and_a_standby_takes
     clock.tick(0.301)
     assert not standby.acquire(blocking=False) and standby.holder_ttl_ms == 1
     clock.tick(0.001)
+    assert not standby.acquire(blocking=False) and standby.holder_ttl_ms == 0
+    clock.tick(0.001)
     assert standby.acquire(blocking=False)
     assert leader.fence is not None and standby.fence == leader.fence + 1
     [(field, record)] = LockRecords(standby, RECORDS_SUFFIX).load().items()
@@ -364,7 +376,7 @@ def test_a_renewal_round_restarts_the_beat_lease_from_when_the_round_began(
 ) -> None:
     """Renewal rounds come every ttl/3 (10 s): the round at +10 s sets the key to a full
     30 s again and the local deadline to +10 + 29.698 s; claims hold until +39.697 s and
-    are refused at +39.698 s; the standby gets the lock at +40 s, not before."""
+    are refused at +39.698 s; the standby gets the lock at +40.001 s, not before."""
     lost: list[Any] = []
     leader, standby = _beats(memory, lost)
     began = time.monotonic()
@@ -381,6 +393,8 @@ def test_a_renewal_round_restarts_the_beat_lease_from_when_the_round_began(
     clock.tick(0.301)
     assert not standby.acquire(blocking=False) and standby.holder_ttl_ms == 1
     clock.tick(0.001)
+    assert not standby.acquire(blocking=False) and standby.holder_ttl_ms == 0
+    clock.tick(0.001)
     assert standby.acquire(blocking=False)
     assert not lost  # the leader was never told: its lease ended, nobody took it early
     standby.release()
@@ -391,7 +405,7 @@ def test_a_paused_beat_leader_is_never_renewed_past_its_deadline_and_cannot_clai
 ) -> None:
     """A leader paused through its renewal rounds wakes at +29.698 s, its key still alive:
     the round marks it lost (on_lost once) and does not renew it. The standby takes over at
-    +30 s with the next fence and continues from tick n=42; the old leader's n=43 is
+    +30.001 s with the next fence and continues from tick n=42; the old leader's n=43 is
     refused, the new leader's n=43 claimed, a re-claim of n=43 is stale (returning the
     stored record) and n=44 goes through; a release hands over at the same instant."""
     lost: list[Any] = []
@@ -404,7 +418,7 @@ def test_a_paused_beat_leader_is_never_renewed_past_its_deadline_and_cannot_clai
     assert leader.lost and leader.lost_reason == "the lease ran out before a confirmed renewal"
     assert lost == [leader]
     assert not standby.acquire(blocking=False) and standby.holder_ttl_ms == 302
-    clock.tick(0.302)
+    clock.tick(0.303)
     assert standby.acquire(blocking=False)
     assert leader.fence is not None and standby.fence == leader.fence + 1
     new = LockRecords(standby, RECORDS_SUFFIX)

@@ -1,5 +1,5 @@
 """The backends behind :mod:`celery_redlock.core.backend`, one folder each (``redis/``,
-``memory/``, ``quorum/``), and
+``memory/``: the Redis backend on an in-process server, ``quorum/``), and
 :func:`open_backend`, which picks one for what a user passes to a primitive."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ __all__ = [
 
 #: The backends of this package: told apart by a plain isinstance, which costs far less
 #: than one against the Backend protocol (a check of every verb) on every Lock made.
-_OURS = (RedisBackend, MemoryBackend, QuorumBackend)
+_OURS = (RedisBackend, QuorumBackend)  # a MemoryBackend is a RedisBackend
 
 
 def open_backend(target: Any, *, per_node_timeout: float | None = None) -> Backend:

@@ -1,9 +1,9 @@
-"""The memory backend (``connect("memory://")``): the lock semantics of the Redis backend,
-kept in this process (:class:`~.backend.MemoryBackend`), on a store that keeps keys as
-Redis does (:mod:`.store`)."""
+"""The memory backend (``connect("memory://")``): the Redis backend, its Lua scripts and
+all, on an in-process server of this process (:class:`~.backend.MemoryBackend`; fakeredis
+with its Lua engine, from the ``testing`` extra)."""
 
 from __future__ import annotations
 
-from .backend import MemoryBackend
+from .backend import INSTALL, MemoryBackend
 
-__all__ = ["MemoryBackend"]
+__all__ = ["INSTALL", "MemoryBackend"]
