@@ -48,6 +48,7 @@ from ...backend_types import (
     record_version,
 )
 from ...errors import ConfigError, QuorumUnavailable
+from ...listing import Listing, ListQuery, select
 from ...process import ForkLock, made_once
 from . import admin, flow
 from .store import (
@@ -553,6 +554,13 @@ class MemoryBackend:
     @atomic
     def read(self, prefix: str, name: str) -> list[LockInfo]:
         return admin.read(self.store, prefix, name)
+
+    def listing(self, prefix: str, query: ListQuery) -> Listing:
+        """*query*'s page, from everything the store holds under the pattern (an
+        in-process store needs no index)."""
+        locks = self.scan(prefix, query.pattern)
+        rates = self.scan_rates(prefix, query.pattern)
+        return select(prefix, locks, rates, self.controls(prefix, query.pattern), query)
 
     @atomic
     def scan_rates(self, prefix: str, pattern: str = "*") -> list[RateInfo]:

@@ -17,6 +17,7 @@
 -- ARGV[3]  the most bytes of released tokens kept (a cap per name, whatever the rate)
 -- ARGV[4]  with KEYS[5]: the done mark (the run's task id and attempt)
 -- ARGV[5]  with KEYS[5]: how long the marks live after the last one, in milliseconds
+-- Index    the lock key leaves it when released (index.lua)
 -- Returns  1   released (and one notice pushed if someone may be waiting); also when
 --              the key is gone or held by another token but ARGV[1] is among the
 --              recently released tokens: a re-sent copy of this token's own release
@@ -44,6 +45,7 @@ if tok ~= ARGV[1] then
   return -1
 end
 redis.call('DEL', KEYS[1])
+index_drop(KEYS[1])
 if recent then
   recent = ' ' .. ARGV[1] .. recent
   if #recent > tonumber(ARGV[3]) then -- drop the oldest, whole tokens only

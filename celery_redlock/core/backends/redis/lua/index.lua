@@ -1,0 +1,88 @@
+-- index: a shared part, put in front of the scripts that write what the operator reads
+-- (scripts.py), after `local INDEX = true` (a plain Redis, a Sentinel master) or
+-- `local INDEX = false` (a Redis Cluster: a script touches one hash slot's keys only, so
+-- there the operator's reads walk the keyspace instead, and these functions do nothing).
+-- The index of key prefix P is a few sorted sets beside the locks, outside every lock's
+-- braces, reached by name (a plain Redis lets a script do so; they are not in KEYS):
+--   P .. 'index:expiry'  member = key, score = when it expires (server time, ms; 'inf'
+--                        for a key without expiry)
+--   P .. 'index:' .. set member = key, score 0 (so ordered by key): one set per kind and
+--                        state: 'held', 'running', 'parked' (a mutex by its holder),
+--                        'permits' (a semaphore), 'queued' (an enqueue-time hold),
+--                        'rate' (a rate limiter's state), 'control' (a name's controls)
+-- A script adds a key when it writes it, moves its expiry when it renews it, and takes
+-- it out when it deletes it; readers drop the members whose expiry has passed (a lease
+-- that ran out: index_prune.lua).
+-- index_lock(key, ms, state)  a mutex at *key* held *ms* more, in the set *state*
+-- index_put(key, ms, set)     *key* lives *ms* more (nil: no expiry), in *set*
+-- index_renew(key, ms)        *key*, already indexed, lives *ms* more
+-- index_sync(key, set)        *key* as it is now: its expiry, or out when it is gone
+-- index_drop(key, set)        *key* deleted (*set* nil: a mutex, out of its three sets)
+-- index_state(record)         the set of a mutex taken with holder *record* (JSON text)
+local INDEX_MUTEX = {'held', 'running', 'parked'}
+local index_ms
+local function index_head(key)
+  return string.sub(key, 1, string.find(key, '{', 1, true) - 1) .. 'index:'
+end
+local function index_at(ms)
+  if not ms then
+    return 'inf'
+  end
+  if not index_ms then
+    local t = redis.call('TIME')
+    index_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return index_ms + tonumber(ms)
+end
+local function index_put(key, ms, set)
+  if INDEX then
+    local head = index_head(key)
+    redis.call('ZADD', head .. 'expiry', index_at(ms), key)
+    redis.call('ZADD', head .. set, 0, key)
+  end
+end
+local function index_lock(key, ms, state)
+  if INDEX then
+    index_put(key, ms, state)
+    local head = index_head(key)
+    for _, other in ipairs(INDEX_MUTEX) do
+      if other ~= state then
+        redis.call('ZREM', head .. other, key)
+      end
+    end
+  end
+end
+local function index_renew(key, ms)
+  if INDEX then
+    redis.call('ZADD', index_head(key) .. 'expiry', 'XX', index_at(ms), key)
+  end
+end
+local function index_drop(key, set)
+  if INDEX then
+    local head = index_head(key)
+    redis.call('ZREM', head .. 'expiry', key)
+    if set then
+      redis.call('ZREM', head .. set, key)
+    else
+      for _, other in ipairs(INDEX_MUTEX) do
+        redis.call('ZREM', head .. other, key)
+      end
+    end
+  end
+end
+local function index_sync(key, set)
+  if INDEX then
+    local left = redis.call('PTTL', key)
+    if left == -2 then
+      index_drop(key, set)
+    else
+      index_put(key, left > 0 and left or nil, set)
+    end
+  end
+end
+local function index_state(record)
+  if string.find(record, '"kept_for":', 1, true) then
+    return 'parked'
+  end
+  return string.find(record, '"task_name":%s*"[^"]') and 'running' or 'held'
+end
