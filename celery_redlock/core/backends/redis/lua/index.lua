@@ -18,8 +18,15 @@
 -- index_renew(key, ms)        *key*, already indexed, lives *ms* more
 -- index_sync(key, set)        *key* as it is now: its expiry, or out when it is gone
 -- index_drop(key, set)        *key* deleted (*set* nil: a mutex, out of its three sets)
+-- index_gone(key, record)     a mutex at *key* released, its holder *record* (JSON text)
 -- index_state(record)         the set of a mutex taken with holder *record* (JSON text)
 local INDEX_MUTEX = {'held', 'running', 'parked'}
+local function index_state(record)
+  if string.find(record, '"kept_for":', 1, true) then
+    return 'parked'
+  end
+  return string.find(record, '"task_name":%s*"[^"]') and 'running' or 'held'
+end
 local index_ms
 local function index_head(key)
   return string.sub(key, 1, string.find(key, '{', 1, true) - 1) .. 'index:'
@@ -43,11 +50,16 @@ local function index_put(key, ms, set)
 end
 local function index_lock(key, ms, state)
   if INDEX then
-    index_put(key, ms, state)
+    -- Listed already: held before (a lease that ran out unlisted, or a run parked or
+    -- taken over), maybe in another state's set.
     local head = index_head(key)
-    for _, other in ipairs(INDEX_MUTEX) do
-      if other ~= state then
-        redis.call('ZREM', head .. other, key)
+    local before = redis.call('ZSCORE', head .. 'expiry', key)
+    index_put(key, ms, state)
+    if before then
+      for _, other in ipairs(INDEX_MUTEX) do
+        if other ~= state then
+          redis.call('ZREM', head .. other, key)
+        end
       end
     end
   end
@@ -70,6 +82,13 @@ local function index_drop(key, set)
     end
   end
 end
+local function index_gone(key, record)
+  if INDEX then
+    local head = index_head(key)
+    redis.call('ZREM', head .. 'expiry', key)
+    redis.call('ZREM', head .. index_state(record), key)
+  end
+end
 local function index_sync(key, set)
   if INDEX then
     local left = redis.call('PTTL', key)
@@ -79,10 +98,4 @@ local function index_sync(key, set)
       index_put(key, left > 0 and left or nil, set)
     end
   end
-end
-local function index_state(record)
-  if string.find(record, '"kept_for":', 1, true) then
-    return 'parked'
-  end
-  return string.find(record, '"task_name":%s*"[^"]') and 'running' or 'held'
 end

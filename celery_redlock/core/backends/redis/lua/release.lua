@@ -25,10 +25,11 @@
 --          -1  held by another token: nothing touched
 --          -2  the key holds something that is not a lock hash (foreign data under
 --              our prefix): nothing touched
-local tok = redis.pcall('HGET', KEYS[1], 'token')
-if type(tok) == 'table' and tok.err then
+local cur = redis.pcall('HMGET', KEYS[1], 'token', 'info')
+if cur.err then
   return -2
 end
+local tok = cur[1]
 -- Foreign data at KEYS[4] never stops a release: it only costs a re-sent copy its
 -- recognition (pcall), and is left as it is.
 local recent = redis.pcall('GET', KEYS[4])
@@ -45,7 +46,7 @@ if tok ~= ARGV[1] then
   return -1
 end
 redis.call('DEL', KEYS[1])
-index_drop(KEYS[1])
+index_gone(KEYS[1], cur[2] or '')
 if recent then
   recent = ' ' .. ARGV[1] .. recent
   if #recent > tonumber(ARGV[3]) then -- drop the oldest, whole tokens only
