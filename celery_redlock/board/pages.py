@@ -427,6 +427,8 @@ def key_live(  # noqa: PLR0917 - the parts of one key's page
     out = [_problems([*view.problems, *problems])]
     holders = [o for o in merged(view) if o["kind"] in ("lock", "permit")]
     out.append("<h2>Holders</h2>")
+    if view.unknown:  # what a minority of masters says is shown, but is not the state
+        out.append(f'<p class="unknown" role="alert">{e(unknown_text(view))}</p>')
     if holders:
         out.append(
             '<div class="scroll"><table id="holders"><thead><tr><th>kind</th><th>state</th>'
@@ -447,9 +449,7 @@ def key_live(  # noqa: PLR0917 - the parts of one key's page
                 + f"<td>{forms.release(o)}</td></tr>"
             )
         out.append("</tbody></table></div>")
-    elif view.unknown:
-        out.append(f'<p class="unknown" role="alert">{e(unknown_text(view))}</p>')
-    else:
+    elif not view.unknown:
         out.append('<p class="empty">Nobody holds it now.</p>')
     rates = [o for o in view.objects if o["kind"] == "rate"]
     for o in rates:
@@ -480,7 +480,9 @@ def key_live(  # noqa: PLR0917 - the parts of one key's page
     queued = [o for o in holders if o["state"] == "queued"]
     waits = waiting(events)
     out.append("<h2>Waiting and queued runs</h2>")
-    if queued or waits:
+    if view.unknown and not queued:
+        out.append('<p class="unknown">Unknown: the store did not answer.</p>')
+    elif queued or waits:
         out.append(
             '<ul class="waiting">'
             + "".join(f"<li>queued: {e(who(o['holder']))}</li>" for o in queued)

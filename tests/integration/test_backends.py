@@ -1463,8 +1463,10 @@ def test_the_listing_follows_acquire_renewal_release_and_expiry(target: Any) -> 
             what="the released and the expired lock gone, the renewed one kept",
         )
         assert wait_for(
-            lambda: time.monotonic() - start > 0.9
-            and all(p.total == (1 if quorum else 3) for p in list_keys(target, prefix)),
+            lambda: (
+                time.monotonic() - start > 0.9
+                and all(p.total == (1 if quorum else 3) for p in list_keys(target, prefix))
+            ),
             timeout=5,
             what="the renewed lock listed three of its first leases later",
         )
