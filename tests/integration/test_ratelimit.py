@@ -95,11 +95,16 @@ def test_four_processes_never_exceed_the_rate_in_any_second_and_reach_it(
 
 
 def test_one_key_per_name_that_expires_when_idle(redis_client: redis.Redis) -> None:
-    """A limiter keeps one small hash; it is gone once the limiter is empty again."""
+    """A limiter keeps one small hash (and is listed in the board's index); both are gone
+    once the limiter is empty again."""
     limiters = [RateLimiter(redis_client, f"rate:mem:{i}", "2/s") for i in range(200)]
     for limiter in limiters:
         assert limiter.acquire()
-    assert len(redis_client.keys("*")) == 200
+    assert len(redis_client.keys("*:rate")) == 200
+    assert sorted(redis_client.keys("redlock:index:*")) == [
+        b"redlock:index:rate",
+        b"redlock:index:timed",
+    ]
     assert max(redis_client.hlen(lim.key) for lim in limiters) <= 3
     assert all(0 < redis_client.pttl(lim.key) <= 501 for lim in limiters)
     assert wait_for(lambda: not redis_client.keys("*"), timeout=3)

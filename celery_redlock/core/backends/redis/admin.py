@@ -341,8 +341,19 @@ def fence_of(value: Any) -> int | None:
 
 # -- the index ----------------------------------------------------------------------------
 def index_keys(prefix: str) -> list[str]:
-    """The keys of the index of *prefix*: its expiry set, then each of :data:`INDEX_SETS`."""
-    return [f"{prefix}index:expiry", *(f"{prefix}index:{s}" for s in INDEX_SETS)]
+    """The keys of the index of *prefix*: each of :data:`INDEX_SETS`, then the expiry
+    sets of what holders release and of what expires by itself (index.lua)."""
+    sets = [f"{prefix}index:{s}" for s in INDEX_SETS]
+    return [*sets, f"{prefix}index:expiry", f"{prefix}index:timed"]
+
+
+def prune(client: Any, prefix: str) -> None:
+    """Drop from the index of *prefix* the keys whose expiry has passed (index_prune.lua,
+    on each expiry set with the sets of its members)."""
+    *sets, released, timed = index_keys(prefix)
+    for keys in ([released, *sets[:4]], [timed, *sets[4:]]):
+        while int(run(INDEX_PRUNE, client, None, keys, [PRUNE_BATCH])) >= PRUNE_BATCH:
+            pass
 
 
 def listing(
@@ -352,12 +363,10 @@ def listing(
     dropped first (index_prune.lua), then counts and the page's keys from the index, and
     only those keys read. A glob that is not a prefix, and the task id and worker filters,
     read the names (and the records) of every key under the glob's literal head."""
-    keys = index_keys(prefix)
-    while int(run(INDEX_PRUNE, client, None, keys, [PRUNE_BATCH])) >= PRUNE_BATCH:
-        pass
+    prune(client, prefix)
     head, is_prefix = literal_head(query.pattern)
     low, high = _lex_range(prefix, head)
-    sets = {name: key for name, key in zip(INDEX_SETS, keys[1:], strict=True)}
+    sets = dict(zip(INDEX_SETS, index_keys(prefix), strict=False))
     if is_prefix and not query.needs_records:
         shown, total, counts = _from_counts(client, sets, (low, high), query, prefix)
     else:

@@ -4,15 +4,18 @@
 -- there the operator's reads walk the keyspace instead, and these functions do nothing).
 -- The index of key prefix P is a few sorted sets beside the locks, outside every lock's
 -- braces, reached by name (a plain Redis lets a script do so; they are not in KEYS):
---   P .. 'index:expiry'  member = key, score = when it expires (server time, ms; 'inf'
---                        for a key without expiry)
 --   P .. 'index:' .. set member = key, score 0 (so ordered by key): one set per kind and
 --                        state: 'held', 'running', 'parked' (a mutex by its holder),
 --                        'permits' (a semaphore), 'queued' (an enqueue-time hold),
 --                        'rate' (a rate limiter's state), 'control' (a name's controls)
+--   P .. 'index:expiry'  member = key of the first four sets, score = when it expires
+--                        (server time, ms): what a holder releases
+--   P .. 'index:timed'   the same for the last three ('inf': no expiry): what expires by
+--                        itself; these four sets live as long as their longest member,
+--                        and each write drops two members whose time has passed
 -- A script adds a key when it writes it, moves its expiry when it renews it, and takes
 -- it out when it deletes it; readers drop the members whose expiry has passed (a lease
--- that ran out: index_prune.lua).
+-- that ran out unreleased: index_prune.lua).
 -- index_lock(key, ms, state)  a mutex at *key* held *ms* more, in the set *state*
 -- index_put(key, ms, set)     *key* lives *ms* more (nil: no expiry), in *set*
 -- index_renew(key, ms)        *key*, already indexed, lives *ms* more
@@ -41,11 +44,36 @@ local function index_at(ms)
   end
   return index_ms + tonumber(ms)
 end
+local INDEX_TIMED = {queued = true, rate = true, control = true}
+local function index_timed(head, set)
+  -- Two members whose time has passed go, then the family's sets live as long as the
+  -- longest member left.
+  local timed = head .. 'timed'
+  local gone = redis.call('ZRANGEBYSCORE', timed, '-inf', '(' .. index_at(0), 'LIMIT', 0, 2)
+  for _, old in ipairs(gone) do
+    redis.call('ZREM', timed, old)
+    for other in pairs(INDEX_TIMED) do
+      redis.call('ZREM', head .. other, old)
+    end
+  end
+  local top = redis.call('ZRANGE', timed, -1, -1, 'WITHSCORES')[2]
+  for _, k in ipairs({timed, head .. set}) do
+    if top == 'inf' then
+      redis.call('PERSIST', k)
+    elseif top then
+      redis.call('PEXPIREAT', k, tonumber(top) + 1000)
+    end
+  end
+end
 local function index_put(key, ms, set)
   if INDEX then
     local head = index_head(key)
-    redis.call('ZADD', head .. 'expiry', index_at(ms), key)
+    local timed = INDEX_TIMED[set]
+    redis.call('ZADD', head .. (timed and 'timed' or 'expiry'), index_at(ms), key)
     redis.call('ZADD', head .. set, 0, key)
+    if timed then
+      index_timed(head, set)
+    end
   end
 end
 local function index_lock(key, ms, state)
@@ -72,7 +100,7 @@ end
 local function index_drop(key, set)
   if INDEX then
     local head = index_head(key)
-    redis.call('ZREM', head .. 'expiry', key)
+    redis.call('ZREM', head .. (INDEX_TIMED[set] and 'timed' or 'expiry'), key)
     if set then
       redis.call('ZREM', head .. set, key)
     else
