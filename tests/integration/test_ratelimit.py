@@ -100,7 +100,7 @@ def test_one_key_per_name_that_expires_when_idle(redis_client: redis.Redis) -> N
     limiters = [RateLimiter(redis_client, f"rate:mem:{i}", "2/s") for i in range(200)]
     for limiter in limiters:
         assert limiter.acquire()
-    assert len(redis_client.keys("*:rate")) == 200
+    assert len(redis_client.keys("redlock:{*}:rate")) == 200
     assert sorted(redis_client.keys("redlock:index:*")) == [
         b"redlock:index:rate",
         b"redlock:index:timed",
