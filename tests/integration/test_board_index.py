@@ -18,8 +18,8 @@ from celery import Celery
 from servers import RedisServer, wait_for
 from werkzeug.test import Client
 
-from celery_redlock import Lock, Redlock, Semaphore
-from celery_redlock.app.event_log import log_key
+from celery_redlock import Lock, RateLimiter, Redlock, Semaphore, connect, install
+from celery_redlock.app.event_log import flush, log_key
 from celery_redlock.board import make_app, pages
 from celery_redlock.core import open_backend
 from celery_redlock.core.backend import EventLog, need
@@ -232,3 +232,27 @@ def test_waiting_runs_are_those_that_wait_now() -> None:
         {"kind": "contended", "task_id": "d", "at": now - 600},
     ]
     assert [e["task_id"] for e in pages.waiting(events, now=now)] == ["b"]
+
+
+def test_a_rate_limited_run_that_got_its_slot_waits_no_more(app: Celery) -> None:
+    """A run refused a rate slot is listed as waiting; once the limiter grants it a slot
+    (a ``granted`` event), the key page lists it no more."""
+    install(app)
+    url = app.conf.redlock_url
+    first = RateLimiter(connect(url), "rl:1", "5/s", owner_info={**OWNER, "task_id": "r-1"})
+    later = RateLimiter(connect(url), "rl:1", "5/s", owner_info={**OWNER, "task_id": "r-2"})
+    assert first.acquire().granted
+    assert not later.acquire().granted  # refused: its slot is 0.2 s away
+    flush()
+    board = Client(make_app(app))
+    assert "[r-2]" in _waiting(_text(board.get("/key/rl%3A1")))
+    assert later.acquire(blocking=True, timeout=5).granted
+    flush()
+    events, _ = make_app(app).source.events("rl:1")
+    assert [e["kind"] for e in events][:2] == ["granted", "rate_limited"]
+    assert "[r-2]" not in _waiting(_text(board.get("/key/rl%3A1")))
+
+
+def _waiting(page: str) -> str:
+    """The key page's "Waiting and queued runs" section."""
+    return page.split("<h2>Waiting and queued runs</h2>", 1)[1].split("<h2>", 1)[0]
