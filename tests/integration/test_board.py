@@ -507,8 +507,8 @@ def test_the_overview_reads_one_page_of_names_and_says_more_match(
     redis_client: redis.Redis,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With more names than a page, the overview reads the first names in order (a
-    name's permits and queued hold with it) and says that more match; the API lists all."""
+    """With more keys than a page, the overview shows the first keys in key order, how
+    many match and a link to the next page; the API lists all."""
     from celery_redlock.board import pages  # noqa: PLC0415
     from celery_redlock.core.admin import scan_locks  # noqa: PLC0415
 
