@@ -230,7 +230,8 @@ def _pager(base: str, view: View, filters: dict[str, str]) -> str:
         last = min(total, view.offset + limit)
         shown += f", {view.offset + 1:,}-{last:,} shown" if last > view.offset else ", none here"
         if view.offset > 0:
-            before = query(**{**filters, "offset": str(max(0, view.offset - limit)) or ""})
+            back = max(0, view.offset - limit)
+            before = query(**{**filters, "offset": str(back) if back else ""})
             shown += f' <a rel="prev" href="{e(base)}/{e(before)}">previous</a>'
         if last < total:
             after = query(**{**filters, "offset": str(view.offset + limit)})

@@ -12,7 +12,7 @@ import json
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..app.config import Settings, load_settings
@@ -221,23 +221,21 @@ class Source:
             pattern, kind, state, task_id, worker, offset=offset, limit=limit, sort=sort
         )
         view.limit = limit
-        ask = (
-            replace(query, offset=0, limit=min(MAX_LIMIT, offset + limit))
-            if self.redlock
-            else query
-        )
-        found = self._each(view, lambda b: [list_keys(b, self.prefix, ask)])
+        found = self._each(view, lambda b: [list_keys(b, self.prefix, query)])
         view.masters = len(self.clients())
         view.answered = len(found)
         if not found:
             return view  # unknown: the problems say why
         pages = [(master, self._objects(listing, master)) for master, listing in found]
-        if self.redlock:  # the page's names, in name order; each master's objects of them
-            names = list(dict.fromkeys(o["name"] for o in merge_masters(pages, view.masters)))
-            shown = set(names[offset : offset + limit])
+        if self.redlock:  # each master's page of names, the first *limit* of them all
+            held = {obj["name"] for _, objects in pages for obj in objects}
+            names = sorted(
+                held, key=lambda n: lock_keys(n, self.prefix).lock, reverse=sort == "-name"
+            )[:limit]
+            rank = {name: i for i, name in enumerate(names)}
             view.objects = sorted(
-                (o for _, objects in pages for o in objects if o["name"] in shown),
-                key=lambda o: (o["name"], o.get("master") or ""),
+                (o for _, objects in pages for o in objects if o["name"] in rank),
+                key=lambda o: (rank[o["name"]], o.get("master") or ""),
             )
             view.total = max(listing.total for _, listing in found)
             view.counts = {
