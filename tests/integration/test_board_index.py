@@ -189,11 +189,11 @@ def test_a_store_that_does_not_answer_makes_the_holders_unknown(
 
 
 def test_a_quorum_shows_one_row_a_name_and_says_when_it_is_lost(
-    redis_servers: Any,
+    redis_servers: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On three masters, two names are two rows with "3 of 3" and "2 keys"; an event each
-    master logged shows once; with two masters down the page says the quorum is lost and
-    the holders unknown."""
+    """On three masters, two names are two rows with "3 of 3" and "2 keys", a page at a
+    time; an event each master logged shows once; with one master down a row says "2 of
+    3", with two the page says the quorum is lost and the holders unknown."""
     servers = redis_servers(3)
     app = Celery("quorumboard", broker="memory://", set_as_current=False)
     app.conf.redlock_url = [s.url for s in servers]
@@ -209,7 +209,12 @@ def test_a_quorum_shows_one_row_a_name_and_says_when_it_is_lost(
     assert "2 keys<" in page
     key = _text(board.get("/key/q:1"))
     assert key.count('<tr data-kind="acquired">') == 1 and ">3 of 3<" in key
+    monkeypatch.setattr(pages, "PAGE", 1)
+    second = _text(board.get("/?offset=1"))
+    assert _names(second) == ["q:2"] and "2 keys, 2-2 shown" in second
     servers[1].stop()
+    one_down = _text(board.get("/?offset=1"))
+    assert ">2 of 3<" in one_down and "quorum is lost" not in one_down
     servers[2].stop()
     lost = (
         "Fewer than a majority of the masters answered (1 of 3): the quorum is lost, "
