@@ -436,15 +436,21 @@ def _from_counts(
         if query.wants(kind, state):
             total += size
     chosen = [s for s in sets if sizes[s] and query.wants(*INDEX_SETS[s])]
-    want = query.offset + query.limit
+    # One set: its page itself. Several: each one's first offset + limit, merged.
+    start, num = (
+        (query.offset, query.limit) if len(chosen) == 1 else (0, query.offset + query.limit)
+    )
     pipe = client.pipeline(transaction=False)
     for set_name in chosen:
         if query.sort == "-name":
-            pipe.zrevrangebylex(sets[set_name], high, low, start=0, num=want)
+            pipe.zrevrangebylex(sets[set_name], high, low, start=start, num=num)
         else:
-            pipe.zrangebylex(sets[set_name], low, high, start=0, num=want)
+            pipe.zrangebylex(sets[set_name], low, high, start=start, num=num)
     found = dict(zip(chosen, pipe.execute(), strict=True))
-    return page(_entries(found, prefix), query), total, counts
+    entries = _entries(found, prefix)
+    if len(chosen) == 1:
+        return entries, total, counts
+    return page(entries, query), total, counts
 
 
 def _from_names(
