@@ -1,15 +1,19 @@
-"""The board's overview with many keys: how long its first page takes to answer.
+"""The board with many held locks: how long its pages take, and what a refresh asks of Redis.
 
 Run by hand (not part of the test suite)::
 
-    .venv/bin/python bench/bench_board.py [--keys 100000] [--runs 5]
+    .venv/bin/python bench/bench_board.py [--keys 100000] [--runs 7]
 
 It starts its own throwaway redis-server on a free loopback port and stops it by pid at
-the end. It takes one lock for real, copies its hash (``DUMP`` / ``RESTORE``) to
-``--keys`` names under the prefix (the same bytes a worker's lock leaves), and asks the
-board's WSGI app for ``/`` (the whole page, as a browser does) and for its live part (what
-the page asks every second), ``--runs`` times each. It prints the slowest and the median;
-the goal is a first page under 1 s with 100,000 keys.
+the end. It builds the keyspace as users do: a project of five ``LockedTask`` tasks, and
+``--keys`` locks taken through the public API (``Lock(...).acquire()``, each a name never
+used before), each leaving its lock and its fence counter (so ``2 * --keys`` keys). Then
+it asks the board's WSGI app for ``/`` (the whole page, as a browser does), its live part
+(what an open tab asks every second) and one key's page, ``--runs`` times each; releases
+every lock (their counters stay, as they do for users) and asks for ``/`` again. It prints
+the median and the slowest of each, and the Redis commands one request cost (``INFO
+stats``, ``total_commands_processed``): they grow with what the page shows, not with the
+keyspace.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import _servers
 from celery import Celery
@@ -26,67 +31,100 @@ from werkzeug.test import Client
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from celery_redlock import Lock
+from celery_redlock import Lock, LockedTask
 from celery_redlock.board import make_app
 
-BATCH = 5000
+OWNER = {"task_name": "proj.sync", "task_id": "bench"}
 
 
-def _fill(client: object, keys: int) -> None:
-    """*keys* copies of one real lock's hash, each under its own name."""
-    lock = Lock(
-        client,
-        "bench:seed",
-        3600,
-        owner_info={"task_name": "proj.sync", "task_id": "x"},
-        auto_renew=False,
-    )
-    assert lock.acquire(blocking=False)
-    dumped = client.dump("redlock:{bench:seed}")  # type: ignore[attr-defined]
-    pipe = client.pipeline(transaction=False)  # type: ignore[attr-defined]
+def _project(url: str) -> Celery:
+    """A project of five locked tasks (their rules show on the overview's rows)."""
+    app = Celery("bench", broker="memory://", set_as_current=False)
+    app.conf.redlock_url = url
+
+    @app.task(base=LockedTask, shared=False, name="proj.sync", lock_key="sync:<n>")
+    def sync(n: int) -> None: ...
+
+    @app.task(base=LockedTask, shared=False, name="proj.report", lock_on_contended="skip")
+    def report() -> None: ...
+
+    @app.task(base=LockedTask, shared=False, name="proj.render", lock_key="render", lock_limit=3)
+    def render() -> None: ...
+
+    @app.task(base=LockedTask, shared=False, name="proj.mail", lock_key="mail:<to>")
+    def mail(to: str) -> None: ...
+
+    @app.task(base=LockedTask, shared=False, name="proj.imp", lock_key="imp:<a>", lock_on="enqueue")
+    def imp(a: int) -> None: ...
+
+    return app
+
+
+def _take(client: Any, keys: int) -> list[Lock]:
+    """*keys* locks, each on a new name, through the public API."""
+    held = []
     for i in range(keys):
-        pipe.restore(f"redlock:{{sync:{i:06d}}}", 3_600_000, dumped, replace=True)
-        if i % BATCH == BATCH - 1:
-            pipe.execute()
-    pipe.execute()
+        lock = Lock(client, f"sync:{i:06d}", 3600, owner_info=OWNER, auto_renew=False)
+        assert lock.acquire(blocking=False)
+        held.append(lock)
+    return held
 
 
-def _timed(client: Client, path: str, runs: int, **headers: str) -> list[float]:
-    took = []
+def _commands(client: Any) -> int:
+    return int(client.info("stats")["total_commands_processed"])
+
+
+def _timed(board: Client, client: Any, path: str, runs: int, **headers: str) -> tuple[list[float], int]:
+    took, asked = [], 0
     for _ in range(runs):
+        before = _commands(client)
         start = time.perf_counter()
-        answer = client.get(path, headers=headers)
+        answer = board.get(path, headers=headers)
         answer.get_data()
         took.append(time.perf_counter() - start)
+        asked = _commands(client) - before - 1  # the INFO itself
         assert answer.status_code == 200
-    return took
+    return took, asked
+
+
+def _show(label: str, took: list[float], asked: int) -> None:
+    print(
+        f"{label:36} median {statistics.median(took) * 1000:6.0f} ms, "
+        f"slowest {max(took) * 1000:6.0f} ms, {asked} Redis commands"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keys", type=int, default=100_000)
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=7)
     args = parser.parse_args()
     with _servers.running() as server:
         import redis  # noqa: PLC0415
 
+        url = f"redis://{_servers.HOST}:{server.port}/0"
         client = redis.Redis(_servers.HOST, server.port)
         start = time.perf_counter()
-        _fill(client, args.keys)
-        print(f"{args.keys} locks written in {time.perf_counter() - start:.1f}s")
-        app = Celery("bench", broker="memory://", set_as_current=False)
-        app.conf.redlock_url = f"redis://{_servers.HOST}:{server.port}/0"
-        board = Client(make_app(app))
+        held = _take(client, args.keys)
+        print(
+            f"{args.keys} locks taken in {time.perf_counter() - start:.1f}s; "
+            f"{client.dbsize()} keys in Redis"
+        )
+        board = Client(make_app(_project(url)))
         for label, path, headers in (
-            ("first page (/)", "/", {}),
-            ("live part (every second)", "/", {"X-Board-Part": "live"}),
+            ("overview (/)", "/", {}),
+            ("its live part (every second)", "/", {"X-Board-Part": "live"}),
             ("one key's page", "/key/sync%3A000042", {}),
         ):
-            took = _timed(board, path, args.runs, **headers)
-            print(
-                f"{label:28} median {statistics.median(took) * 1000:7.0f} ms, "
-                f"slowest {max(took) * 1000:7.0f} ms"
-            )
+            _show(label, *_timed(board, client, path, args.runs, **headers))
+        start = time.perf_counter()
+        for lock in held:
+            lock.release()
+        print(
+            f"released in {time.perf_counter() - start:.1f}s; {client.dbsize()} keys left "
+            "(fence counters, released tokens)"
+        )
+        _show("overview, nothing held (/)", *_timed(board, client, "/", args.runs))
         client.close()
 
 

@@ -14,7 +14,7 @@ from urllib.parse import quote, urlencode
 
 from ..cli.render import _duration, _ttl
 from .rules import KeyRule, matching
-from .source import Problem, View
+from .source import Problem, View, merged
 
 __all__ = [
     "KINDS",
@@ -23,8 +23,14 @@ __all__ = [
     "group",
     "key_live",
     "key_page",
+    "keys_text",
+    "label",
+    "link",
+    "overview_filters",
     "overview_live",
     "overview_page",
+    "unknown_text",
+    "waiting",
     "who",
 ]
 
@@ -37,8 +43,25 @@ KINDS = {
     "rate": "rate limiter",
     "control": "paused or overridden",
 }
-#: Rows shown on the overview's first page.
-PAGE = 500
+#: Keys a page of the overview shows.
+PAGE = 50
+#: The overview's state filter: value -> label.
+STATES = {"": "every state", "held": "held", "running": "running", "queued": "queued"}
+#: The overview's orders: value -> label.
+SORTS = {"name": "name", "-name": "name, reversed"}
+#: The counts shown first on the overview: (count key, label, kind, state).
+_COUNTS = (
+    ("mutex", "mutexes", "mutex", ""),
+    ("mutex:running", "running", "mutex", "running"),
+    ("mutex:held", "held", "mutex", "held"),
+    ("mutex:queued", "kept for a redelivery", "mutex", "queued"),
+    ("semaphore", "semaphores", "semaphore", ""),
+    ("queued", "queued holds", "queued", ""),
+    ("rate", "rate limiters", "rate", ""),
+    ("control", "controls", "control", ""),
+)
+#: What the page says when nothing can be said of what is held.
+NO_ANSWER = "The store did not answer: holders unknown."
 
 
 def e(value: Any) -> str:
@@ -60,6 +83,8 @@ class Row:
     controls: list[dict[str, Any]] | None = None
     master: str | None = None
     detail: str = ""
+    #: On a Redlock: "2 of 3" masters agree on the holder.
+    agree: str = ""
     #: The task rules that name the key (:mod:`.rules`).
     rules: list[KeyRule] = field(default_factory=list)
 
@@ -81,9 +106,9 @@ def group(view: View, rules: list[KeyRule] | None = None) -> list[Row]:
     now = time.time()
     rows: dict[tuple[str, str, str], Row] = {}
     controls: dict[str, list[dict[str, Any]]] = {}
-    for obj in view.objects:
+    for obj in merged(view):
         kind, name = obj["kind"], obj["name"]
-        master = obj.get("master")
+        master = None if view.redlock else obj.get("master")
         if kind == "control":
             controls.setdefault(name, []).append(obj)
             continue
@@ -107,6 +132,8 @@ def group(view: View, rules: list[KeyRule] | None = None) -> list[Row]:
             row = rows[(name, label, master or "")] = Row(
                 name, label, [], held, obj["ttl_ms"], obj["fence"], obj["state"], master=master
             )
+            if "masters" in obj:
+                row.agree = f"{obj['masters']} of {obj['of']}"
         else:  # another permit: the row shows the longest held and the newest fence
             row.held_for = max(row.held_for or 0, held or 0) or None
             row.ttl_ms = min(row.ttl_ms or obj["ttl_ms"], obj["ttl_ms"])
@@ -121,7 +148,7 @@ def group(view: View, rules: list[KeyRule] | None = None) -> list[Row]:
             rows[(name, "control", "")] = Row(name, "control", [], controls=found)
     for row in rows.values():
         row.rules = matching(rules or [], row.name)
-    return sorted(rows.values(), key=lambda r: (r.name, r.kind, r.master or ""))
+    return list(rows.values())
 
 
 def _control_text(controls: Iterable[dict[str, Any]] | None) -> str:
@@ -153,27 +180,95 @@ _KIND_TEXT = {
 }
 
 
-def overview_live(base: str, view: View, rows: Sequence[Row], kind: str) -> str:
-    """The overview's live part: problems, then the table of keys."""
-    shown = [r for r in rows if not kind or r.kind == kind or (kind == "control" and r.controls)]
+def link(name: str) -> str:
+    """The path of key *name*'s page: every character URL-quoted, so that a name of
+    spaces, slashes or ``?`` is one path segment."""
+    return "/key/" + quote(name, safe="")
+
+
+def label(name: str) -> str:
+    """*name* as link text a person can see and click: a name of spaces only, or empty,
+    shows its characters' codes in brackets (``[U+0020 U+0020]``)."""
+    if name.strip():
+        return name
+    return "[" + " ".join(f"U+{ord(c):04X}" for c in name) + "]"
+
+
+def unknown_text(view: View) -> str:
+    """What the page says when nothing can be said of what is held (:attr:`View.unknown`)."""
+    if view.quorum_lost:
+        return (
+            f"Fewer than a majority of the masters answered ({view.answered} of "
+            f"{view.masters}): the quorum is lost, holders unknown."
+        )
+    return NO_ANSWER
+
+
+def keys_text(n: int) -> str:
+    """``1 key``, ``N keys``."""
+    return "1 key" if n == 1 else f"{n:,} keys"
+
+
+def _counts(base: str, view: View, filters: dict[str, str]) -> str:
+    """The counts by kind and state, each a link to its filter."""
+    items = []
+    for key, text, kind, state in _COUNTS:
+        n = view.counts.get(key, 0)
+        href = f"{base}/" + query(**{**filters, "kind": kind, "state": state, "offset": ""})
+        items.append(
+            f'<li data-count="{e(key)}"><a href="{e(href)}">{e(text)}</a> <b>{n:,}</b></li>'
+        )
+    return f'<ul class="counts">{"".join(items)}</ul>'
+
+
+def _pager(base: str, view: View, filters: dict[str, str]) -> str:
+    """ "N keys", what this page shows of them, and links to the pages before and after."""
+    total = view.total or 0
+    shown = f'<p class="count">{e(keys_text(total))}'
+    limit = view.limit or total
+    if total > limit:
+        last = min(total, view.offset + limit)
+        shown += f", {view.offset + 1:,}-{last:,} shown" if last > view.offset else ", none here"
+        if view.offset > 0:
+            back = max(0, view.offset - limit)
+            before = query(**{**filters, "offset": str(back) if back else ""})
+            shown += f' <a rel="prev" href="{e(base)}/{e(before)}">previous</a>'
+        if last < total:
+            after = query(**{**filters, "offset": str(view.offset + limit)})
+            shown += f' <a rel="next" href="{e(base)}/{e(after)}">next</a>'
+    return shown + "</p>"
+
+
+def overview_live(
+    base: str, view: View, rows: Sequence[Row], filters: dict[str, str] | None = None
+) -> str:
+    """The overview's live part: problems, the counts by kind and state, then the page of
+    keys and where it is among them. *filters*: the query of the page (prefix, kind,
+    state, task_id, worker, sort), kept by the count and page links."""
+    filters = dict(filters or {})
     out = [_problems(view.problems)]
-    if not shown:
+    if view.unknown:
+        out.append(f'<p class="unknown" role="alert">{e(unknown_text(view))}</p>')
+        return "".join(out)
+    out.append(_counts(base, view, filters))
+    if not rows:
         out.append('<p class="empty">No key held under this filter.</p>')
+        out.append(_pager(base, view, filters))
         return "".join(out)
     head = ["kind", "name", "holder(s)", "held for", "TTL left", "fence", "control", "rules"]
     if view.redlock:
-        head.append("master")
+        head.append("masters")
     out.append('<div class="scroll"><table id="keys"><thead><tr>')
     out += [f"<th>{h}</th>" for h in head]
     out.append("</tr></thead><tbody>")
-    for r in shown[:PAGE]:
+    for r in rows:
         text = _semaphore(r) if r.kind == "semaphore" else _KIND_TEXT[r.kind]
-        holders = r.detail or "<br>".join(e(who(h)) for h in r.holders) or "-"
+        holders = "<br>".join(e(who(h)) for h in r.holders) or "-"
         if r.detail:
             holders = e(r.detail)
         cells = [
             e(text),
-            f'<a href="{e(base)}/key/{e(quote(r.name, safe=""))}">{e(r.name)}</a>',
+            f'<a href="{e(base)}{e(link(r.name))}">{e(label(r.name))}</a>',
             holders,
             e(_duration(r.held_for)) if r.held_for is not None else "-",
             e(_ttl(r.ttl_ms)) if r.ttl_ms is not None else "-",
@@ -182,20 +277,14 @@ def overview_live(base: str, view: View, rows: Sequence[Row], kind: str) -> str:
             "<br>".join(e(rule.text) for rule in r.rules) or "-",
         ]
         if view.redlock:
-            cells.append(e(r.master or "-"))
+            cells.append(e(r.agree or "-"))
         out.append(
             f'<tr data-name="{e(r.name)}" data-kind="{e(r.kind)}" class="{e(r.state)}">'
             + "".join(f'<td data-col="{h}">{c}</td>' for h, c in zip(head, cells, strict=True))
             + "</tr>"
         )
     out.append("</tbody></table></div>")
-    more = view.more or len(shown) > PAGE
-    count = f"the first {PAGE} names" if more else f"{len(shown)} keys"
-    out.append(
-        f'<p class="count">{count}'
-        + ("; more match: narrow the filter by key prefix to see them" if more else "")
-        + "</p>"
-    )
+    out.append(_pager(base, view, filters))
     return "".join(out)
 
 
@@ -223,16 +312,43 @@ def layout(base: str, title: str, body: str, *, where: str, user: str | None) ->
     )
 
 
-def overview_page(base: str, live: str, prefix: str, kind: str) -> str:
+def overview_filters(args: dict[str, str]) -> dict[str, str]:
+    """The overview's query from the request's *args*: each filter, a value outside its
+    choices dropped (prefix, kind, state, task_id, worker, offset, sort)."""
+    out = {k: args.get(k, "") for k in ("prefix", "task_id", "worker")}
+    out["kind"] = args.get("kind", "") if args.get("kind", "") in KINDS else ""
+    out["state"] = args.get("state", "") if args.get("state", "") in STATES else ""
+    out["sort"] = args.get("sort", "") if args.get("sort", "") in SORTS else ""
+    offset = args.get("offset", "")
+    out["offset"] = offset if offset.isdigit() and offset.isascii() else ""
+    return out
+
+
+def _select(name: str, choices: dict[str, str], chosen: str) -> str:
     options = "".join(
-        f'<option value="{e(k)}"{" selected" if k == kind else ""}>{e(v)}</option>'
-        for k, v in KINDS.items()
+        f'<option value="{e(k)}"{" selected" if k == chosen else ""}>{e(v)}</option>'
+        for k, v in choices.items()
     )
+    return f'<select name="{e(name)}">{options}</select>'
+
+
+def overview_page(base: str, live: str, filters: dict[str, str]) -> str:
+    """The overview around its live part: the filters (key prefix, kind, state, task id,
+    worker) and the order."""
+
+    def field(name: str, text: str) -> str:
+        value = e(filters.get(name, ""))
+        return f'<label>{text} <input name="{name}" value="{value}" autocomplete="off"></label>'
+
     return (
         f'<form class="filters" method="get" action="{e(base)}/">'
-        f'<label>key prefix <input name="prefix" value="{e(prefix)}" autocomplete="off"></label>'
-        f'<label>kind <select name="kind">{options}</select></label>'
-        '<button type="submit">filter</button></form>'
+        + field("prefix", "key prefix")
+        + f"<label>kind {_select('kind', KINDS, filters.get('kind', ''))}</label>"
+        + f"<label>state {_select('state', STATES, filters.get('state', ''))}</label>"
+        + field("task_id", "task id")
+        + field("worker", "worker")
+        + f"<label>order {_select('sort', SORTS, filters.get('sort', 'name'))}</label>"
+        + '<button type="submit">filter</button></form>'
         f'<div id="live" data-refresh="1000">{live}</div>'
     )
 
@@ -266,17 +382,35 @@ def _event_more(event: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def waiting(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The runs refused the key (contended, rate limited) that have not taken it since,
-    newest first: the waiting runs the events know of."""
+#: Events after which a run no longer waits for the key: it took it (an acquire, a rate
+#: slot granted), gave up, ended or was skipped.
+_DONE = ("acquired", "granted", "released", "lost", "skipped", "superseded", "failed", "expired")
+#: Events of a run refused the key that will come back for it.
+_REFUSED = ("contended", "rate_limited")
+
+
+def waiting(events: Sequence[dict[str, Any]], now: float | None = None) -> list[dict[str, Any]]:
+    """The runs refused the key (contended, rate limited) that wait for it now, newest
+    first: refused, not skipped (``policy`` "skip"), with no later event of the run, and
+    refused less than their own wait ago (``retry_after``; a minute without one), after
+    which their retry has come and gone or they were given up."""
+    now = time.time() if now is None else now
     done: set[Any] = set()
     out = []
     for event in events:  # newest first
         tid = event.get("task_id")
-        if event.get("kind") in ("acquired", "released", "lost"):
+        kind = event.get("kind")
+        if kind in _DONE:
             done.add(tid)
-        elif event.get("kind") in ("contended", "rate_limited") and tid not in done:
+        elif kind in _REFUSED and tid not in done:
             done.add(tid)
+            if event.get("policy") == "skip" or event.get("outcome") == "skip":
+                continue
+            at = event.get("at")
+            wait = event.get("retry_after")
+            wait = float(wait) if isinstance(wait, (int, float)) else 60.0
+            if isinstance(at, (int, float)) and now - at > wait + 5.0:
+                continue
             out.append(event)
     return out
 
@@ -292,13 +426,15 @@ def key_live(  # noqa: PLR0917 - the parts of one key's page
 ) -> str:
     """A key's live part: holders, controls, fence history, waiting runs and events."""
     out = [_problems([*view.problems, *problems])]
-    holders = [o for o in view.objects if o["kind"] in ("lock", "permit")]
+    holders = [o for o in merged(view) if o["kind"] in ("lock", "permit")]
     out.append("<h2>Holders</h2>")
+    if view.unknown:  # what a minority of masters says is shown, but is not the state
+        out.append(f'<p class="unknown" role="alert">{e(unknown_text(view))}</p>')
     if holders:
         out.append(
             '<div class="scroll"><table id="holders"><thead><tr><th>kind</th><th>state</th>'
             "<th>holder</th><th>held for</th><th>TTL left</th><th>fence</th>"
-            + ("<th>master</th>" if view.redlock else "")
+            + ("<th>masters</th>" if view.redlock else "")
             + "<th></th></tr></thead><tbody>"
         )
         now = time.time()
@@ -310,11 +446,11 @@ def key_live(  # noqa: PLR0917 - the parts of one key's page
                 f'<td class="holder">{e(who(o["holder"]))}</td><td>{e(held)}</td>'
                 f"<td>{e(_ttl(o['ttl_ms']))}</td>"
                 f"<td>{e(o['fence'] if o['fence'] is not None else '-')}</td>"
-                + (f"<td>{e(o.get('master') or '-')}</td>" if view.redlock else "")
+                + (f"<td>{e(_agree(o))}</td>" if view.redlock else "")
                 + f"<td>{forms.release(o)}</td></tr>"
             )
         out.append("</tbody></table></div>")
-    else:
+    elif not view.unknown:
         out.append('<p class="empty">Nobody holds it now.</p>')
     rates = [o for o in view.objects if o["kind"] == "rate"]
     for o in rates:
@@ -345,7 +481,9 @@ def key_live(  # noqa: PLR0917 - the parts of one key's page
     queued = [o for o in holders if o["state"] == "queued"]
     waits = waiting(events)
     out.append("<h2>Waiting and queued runs</h2>")
-    if queued or waits:
+    if view.unknown and not queued:
+        out.append('<p class="unknown">Unknown: the store did not answer.</p>')
+    elif queued or waits:
         out.append(
             '<ul class="waiting">'
             + "".join(f"<li>queued: {e(who(o['holder']))}</li>" for o in queued)
@@ -377,6 +515,13 @@ def key_live(  # noqa: PLR0917 - the parts of one key's page
             "redlock_event_log is False).</p>"
         )
     return "".join(out)
+
+
+def _agree(obj: dict[str, Any]) -> str:
+    """How many masters agree on a Redlock's holder: ``2 of 3``."""
+    if "masters" in obj:
+        return f"{obj['masters']} of {obj['of']}"
+    return str(obj.get("master") or "-")
 
 
 def key_page(name: str, live: str, forms: str, message: str) -> str:

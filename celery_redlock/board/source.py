@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,16 +20,20 @@ from ..app.controls import Controls
 from ..app.event_log import MAXLEN, log_key
 from ..cli.render import LockRow, control_json, rate_json
 from ..core import STORE_ERRORS, Backend, connect, mask_url, open_backend
-from ..core.admin import read_lock, read_rate, scan_locks, scan_rates
+from ..core.admin import list_keys, read_lock, read_rate
 from ..core.backend import EventLog, FlowControl, given, has
 from ..core.errors import ConfigError, one_line
+from ..core.keys import lock_keys
+from ..core.listing import COUNTED, MAX_LIMIT, Listing, ListQuery
 
-__all__ = ["Problem", "Source", "View", "glob_escape"]
+__all__ = ["PAGE", "Problem", "Source", "View", "glob_escape", "merge_masters", "merged"]
 
 #: What a master that cannot be asked raises (as ``celery locks`` catches it).
 _UNREACHABLE = STORE_ERRORS
 #: Events read from a log to find one key's (the log holds every key's).
 EVENTS_READ = MAXLEN
+#: Keys a page of the overview shows unless told otherwise.
+PAGE = 50
 
 
 @dataclass(frozen=True)
@@ -47,8 +52,62 @@ class View:
     objects: list[dict[str, Any]] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     redlock: bool = False
-    #: More locks match than were read (a page: see :meth:`Source.listing`).
+    #: More keys match than this page shows (see :meth:`Source.listing`).
     more: bool = False
+    #: Keys matching every filter, on every page; None when no master answered.
+    total: int | None = None
+    #: Keys by kind and state (:data:`~celery_redlock.core.listing.COUNTED`).
+    counts: dict[str, int] = field(default_factory=dict)
+    #: Where this page starts, and how many it shows at most.
+    offset: int = 0
+    limit: int | None = None
+    #: Masters configured, and how many answered.
+    masters: int = 1
+    answered: int = 0
+
+    @property
+    def unknown(self) -> bool:
+        """Nothing can be said of what is held: no master answered, or (Redlock) fewer
+        than a majority did, so what the others hold is not the lock's state."""
+        return self.answered == 0 or self.quorum_lost
+
+    @property
+    def quorum_lost(self) -> bool:
+        """A Redlock read on which fewer than a majority of the masters answered."""
+        return self.redlock and 0 < self.answered <= self.masters // 2
+
+
+def merge_masters(
+    pages: Sequence[tuple[str | None, list[dict[str, Any]]]], masters: int
+) -> list[dict[str, Any]]:
+    """The objects of each master of a Redlock as one object a name and kind: the holder
+    most masters agree on, with ``masters`` (how many agree), ``answered`` and ``of``
+    (how many masters there are), in name order. A queued hold or permit counts apart."""
+    found: dict[tuple[str, str, str], list[tuple[str | None, dict[str, Any]]]] = {}
+    for master, objects in pages:
+        for obj in objects:
+            part = obj.get("state", "") if obj["kind"] != "permit" else json.dumps(obj["holder"])
+            found.setdefault((obj["name"], obj["kind"], part), []).append((master, obj))
+    out = []
+    for _, held in sorted(found.items(), key=lambda item: item[0]):
+        votes = Counter(json.dumps(obj.get("holder"), sort_keys=True) for _, obj in held)
+        winner, agree = votes.most_common(1)[0]
+        master, obj = next(
+            (m, o) for m, o in held if json.dumps(o.get("holder"), sort_keys=True) == winner
+        )
+        out.append({**obj, "master": master, "masters": agree, "of": masters})
+    return out
+
+
+def merged(view: View) -> list[dict[str, Any]]:
+    """*view*'s objects, one a name and kind (and holder, for permits) on a Redlock, each
+    with how many masters agree (:func:`merge_masters`); as they are elsewhere."""
+    if not view.redlock:
+        return view.objects
+    pages: dict[str | None, list[dict[str, Any]]] = {}
+    for obj in view.objects:
+        pages.setdefault(obj.get("master"), []).append(obj)
+    return merge_masters(list(pages.items()), view.masters)
 
 
 def glob_escape(text: str) -> str:
@@ -124,41 +183,94 @@ class Source:
             found += [(master, item) for item in items]
         return found
 
-    def listing(self, pattern: str = "*", limit: int | None = None) -> View:
-        """Every lock, permit, queued hold, rate limiter and control matching *pattern*: the
-        objects of ``celery locks list --json PATTERN``, in its order. With *limit*, the
-        locks of the first *limit* names only (:attr:`View.more`: there are others)."""
-        view = View(redlock=self.redlock)
-        prefix = self.prefix
-        ask = None if limit is None else limit + 1
-        rows = [
-            LockRow.of(info, master)
-            for master, info in self._each(view, lambda b: scan_locks(b, prefix, pattern, ask))
-        ]
-        if limit is not None:
-            names = sorted({r.name for r in rows})
-            view.more = len(names) > limit
-            first = set(names[:limit])
-            rows = [r for r in rows if r.name in first]
-        rows.sort(key=lambda r: (r.name, r.master or ""))
-        locks = [r for r in rows if r.kind != "permit"]
-        permits = [r for r in rows if r.kind == "permit"]
-        view.objects = [r.as_json(self.redlock) for r in (*locks, *permits)]
-        if not any(p.what == "unreachable" for p in view.problems):
-            rates = [i for _, i in self._each(view, lambda b: scan_rates(b, prefix, pattern))]
-            view.objects += [rate_json(i) for i in sorted(rates, key=lambda i: i.name)]
-        view.objects += [control_json(c) for c in self._controls_of(view, pattern)]
+    def listing(
+        self,
+        pattern: str = "*",
+        *,
+        kind: str = "",
+        state: str = "",
+        task_id: str = "",
+        worker: str = "",
+        offset: int = 0,
+        limit: int | None = PAGE,
+        sort: str = "name",
+    ) -> View:
+        """One page of the keys whose name matches *pattern* and the filters (kind, state,
+        task id, worker; see :class:`~celery_redlock.core.listing.ListQuery`): the objects
+        of ``celery locks list --json`` of each key of the page, in page order, with
+        :attr:`View.total` (keys matching every filter) and :attr:`View.counts` (by kind
+        and state, of every key matching the pattern, task id and worker). *limit* None:
+        every key. On a Redlock, each master's objects of the page's names
+        (:func:`merge_masters`). ConfigError for a bad filter."""
+        view = View(redlock=self.redlock, offset=offset)
+        if limit is None:  # every key, page after page
+            while True:
+                part = self.listing(
+                    pattern, kind=kind, state=state, task_id=task_id, worker=worker,
+                    offset=offset, limit=MAX_LIMIT, sort=sort,
+                )  # fmt: skip
+                view.objects += part.objects
+                view.problems += [p for p in part.problems if p not in view.problems]
+                view.total, view.counts, view.answered = part.total, part.counts, part.answered
+                view.masters = part.masters
+                offset += MAX_LIMIT
+                if part.total is None or offset >= part.total:
+                    return view
+        query = ListQuery(
+            pattern, kind, state, task_id, worker, offset=offset, limit=limit, sort=sort
+        )
+        view.limit = limit
+        found = self._each(view, lambda b: [list_keys(b, self.prefix, query)])
+        view.masters = len(self.clients())
+        view.answered = len(found)
+        if not found:
+            return view  # unknown: the problems say why
+        pages = [(master, self._objects(listing, master)) for master, listing in found]
+        if self.redlock:  # each master's page of names, the first *limit* of them all
+            held = {obj["name"] for _, objects in pages for obj in objects}
+            names = sorted(
+                held, key=lambda n: lock_keys(n, self.prefix).lock, reverse=sort == "-name"
+            )[:limit]
+            rank = {name: i for i, name in enumerate(names)}
+            view.objects = sorted(
+                (o for _, objects in pages for o in objects if o["name"] in rank),
+                key=lambda o: (rank[o["name"]], o.get("master") or ""),
+            )
+            view.total = max(listing.total for _, listing in found)
+            view.counts = {
+                k: max(listing.counts.get(k, 0) for _, listing in found) for k in COUNTED
+            }
+        else:
+            view.objects = pages[0][1]
+            view.total, view.counts = found[0][1].total, found[0][1].counts
+        view.more = view.total > offset + limit
         return view
+
+    def _objects(self, listing: Listing, master: str | None) -> list[dict[str, Any]]:
+        """The ``--json`` objects of a page, in page order (a name's lock, permits and
+        queued hold, its rate limiter, its controls)."""
+        by_key: dict[str, list[dict[str, Any]]] = {}
+        for info in listing.locks:
+            row = LockRow.of(info, master).as_json(self.redlock)
+            by_key.setdefault(info.key, []).append(row)
+        for rate in listing.rates:
+            by_key.setdefault(rate.key, []).append(rate_json(rate))
+        for control in listing.controls:
+            key = lock_keys(control.name, self.prefix).control
+            by_key.setdefault(key, []).append(control_json(control))
+        return [obj for entry in listing.entries for obj in by_key.get(entry.key, [])]
 
     def one(self, name: str) -> View:
         """Lock *name*: the objects of ``celery locks show NAME --json``."""
         view = View(redlock=self.redlock)
         prefix = self.prefix
-        rows = [
-            LockRow.of(info, master)
-            for master, info in self._each(view, lambda b: read_lock(b, prefix, name))
+        found = self._each(view, lambda b: [read_lock(b, prefix, name)])
+        view.masters, view.answered = len(self.clients()), len(found)
+        view.objects = [
+            LockRow.of(info, master).as_json(self.redlock)
+            for master, infos in found
+            for info in infos
         ]
-        view.objects = [r.as_json(self.redlock) for r in rows]
         rates = self._each(view, lambda b: [i for i in [read_rate(b, prefix, name)] if i])
         view.objects += [rate_json(i) for _, i in rates]
         controls = self._controls_of(view, glob_escape(name))
@@ -188,16 +300,21 @@ class Source:
         key = log_key(self.prefix)
         #: A key's events name it as JSON does: others are skipped before parsing.
         quoted = json.dumps(name)[1:-1] if name is not None else ""
+        seen: dict[str, dict[str, Any]] = {}
         for master, text in self._each(
             view, lambda b: _read_log(b, key, count if name is None else EVENTS_READ)
         ):
             if quoted not in text:
+                continue
+            if text in seen:  # the same event, written to each master of a Redlock
+                seen[text]["masters"] = seen[text].get("masters", 1) + 1
                 continue
             event = _parse_event(text)
             if name is not None and event.get("name") != name:
                 continue
             if master is not None:
                 event["master"] = master
+            seen[text] = event
             out.append(event)
         out.sort(key=_at, reverse=True)
         return out[:count], view.problems

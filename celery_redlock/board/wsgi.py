@@ -148,15 +148,22 @@ class Board:
         return f"{urls} · prefix {self.source.prefix}"
 
     def overview(self, environ: Environ, base: str, args: dict[str, str], live: bool) -> Answer:
-        prefix = args.get("prefix", "")
-        kind = args.get("kind", "")
-        if kind not in pages.KINDS:
-            kind = ""
-        view = self.source.listing(glob_escape(prefix) + "*", limit=pages.PAGE)
-        part = pages.overview_live(base, view, pages.group(view, task_rules(self.source.app)), kind)
+        filters = pages.overview_filters(args)
+        view = self.source.listing(
+            glob_escape(filters["prefix"]) + "*",
+            kind=filters["kind"],
+            state=filters["state"],
+            task_id=filters["task_id"],
+            worker=filters["worker"],
+            offset=int(filters["offset"] or 0),
+            limit=pages.PAGE,
+            sort=filters["sort"] or "name",
+        )
+        rows = pages.group(view, task_rules(self.source.app))
+        part = pages.overview_live(base, view, rows, filters)
         if live:
             return "200 OK", [], part
-        body = pages.overview_page(base, part, prefix, kind)
+        body = pages.overview_page(base, part, filters)
         return (
             "200 OK",
             [],
@@ -188,7 +195,7 @@ class Board:
 
     def api(self, path: str, args: dict[str, str]) -> Answer:
         if path == "locks":
-            view = self.source.listing(args.get("pattern", "*"))
+            view = self.source.listing(args.get("pattern", "*"), limit=None)
             out: Any = view.objects
         elif path.startswith("locks/"):
             view = self.source.one(path[len("locks/") :])

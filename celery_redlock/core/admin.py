@@ -19,6 +19,7 @@ from .backend import Admin, need
 from .backend_types import ForceRelease, LockInfo, RateInfo, Slot
 from .backends import open_backend
 from .keys import lock_keys
+from .listing import Listing, ListQuery
 
 __all__ = [
     "ForceRelease",
@@ -26,6 +27,7 @@ __all__ = [
     "RateInfo",
     "force_dequeue",
     "force_release",
+    "list_keys",
     "read_lock",
     "read_rate",
     "scan_locks",
@@ -42,6 +44,12 @@ def scan_locks(
     if limit is None:
         return _admin(target).scan(prefix, pattern)
     return _admin(target).scan(prefix, pattern, limit)
+
+
+def list_keys(target: Any, prefix: str, query: ListQuery) -> Listing:
+    """One page of *query*: the keys that match it in page order, what they hold, how
+    many match, and the counts by kind and state (see :mod:`~.listing`)."""
+    return _admin(target).listing(prefix, query)
 
 
 def read_lock(target: Any, prefix: str, name: str) -> list[LockInfo]:

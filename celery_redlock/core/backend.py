@@ -71,6 +71,7 @@ from .backend_types import (
     Status,
 )
 from .errors import ConfigError, QuorumUnavailable
+from .listing import Listing, ListQuery
 
 __all__ = [
     "Admin",
@@ -418,6 +419,12 @@ class Admin(Protocol):
 
     def scan_rates(self, prefix: str, pattern: str = "*") -> list[RateInfo]:
         """The state of every rate limiter under *prefix* whose name matches *pattern*."""
+        ...
+
+    def listing(self, prefix: str, query: ListQuery) -> Listing:
+        """One page of *query* under *prefix*, with the total and the counts by kind and
+        state (:mod:`~.listing`); what it reads grows with the page where the store keeps
+        an index of what it holds."""
         ...
 
     def read_rate(self, prefix: str, name: str) -> RateInfo | None:

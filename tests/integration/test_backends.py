@@ -60,6 +60,7 @@ from celery_redlock.core import (
 from celery_redlock.core.admin import ForceRelease, LockInfo, RateInfo
 from celery_redlock.core.backend_types import RECENT_BYTES, Rule
 from celery_redlock.core.keys import permit_keys
+from celery_redlock.core.listing import Listing, ListQuery
 
 #: Every backend the suite runs on; a new backend is done when it passes with its name here.
 BACKENDS = ["memory", "redis", "sentinel", "cluster", "quorum"]
@@ -1622,3 +1623,94 @@ def test_flow_controls_lists_what_is_in_force(target: Any, name: str) -> None:
     assert _control(target, f"{name}:b", "limit", None)
     assert _control(target, f"{name}:b", "limit", None) is False
     assert [c.name for c in backend.controls(PREFIX, f"{name}:*")] == [f"{name}:a", f"{name}:c"]
+
+
+# -- the operator's listing (the board's index) --------------------------------------------
+def list_keys(target: Any, prefix: str, **query: Any) -> list[Listing]:
+    """``admin.list_keys`` on every store of *target* (each master's page)."""
+    return [admin.list_keys(store, prefix, ListQuery(**query)) for store in _stores(target)]
+
+
+def test_the_listing_follows_acquire_renewal_release_and_expiry(target: Any) -> None:
+    """A lock, a semaphore's permit and (not on a quorum) a queued hold are listed with
+    their counts from acquire on, a renewed lock stays listed past its first lease, a
+    released one goes, and one that expires unreleased goes without anyone releasing it."""
+    prefix = f"listing-{uuid.uuid4().hex[:8]}:"
+    quorum = _quorum(target)
+    kept = Lock(target, "kept", ttl=0.3, key_prefix=prefix)  # renewed every 0.1 s
+    given = Lock(target, "given", ttl=30, key_prefix=prefix, auto_renew=False)
+    brief = Lock(target, "brief", ttl=0.2, key_prefix=prefix, auto_renew=False)
+    permit = None if quorum else Semaphore(target, "pool", 2, ttl=30, key_prefix=prefix)
+    hold = None if quorum else QueuedHold(target, "next", key_prefix=prefix)
+    try:
+        assert kept.acquire(blocking=False) and given.acquire(blocking=False)
+        start = time.monotonic()
+        assert brief.acquire(blocking=False)
+        assert permit is None or permit.acquire(blocking=False)
+        assert hold is None or hold.claim("t-1", 60).outcome == "queued"
+        for page in list_keys(target, prefix):
+            assert page.counts["mutex"] == page.counts["mutex:held"] == 3
+            assert page.counts["semaphore"] == page.counts["queued"] == (0 if quorum else 1)
+            assert [e.name for e in page.entries] == sorted(
+                ["kept", "given", "brief"] + ([] if quorum else ["pool", "next"]),
+                key=lambda n: lock_keys(n, prefix).lock,
+            )
+        given.release()
+        assert wait_for(
+            lambda: all(
+                {e.name for e in p.entries} == {"kept"} | (set() if quorum else {"pool", "next"})
+                for p in list_keys(target, prefix)
+            ),
+            timeout=5,
+            what="the released and the expired lock gone, the renewed one kept",
+        )
+        assert wait_for(
+            lambda: (
+                time.monotonic() - start > 0.9
+                and all(p.total == (1 if quorum else 3) for p in list_keys(target, prefix))
+            ),
+            timeout=5,
+            what="the renewed lock listed three of its first leases later",
+        )
+    finally:
+        for lock in (kept, permit):
+            if lock is not None:
+                with contextlib.suppress(RedlockError):
+                    lock.release()
+        if hold is not None:
+            hold.release("t-1")
+
+
+def test_the_listing_filters_counts_and_pages_every_key(target: Any) -> None:
+    """More than 500 names: the counts by kind and state, the kind and state filters and
+    the pages cover every one, in key order both ways; a task id filter finds its run."""
+    prefix = f"pages-{uuid.uuid4().hex[:8]}:"
+    quorum = _quorum(target)
+    for master in _stores(target):
+        each = open_backend(master)
+        for i in range(600):  # the way the scripts write them, without 600 round trips
+            owner = {"task_name": "proj.sync", "task_id": f"t-{i}"} if i % 3 == 0 else {}
+            slot = Slot(lock_keys(f"n:{i:04d}", prefix))
+            record = json.dumps({"hostname": "h", "pid": 1, **owner})
+            grant = each.acquire(slot, f"tok-{i}", 30_000, record, wait=False, fence_ttl_ms=0)
+            assert grant.acquired
+    if not quorum:
+        assert Semaphore(target, "n:sem", 3, ttl=30, key_prefix=prefix).acquire(blocking=False)
+    for page in list_keys(target, prefix, limit=50):
+        assert page.counts["mutex"] == 600 and page.counts["mutex:running"] == 200
+        assert page.counts["mutex:held"] == 400
+        assert page.counts["semaphore"] == (0 if quorum else 1)
+        assert page.total == (600 if quorum else 601) and len(page.entries) == 50
+    running = list_keys(target, prefix, kind="mutex", state="running", offset=190, limit=50)
+    for page in running:
+        assert page.total == 200
+        assert [e.name for e in page.entries] == [f"n:{i:04d}" for i in range(570, 600, 3)]
+        assert all(i.state == "running" for i in page.locks)
+    if not quorum:
+        (only,) = list_keys(target, prefix, kind="semaphore")
+        assert [e.name for e in only.entries] == ["n:sem"] and only.locks[0].kind == "permit"
+    for page in list_keys(target, prefix, pattern="n:05*", sort="-name", limit=3):
+        assert [e.name for e in page.entries] == ["n:0599", "n:0598", "n:0597"]
+        assert page.total == 100
+    for page in list_keys(target, prefix, task_id="t-300"):
+        assert [e.name for e in page.entries] == ["n:0300"] and page.counts["mutex"] == 1

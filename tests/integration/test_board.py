@@ -286,10 +286,11 @@ def test_an_event_log_key_holding_foreign_data_is_a_config_error_naming_it(
     assert redis_client.pttl("t:events") == -1
 
 
-def test_a_redlock_board_shows_each_masters_view(
+def test_a_redlock_board_shows_one_row_a_name_with_the_masters_that_agree(
     three_servers: list[RedisServer],
 ) -> None:
-    """On a Redlock deployment each master's row shows with its master."""
+    """On a Redlock deployment the API keeps each master's object; the page shows one row
+    a name with how many masters agree on its holder."""
     for server in three_servers:
         server.client().flushall()
     lock = Redlock(
@@ -304,7 +305,8 @@ def test_a_redlock_board_shows_each_masters_view(
             open_backend(connect(s.url)).describe() for s in three_servers
         )
         page = _text(Client(make_app(app)).get("/"))
-        assert page.count('data-name="red:1"') == 3 and "<th>master</th>" in page
+        assert page.count('data-name="red:1"') == 1 and "<th>masters</th>" in page
+        assert ">3 of 3<" in page and ">1 key<" in page
     finally:
         lock.release()
 
@@ -505,8 +507,8 @@ def test_the_overview_reads_one_page_of_names_and_says_more_match(
     redis_client: redis.Redis,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With more names than a page, the overview reads the first names in order (a
-    name's permits and queued hold with it) and says that more match; the API lists all."""
+    """With more keys than a page, the overview shows the first keys in key order, how
+    many match and a link to the next page; the API lists all."""
     from celery_redlock.board import pages  # noqa: PLC0415
     from celery_redlock.core.admin import scan_locks  # noqa: PLC0415
 
@@ -528,7 +530,7 @@ def test_the_overview_reads_one_page_of_names_and_says_more_match(
         monkeypatch.setattr(pages, "PAGE", 2)
         page = _text(Client(make_app(app)).get("/?prefix=page:"))
         assert re.findall(r'<tr data-name="([^"]+)"', page) == ["page:1", "page:2"]
-        assert "more match" in page
+        assert "5 keys, 1-2 shown" in page and 'rel="next"' in page
         assert len(json.loads(_text(Client(make_app(app)).get("/api/locks?pattern=page:*")))) == 5
     finally:
         for lock in [*held, permit]:

@@ -95,11 +95,16 @@ def test_four_processes_never_exceed_the_rate_in_any_second_and_reach_it(
 
 
 def test_one_key_per_name_that_expires_when_idle(redis_client: redis.Redis) -> None:
-    """A limiter keeps one small hash; it is gone once the limiter is empty again."""
+    """A limiter keeps one small hash (and is listed in the board's index); both are gone
+    once the limiter is empty again."""
     limiters = [RateLimiter(redis_client, f"rate:mem:{i}", "2/s") for i in range(200)]
     for limiter in limiters:
         assert limiter.acquire()
-    assert len(redis_client.keys("*")) == 200
+    assert len(redis_client.keys("redlock:{*}:rate")) == 200
+    assert sorted(redis_client.keys("redlock:index:*")) == [
+        b"redlock:index:rate",
+        b"redlock:index:timed",
+    ]
     assert max(redis_client.hlen(lim.key) for lim in limiters) <= 3
     assert all(0 < redis_client.pttl(lim.key) <= 501 for lim in limiters)
     assert wait_for(lambda: not redis_client.keys("*"), timeout=3)
@@ -163,7 +168,8 @@ def test_blocking_acquire_waits_the_computed_time_and_honours_its_timeout(
 
 
 def test_a_refusal_is_a_rate_limited_event_with_its_retry_after(redis_client: redis.Redis) -> None:
-    """Hooks hear of each refused acquire, with the time until the next slot."""
+    """Hooks hear of each grant, and of each refused acquire with the time until the next
+    slot."""
     seen: list[LockEvent] = []
     add_hook(seen.append)
     try:
@@ -172,9 +178,9 @@ def test_a_refusal_is_a_rate_limited_event_with_its_retry_after(redis_client: re
         refused = limiter.acquire()
     finally:
         remove_hook(seen.append)
-    assert [e.kind for e in seen] == ["rate_limited"]
-    assert seen[0].name == "rate:events" and seen[0].key == limiter.key
-    assert seen[0].retry_after == refused.retry_after and 59 < refused.retry_after <= 60
+    assert [e.kind for e in seen] == ["granted", "rate_limited"]
+    assert seen[1].name == "rate:events" and seen[1].key == limiter.key
+    assert seen[1].retry_after == refused.retry_after and 59 < refused.retry_after <= 60
 
 
 def test_rate_limited_error_keeps_its_context_through_pickling() -> None:

@@ -1,6 +1,7 @@
-"""The Lua scripts' shared parts (``owner_of.lua``, ``fence_floor.lua``): every script the
-Redis backend sends defines each shared function it calls, once and before the first call;
-a script with flags takes nothing in front. Read from the sources, no server."""
+"""The Lua scripts' shared parts (``owner_of.lua``, ``fence_floor.lua``, ``index.lua``):
+every script the Redis backend sends defines each shared function it calls, once and
+before the first call; a script with flags keeps them on its first line. Read from the
+sources, no server."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ SENT = {name: value for name, value in vars(scripts).items() if isinstance(value
 
 def test_the_shared_parts_are_found() -> None:
     """The scan sees both parts (it would pass vacuously otherwise)."""
-    assert SHARED == ["fence_floor", "owner_of"]
+    assert SHARED == ["fence_floor", "index", "owner_of"]
     assert len(SENT) >= 20
 
 
@@ -43,9 +44,38 @@ def test_each_script_defines_the_shared_functions_it_calls(name: str) -> None:
                 assert not defined, f"{name}: {part} put in front but never called"
 
 
-def test_a_script_with_flags_takes_nothing_in_front() -> None:
-    """Redis reads a script's flags (#!lua) from its first line only: a part in front of
-    one would drop them silently, so building such a script fails at import."""
-    assert scripts.EXTEND_NODE.source.startswith("#!lua")
-    with pytest.raises(ValueError, match=r"extend_node\.lua: a script with flags"):
-        Script("extend_node.lua", uses=("owner_of.lua",))
+def test_a_script_with_flags_keeps_them_on_its_first_line() -> None:
+    """Redis reads a script's flags (#!lua) from its first line only: the parts put in
+    front of such a script go after that line, in every variant."""
+    built = Script("extend_node.lua", uses=("owner_of.lua",))
+    for script in (scripts.EXTEND_NODE, built, built.guarded, scripts.EXTEND_NODE.indexed):
+        assert script.source.startswith("#!lua flags=allow-cross-slot-keys")
+        assert script.source.count("#!lua") == 1
+
+
+INDEX_FUNCTIONS = (
+    "index_put",
+    "index_lock",
+    "index_renew",
+    "index_drop",
+    "index_gone",
+    "index_sync",
+)
+
+
+@pytest.mark.parametrize("name", sorted(SENT))
+def test_a_script_writes_the_index_only_in_its_indexed_variant(name: str) -> None:
+    """A script calling the index's functions has index.lua in front, with INDEX false as
+    it is (a cluster's) and true as :attr:`Script.indexed` (also behind the Sentinel
+    guard); a script that calls none is its own indexed variant."""
+    script = SENT[name]
+    code = "\n".join(line.split("--")[0] for line in script.source.split("\n"))
+    calls = any(re.search(rf"(?<!function ){fn}\(", code) for fn in INDEX_FUNCTIONS)
+    if not calls:
+        assert script.indexed is script and "local INDEX" not in code
+        return
+    assert code.count("local INDEX = false") == 1 and "local INDEX = true" not in code
+    for variant in (script.indexed, script.indexed.guarded):
+        lines = "\n".join(line.split("--")[0] for line in variant.source.split("\n"))
+        assert lines.count("local INDEX = true") == 1 and "local INDEX = false" not in lines
+        assert variant.sha != script.sha

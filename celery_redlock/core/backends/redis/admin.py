@@ -12,6 +12,12 @@ semaphore's permits ``<lock key>:permits`` (one
 ``<lock key>:rate`` the same way. Hashes that are none of these (no ``token`` or
 ``owner`` field, foreign data) are skipped.
 
+Where the scripts keep an index of what is held (``lua/index.lua``: a plain Redis or a
+Sentinel master), :func:`listing` answers a page from it: counts with ``ZLEXCOUNT``, the
+page's keys with ``ZRANGEBYLEX``, then only those keys are read, so what a page costs
+grows with the page, not with the keyspace. A Redis Cluster has no index (a script
+reaches one hash slot only): there the listing walks every primary with ``SCAN``.
+
 Also here: :func:`foreign_data_message`, the reads that explain why Redis refused a lock
 script (which key holds what), and :func:`fence_of`.
 
@@ -21,6 +27,7 @@ Errors are raised as redis-py raises them; the backend's verbs report them (see
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -29,17 +36,33 @@ from typing import Any
 from redis.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
-from ...backend_types import Holder, LockInfo, RateInfo, Slot, lock_state, parse_holder, text
+from ...backend_types import (
+    Control,
+    Holder,
+    LockInfo,
+    RateInfo,
+    Slot,
+    lock_state,
+    parse_holder,
+    text,
+)
 from ...errors import ConfigError
 from ...keys import LockKeys, lock_keys, name_of_key, normalize_name, rate_key
+from ...listing import Entry, Listing, ListQuery, count, literal_head, matches_record, page
+from .scripts import INDEX_PRUNE, run
 
 #: Reads the permits of a slot on one plain node (the Redis backend's ``holders`` verb on
 #: that node's client: passed in, since that backend uses this module).
 Permits = Callable[[Any, Slot], list[Holder]]
+#: Reads the controls at a control key (the Redis backend's, passed in as *permits* is).
+Controls = Callable[[str, str], list[Control]]
 
 __all__ = [
+    "controls_under",
     "fence_of",
     "foreign_data_message",
+    "index_keys",
+    "listing",
     "node_of",
     "primaries",
     "read",
@@ -51,6 +74,18 @@ __all__ = [
 #: Keys asked for per SCAN round trip, and hashes read per pipeline.
 SCAN_COUNT = 500
 READ_BATCH = 200
+#: The sets of the index (index.lua), each with the entry its keys are: kind, state.
+INDEX_SETS = {
+    "held": ("mutex", "held"),
+    "running": ("mutex", "running"),
+    "parked": ("mutex", "queued"),
+    "permits": ("semaphore", ""),
+    "queued": ("queued", "queued"),
+    "rate": ("rate", ""),
+    "control": ("control", ""),
+}
+#: Expired members dropped per index_prune.lua call.
+PRUNE_BATCH = 1000
 
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 _QUEUED, _PERMITS, _RATE = "}:queued", "}:permits", "}:rate"
@@ -302,3 +337,150 @@ def fence_of(value: Any) -> int | None:
     """A stored fence (or another counter) as an int; None when it is not one."""
     digits = text(value)
     return int(digits) if digits.isascii() and digits.isdigit() else None  # not "²"
+
+
+# -- the index ----------------------------------------------------------------------------
+def index_keys(prefix: str) -> list[str]:
+    """The keys of the index of *prefix*: each of :data:`INDEX_SETS`, then the expiry
+    sets of what holders release and of what expires by itself (index.lua)."""
+    sets = [f"{prefix}index:{s}" for s in INDEX_SETS]
+    return [*sets, f"{prefix}index:expiry", f"{prefix}index:timed"]
+
+
+def prune(client: Any, prefix: str) -> None:
+    """Drop from the index of *prefix* the keys whose expiry has passed (index_prune.lua,
+    on each expiry set with the sets of its members)."""
+    *sets, released, timed = index_keys(prefix)
+    for keys in ([released, *sets[:4]], [timed, *sets[4:]]):
+        while int(run(INDEX_PRUNE, client, None, keys, [PRUNE_BATCH])) >= PRUNE_BATCH:
+            pass
+
+
+def listing(
+    client: Any, prefix: str, query: ListQuery, permits: Permits, controls: Controls
+) -> Listing:
+    """*query*'s page from the index of *prefix* on one plain Redis: expired members
+    dropped first (index_prune.lua), then counts and the page's keys from the index, and
+    only those keys read. A glob that is not a prefix, and the task id and worker filters,
+    read the names (and the records) of every key under the glob's literal head."""
+    prune(client, prefix)
+    head, is_prefix = literal_head(query.pattern)
+    low, high = _lex_range(prefix, head)
+    sets = dict(zip(INDEX_SETS, index_keys(prefix), strict=False))
+    if is_prefix and not query.needs_records:
+        shown, total, counts = _from_counts(client, sets, (low, high), query, prefix)
+    else:
+        shown, total, counts = _from_names(client, sets, (low, high), query, prefix)
+    out = Listing(entries=shown, total=total, counts=counts)
+    by_kind: dict[str, list[str]] = {}
+    for entry in shown:
+        by_kind.setdefault(entry.kind, []).append(entry.key)
+    out.locks += _locks(client, by_kind.get("mutex", []), prefix)
+    out.locks += _queued(client, by_kind.get("queued", []), prefix)
+    for key in by_kind.get("semaphore", []):
+        out.locks += _permits(permits, client, key, name_of_key(key, prefix))
+    for key in by_kind.get("rate", []):
+        info = _limiter(client, key, name_of_key(key, prefix))
+        out.rates += [] if info is None else [info]
+    for key in by_kind.get("control", []):
+        out.controls += controls(key, prefix)
+    order = {entry.key: i for i, entry in enumerate(shown)}
+    out.locks.sort(key=lambda i: (order.get(i.key, 0), i.ttl_ms))
+    return out
+
+
+def controls_under(client: Any, prefix: str, pattern: str) -> list[str]:
+    """The control keys in the index of *prefix* whose name matches the glob *pattern*."""
+    low, high = _lex_range(prefix, literal_head(pattern)[0])
+    members = client.zrangebylex(f"{prefix}index:control", low, high)
+    keys = [text(m) for m in members]
+    return [k for k in keys if fnmatch.fnmatchcase(name_of_key(k, prefix), pattern)]
+
+
+def _lex_range(prefix: str, head: str) -> tuple[bytes, bytes]:
+    """The ``ZRANGEBYLEX`` bounds of the keys of names starting with *head*."""
+    if not head:
+        return b"-", b"+"
+    tag = "\\" + head if head.startswith(("}", "\\")) else head
+    low = f"{prefix}{{{tag}".encode("utf-8", "surrogatepass")
+    return b"[" + low, b"(" + low + b"\xff"
+
+
+def _entries(found: dict[str, list[Any]], prefix: str) -> list[Entry]:
+    out = []
+    for set_name, members in found.items():
+        kind, state = INDEX_SETS[set_name]
+        for member in members:
+            key = text(member)
+            out.append(Entry(key, name_of_key(key, prefix), kind, state))
+    return out
+
+
+def _from_counts(
+    client: Any, sets: dict[str, str], bounds: tuple[bytes, bytes], query: ListQuery, prefix: str
+) -> tuple[list[Entry], int, dict[str, int]]:
+    """A page of a name prefix: counts by ZLEXCOUNT, the page by ZRANGEBYLEX (each chosen
+    set's first offset + limit keys, merged)."""
+    low, high = bounds
+    pipe = client.pipeline(transaction=False)
+    for key in sets.values():
+        pipe.zlexcount(key, low, high)
+    sizes = dict(zip(sets, (int(n) for n in pipe.execute()), strict=True))
+    counts = dict.fromkeys(("mutex", "mutex:held", "mutex:running", "mutex:queued"), 0)
+    total = 0
+    for set_name, size in sizes.items():
+        kind, state = INDEX_SETS[set_name]
+        counts[kind] = counts.get(kind, 0) + size
+        if kind == "mutex":
+            counts[f"mutex:{state}"] += size
+        if query.wants(kind, state):
+            total += size
+    chosen = [s for s in sets if sizes[s] and query.wants(*INDEX_SETS[s])]
+    # One set: its page itself. Several: each one's first offset + limit, merged.
+    start, num = (
+        (query.offset, query.limit) if len(chosen) == 1 else (0, query.offset + query.limit)
+    )
+    pipe = client.pipeline(transaction=False)
+    for set_name in chosen:
+        if query.sort == "-name":
+            pipe.zrevrangebylex(sets[set_name], high, low, start=start, num=num)
+        else:
+            pipe.zrangebylex(sets[set_name], low, high, start=start, num=num)
+    found = dict(zip(chosen, pipe.execute(), strict=True))
+    entries = _entries(found, prefix)
+    if len(chosen) == 1:
+        return entries, total, counts
+    return page(entries, query), total, counts
+
+
+def _from_names(
+    client: Any, sets: dict[str, str], bounds: tuple[bytes, bytes], query: ListQuery, prefix: str
+) -> tuple[list[Entry], int, dict[str, int]]:
+    """A page of a glob, or of the task id and worker filters: every key under the glob's
+    literal head, matched here (and their holders' records read, for those filters)."""
+    low, high = bounds
+    pipe = client.pipeline(transaction=False)
+    for key in sets.values():
+        pipe.zrangebylex(key, low, high)
+    found = dict(zip(sets, pipe.execute(), strict=True))
+    kept = [e for e in _entries(found, prefix) if fnmatch.fnmatchcase(e.name, query.pattern)]
+    if query.needs_records:
+        kept = _with_record(client, kept, query, prefix)
+    chosen = [e for e in kept if query.wants(e.kind, e.state)]
+    return page(chosen, query), len(chosen), count(kept)
+
+
+def _with_record(client: Any, entries: list[Entry], query: ListQuery, prefix: str) -> list[Entry]:
+    """The *entries* one of whose holders passes the task id and worker filters (a rate
+    limiter and a control have no holder)."""
+    keep: set[str] = set()
+    mutexes = [e.key for e in entries if e.kind == "mutex"]
+    keep |= {i.key for i in _locks(client, mutexes, prefix) if matches_record(i.record, query)}
+    queued = [e.key for e in entries if e.kind == "queued"]
+    keep |= {i.key for i in _queued(client, queued, prefix) if matches_record(i.record, query)}
+    for entry in (e for e in entries if e.kind == "semaphore"):
+        raw = client.hvals(entry.key)
+        records = [parse_holder(text(v).split("|", 2)[-1]) for v in raw]
+        if any(matches_record(r, query) for r in records):
+            keep.add(entry.key)
+    return [e for e in entries if e.key in keep]

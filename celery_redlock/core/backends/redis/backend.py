@@ -74,6 +74,7 @@ from ...backend_types import (
 from ...connect import address_of
 from ...errors import ConfigError, QuorumUnavailable
 from ...keys import name_of_key
+from ...listing import Listing, ListQuery, select
 from . import admin, giveback, verbs
 from .admin import fence_of, foreign_data_message, node_of, primaries
 from .client import (
@@ -133,6 +134,9 @@ class RedisBackend:
         self._pool = None if self.cluster else pool_of(self.client)
         #: The pool of a Sentinel-managed master (its scripts go through its watch).
         self._sentinel = self._pool if is_sentinel_master(self._pool) else None
+        #: Whether its scripts keep the operator's index (index.lua): not on a cluster,
+        #: where a script reaches one hash slot only.
+        self.indexed = not self.cluster
         self._address: str | None = None
 
     @classmethod
@@ -197,7 +201,10 @@ class RedisBackend:
     # -- how a verb calls the server ------------------------------------------------------
     def _run(self, script: Script, keys: list[str], args: list[Any]) -> Any:
         """*script* on this Redis: the one way a script runs (a Sentinel-managed master's
-        behind its watch's guard, see :mod:`.sentinel`)."""
+        behind its watch's guard, see :mod:`.sentinel`), the variant that keeps the
+        operator's index where there is one (:attr:`~.scripts.Script.indexed`)."""
+        if self.indexed:
+            script = script.indexed
         if self._sentinel is None:
             return run(script, self.client, self._pool, keys, args)
         return watch_of(self._sentinel).run(self._sentinel, script, keys, args)
@@ -306,6 +313,7 @@ class RedisBackend:
         else:
             fail = partial(self._failed, slot)
         before = behind if isinstance(behind, RedisSent) else None
+        call = call._replace(script=call.script.indexed)  # never a cluster's (no pool)
         return RedisSent(self._pool, call, fail, answered, before)
 
     def release(self, slot: Slot, token: str, notice_ms: int) -> Status:
@@ -523,6 +531,18 @@ class RedisBackend:
         with self._errors(name):
             return admin.read(self.client, prefix, name, self._node_permits)
 
+    def listing(self, prefix: str, query: ListQuery) -> Listing:
+        """*query*'s page from the index (:func:`.admin.listing`); on a cluster, which has
+        none, from a walk of every primary (``SCAN``)."""
+        with self._errors(query.pattern):
+            if self.indexed:
+                return admin.listing(
+                    self.client, prefix, query, self._node_permits, self._controls_at
+                )
+            locks = admin.scan(self.client, prefix, query.pattern, self._node_permits)
+            rates = admin.scan_rates(self.client, prefix, query.pattern)
+        return select(prefix, locks, rates, self.controls(prefix, query.pattern), query)
+
     def scan_rates(self, prefix: str, pattern: str = "*") -> list[RateInfo]:
         with self._errors(pattern):
             return admin.scan_rates(self.client, prefix, pattern)
@@ -574,11 +594,21 @@ class RedisBackend:
             return self._call(verbs.control(control_key, kind, value, ttl_ms))  # type: ignore[no-any-return]
 
     def controls(self, prefix: str, pattern: str = "*") -> list[Control]:
+        """Every control in force whose name matches *pattern*: from the index's control
+        keys under the pattern's literal head (:func:`.admin.controls_under`), or, on a
+        cluster, from a walk of every primary (``SCAN``)."""
         found: list[Control] = []
         with self._errors(prefix):
-            for node in primaries(self.client):
-                for key in node.scan_iter(match=f"{prefix}{{{pattern}}}:control", count=500):
-                    found += self._controls_at(text(key), prefix)
+            if self.indexed:
+                keys = admin.controls_under(self.client, prefix, pattern)
+            else:
+                keys = [
+                    text(key)
+                    for node in primaries(self.client)
+                    for key in node.scan_iter(match=f"{prefix}{{{pattern}}}:control", count=500)
+                ]
+            for key in keys:
+                found += self._controls_at(key, prefix)
         return sorted(found, key=lambda c: (c.name, c.kind))
 
     def _controls_at(self, key: str, prefix: str) -> list[Control]:

@@ -36,6 +36,7 @@ __all__ = [
     "EXTEND_NODE",
     "FORCE_RELEASE",
     "HOLD_ALL",
+    "INDEX_PRUNE",
     "LOG_EVENTS",
     "MASTER_MARK",
     "PARK",
@@ -54,6 +55,13 @@ __all__ = [
 ]
 
 
+#: The shared part that writes the operator's index, and the line in front of it that
+#: switches it off (a Redis Cluster's scripts) or on (:attr:`Script.indexed`).
+_INDEX_FILE = "index.lua"
+_INDEX_OFF = "local INDEX = false\n"
+_INDEX_ON = "local INDEX = true\n"
+
+
 def _lua(filename: str) -> str:
     folder = resources.files("celery_redlock.core.backends.redis").joinpath("lua")
     return folder.joinpath(filename).read_text("utf-8")
@@ -65,9 +73,13 @@ class Script:
     functions, such as ``owner_of.lua``), then each of *functions* (Lua function name ->
     file) as a local function of ``(KEYS, ARGV)``, so that a script can run another's
     steps on keys and arguments it chooses. :attr:`guarded` is the same script with
-    ``master_guard.lua`` in front, for a Sentinel-managed master."""
+    ``master_guard.lua`` in front, for a Sentinel-managed master.
 
-    __slots__ = ("_body", "_guarded", "name", "sha", "source")
+    A script that uses ``index.lua`` writes the operator's index (see that file) only as
+    :attr:`indexed`, the variant a plain Redis or a Sentinel master runs; as it is (a
+    Redis Cluster's), the index functions do nothing."""
+
+    __slots__ = ("_body", "_guarded", "_indexed", "name", "sha", "source")
 
     def __init__(
         self,
@@ -81,10 +93,16 @@ class Script:
             f"local function {fn}(KEYS, ARGV)\n{_lua(f)}end\n"
             for fn, f in (functions or {}).items()
         )
-        self._body = head + "".join(_lua(f) for f in (filename, *parts))
-        if head and self._body.startswith("#!", len(head)):
-            raise ValueError(f"{filename}: a script with flags (#!) takes nothing in front")
+        if _INDEX_FILE in uses:
+            head = _INDEX_OFF + head
+        body = "".join(_lua(f) for f in (filename, *parts))
+        flags = ""
+        if body.startswith("#!"):  # script flags are read from the first line only
+            flags, _, body = body.partition("\n")
+            flags += "\n"
+        self._body = flags + head + body
         self._guarded: Script | None = None
+        self._indexed: Script | None = self if _INDEX_FILE not in uses else None
         self._set_source("")
 
     def _set_source(self, prelude: str) -> None:
@@ -98,6 +116,19 @@ class Script:
         self.sha = hashlib.sha1(self.source.encode("utf-8"), usedforsecurity=False).hexdigest()
 
     @property
+    def indexed(self) -> Script:
+        """This script writing the operator's index (itself when it writes none)."""
+        indexed = self._indexed
+        if indexed is None:
+            indexed = Script.__new__(Script)
+            indexed.name = f"{self.name} (indexed)"
+            indexed._body = self._body.replace(_INDEX_OFF, _INDEX_ON, 1)
+            indexed._guarded, indexed._indexed = None, indexed
+            indexed._set_source("")
+            self._indexed = indexed
+        return indexed
+
+    @property
     def guarded(self) -> Script:
         """This script behind ``master_guard.lua``: it takes one key and one argument
         more, last (the replaced-master mark, the master's config-epoch)."""
@@ -106,6 +137,7 @@ class Script:
             guarded = Script.__new__(Script)
             guarded.name = f"{self.name} (guarded)"
             guarded._body, guarded._guarded = self._body, None
+            guarded._indexed = guarded if self._indexed is self else None
             guarded._set_source(_lua("master_guard.lua"))
             self._guarded = guarded
         return guarded
@@ -148,30 +180,35 @@ def send_script(conn: Any, script: Script, keys: Sequence[str], args: Sequence[A
         return conn.read_response()
 
 
-ACQUIRE = Script("acquire.lua", uses=("fence_floor.lua",))
-RELEASE = Script("release.lua")
-EXTEND = Script("extend.lua", uses=("owner_of.lua",))
-EXTEND_MANY = Script("extend_many.lua", "extend_items.lua")
-EXTEND_NODE = Script("extend_node.lua", "extend_items.lua")  # a cluster node, across slots
+ACQUIRE = Script("acquire.lua", uses=("fence_floor.lua", _INDEX_FILE))
+RELEASE = Script("release.lua", uses=(_INDEX_FILE,))
+EXTEND = Script("extend.lua", uses=("owner_of.lua", _INDEX_FILE))
+EXTEND_MANY = Script("extend_many.lua", "extend_items.lua", uses=(_INDEX_FILE,))
+EXTEND_NODE = Script(
+    "extend_node.lua", "extend_items.lua", uses=(_INDEX_FILE,)
+)  # a cluster node, across slots
 RAISE_FENCE = Script("raise_fence.lua")
-FORCE_RELEASE = Script("force_release.lua")
+FORCE_RELEASE = Script("force_release.lua", uses=(_INDEX_FILE,))
 CLAIM_FIELD = Script("claim_field.lua")
-PERMIT_ACQUIRE = Script("permit_acquire.lua", uses=("fence_floor.lua",))
-PERMIT_RELEASE = Script("permit_release.lua")
-PERMIT_EXTEND = Script("permit_extend.lua")
+PERMIT_ACQUIRE = Script("permit_acquire.lua", uses=("fence_floor.lua", _INDEX_FILE))
+PERMIT_RELEASE = Script("permit_release.lua", uses=(_INDEX_FILE,))
+PERMIT_EXTEND = Script("permit_extend.lua", uses=(_INDEX_FILE,))
 PERMITS = Script("permits.lua")
-RATE = Script("rate.lua")
-ENQUEUE = Script("enqueue.lua")
-DEQUEUE = Script("dequeue.lua")
-PARK = Script("park.lua", uses=("owner_of.lua",))
+RATE = Script("rate.lua", uses=(_INDEX_FILE,))
+ENQUEUE = Script("enqueue.lua", uses=(_INDEX_FILE,))
+DEQUEUE = Script("dequeue.lua", uses=(_INDEX_FILE,))
+PARK = Script("park.lua", uses=("owner_of.lua", _INDEX_FILE))
 HOLD_ALL = Script(
     "hold_all.lua",
-    uses=("fence_floor.lua",),
+    uses=("fence_floor.lua", _INDEX_FILE),
     functions={"take_lock": "acquire.lua", "take_permit": "permit_acquire.lua"},
 )
 RELEASE_ALL = Script(
-    "release_all.lua", functions={"give_lock": "release.lua", "give_permit": "permit_release.lua"}
+    "release_all.lua",
+    uses=(_INDEX_FILE,),
+    functions={"give_lock": "release.lua", "give_permit": "permit_release.lua"},
 )
-CONTROL = Script("control.lua")
+CONTROL = Script("control.lua", uses=(_INDEX_FILE,))
 MASTER_MARK = Script("master_mark.lua")
 LOG_EVENTS = Script("log_events.lua")
+INDEX_PRUNE = Script("index_prune.lua")

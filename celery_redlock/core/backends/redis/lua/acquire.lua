@@ -33,6 +33,7 @@
 --          raised to it
 -- With KEYS[4], a lock kept for task ARGV[6]'s redelivered copy (park.lua: its token is
 -- 'parked:' .. ARGV[6]) is taken over as if free, whoever holds the queued hold.
+-- Index    the lock key, and the queued hold it takes over (index.lua)
 -- Returns  {1, fence}          acquired; also when the key already holds ARGV[1]
 --                              (a re-sent acquire finds its own token: same fence,
 --                              lease reset). With KEYS[4]: the queued hold is deleted
@@ -45,6 +46,7 @@
 local cur = redis.call('HMGET', KEYS[1], 'token', 'fence', 'info')
 if cur[1] == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  index_renew(KEYS[1], ARGV[2])
   return {1, tonumber(cur[2])}
 end
 local queued = KEYS[4] and redis.call('HMGET', KEYS[4], 'owner', 'info')
@@ -88,9 +90,11 @@ if queued then
   redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fence, 'info', ARGV[3], 'owner', ARGV[6])
   if queued[1] == ARGV[6] then
     redis.call('DEL', KEYS[4])
+    index_drop(KEYS[4], 'queued')
   end
 else
   redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fence, 'info', ARGV[3])
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+index_lock(KEYS[1], ARGV[2], index_state(ARGV[3]))
 return {1, fence}

@@ -4,6 +4,7 @@
 -- ARGV[1]  the field: 'pause', 'limit' or 'rate'
 -- ARGV[2]  the value; '' lifts the control
 -- ARGV[3]  how long it holds in ms (0: until lifted)
+-- Index    the control hash's key, with its expiry, out when deleted (index.lua)
 -- Returns  1 changed, 0 nothing to lift
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -36,4 +37,5 @@ elseif last > 0 then
 else
   redis.call('DEL', KEYS[1])
 end
+index_sync(KEYS[1], 'control')
 return changed

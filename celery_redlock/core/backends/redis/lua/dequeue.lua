@@ -2,6 +2,7 @@
 -- message revoked, expired or rejected before it ran, or one that failed to publish).
 -- KEYS[1]  queued hold (a hash: owner, info)
 -- ARGV[1]  owner: the task id the hold was taken for
+-- Index    the queued hold's key leaves it (index.lua)
 -- Returns  1   removed
 --          0   no hold (expired, handed over, or removed)
 --          -1  held for another task id: nothing touched
@@ -17,4 +18,5 @@ if owner ~= ARGV[1] then
   return -1
 end
 redis.call('DEL', KEYS[1])
+index_drop(KEYS[1], 'queued')
 return 1

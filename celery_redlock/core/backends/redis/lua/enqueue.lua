@@ -9,6 +9,7 @@
 -- ARGV[4]  '1': a hold of another task id is replaced (the newest call wins)
 -- ARGV[5]  '1': while the lock is held by another task id (running), this call is a
 --          duplicate of that run; '0': it may be queued behind the run
+-- Index    the queued hold's key (index.lua)
 -- Returns  {1}                              held for ARGV[1]: new, or its own hold renewed
 --                                           (a retry re-publishes under the same id)
 --          {2, owner, info}                 held for ARGV[1]; it replaced owner's hold
@@ -23,6 +24,7 @@ if q[1] and q[1] ~= ARGV[1] then
   end
   redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'info', ARGV[3])
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
+index_put(KEYS[1], ARGV[2], 'queued')
   return {2, q[1], q[2] or ''}
 end
 if not q[1] and ARGV[5] == '1' then
@@ -34,4 +36,5 @@ if not q[1] and ARGV[5] == '1' then
 end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'info', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+index_put(KEYS[1], ARGV[2], 'queued')
 return {1}

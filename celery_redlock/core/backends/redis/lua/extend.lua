@@ -3,6 +3,7 @@
 -- ARGV[1]  token
 -- ARGV[2]  milliseconds (integer)
 -- ARGV[3]  '1': set the lease to ARGV[2]; '0': add ARGV[2] to what is left
+-- Index    the lock key's expiry moves with its lease (index.lua)
 -- Returns  the new lease in ms (> 0) when extended
 --          0   no such lock (expired or removed): lost
 --          -1  held by another token: lost
@@ -19,4 +20,5 @@ if ARGV[3] ~= '1' then
   end
 end
 redis.call('PEXPIRE', KEYS[1], ms)
+index_renew(KEYS[1], ms)
 return ms

@@ -1,7 +1,7 @@
 -- extend_items: the loop that extend_many.lua and extend_node.lua share; the Redis
 -- backend (core/backends/redis_backend.py) appends it to each. They define count (how many
 -- items) and item(i) (key, token, lease in milliseconds of item i); the codes returned
--- are those their headers list.
+-- are those their headers list. Each renewed key's expiry moves in the index (index.lua).
 local out = {}
 local now
 for i = 1, count do
@@ -16,6 +16,7 @@ for i = 1, count do
       out[i] = -1
     else
       redis.call('PEXPIRE', key, ms)
+      index_renew(key, ms)
       out[i] = 1
     end
   else -- a permit
@@ -32,11 +33,13 @@ for i = 1, count do
       local exp, rest = string.match(v, '^(%d+)(|.*)$')
       if tonumber(exp or '0') <= now then
         redis.call('HDEL', key, token)
+        index_sync(key, 'permits')
         out[i] = 0
       else
         redis.call('HSET', key, token, string.format('%d', now + tonumber(ms)) .. rest)
         if redis.call('PTTL', key) < tonumber(ms) then
           redis.call('PEXPIRE', key, ms)
+          index_renew(key, ms)
         end
         out[i] = 1
       end

@@ -4,6 +4,7 @@
 -- KEYS[2]  notify list of this lock (waiters BLPOP it)
 -- ARGV[1]  how long an unconsumed wake-up notice lives, in milliseconds
 -- ARGV[2]  fence the operator confirmed ('' = whoever holds it now)
+-- Index    the lock key leaves it (index.lua)
 -- Returns  {1, info, fence}   removed; info is the holder record (JSON text)
 --          {0}                no such lock (expired or already released)
 --          {-1, info, fence}  held by another acquisition than ARGV[2]: nothing touched
@@ -16,6 +17,7 @@ if ARGV[2] ~= '' and fence ~= ARGV[2] then
   return {-1, cur[3] or '', fence}
 end
 redis.call('DEL', KEYS[1])
+index_drop(KEYS[1])
 redis.call('DEL', KEYS[2])
 redis.call('RPUSH', KEYS[2], '1')
 redis.call('PEXPIRE', KEYS[2], ARGV[1])

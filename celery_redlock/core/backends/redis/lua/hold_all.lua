@@ -21,6 +21,7 @@
 --          and fence ttl (with 'none', these five alone)
 -- then five per rule: 'limit', 'mutex' (a Limit of one) or 'rate', the limit or the
 --          interval in us, the burst, the cost (units of a Rate), the rule's name
+-- Index    what take_lock and take_permit take, and each Rate's state (index.lua)
 -- Returns  {1, fence, f1, ..., fk}   taken: the primary's fence (0 with 'none'), then
 --                                     each rule's (0 for a Rate); a re-sent copy finds
 --                                     its own token and reports the same fences, and
@@ -220,6 +221,7 @@ for i = 1, r do
     end
     local line = tonumber(redis.call('HGET', rule.key, 'line') or '0') or 0
     redis.call('PEXPIRE', rule.key, math.ceil((math.max(tat, line) - now_us) / 1000) + 1)
+    index_sync(rule.key, 'rate')
     out[#out + 1] = 0
   end
 end

@@ -11,6 +11,7 @@
 -- ARGV[3]  how long the hold is kept, in milliseconds
 -- ARGV[4]  holder record shown while it is kept (JSON text)
 -- ARGV[5]  how long an unconsumed wake-up notice lives, in milliseconds
+-- Index    the lock key, as a mutex kept for a redelivery ('parked', index.lua)
 -- Returns  1   kept (a waiter is woken: a copy already waiting takes it over now)
 --          0   no such lock (expired or removed)
 --          -1  held by another token: nothing touched
@@ -21,6 +22,7 @@ if owned ~= 1 then
 end
 redis.call('HSET', KEYS[1], 'token', 'parked:' .. ARGV[2], 'owner', ARGV[2], 'info', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
+index_lock(KEYS[1], ARGV[3], 'parked')
 if redis.call('EXISTS', KEYS[3]) == 1 then
   redis.call('DEL', KEYS[2])
   redis.call('RPUSH', KEYS[2], '1')

@@ -12,6 +12,7 @@
 -- ARGV[5]  idle lifetime of the fence counter in ms (0: never expires); see acquire.lua
 -- ARGV[6]  the limit: how many permits may be held at once (integer >= 1)
 -- ARGV.fence_floor  as in acquire.lua (a Sentinel-managed master)
+-- Index    the permits' key, with the expiry of its longest permit (index.lua)
 -- Returns  {1, fence}               acquired; also when KEYS[1] already holds an unexpired
 --                                   ARGV[1] (a re-sent acquire: same fence, lease reset)
 --          {0, record, left, held}  every permit is held: the record and ms left of the
@@ -31,6 +32,7 @@ if mine then
     if redis.call('PTTL', KEYS[1]) < ttl then
       redis.call('PEXPIRE', KEYS[1], ttl)
     end
+    index_sync(KEYS[1], 'permits')
     return {1, tonumber(fence)}
   end
   redis.call('HDEL', KEYS[1], ARGV[1])
@@ -77,4 +79,5 @@ redis.call('HSET', KEYS[1], ARGV[1], string.format('%d|%d|%s', now + ttl, fence,
 if redis.call('PTTL', KEYS[1]) < ttl then
   redis.call('PEXPIRE', KEYS[1], ttl)
 end
+index_sync(KEYS[1], 'permits')
 return {1, fence}

@@ -4,6 +4,7 @@
 -- ARGV[1]  token
 -- ARGV[2]  milliseconds (integer)
 -- ARGV[3]  '1': set the lease to ARGV[2]; '0': add ARGV[2] to what is left
+-- Index    the permits' key's expiry moves with its longest permit (index.lua)
 -- Returns  the new lease in ms (> 0) when extended
 --          0   no such permit (expired or removed): lost; a lingering expired one is removed
 --          -2  the key holds something that is not a permit hash (foreign data): lost
@@ -20,6 +21,7 @@ local exp, rest = string.match(v, '^(%d+)(|.*)$')
 exp = tonumber(exp or '0')
 if exp <= now then
   redis.call('HDEL', KEYS[1], ARGV[1])
+  index_sync(KEYS[1], 'permits')
   return 0
 end
 local ms = tonumber(ARGV[2])
@@ -29,5 +31,6 @@ end
 redis.call('HSET', KEYS[1], ARGV[1], string.format('%d', now + ms) .. rest)
 if redis.call('PTTL', KEYS[1]) < ms then
   redis.call('PEXPIRE', KEYS[1], ms)
+  index_renew(KEYS[1], ms)
 end
 return ms

@@ -12,6 +12,7 @@
 -- ARGV[3]  the limit: the most notices kept in the list (one per free permit; at most
 --          a million)
 -- ARGV[4]  the most bytes of released tokens kept (see release.lua)
+-- Index    the permits' key, out when its last permit goes (index.lua)
 -- Returns  1   released (and a notice pushed if someone may be waiting); also when no
 --              such permit is held but ARGV[1] is among the recently released tokens: a
 --              re-sent copy of this token's own release
@@ -53,6 +54,7 @@ end
 if redis.call('HLEN', KEYS[1]) == 0 then
   redis.call('DEL', KEYS[1])
 end
+index_sync(KEYS[1], 'permits')
 if redis.call('EXISTS', KEYS[3]) == 0 then
   return code
 end

@@ -19,6 +19,7 @@
 --          (0 or absent: any); a caller that would not wait that long is not promised one
 -- ARGV[5]  'queue' only: the grace in microseconds after which an unclaimed free grant
 --          lapses to whoever asks (0 or absent: at once)
+-- Index    the rate state's key, with its expiry (index.lua)
 -- Returns  {granted (1 or 0), wait_us, free}
 --          granted: wait_us until the next grant is possible, free: grants possible now
 --          refused: wait_us until the caller's slot ('queue') or the next possible grant
@@ -50,6 +51,7 @@ if next_at <= now and not due then
   local keep = math.max(tat, line) - now
   redis.call('HSET', KEYS[1], 'tat', string.format('%d', tat), 'interval', ARGV[1], 'burst', ARGV[2])
   redis.call('PEXPIRE', KEYS[1], math.ceil(keep / 1000) + 1)
+  index_sync(KEYS[1], 'rate')
   local after = tat - tol
   if after <= now then
     return {1, 0, math.floor((now - after) / T) + 1}
@@ -64,6 +66,7 @@ if mode == 'queue' then
     local keep = math.max(tat, line) - now
     redis.call('HSET', KEYS[1], 'line', string.format('%d', line), 'interval', ARGV[1], 'burst', ARGV[2])
     redis.call('PEXPIRE', KEYS[1], math.ceil(keep / 1000) + 1)
+    index_sync(KEYS[1], 'rate')
   end
   return {0, slot - now, 0}
 end

@@ -17,6 +17,7 @@
 -- ARGV[3]  the most bytes of released tokens kept (a cap per name, whatever the rate)
 -- ARGV[4]  with KEYS[5]: the done mark (the run's task id and attempt)
 -- ARGV[5]  with KEYS[5]: how long the marks live after the last one, in milliseconds
+-- Index    the lock key leaves it when released (index.lua)
 -- Returns  1   released (and one notice pushed if someone may be waiting); also when
 --              the key is gone or held by another token but ARGV[1] is among the
 --              recently released tokens: a re-sent copy of this token's own release
@@ -24,10 +25,11 @@
 --          -1  held by another token: nothing touched
 --          -2  the key holds something that is not a lock hash (foreign data under
 --              our prefix): nothing touched
-local tok = redis.pcall('HGET', KEYS[1], 'token')
-if type(tok) == 'table' and tok.err then
+local cur = redis.pcall('HMGET', KEYS[1], 'token', 'info')
+if cur.err then
   return -2
 end
+local tok = cur[1]
 -- Foreign data at KEYS[4] never stops a release: it only costs a re-sent copy its
 -- recognition (pcall), and is left as it is.
 local recent = redis.pcall('GET', KEYS[4])
@@ -44,6 +46,7 @@ if tok ~= ARGV[1] then
   return -1
 end
 redis.call('DEL', KEYS[1])
+index_gone(KEYS[1], cur[2] or '')
 if recent then
   recent = ' ' .. ARGV[1] .. recent
   if #recent > tonumber(ARGV[3]) then -- drop the oldest, whole tokens only

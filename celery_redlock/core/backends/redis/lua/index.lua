@@ -1,0 +1,129 @@
+-- index: a shared part, put in front of the scripts that write what the operator reads
+-- (scripts.py), after `local INDEX = true` (a plain Redis, a Sentinel master) or
+-- `local INDEX = false` (a Redis Cluster: a script touches one hash slot's keys only, so
+-- there the operator's reads walk the keyspace instead, and these functions do nothing).
+-- The index of key prefix P is a few sorted sets beside the locks, outside every lock's
+-- braces, reached by name (a plain Redis lets a script do so; they are not in KEYS):
+--   P .. 'index:' .. set member = key, score 0 (so ordered by key): one set per kind and
+--                        state: 'held', 'running', 'parked' (a mutex by its holder),
+--                        'permits' (a semaphore), 'queued' (an enqueue-time hold),
+--                        'rate' (a rate limiter's state), 'control' (a name's controls)
+--   P .. 'index:expiry'  member = key of the first four sets, score = when it expires
+--                        (server time, ms): what a holder releases
+--   P .. 'index:timed'   the same for the last three ('inf': no expiry): what expires by
+--                        itself; these four sets live as long as their longest member,
+--                        and each write drops two members whose time has passed
+-- A script adds a key when it writes it, moves its expiry when it renews it, and takes
+-- it out when it deletes it; readers drop the members whose expiry has passed (a lease
+-- that ran out unreleased: index_prune.lua).
+-- index_lock(key, ms, state)  a mutex at *key* held *ms* more, in the set *state*
+-- index_put(key, ms, set)     *key* lives *ms* more (nil: no expiry), in *set*
+-- index_renew(key, ms)        *key*, already indexed, lives *ms* more
+-- index_sync(key, set)        *key* as it is now: its expiry, or out when it is gone
+-- index_drop(key, set)        *key* deleted (*set* nil: a mutex, out of its three sets)
+-- index_gone(key, record)     a mutex at *key* released, its holder *record* (JSON text)
+-- index_state(record)         the set of a mutex taken with holder *record* (JSON text)
+local INDEX_MUTEX = {'held', 'running', 'parked'}
+local function index_state(record)
+  if string.find(record, '"kept_for":', 1, true) then
+    return 'parked'
+  end
+  return string.find(record, '"task_name":%s*"[^"]') and 'running' or 'held'
+end
+local index_ms
+local function index_head(key)
+  return string.sub(key, 1, string.find(key, '{', 1, true) - 1) .. 'index:'
+end
+local function index_at(ms)
+  if not ms then
+    return 'inf'
+  end
+  if not index_ms then
+    local t = redis.call('TIME')
+    index_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return index_ms + tonumber(ms)
+end
+local INDEX_TIMED = {queued = true, rate = true, control = true}
+local function index_timed(head, set)
+  -- Two members whose time has passed go, then the family's sets live as long as the
+  -- longest member left.
+  local timed = head .. 'timed'
+  local gone = redis.call('ZRANGEBYSCORE', timed, '-inf', '(' .. index_at(0), 'LIMIT', 0, 2)
+  for _, old in ipairs(gone) do
+    redis.call('ZREM', timed, old)
+    for other in pairs(INDEX_TIMED) do
+      redis.call('ZREM', head .. other, old)
+    end
+  end
+  local top = redis.call('ZRANGE', timed, -1, -1, 'WITHSCORES')[2]
+  for _, k in ipairs({timed, head .. set}) do
+    if top == 'inf' then
+      redis.call('PERSIST', k)
+    elseif top then
+      redis.call('PEXPIREAT', k, tonumber(top) + 1000)
+    end
+  end
+end
+local function index_put(key, ms, set)
+  if INDEX then
+    local head = index_head(key)
+    local timed = INDEX_TIMED[set]
+    redis.call('ZADD', head .. (timed and 'timed' or 'expiry'), index_at(ms), key)
+    redis.call('ZADD', head .. set, 0, key)
+    if timed then
+      index_timed(head, set)
+    end
+  end
+end
+local function index_lock(key, ms, state)
+  if INDEX then
+    -- Listed already: held before (a lease that ran out unlisted, or a run parked or
+    -- taken over), maybe in another state's set.
+    local head = index_head(key)
+    local before = redis.call('ZSCORE', head .. 'expiry', key)
+    index_put(key, ms, state)
+    if before then
+      for _, other in ipairs(INDEX_MUTEX) do
+        if other ~= state then
+          redis.call('ZREM', head .. other, key)
+        end
+      end
+    end
+  end
+end
+local function index_renew(key, ms)
+  if INDEX then
+    redis.call('ZADD', index_head(key) .. 'expiry', 'XX', index_at(ms), key)
+  end
+end
+local function index_drop(key, set)
+  if INDEX then
+    local head = index_head(key)
+    redis.call('ZREM', head .. (INDEX_TIMED[set] and 'timed' or 'expiry'), key)
+    if set then
+      redis.call('ZREM', head .. set, key)
+    else
+      for _, other in ipairs(INDEX_MUTEX) do
+        redis.call('ZREM', head .. other, key)
+      end
+    end
+  end
+end
+local function index_gone(key, record)
+  if INDEX then
+    local head = index_head(key)
+    redis.call('ZREM', head .. 'expiry', key)
+    redis.call('ZREM', head .. index_state(record), key)
+  end
+end
+local function index_sync(key, set)
+  if INDEX then
+    local left = redis.call('PTTL', key)
+    if left == -2 then
+      index_drop(key, set)
+    else
+      index_put(key, left > 0 and left or nil, set)
+    end
+  end
+end
