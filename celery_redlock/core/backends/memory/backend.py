@@ -69,11 +69,13 @@ class MemoryBackend(RedisBackend):
             raise ConfigError(f"a memory backend needs a memory:// URL, got {url!r}")
         self.url = url
         client = _fakeredis().FakeRedis(server=_new_server())
-        # Every script loaded: no EVALSHA meets NOSCRIPT, whose error fakeredis keeps past
+        # Every script loaded, in the form this backend sends (the one that keeps the
+        # operators' index): no EVALSHA meets NOSCRIPT, whose error fakeredis keeps past
         # the call, and with it the caller's frames (a dropped Lock would stay alive).
         for script in vars(scripts).values():
             if isinstance(script, scripts.Script):
                 client.script_load(script.source)
+                client.script_load(script.indexed.source)
         super().__init__(client)
         on_fork(self._forked)
 
