@@ -166,11 +166,19 @@ signals.celeryd_init.connect(warn_statedb_scheduler, weak=False)
 task_module.app_hooks.append(install)
 
 
-def _serve_board(app: Any, *, echo: Callable[[str], object], **options: Any) -> None:
-    """``celery locks serve``: the board, imported when the command runs."""
+def _serve_board(
+    app: Any, *, echo: Callable[[str], object], log_level: str = "INFO", **options: Any
+) -> None:
+    """``celery locks serve``: the board, imported when the command runs; its log
+    (sign-ins, actions) on stderr at *log_level*."""
     from .board import serve  # noqa: PLC0415 - only the command serves
 
-    serve.serve_board(serve.make_board_server(app, **options), echo=echo)
+    server = serve.make_board_server(app, **options)
+    handler = serve.show_log(log_level)
+    try:
+        serve.serve_board(server, echo=echo)
+    finally:
+        serve.log.removeHandler(handler)
 
 
 cli_command.board_servers.append(_serve_board)
