@@ -234,7 +234,7 @@ def test_an_action_with_the_token_releases_a_holder_and_without_it_is_refused(
 ) -> None:
     """Signed in with the token, the release button and its confirmation release the
     run's lock; the same POST without the session cookie, or without the CSRF token, is
-    refused with 403 and the lock stays."""
+    refused with 403 and the lock stays; after sign-out the session's cookie is refused."""
     from selenium.webdriver.common.by import By  # noqa: PLC0415
 
     run = boardapp.hold.delay("act")
@@ -279,6 +279,9 @@ def test_an_action_with_the_token_releases_a_holder_and_without_it_is_refused(
     assert browser.find_element(By.CSS_SELECTOR, "p.done").text == DONE["released"]
     assert not any(o["name"] == "mutex:act" for o in _api(board))
     _go(server, "act")
+    browser.find_element(By.ID, "signout").click()  # the session ends: its cookie is refused
+    _until("signed out", lambda: browser.get_cookie("redlock_board") is None)
+    assert post({**confirmed, "verb": "resume"}, f"redlock_board={session}") == 403
 
 
 def test_a_script_in_a_lock_name_does_not_run(
