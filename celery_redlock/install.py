@@ -173,12 +173,13 @@ def _serve_board(
     (sign-ins, actions) on stderr at *log_level*."""
     from .board import serve  # noqa: PLC0415 - only the command serves
 
-    server = serve.make_board_server(app, **options)
-    handler = serve.show_log(log_level)
+    level = serve.log.level
+    handler = serve.show_log(log_level)  # a bad level is refused before the port is bound
     try:
-        serve.serve_board(server, echo=echo)
+        serve.serve_board(serve.make_board_server(app, **options), echo=echo)
     finally:
         serve.log.removeHandler(handler)
+        serve.log.setLevel(level)
 
 
 cli_command.board_servers.append(_serve_board)

@@ -400,7 +400,8 @@ def test_a_bad_or_missing_token_is_refused_with_a_clear_message(app: Celery) -> 
 def test_serve_refuses_a_non_loopback_address_without_a_token(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """`celery locks serve --host 0.0.0.0` with no token exits 2 saying why."""
+    """`celery locks serve --host 0.0.0.0` with no token, a bad --loglevel or a bad
+    --allowed-host exits 2 saying why."""
     monkeypatch.delenv("REDLOCK_BOARD_TOKEN", raising=False)
     result = CliRunner().invoke(
         celery_main,
@@ -412,6 +413,15 @@ def test_serve_refuses_a_non_loopback_address_without_a_token(
         celery_main, ["-A", "tests.apps.locksapp", "locks", "serve", "--actions"]
     )
     assert result.exit_code == 2 and "--actions needs a token" in result.output
+    for option, said in (
+        (["--loglevel", "LOUD"], "--loglevel 'LOUD' is not a level"),
+        (["--allowed-host", "a b:x"], "allowed host 'a b:x' is not a host name"),
+    ):
+        result = CliRunner().invoke(
+            celery_main,
+            ["-A", "tests.apps.locksapp", "locks", "serve", "--port", "0", *option],
+        )
+        assert result.exit_code == 2 and said in result.output, result.output
 
 
 #: `locks serve` processes started at once by the stop test, and how many rounds.
