@@ -21,6 +21,7 @@ __all__ = [
     "MAX_SECONDS",
     "HostCheck",
     "Refused",
+    "bad",
     "duration",
     "headers",
     "local_path",
@@ -30,7 +31,7 @@ __all__ = [
 #: The longest pause or override the board sets: a year (a longer one is a typo).
 MAX_SECONDS = 366 * 86400.0
 #: ASCII digits only: ``str.isdigit()`` also takes "²" and "٣", which ``int()`` refuses.
-_DIGITS = re.compile(r"[0-9]{1,18}")
+_DIGITS = re.compile(r"[0-9]{1,19}")
 #: A control character (C0, DEL, C1): never in a header, a redirect or a query value.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
