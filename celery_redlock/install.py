@@ -11,6 +11,7 @@ explicitly and is idempotent. It adds the worker bootstep and signal receivers
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import threading
 from collections.abc import Callable
@@ -166,11 +167,24 @@ signals.celeryd_init.connect(warn_statedb_scheduler, weak=False)
 task_module.app_hooks.append(install)
 
 
-def _serve_board(app: Any, *, echo: Callable[[str], object], **options: Any) -> None:
-    """``celery locks serve``: the board, imported when the command runs."""
+def _serve_board(
+    app: Any, *, echo: Callable[[str], object], log_level: str = "INFO", **options: Any
+) -> None:
+    """``celery locks serve``: the board, imported when the command runs; its log
+    (sign-ins, actions) on stderr at *log_level*."""
     from .board import serve  # noqa: PLC0415 - only the command serves
 
-    serve.serve_board(serve.make_board_server(app, **options), echo=echo)
+    level = serve.log.level
+    handler = serve.show_log(log_level)  # a bad level is refused before the port is bound
+    try:
+        serve.serve_board(serve.make_board_server(app, **options), echo=echo)
+    finally:
+        serve.log.removeHandler(handler)
+        serve.log.setLevel(level)
+        # The command ends here: the interpreter's last collection would walk every object
+        # of Celery and its imports (0.3-0.7 s on a busy machine, most of a stop's time);
+        # frozen, they are left to the process's end.
+        gc.freeze()
 
 
 cli_command.board_servers.append(_serve_board)

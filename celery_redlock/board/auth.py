@@ -1,27 +1,33 @@
-"""Who may act on the board: tokens, the session cookie and the CSRF token.
+"""Who may act on the board: tokens, sessions and their CSRF tokens.
 
 A token is a secret with a name (the name goes in the log line of each action). The token
 file holds one per line, ``name:secret`` or just ``secret`` (named ``token``); blank lines
 and ``#`` comments are skipped. ``REDLOCK_BOARD_TOKEN`` holds one, in the same form.
 
-A person pastes the secret into the page once; the board then sets a session cookie
-(``HttpOnly``, ``SameSite=Strict``) holding the token's name and an HMAC of the secret,
-never the secret itself. Each action form carries a CSRF token, an HMAC of that session:
-a POST needs both, so another site can neither forge one nor read the form's token.
+A person pastes the secret into the page once (compared in constant time); the board
+then starts a :class:`Session`: a random id (``secrets.token_urlsafe``) kept in the
+board's memory with the token it was opened with, its own random CSRF token, and an
+expiry (12 h by default). The cookie holds the id only, never the secret, so it differs
+on every sign-in and on every board, and it ends at sign-out, at expiry or when the
+board restarts. Each form that acts carries the session's CSRF token: a POST needs both,
+so another site can neither forge one nor read the form's token.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
+import secrets
+import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..core.errors import ConfigError
 
-__all__ = ["ENV", "Token", "load_tokens"]
+__all__ = ["ENV", "SESSION_TTL", "Session", "Sessions", "Token", "load_tokens"]
 
 #: The environment variable holding a token.
 ENV = "REDLOCK_BOARD_TOKEN"
@@ -29,6 +35,10 @@ ENV = "REDLOCK_BOARD_TOKEN"
 DEFAULT_NAME = "token"
 #: Shortest secret accepted: a guessable token would let anyone release locks.
 MIN_SECRET = 16
+#: How long a session lasts from its sign-in, in seconds.
+SESSION_TTL = 12 * 3600.0
+#: The most sessions a board keeps; the oldest goes first (each needs the secret).
+MAX_SESSIONS = 10_000
 
 
 @dataclass(frozen=True)
@@ -41,16 +51,66 @@ class Token:
     def __repr__(self) -> str:  # never the secret, in a log or a traceback
         return f"Token({self.name!r})"
 
-    def session(self) -> str:
-        """The session cookie's value for this token."""
-        return f"{self.name}:{self._mac('session')}"
 
-    def csrf(self, session: str) -> str:
-        """The CSRF token of the forms shown to *session*."""
-        return self._mac("csrf:" + session)
+@dataclass(frozen=True)
+class Session:
+    """One sign-in: its cookie value (*id*), the token it was opened with, the CSRF
+    token of its forms and when it ends (``time.monotonic()``)."""
 
-    def _mac(self, what: str) -> str:
-        return hmac.new(self.secret.encode(), what.encode(), hashlib.sha256).hexdigest()
+    id: str
+    token: Token
+    csrf: str
+    expires: float
+
+    def __repr__(self) -> str:  # never the id or the CSRF token
+        return f"Session({self.token.name!r})"
+
+    def csrf_ok(self, given: str) -> bool:
+        """True when *given* is this session's CSRF token (constant time)."""
+        return bool(given) and hmac.compare_digest(given.encode(), self.csrf.encode())
+
+
+class Sessions:
+    """The sessions of one board, in memory: opened at sign-in, ended at sign-out or
+    after *ttl* seconds."""
+
+    def __init__(self, ttl: float = SESSION_TTL) -> None:
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl < 10**9:
+            raise ConfigError(f"session_ttl must be a number of seconds above 0, got {ttl!r}")
+        self.ttl = float(ttl)
+        self._lock = threading.Lock()
+        self._open: OrderedDict[str, Session] = OrderedDict()
+
+    def open(self, token: Token) -> Session:
+        """A new session of *token*."""
+        session = Session(
+            secrets.token_urlsafe(32),
+            token,
+            secrets.token_urlsafe(32),
+            time.monotonic() + self.ttl,
+        )
+        with self._lock:
+            self._open[session.id] = session
+            while len(self._open) > MAX_SESSIONS:
+                self._open.popitem(last=False)
+        return session
+
+    def get(self, sid: str) -> Session | None:
+        """The live session whose id is *sid*, or None (unknown, ended or expired)."""
+        if not sid:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            session = self._open.get(sid)
+            if session is not None and session.expires <= now:
+                del self._open[sid]
+                session = None
+        return session
+
+    def end(self, sid: str) -> Session | None:
+        """End session *sid*; the session ended, or None when there was none."""
+        with self._lock:
+            return self._open.pop(sid, None)
 
 
 def parse_token(line: str, where: str) -> Token:
@@ -66,6 +126,8 @@ def parse_token(line: str, where: str) -> Token:
             f"use at least {MIN_SECRET} random characters, e.g. the output of "
             "`python -c 'import secrets; print(secrets.token_urlsafe())'`"
         )
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise ConfigError(f"the board token's name {name!r} in {where} holds a control character")
     return Token(name, secret)
 
 
@@ -98,17 +160,12 @@ def load_tokens(token: Any = None, token_file: str | os.PathLike[str] | None = N
     return [parse_token(env, ENV)] if env else []
 
 
-def token_of(tokens: list[Token], session: str) -> Token | None:
-    """The token whose session cookie is *session*, or None."""
-    for token in tokens:
-        if session and hmac.compare_digest(token.session(), session):
-            return token
-    return None
-
-
 def pasted(tokens: list[Token], secret: str) -> Token | None:
-    """The token whose secret is *secret* (pasted into the page), or None."""
+    """The token whose secret is *secret* (pasted into the page), or None; every token
+    is compared, each in constant time."""
+    given = secret.strip().encode()
+    found = None
     for token in tokens:
-        if secret and hmac.compare_digest(token.secret.encode(), secret.strip().encode()):
-            return token
-    return None
+        if hmac.compare_digest(token.secret.encode(), given) and given:
+            found = token
+    return found

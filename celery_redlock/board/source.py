@@ -8,6 +8,7 @@ A master that cannot be asked, or whose data under the prefix is not ours, is a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections import Counter
@@ -163,6 +164,16 @@ class Source:
         if not has(store, FlowControl):
             raise ConfigError(f"pause and set are not available on {store.describe()}")
         return Controls(self.app, backend=store, prefix=self.prefix)
+
+    def close(self) -> None:
+        """Close the connections of the clients this source made (the board stops)."""
+        with self._lock:
+            made, self._clients = self._clients or [], None
+        for _, backend in made:
+            close = getattr(getattr(backend, "given", None), "close", None)
+            if callable(close):
+                with contextlib.suppress(Exception):  # a client half gone is closed enough
+                    close()
 
     # -- reads ------------------------------------------------------------------------
     def _each(

@@ -3,17 +3,19 @@ any path (links follow ``SCRIPT_NAME``).
 
 =========================== ===============================================================
 ``GET /``                   the overview (``?prefix=&kind=``)
-``GET /key/<name>``         one key
-``GET /api/locks``          ``celery locks list --json`` (``?pattern=``)
+``GET /key/<name>``         one key (``?done=<code>``: the fixed sentence of an action's end)
+``GET /api/locks``          ``celery locks list --json``, a page (``?pattern=&limit=&cursor=``)
 ``GET /api/locks/<name>``   ``celery locks show NAME --json`` (``[]`` when nothing holds it)
-``GET /api/events``         the recorded events, newest first (``?name=&count=``)
-``GET|POST /login``         paste a token (actions only)
-``POST /action``            release, pause, resume, set, unset (actions only: token + CSRF)
+``GET /api/events``         the recorded events, newest first, a page (``?name=&limit=&cursor=``)
+``GET|POST /login``         paste a token (boards with one)
+``POST /logout``            end the session (its CSRF token)
+``POST /action``            release, pause, resume, set, unset (actions only: session + CSRF)
 =========================== ===============================================================
 
 A page asked with the header ``X-Board-Part: live`` answers its live part only: the
 page's script swaps it in every second. Every answer carries a Content-Security-Policy
-that allows no inline script, so even markup that escaped escaping could not run.
+that allows no inline script, so even markup that escaped escaping could not run; every
+header value goes through :func:`.http.headers`, which refuses control characters.
 """
 
 from __future__ import annotations
@@ -21,23 +23,23 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable, Iterable
-from http.cookies import SimpleCookie
+from collections.abc import Callable, Iterable, Sequence
+from http.cookies import CookieError, SimpleCookie
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, quote
 
-from ..app.checks import parse_duration
 from ..app.event_log import MAXLEN
 from ..core.admin import force_dequeue, force_release
 from ..core.errors import ConfigError, QuorumUnavailable, one_line
 from . import pages
-from .auth import Token, load_tokens, pasted, token_of
+from .auth import SESSION_TTL, Session, Sessions, Token, load_tokens, pasted
+from .http import HostCheck, Refused, bad, duration, headers, local_path, whole
 from .pages import e, hidden
 from .rules import matching, task_rules
 from .source import Source, glob_escape
 
-__all__ = ["Board"]
+__all__ = ["DONE", "PAGE_DEFAULT", "PAGE_MAX", "Board"]
 
 log = logging.getLogger("celery_redlock.board")
 
@@ -53,12 +55,28 @@ _CSP = (
 )
 _STATIC = {"board.css": "text/css; charset=utf-8", "board.js": "text/javascript; charset=utf-8"}
 _VERBS = ("release", "pause", "resume", "set", "unset")
-
-
-class _Refused(Exception):
-    def __init__(self, status: str, text: str) -> None:
-        super().__init__(text)
-        self.status = status
+#: An API page: this many names (locks) or events unless ``?limit=`` says, at most PAGE_MAX.
+PAGE_DEFAULT = 100
+PAGE_MAX = 1000
+#: The furthest an API cursor reaches (names or events skipped).
+CURSOR_MAX = 1_000_000
+#: What a key's page says after an action (``?done=<code>``): a fixed set, never the
+#: query's text, so a link cannot put words of its own in the board's mouth.
+DONE = {
+    "released": "Released: the acquisition shown no longer holds this key.",
+    "dequeued": "Removed the queued hold shown; its message stays queued.",
+    "gone": "Nothing to release: the hold shown was already gone (expired or released).",
+    "refused": "Left alone: another acquisition than the one shown holds this key now.",
+    "no-master": "Nothing released: the master shown is not one of this board's.",
+    "paused": "Paused.",
+    "resumed": "Resumed.",
+    "not-paused": "It was not paused.",
+    "set": "Override set.",
+    "unset": "Overrides lifted.",
+    "no-override": "It had no override.",
+    "unreachable": "Redis could not be reached: the action may not have been done (see "
+    "the board's log).",
+}
 
 
 class Board:
@@ -73,6 +91,9 @@ class Board:
         token_file: Any = None,
         overrides: Any = None,
         private: bool = False,
+        allowed_hosts: Sequence[str] | None = None,
+        secure_cookies: bool = False,
+        session_ttl: float = SESSION_TTL,
     ) -> None:
         self.source = Source(app, overrides)
         self.actions = bool(actions)
@@ -84,18 +105,42 @@ class Board:
                 "the board's actions need a token: pass token=, --token-file PATH or set "
                 "REDLOCK_BOARD_TOKEN (name:secret, the secret 16 characters or more)"
             )
+        if isinstance(allowed_hosts, str):
+            allowed_hosts = [allowed_hosts]
+        #: The Host names answered (None: every one, the mounting site checks it).
+        self.hosts: HostCheck | None = (
+            None if allowed_hosts is None else HostCheck(list(allowed_hosts))
+        )
+        #: The session cookie is ``Secure`` on every answer, not only over https (a
+        #: proxy that ends TLS in front of the board).
+        self.secure_cookies = bool(secure_cookies)
+        self.sessions = Sessions(session_ttl)
+
+    def close(self) -> None:
+        """Close the store's connections (``locks serve`` stopping)."""
+        self.source.close()
 
     # -- WSGI ---------------------------------------------------------------------------
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         try:
-            status, headers, body = self.handle(environ)
-        except _Refused as exc:
-            status, headers, body = exc.status, [], _text_page(str(exc))
+            if self.hosts is not None and not self.hosts.allows(environ):
+                raise bad("this board does not answer to that Host (see --allowed-host)")
+            status, extra, body = self.handle(environ)
+        except Refused as exc:
+            log.debug(
+                "celery-redlock board: %s %s from %s: %s %s",
+                environ.get("REQUEST_METHOD"),
+                _path(environ),
+                _client(environ),
+                exc.status,
+                exc,
+            )
+            status, extra, body = exc.status, [], _text_page(str(exc))
         except Exception:  # a bug of ours: a short page, the traceback in the log
             log.exception(
                 "celery-redlock board: %s %s failed", environ.get("REQUEST_METHOD"), _path(environ)
             )
-            status, headers, body = (
+            status, extra, body = (
                 "500 Internal Server Error",
                 [],
                 _text_page("the board failed: see its log"),
@@ -108,44 +153,72 @@ class Board:
             ("Referrer-Policy", "same-origin"),
             ("Cache-Control", "no-store"),
         ]
-        if not any(k == "Content-Type" for k, _ in headers):
+        if not any(k == "Content-Type" for k, _ in extra):
             base.append(("Content-Type", "text/html; charset=utf-8"))
-        start_response(status, base + headers)
+        try:
+            written = headers(base + extra)
+        except ValueError as exc:  # a header of ours would carry a control character
+            log.error(
+                "celery-redlock board: %s %s: %s",
+                environ.get("REQUEST_METHOD"),
+                _path(environ),
+                exc,
+            )
+            data = _text_page("the board failed: see its log").encode()
+            status = "500 Internal Server Error"
+            written = headers([("Content-Length", str(len(data))), *base[1:]])
+        start_response(status, written)
         return [data]
 
     def handle(self, environ: Environ) -> Answer:  # noqa: PLR0911 - one return per route
         method = environ.get("REQUEST_METHOD", "GET")
         path = _path(environ)
         base = environ.get("SCRIPT_NAME", "").rstrip("/")
-        args = {k: v[-1] for k, v in parse_qs(environ.get("QUERY_STRING", "")).items()}
+        args = _query(environ)
         if path.startswith("/static/"):
             return self.static(path[len("/static/") :])
         if path == "/action":
             if method != "POST":
-                raise _Refused("405 Method Not Allowed", "actions are POSTs")
+                raise Refused("405 Method Not Allowed", "actions are POSTs")
             return self.act(environ, base)
         if path == "/login":
-            return self.login(environ, base, method)
+            return self.login(environ, base, method, args)
+        if path == "/logout":
+            if method != "POST":
+                raise Refused("405 Method Not Allowed", "sign out with the page's button (a POST)")
+            return self.logout(environ, base)
         if self.private and self._session(environ) is None:
             if path.startswith("/api/"):
-                raise _Refused("403 Forbidden", "sign in with the board's token first")
+                raise Refused("403 Forbidden", "sign in with the board's token first")
             target = base + "/login" + pages.query(next=base + path)
             return "303 See Other", [("Location", target)], ""
         if path.startswith("/api/"):
             return self.api(path[len("/api/") :], args)
         if method not in ("GET", "HEAD"):
-            raise _Refused("405 Method Not Allowed", "this page is read-only")
+            raise Refused("405 Method Not Allowed", "this page is read-only")
         live = environ.get("HTTP_X_BOARD_PART") == "live"
         if path in ("", "/"):
             return self.overview(environ, base, args, live)
         if path.startswith("/key/"):
             return self.key(environ, base, path[len("/key/") :], args, live)
-        raise _Refused("404 Not Found", f"no page {path}")
+        raise Refused("404 Not Found", f"no page {path[:80]}")
 
     # -- pages ----------------------------------------------------------------------------
     def _where(self) -> str:
         urls = ", ".join(url for url, _ in self.source.clients())
         return f"{urls} · prefix {self.source.prefix}"
+
+    def _layout(self, environ: Environ, base: str, title: str, body: str) -> str:
+        """A whole page; signed in, with the sign-out button first."""
+        session = self._session(environ) if self.tokens else None
+        if session is not None:
+            body = (
+                f'<form class="signout" method=post action="{e(base)}/logout">'
+                f"{hidden({'csrf': session.csrf})}"
+                '<button type="submit" id="signout">sign out</button></form>' + body
+            )
+        user = session.token.name if session is not None else None
+        return pages.layout(base, title, body, where=self._where(), user=user)
 
     def overview(self, environ: Environ, base: str, args: dict[str, str], live: bool) -> Answer:
         filters = pages.overview_filters(args)
@@ -155,7 +228,7 @@ class Board:
             state=filters["state"],
             task_id=filters["task_id"],
             worker=filters["worker"],
-            offset=int(filters["offset"] or 0),
+            offset=whole(filters["offset"] or None, "offset", high=CURSOR_MAX, default=0),
             limit=pages.PAGE,
             sort=filters["sort"] or "name",
         )
@@ -164,11 +237,7 @@ class Board:
         if live:
             return "200 OK", [], part
         body = pages.overview_page(base, part, filters)
-        return (
-            "200 OK",
-            [],
-            pages.layout(base, "locks", body, where=self._where(), user=self._user(environ)),
-        )
+        return "200 OK", [], self._layout(environ, base, "locks", body)
 
     def key(
         self, environ: Environ, base: str, name: str, args: dict[str, str], live: bool
@@ -180,113 +249,168 @@ class Board:
         part = pages.key_live(base, name, view, events, problems, forms, rules)
         if live:
             return "200 OK", [], part
-        body = pages.key_page(name, part, forms.controls(), args.get("done", ""))
-        return (
-            "200 OK",
-            [],
-            pages.layout(base, name, body, where=self._where(), user=self._user(environ)),
-        )
+        body = pages.key_page(name, part, forms.controls(), DONE.get(args.get("done", ""), ""))
+        return "200 OK", [], self._layout(environ, base, name, body)
 
     def static(self, name: str) -> Answer:
         if name not in _STATIC:
-            raise _Refused("404 Not Found", "no such file")
+            raise Refused("404 Not Found", "no such file")
         data = resources.files(__package__).joinpath("static").joinpath(name).read_bytes()
         return "200 OK", [("Content-Type", _STATIC[name])], data
 
     def api(self, path: str, args: dict[str, str]) -> Answer:
         if path == "locks":
-            view = self.source.listing(args.get("pattern", "*"), limit=None)
-            out: Any = view.objects
-        elif path.startswith("locks/"):
+            return self._api_locks(args)
+        if path.startswith("locks/"):
             view = self.source.one(path[len("locks/") :])
-            out = view.objects
-        elif path == "events":
-            count = args.get("count", "100")
-            wanted = min(int(count), MAXLEN) if count.isdigit() else 100
-            events, problems = self.source.events(args.get("name") or None, count=wanted)
-            out, view = events, None
-            if problems:
-                return _json({"events": events, "problems": [p.__dict__ for p in problems]})
-        else:
-            raise _Refused("404 Not Found", f"no API /api/{path}")
-        if view is not None and view.problems:  # what was read, and what could not be
-            return _json({"objects": out, "problems": [p.__dict__ for p in view.problems]})
+            if view.problems:  # what was read, and what could not be
+                return _json({"objects": view.objects, "problems": _problems(view.problems)})
+            return _json(view.objects)
+        if path == "events":
+            return self._api_events(args)
+        raise Refused("404 Not Found", f"no API /api/{path[:80]}")
+
+    def _api_locks(self, args: dict[str, str]) -> Answer:
+        """One page of ``celery locks list --json``: every object (lock, permit, rate
+        limiter, control) of *limit* names in order, from the *cursor*-th name on (the
+        store's index answers the page: its cost grows with the page, not the keyspace)."""
+        limit = whole(args.get("limit"), "limit", low=1, high=PAGE_MAX, default=PAGE_DEFAULT)
+        offset = whole(args.get("cursor"), "cursor", high=CURSOR_MAX, default=0)
+        view = self.source.listing(args.get("pattern") or "*", offset=offset, limit=limit)
+        out: dict[str, Any] = {
+            "locks": view.objects,
+            "next": str(offset + limit) if view.more else None,
+        }
+        if view.problems:
+            out["problems"] = _problems(view.problems)
+        return _json(out)
+
+    def _api_events(self, args: dict[str, str]) -> Answer:
+        """One page of the recorded events, newest first (``count`` is ``limit``'s old
+        name)."""
+        given = args.get("limit", args.get("count"))
+        limit = whole(given, "limit", low=1, high=PAGE_MAX, default=PAGE_DEFAULT)
+        offset = whole(args.get("cursor"), "cursor", high=MAXLEN, default=0)
+        end = offset + limit
+        events, problems = self.source.events(args.get("name") or None, count=end + 1)
+        out: dict[str, Any] = {
+            "events": events[offset:end],
+            "next": str(end) if len(events) > end and end < MAXLEN else None,
+        }
+        if problems:
+            out["problems"] = _problems(problems)
         return _json(out)
 
     # -- who acts ---------------------------------------------------------------------------
-    def _session(self, environ: Environ) -> tuple[Token, str] | None:
-        cookie = SimpleCookie()
+    def _session(self, environ: Environ) -> Session | None:
+        cookie: SimpleCookie = SimpleCookie()
         try:
             cookie.load(environ.get("HTTP_COOKIE", ""))
-        except Exception:  # a malformed cookie header is no session
+        except CookieError:  # a malformed cookie header is no session
             return None
         morsel = cookie.get(_COOKIE)
-        session = morsel.value if morsel is not None else ""
-        token = token_of(self.tokens, session)
-        return (token, session) if token is not None else None
+        return self.sessions.get(morsel.value) if morsel is not None else None
 
-    def _user(self, environ: Environ) -> str | None:
-        found = self._session(environ) if self.tokens else None
-        return found[0].name if found else None
+    def _cookie(self, environ: Environ, base: str, value: str, max_age: int) -> str:
+        secure = self.secure_cookies or environ.get("wsgi.url_scheme") == "https"
+        return (
+            f"{_COOKIE}={value}; Path={base or ''}/; Max-Age={max_age}; HttpOnly; "
+            "SameSite=Strict" + ("; Secure" if secure else "")
+        )
 
-    def login(self, environ: Environ, base: str, method: str) -> Answer:
+    def login(self, environ: Environ, base: str, method: str, args: dict[str, str]) -> Answer:
         if not self.tokens:
-            raise _Refused("404 Not Found", "this board has no token to sign in with")
+            raise Refused("404 Not Found", "this board has no token to sign in with")
         note = ""
+        back = args.get("next", "")
         if method == "POST":
             form = _form(environ)
+            back = form.get("next", "")
             token = pasted(self.tokens, form.get("token", ""))
             if token is not None:
-                log.info("celery-redlock board: %r signed in", token.name)
-                path = (base or "") + "/"
-                cookie = f"{_COOKIE}={token.session()}; Path={path}; HttpOnly; SameSite=Strict"
-                back = form.get("next", "")
-                target = back if _local(back, base) else path
+                session = self.sessions.open(token)
+                log.info("celery-redlock board: %r signed in from %s", token.name, _client(environ))
+                cookie = self._cookie(environ, base, session.id, math.ceil(self.sessions.ttl))
+                target = local_path(back, base)
                 return "303 See Other", [("Set-Cookie", cookie), ("Location", target)], ""
+            log.info(
+                "celery-redlock board: sign-in refused from %s (not a token of this board)",
+                _client(environ),
+            )
             note = '<p class="problems">That is not a token of this board.</p>'
-        args = {k: v[-1] for k, v in parse_qs(environ.get("QUERY_STRING", "")).items()}
+        elif method not in ("GET", "HEAD"):
+            raise Refused("405 Method Not Allowed", "sign in with GET (the form) or POST")
         body = (
-            f'<h1>Sign in to act</h1>{note}<form method=post action="{e(base)}/login">'
-            f"{hidden({'next': args.get('next', '')})}"
+            f'<h1>Sign in</h1>{note}<form method=post action="{e(base)}/login">'
+            f"{hidden({'next': local_path(back, base)})}"
             '<label>token <input type="password" name="token" autocomplete="off"></label> '
             '<button type="submit">sign in</button></form>'
         )
         return "200 OK", [], pages.layout(base, "sign in", body, where=self._where(), user=None)
 
+    def logout(self, environ: Environ, base: str) -> Answer:
+        """End the session (its CSRF token in the form: another site cannot sign you out)."""
+        form = _form(environ)
+        session = self._session(environ)
+        if session is not None:
+            if not session.csrf_ok(form.get("csrf", "")):
+                raise Refused(
+                    "403 Forbidden", "the form's CSRF token is missing or wrong: reload the page"
+                )
+            self.sessions.end(session.id)
+            log.info(
+                "celery-redlock board: %r signed out from %s", session.token.name, _client(environ)
+            )
+        gone = self._cookie(environ, base, "", 0)
+        return "303 See Other", [("Set-Cookie", gone), ("Location", base + "/")], ""
+
     def act(self, environ: Environ, base: str) -> Answer:
-        """One action: refused (403) unless actions are on, the session's token is valid
-        and the form's CSRF token is that session's; asks for confirmation first."""
+        """One action: refused (403) unless actions are on, the session is live and the
+        form's CSRF token is that session's; a bad value is a 400; asks for confirmation
+        first."""
+        who = _client(environ)
         if not self.actions:
-            raise _Refused(
+            raise Refused(
                 "403 Forbidden", "actions are off on this board (start it with --actions)"
             )
         form = _form(environ)
-        found = self._session(environ)
-        if found is None:
-            raise _Refused("403 Forbidden", "no valid token: sign in with the board's token first")
-        token, session = found
-        if not _same(form.get("csrf", ""), token.csrf(session)):
-            raise _Refused(
+        session = self._session(environ)
+        if session is None:
+            log.info("celery-redlock board: action refused from %s: no live session", who)
+            raise Refused("403 Forbidden", "no valid session: sign in with the board's token first")
+        user = session.token.name
+        if not session.csrf_ok(form.get("csrf", "")):
+            log.info(
+                "celery-redlock board: action (token %r) from %s refused: bad CSRF token", user, who
+            )
+            raise Refused(
                 "403 Forbidden", "the form's CSRF token is missing or wrong: reload the page"
             )
         verb, name = form.get("verb", ""), form.get("name", "")
         if verb not in _VERBS or not name:
-            raise _Refused(
-                "400 Bad Request", f"unknown action {verb!r} (one of {', '.join(_VERBS)})"
-            )
+            raise bad(f"unknown action {verb[:20]!r} (one of {', '.join(_VERBS)})")
+        values = _values(verb, form)  # every value checked before a question is asked
         back = f"{base}/key/{quote(name, safe='')}"
         if form.get("confirmed") != "yes":
-            return "200 OK", [], self._confirm(base, token.name, form)
+            return "200 OK", [], self._confirm(environ, base, form)
         try:
-            done = self._do(verb, name, form)
+            code, said = self._do(verb, name, form, values)
         except ConfigError as exc:
-            done = f"{verb} {name!r} refused: {exc}"
+            log.info(
+                "celery-redlock board: %s %r (token %r) from %s refused: %s",
+                verb,
+                name,
+                user,
+                who,
+                exc,
+            )
+            raise bad(f"{verb} {name[:80]!r} refused: {one_line(exc)}") from None
         except QuorumUnavailable as exc:
-            done = f"{verb} {name!r} failed: Redis unreachable ({one_line(exc)})"
-        log.info("celery-redlock board: %s (token %r): %s", verb, token.name, done)
-        return "303 See Other", [("Location", back + pages.query(done=done))], ""
+            code, said = "unreachable", f"failed: Redis unreachable ({one_line(exc)})"
+        log.info("celery-redlock board: %s %r (token %r) from %s: %s", verb, name, user, who, said)
+        return "303 See Other", [("Location", back + pages.query(done=code))], ""
 
-    def _confirm(self, base: str, user: str, form: dict[str, str]) -> str:
+    def _confirm(self, environ: Environ, base: str, form: dict[str, str]) -> str:
         fields = {k: v for k, v in form.items() if k != "confirmed"}
         question = _question(form)
         body = (
@@ -296,54 +420,56 @@ class Board:
             '<button type="submit" class="danger" id="confirm">yes, do it</button> '
             f'<a href="{e(base)}/key/{e(quote(form.get("name", ""), safe=""))}">cancel</a></form>'
         )
-        return pages.layout(base, "confirm", body, where=self._where(), user=user)
+        return self._layout(environ, base, "confirm", body)
 
-    def _do(self, verb: str, name: str, form: dict[str, str]) -> str:
-        """The action, through the code of ``celery locks`` and ``control(app)``."""
-        seconds = _seconds(form.get("for", ""))
+    def _do(
+        self, verb: str, name: str, form: dict[str, str], values: dict[str, Any]
+    ) -> tuple[str, str]:
+        """The action, through the code of ``celery locks`` and ``control(app)``: the code
+        of its sentence (:data:`DONE`) and what it did, for the log."""
+        seconds = values.get("seconds")
+        span = f" for {form.get('for', '').strip()}" if seconds else ""
         if verb == "release":
-            return self._release(name, form)
+            return self._release(name, form, values.get("fence"))
         controls = self.source.controls()
         if verb == "pause":
-            controls.pause(name, seconds, reason=form.get("reason", ""))
-            return f"paused {name!r}" + (f" for {form['for']}" if seconds else " until resumed")
+            controls.pause(name, seconds, reason=form.get("reason", "")[:500])
+            return "paused", "paused" + (span or " until resumed")
         if verb == "resume":
-            return f"resumed {name!r}" if controls.resume(name) else f"{name!r} was not paused"
+            return ("resumed", "resumed") if controls.resume(name) else ("not-paused", "not paused")
         if verb == "unset":
-            return (
-                f"{name!r}: overrides lifted"
-                if controls.unset(name)
-                else f"{name!r} had no override"
-            )
-        limit = _int(form.get("limit", ""), "limit")
-        burst = _int(form.get("burst", ""), "burst")
+            if controls.unset(name):
+                return "unset", "overrides lifted"
+            return "no-override", "had no override"
+        limit, burst = values.get("limit"), values.get("burst")
         rate = form.get("rate", "").strip() or None
         controls.override(name, limit=limit, rate=rate, burst=burst, seconds=seconds)
         parts = ([f"limit {limit}"] if limit else []) + ([f"rate {rate}"] if rate else [])
-        return (
-            f"{name!r}: "
-            + ", ".join(parts)
-            + (f" for {form['for']}" if seconds else " until unset")
-        )
+        return "set", ", ".join(parts) + (span or " until unset")
 
-    def _release(self, name: str, form: dict[str, str]) -> str:
+    def _release(self, name: str, form: dict[str, str], fence: int | None) -> tuple[str, str]:
         """Remove the acquisition shown (its fence), or the queued hold shown (its task id),
         on the master it was shown on, as ``celery locks release`` does."""
         master = form.get("master") or None
         notice_ttl = self.source.settings.ttl
-        said = []
+        said: list[str] = []
+        codes: list[str] = []
+        queued = form.get("state") == "queued"
         for _, backend in self.source.clients():
             if self.source.redlock and backend.describe() != master:
                 continue
             prefix = self.source.prefix
-            if form.get("state") == "queued":
+            if queued:
                 gone = force_dequeue(backend, prefix, name, form.get("task_id") or None)
                 said.append(f"queued hold of {name!r}: {gone.outcome}")
+                codes.append("dequeued" if gone.outcome == "released" else gone.outcome)
                 continue
-            fence = form.get("fence") or None
             done = force_release(backend, prefix, name, fence, notice_ttl=notice_ttl)
             said.append(done.said(name))
-        return "; ".join(said) or f"{name!r}: no master {master!r}"
+            codes.append(done.outcome)
+        if not codes:
+            return "no-master", f"no master {master!r}"
+        return codes[0], "; ".join(said)
 
 
 class _Forms:
@@ -352,8 +478,8 @@ class _Forms:
 
     def __init__(self, board: Board, environ: Environ, base: str, name: str) -> None:
         self.board, self.base, self.name = board, base, name
-        found = board._session(environ) if board.actions else None
-        self.csrf = found[0].csrf(found[1]) if found else None
+        session = board._session(environ) if board.actions else None
+        self.csrf = session.csrf if session is not None else None
         self.path = f"{base}/key/{quote(name, safe='')}"
 
     def _form(
@@ -426,9 +552,18 @@ def _question(form: dict[str, str]) -> str:
     return f"{verb.capitalize()} {name!r}?"
 
 
-def _local(target: str, base: str) -> bool:
-    """True for a path of this board (never another site: ``//host``, ``/\\host``)."""
-    return target.startswith(base + "/") and not target.startswith(("//", "/\\"))
+def _values(verb: str, form: dict[str, str]) -> dict[str, Any]:
+    """The numbers of an action's form, each checked (a 400 naming the field)."""
+    values: dict[str, Any] = {}
+    if verb in ("pause", "set"):
+        values["seconds"] = duration(form.get("for"))
+    if verb == "set":
+        for field in ("limit", "burst"):
+            if (form.get(field) or "").strip():
+                values[field] = whole(form.get(field), field, low=1, high=1_000_000)
+    if verb == "release" and form.get("state") != "queued" and (form.get("fence") or "").strip():
+        values["fence"] = whole(form.get("fence"), "fence", high=2**63 - 1)
+    return values
 
 
 def _path(environ: Environ) -> str:
@@ -440,40 +575,32 @@ def _path(environ: Environ) -> str:
         return str(raw)
 
 
+def _query(environ: Environ) -> dict[str, str]:
+    """The query's values (the last of each name)."""
+    query = environ.get("QUERY_STRING", "") or ""
+    return {k: v[-1] for k, v in parse_qs(query, max_num_fields=100).items()}
+
+
+def _client(environ: Environ) -> str:
+    """The client's address, for the log (a proxy's own, behind one)."""
+    return str(environ.get("REMOTE_ADDR") or "?")
+
+
 def _form(environ: Environ) -> dict[str, str]:
-    try:
-        size = int(environ.get("CONTENT_LENGTH") or 0)
-    except ValueError:
-        size = 0
+    length = str(environ.get("CONTENT_LENGTH") or "0").strip()
+    size = whole(length or "0", "Content-Length", high=2**40)
     if size > 65536:
-        raise _Refused("413 Content Too Large", "the form is too large")
+        raise Refused("413 Content Too Large", "the form is too large")
     data = environ["wsgi.input"].read(size) if size > 0 else b""
-    return {k: v[-1] for k, v in parse_qs(data.decode("utf-8", "replace")).items()}
-
-
-def _same(given: str, expected: str) -> bool:
-    import hmac  # noqa: PLC0415 - only actions compare secrets
-
-    return bool(given) and hmac.compare_digest(given.encode(), expected.encode())
-
-
-def _seconds(value: str) -> float | None:
-    value = value.strip()
-    if not value:
-        return None
     try:
-        return parse_duration(value)
-    except ValueError as exc:
-        raise ConfigError(f"for {value!r}: {exc}") from None
+        fields = parse_qs(data.decode("utf-8", "replace"), max_num_fields=100)
+    except ValueError:
+        raise bad("the form has too many fields") from None
+    return {k: v[-1] for k, v in fields.items()}
 
 
-def _int(value: str, what: str) -> int | None:
-    value = value.strip()
-    if not value:
-        return None
-    if not value.isdigit():
-        raise ConfigError(f"{what} must be a whole number, got {value!r}")
-    return int(value)
+def _problems(problems: Sequence[Any]) -> list[dict[str, Any]]:
+    return [dict(p.__dict__) for p in problems]
 
 
 def _json(data: Any) -> Answer:

@@ -688,9 +688,44 @@ board_servers: list[Callable[..., None]] = []
     help_group="Board Options",
     help="The tokens that may act, one name:secret a line (else REDLOCK_BOARD_TOKEN).",
 )
+@click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    cls=CeleryOption,
+    multiple=True,
+    metavar="NAME[:PORT]",
+    help_group="Board Options",
+    help="A Host the board answers besides the served address (a reverse proxy's name); "
+    "repeatable.",
+)
+@click.option(
+    "--secure-cookie",
+    cls=CeleryOption,
+    is_flag=True,
+    help_group="Board Options",
+    help="Mark the session cookie Secure (behind a proxy that serves https).",
+)
+@click.option(
+    "--loglevel",
+    "log_level",
+    cls=CeleryOption,
+    default="INFO",
+    metavar="LEVEL",
+    help_group="Board Options",
+    help="What the board logs on stderr: INFO (default) shows sign-ins and actions.",
+)
 @click.pass_context
-def serve(ctx: click.Context, host: str, port: int, actions: bool, token_file: str | None) -> None:
-    """Serve the lock board (see docs/board.md) until interrupted."""
+def serve(  # noqa: PLR0917 - one argument per option
+    ctx: click.Context,
+    host: str,
+    port: int,
+    actions: bool,
+    token_file: str | None,
+    allowed_hosts: tuple[str, ...],
+    secure_cookie: bool,
+    log_level: str,
+) -> None:
+    """Serve the lock board (see docs/board.md) until interrupted (SIGINT or SIGTERM)."""
     if not board_servers:
         raise CeleryCommandException(
             "the board is not installed in this process (import celery_redlock)", EXIT_USAGE
@@ -703,6 +738,9 @@ def serve(ctx: click.Context, host: str, port: int, actions: bool, token_file: s
             actions=actions,
             token_file=token_file,
             overrides=ctx.meta.get(_OVERRIDES, {}),
+            allowed_hosts=list(allowed_hosts),
+            secure_cookies=secure_cookie,
+            log_level=log_level,
             echo=click.echo,
         )
     except ConfigError as exc:

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import html
 import json
 import logging
 import os
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +38,7 @@ from celery_redlock.app.event_log import flush, log_key
 from celery_redlock.board import make_app
 from celery_redlock.board.auth import Token
 from celery_redlock.board.serve import make_board_server
+from celery_redlock.board.wsgi import DONE
 from celery_redlock.core import open_backend
 from celery_redlock.core.backend import EventLog, need
 from celery_redlock.core.errors import ConfigError
@@ -73,7 +77,7 @@ def _signed_in(board: Any) -> Client:
 
 
 def _csrf(page: str) -> str:
-    found = re.search(r'name="csrf" value="([0-9a-f]+)"', page)
+    found = re.search(r'name="csrf" value="([0-9A-Za-z_-]+)"', page)
     assert found, page
     return found.group(1)
 
@@ -100,7 +104,7 @@ def test_the_api_has_the_objects_of_celery_locks_list_json(
     def steady(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{k: v for k, v in o.items() if k != "ttl_ms"} for o in objects]
 
-    assert steady(json.loads(_text(api))) == steady(json.loads(cli.output))
+    assert steady(json.loads(_text(api))["locks"]) == steady(json.loads(cli.output))
     assert [o["name"] for o in json.loads(cli.output)] == ["sync:1", "sync:2"]
 
 
@@ -172,7 +176,7 @@ def test_foreign_data_under_the_prefix_shows_as_unreadable_never_a_500(
     redis_client.xadd(
         log_key("redlock:"), {"e": json.dumps({"kind": "acquired", "name": "sync:1"})}
     )
-    events = json.loads(_text(board.get("/api/events")))
+    events = json.loads(_text(board.get("/api/events")))["events"]
     assert [e["kind"] for e in events] == ["acquired", "unreadable"] or [
         e["kind"] for e in events
     ] == ["unreadable", "acquired"]
@@ -300,7 +304,7 @@ def test_a_redlock_board_shows_one_row_a_name_with_the_masters_that_agree(
     app = Celery("redlockboard", broker="memory://", set_as_current=False)
     app.conf.redlock_url = [s.url for s in three_servers]
     try:
-        objects = json.loads(_text(Client(make_app(app)).get("/api/locks")))
+        objects = json.loads(_text(Client(make_app(app)).get("/api/locks")))["locks"]
         assert sorted(o["master"] for o in objects) == sorted(
             open_backend(connect(s.url)).describe() for s in three_servers
         )
@@ -341,8 +345,8 @@ def test_an_action_needs_the_token_and_the_csrf_token_and_asks_first(
     done = client.post("/action", data={**form, "csrf": csrf, "confirmed": "yes"})
     assert done.status_code == 303
     assert not lock.locked()
-    shown = _text(client.get(done.headers["Location"]))
-    assert "released" in shown and "proj.sync[id-1]" in shown
+    assert done.headers["Location"] == "/key/act%3A1?done=released"
+    assert DONE["released"] in _text(client.get(done.headers["Location"]))
 
 
 def test_pause_and_set_go_through_the_controls_of_celery_locks(
@@ -364,13 +368,14 @@ def test_pause_and_set_go_through_the_controls_of_celery_locks(
     with caplog.at_level("INFO", logger="celery_redlock.board"):
         act(verb="pause", reason="429 from acme", **{"for": "10m"})
         act(verb="set", limit="3")
-    controls = {o["control"]: o for o in json.loads(_text(client.get("/api/locks")))}
+    controls = {o["control"]: o for o in json.loads(_text(client.get("/api/locks")))["locks"]}
     assert controls["pause"]["value"] == "429 from acme" and controls["pause"]["ttl_ms"] > 590_000
     assert controls["limit"]["value"] == "3"
-    assert "pause (token 'ops')" in caplog.text and "set (token 'ops')" in caplog.text
+    assert "pause 'partner:acme' (token 'ops')" in caplog.text
+    assert "set 'partner:acme' (token 'ops')" in caplog.text
     act(verb="resume")
     act(verb="unset")
-    assert json.loads(_text(client.get("/api/locks"))) == []
+    assert json.loads(_text(client.get("/api/locks")))["locks"] == []
 
 
 def test_a_bad_or_missing_token_is_refused_with_a_clear_message(app: Celery) -> None:
@@ -397,7 +402,8 @@ def test_a_bad_or_missing_token_is_refused_with_a_clear_message(app: Celery) -> 
 def test_serve_refuses_a_non_loopback_address_without_a_token(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """`celery locks serve --host 0.0.0.0` with no token exits 2 saying why."""
+    """`celery locks serve --host 0.0.0.0` with no token, a bad --loglevel or a bad
+    --allowed-host exits 2 saying why."""
     monkeypatch.delenv("REDLOCK_BOARD_TOKEN", raising=False)
     result = CliRunner().invoke(
         celery_main,
@@ -409,43 +415,122 @@ def test_serve_refuses_a_non_loopback_address_without_a_token(
         celery_main, ["-A", "tests.apps.locksapp", "locks", "serve", "--actions"]
     )
     assert result.exit_code == 2 and "--actions needs a token" in result.output
+    for option, said in (
+        (["--loglevel", "LOUD"], "--loglevel 'LOUD' is not a level"),
+        (["--allowed-host", "a b:x"], "allowed host 'a b:x' is not a host name"),
+    ):
+        result = CliRunner().invoke(
+            celery_main,
+            ["-A", "tests.apps.locksapp", "locks", "serve", "--port", "0", *option],
+        )
+        assert result.exit_code == 2 and said in result.output, result.output
+
+
+#: `locks serve` processes started at once by the stop test, and how many rounds.
+SERVE_BATCH, SERVE_ROUNDS = 5, 4
+
+
+def _serve_processes(env: dict[str, str], *extra: str) -> list[subprocess.Popen[str]]:
+    command = [str(Path(sys.executable).parent / "celery"), "-A", "tests.apps.locksapp",
+               "locks", "serve", "--port", "0", *extra]  # fmt: skip
+    return [
+        subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(SERVE_BATCH)
+    ]
+
+
+def _address_of(proc: subprocess.Popen[str], mode: str) -> str:
+    """The URL `locks serve` prints on its first line (within 60 s)."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    assert ready, "no address printed within 60 s"
+    line = proc.stdout.readline()
+    found = re.fullmatch(rf"celery-redlock board on (http://127\.0\.0\.1:\d+/) \({mode}\)\n", line)
+    assert found, line
+    return found.group(1)
+
+
+def _refresh(url: str, stop: threading.Event) -> None:
+    """Ask for the overview's live part five times a second (an open page asks once),
+    until *stop* or refused."""
+    request = urllib.request.Request(url, headers={"X-Board-Part": "live"})
+    while not stop.wait(0.2):
+        try:
+            with urllib.request.urlopen(request, timeout=5) as answer:
+                answer.read()
+        except OSError:
+            return
 
 
 @pytest.mark.slow
-def test_the_serve_command_prints_its_address_and_serves_until_stopped(
+def test_locks_serve_answers_logs_and_stops_within_a_second_of_sigint_or_sigterm(
     shared_redis: RedisServer,
 ) -> None:
-    """`celery -A app locks serve --port 0` in a real process prints where it serves and
-    whether actions are on, answers the API there, and exits when interrupted."""
-    _lock(shared_redis, "served:1")
-    env = dict(os.environ, LOCKSAPP_REDLOCK_URL=shared_redis.url)
+    """`celery -A app locks serve --port 0` as a real process, 20 times: it prints where
+    it serves, answers the API there (and an --allowed-host name), shows sign-ins on
+    stderr, and with a silent connection, a half-sent request and pages refreshing in
+    flight exits with 0 within 1 s of SIGINT or SIGTERM, every time."""
+    held_lock = Lock(shared_redis.client(), "served:1", 600, owner_info=OWNER, auto_renew=False)
+    assert held_lock.acquire(blocking=False)
+    env = dict(os.environ, LOCKSAPP_REDLOCK_URL=shared_redis.url, REDLOCK_BOARD_TOKEN=SECRET)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.pop("REDLOCK_BOARD_TOKEN", None)
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "celery"), "-A", "tests.apps.locksapp", "locks",
-         "serve", "--port", "0"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        assert ready, "no address printed within 60 s"
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        found = re.fullmatch(
-            r"celery-redlock board on (http://127\.0\.0\.1:\d+/) \(read-only\)\n", line
-        )
-        assert found, line
-        with urllib.request.urlopen(found.group(1) + "api/locks", timeout=10) as r:
-            assert [row["name"] for row in json.loads(r.read())] == ["served:1"]
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
+    stops: list[float] = []
+    for round_ in range(SERVE_ROUNDS):
+        procs = _serve_processes(env, "--actions", "--allowed-host", "board.example")
+        stop = threading.Event()
+        threads: list[threading.Thread] = []
+        held: list[socket.socket] = []
+        try:
+            urls = [_address_of(proc, "actions on") for proc in procs]
+            for url in urls:
+                port = int(url.rsplit(":", 1)[1].strip("/"))
+                silent = socket.create_connection(("127.0.0.1", port))
+                half = socket.create_connection(("127.0.0.1", port))
+                half.sendall(b"GET /api/locks HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: keep")
+                held += [silent, half]
+                threads += [
+                    threading.Thread(target=_refresh, args=(url, stop), daemon=True)
+                    for _ in range(2)
+                ]
+            for thread in threads:
+                thread.start()
+            first = urls[0]
+            with urllib.request.urlopen(first + "api/locks", timeout=10) as r:
+                assert [row["name"] for row in json.loads(r.read())["locks"]] == ["served:1"]
+            proxied = urllib.request.Request(first + "api/locks", headers={"Host": "board.example"})
+            with urllib.request.urlopen(proxied, timeout=10) as r:
+                assert r.status == 200
+            signed = urllib.request.Request(
+                first + "login", data=f"token={SECRET}".encode(), method="POST"
+            )
+            with contextlib.suppress(urllib.error.HTTPError):  # the 303 leads to /
+                urllib.request.urlopen(signed, timeout=10).close()
+            for i, proc in enumerate(procs):
+                sent = time.monotonic()
+                proc.send_signal(signal.SIGTERM if (round_ + i) % 3 == 0 else signal.SIGINT)
+                assert proc.wait(10) == 0
+                stops.append(time.monotonic() - sent)
+            assert procs[0].stderr is not None
+            said = procs[0].stderr.read()
+            assert "INFO] celery-redlock board: 'token' signed in from 127.0.0.1" in said, said
+            assert "Traceback" not in said, said
+        finally:
+            stop.set()
+            for sock in held:
+                sock.close()
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(10)
+                for stream in (proc.stdout, proc.stderr):
+                    if stream is not None:
+                        stream.close()
+            for thread in threads:
+                thread.join(10)
+    assert len(stops) == SERVE_BATCH * SERVE_ROUNDS
+    assert max(stops) < 1.0, [round(s, 2) for s in stops]
 
 
 def test_the_served_board_answers_over_http_and_a_private_one_asks_to_sign_in(
@@ -531,7 +616,8 @@ def test_the_overview_reads_one_page_of_names_and_says_more_match(
         page = _text(Client(make_app(app)).get("/?prefix=page:"))
         assert re.findall(r'<tr data-name="([^"]+)"', page) == ["page:1", "page:2"]
         assert "5 keys, 1-2 shown" in page and 'rel="next"' in page
-        assert len(json.loads(_text(Client(make_app(app)).get("/api/locks?pattern=page:*")))) == 5
+        listed = json.loads(_text(Client(make_app(app)).get("/api/locks?pattern=page:*")))
+        assert len(listed["locks"]) == 5 and listed["next"] is None
     finally:
         for lock in [*held, permit]:
             lock.release()
@@ -614,7 +700,8 @@ def test_on_a_cluster_the_board_finds_keys_on_every_primary_and_their_events(
     try:
         board = make_app(app)
         assert (
-            sorted(o["name"] for o in json.loads(_text(Client(board).get("/api/locks")))) == names
+            sorted(o["name"] for o in json.loads(_text(Client(board).get("/api/locks")))["locks"])
+            == names
         )
         assert re.findall(r'<tr data-name="([^"]+)"', _text(Client(board).get("/"))) == names
         view = board.source.listing("job:*", limit=5)
@@ -682,3 +769,256 @@ def test_the_recorder_writes_from_its_thread_which_ends_when_idle(
     while time.monotonic() < deadline and writer_alive():
         time.sleep(0.02)
     assert not writer_alive()
+
+
+# -- safe: headers, Host, sessions, messages, parameters ---------------------------------------
+def _raw(
+    board: Any, path: str, *, method: str = "GET", data: Any = None, **environ: Any
+) -> tuple[str, list[tuple[str, str]], str]:
+    """*board* called as a WSGI app with one request (no client in between to check or
+    fix its headers): the status, the headers as written, the body."""
+    from werkzeug.test import EnvironBuilder  # noqa: PLC0415
+
+    env = EnvironBuilder(path=path, method=method, data=data).get_environ()
+    env.update(environ)
+    said: dict[str, Any] = {}
+
+    def start_response(status: str, headers: list[tuple[str, str]]) -> None:
+        said.update(status=status, headers=headers)
+
+    body = b"".join(board(env, start_response)).decode()
+    return said["status"], said["headers"], body
+
+
+def test_a_crlf_or_tab_in_next_never_reaches_a_header() -> None:
+    """Sign-in's `next` holding CR LF (a second Set-Cookie) or a tab is not a local
+    path: the board sends the person home, and writes one Set-Cookie only; a header value
+    with a control character is refused where headers are built."""
+    from celery_redlock.board.http import headers, local_path  # noqa: PLC0415
+
+    board = make_app(Celery("crlf", set_as_current=False), actions=True, token=TOKEN)
+    for evil in ("/\r\nSet-Cookie: injected=1", "/key/a\tb", "/\nx", "/key/\x7f"):
+        status, sent, _ = _raw(board, "/login", method="POST", data={"token": SECRET, "next": evil})
+        assert status.startswith("303")
+        assert dict(sent)["Location"] == "/"
+        assert next(v for k, v in sent if k == "Set-Cookie").startswith("redlock_board=")
+        assert len([k for k, _ in sent if k == "Set-Cookie"]) == 1
+        assert all("\r" not in v and "\n" not in v and "\t" not in v for _, v in sent)
+    assert local_path("/key/a?x=1", "") == "/key/a?x=1"
+    assert (
+        local_path("/ops/key/a", "/ops") == "/ops/key/a" and local_path("/key/a", "/ops") == "/ops/"
+    )
+    for bad_value in ("/\r\nX: 1", "a\tb", "x\x00"):
+        with pytest.raises(ValueError, match="control character"):
+            headers([("Location", bad_value)])
+
+
+def test_a_request_for_another_host_is_refused_by_the_served_board(
+    app: Celery, shared_redis: RedisServer
+) -> None:
+    """Served on 127.0.0.1:PORT, the board answers Host 127.0.0.1:PORT and localhost:PORT
+    and an --allowed-host name, and refuses another Host (a DNS-rebinding page) with 400;
+    make_app without allowed_hosts checks none, with them refuses the others."""
+    _lock(shared_redis, "host:1")
+    server = make_board_server(app, host="127.0.0.1", port=0, allowed_hosts=["board.example"])
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1})
+    thread.start()
+    port = server.server_port
+
+    def status(host: str) -> int:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/api/locks")
+        request.add_header("Host", host)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                return int(answer.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    try:
+        assert status(f"attacker.example:{port}") == 400
+        assert status(f"127.0.0.1:{port + 1}") == 400
+        assert status(f"127.0.0.1:{port}") == 200 and status(f"LOCALHOST:{port}") == 200
+        assert status("board.example") == 200 and status("board.example:8443") == 200
+        assert status("board.example.attacker.example") == 400
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+    assert Client(make_app(app)).get("/", headers={"Host": "anything.example"}).status_code == 200
+    pinned = make_app(app, allowed_hosts=["ops.example:443"])
+    assert Client(pinned).get("/", headers={"Host": "other.example"}).status_code == 400
+    assert Client(pinned).get("/", base_url="https://ops.example/").status_code == 200
+    with pytest.raises(ConfigError, match="allowed host 'a b:x'"):
+        make_app(app, allowed_hosts=["a b:x"])
+
+
+def test_sessions_are_random_per_sign_in_end_at_sign_out_and_expire(
+    app: Celery, shared_redis: RedisServer
+) -> None:
+    """Two sign-ins get different session cookies and CSRF tokens (HttpOnly,
+    SameSite=Strict, Secure over https or with secure_cookies); sign-out (a POST with the
+    session's CSRF token) ends the session; a session ends by itself after session_ttl."""
+    from freezegun import freeze_time  # noqa: PLC0415
+
+    lock = _lock(shared_redis, "sess:1")
+    board = make_app(app, actions=True, token=TOKEN, session_ttl=60)
+    first, second = _signed_in(board), _signed_in(board)
+    cookies = [c.get_cookie("redlock_board") for c in (first, second)]
+    assert all(c is not None and c.http_only and c.same_site == "Strict" for c in cookies)
+    assert cookies[0].value != cookies[1].value and not cookies[0].secure  # type: ignore[union-attr]
+    assert SECRET not in cookies[0].value  # type: ignore[union-attr]
+    csrfs = [_csrf(_text(c.get("/key/sess%3A1"))) for c in (first, second)]
+    assert csrfs[0] != csrfs[1]
+    crossed = {"verb": "release", "name": "sess:1", "state": "running", "confirmed": "yes"}
+    assert first.post("/action", data={**crossed, "csrf": csrfs[1]}).status_code == 403
+    https = Client(board).post("/login", data={"token": SECRET}, base_url="https://localhost/")
+    assert "; Secure" in https.headers["Set-Cookie"]
+    behind = Client(make_app(app, token=TOKEN, secure_cookies=True)).post(
+        "/login", data={"token": SECRET}
+    )
+    assert "; Secure" in behind.headers["Set-Cookie"]
+
+    assert first.post("/logout", data={"csrf": csrfs[1]}).status_code == 403  # not its token
+    assert first.get("/logout").status_code == 405
+    out = first.post("/logout", data={"csrf": csrfs[0]})
+    assert out.status_code == 303 and "Max-Age=0" in out.headers["Set-Cookie"]
+    replayed = Client(board)
+    replayed.set_cookie("redlock_board", cookies[0].value)  # type: ignore[union-attr]
+    assert replayed.post("/action", data={**crossed, "csrf": csrfs[0]}).status_code == 403
+    assert "sign out" not in _text(replayed.get("/"))
+    with freeze_time() as clock:
+        late = _signed_in(board)
+        csrf = _csrf(_text(late.get("/key/sess%3A1")))
+        clock.tick(61)
+        assert late.post("/action", data={**crossed, "csrf": csrf}).status_code == 403
+    assert lock.locked()
+    mine = {**crossed, "csrf": csrfs[1], "fence": str(lock.fence)}
+    assert second.post("/action", data=mine).status_code == 303  # the other session lives
+    assert not lock.locked()
+
+
+def test_a_pages_message_comes_from_a_fixed_set_never_from_the_query(app: Celery) -> None:
+    """`?done=` picks one of the board's sentences by its code; any other text shows
+    nothing."""
+    board = Client(make_app(app))
+    evil = _text(board.get("/key/sync%3A1?done=Your+session+expired%2C+call+555-0100"))
+    assert "555-0100" not in evil and 'class="done"' not in evil
+    for code, sentence in DONE.items():
+        page = _text(board.get(f"/key/sync%3A1?done={code}"))
+        assert f'<p class="done" role="status">{html.escape(sentence)}</p>' in page
+
+
+def test_every_bad_parameter_is_a_400_with_a_reason_and_no_traceback(
+    app: Celery, shared_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Unicode digits, zero, out-of-range counts and limits, a fence that is not a
+    number and a duration of 1e308s: each a 400 whose page says which value is wrong,
+    nothing changed and nothing logged at ERROR."""
+    lock = _lock(shared_redis, "bad:1")
+    board = make_app(app, actions=True, token=TOKEN)
+    client = _signed_in(board)
+    csrf = _csrf(_text(client.get("/key/bad%3A1")))
+    with caplog.at_level("DEBUG", logger="celery_redlock.board"):
+        for path, said in [
+            ("/api/events?count=%C2%B2", "limit must be a whole number from 1 to 1000"),
+            ("/api/events?count=0", "got '0'"),
+            ("/api/events?limit=1001", "got '1001'"),
+            ("/api/events?cursor=-1", "cursor must be a whole number"),
+            ("/api/locks?limit=%D9%A3", "limit must be"),
+            ("/api/locks?cursor=x", "cursor must be"),
+        ]:
+            answer = client.get(path)
+            assert answer.status_code == 400, path
+            assert said in html.unescape(_text(answer)), path
+        for fields, said in [
+            ({"verb": "set", "limit": "²"}, "limit must be a whole number"),
+            ({"verb": "set", "limit": "3", "burst": "1e9"}, "burst must be"),
+            ({"verb": "release", "fence": "abc", "state": "running"}, "fence must be"),
+            ({"verb": "pause", "for": "1e308s"}, "for '1e308s'"),
+            ({"verb": "pause", "for": "400d"}, "longer than a year"),
+            ({"verb": "pause", "for": "soon"}, "must be a duration"),
+            ({"verb": "set", "rate": "fast"}, "set 'bad:1' refused"),
+            ({"verb": "dance"}, "unknown action 'dance'"),
+        ]:
+            for confirmed in ("", "yes"):
+                answer = client.post(
+                    "/action",
+                    data={"name": "bad:1", "csrf": csrf, "confirmed": confirmed, **fields},
+                )
+                if fields.get("rate") and not confirmed:
+                    continue  # the rate is checked by the controls, when done
+                assert answer.status_code == 400, fields
+                assert said in html.unescape(_text(answer)), fields
+        assert client.get("/api/events?count=5").status_code == 200
+    assert lock.locked()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+def test_the_api_is_paged_and_says_whether_there_is_more(
+    app: Celery, shared_redis: RedisServer, redis_client: redis.Redis
+) -> None:
+    """/api/locks?limit=2 answers two names' objects (a semaphore's permits with their
+    name) and a cursor; following `next` reads every name once, in order, until next is
+    null. /api/events pages the same way, newest first."""
+    for i in (5, 1, 4, 2):
+        _lock(shared_redis, f"pg:{i}")
+    permits = [
+        Semaphore(shared_redis.client(), "pg:3", 2, 30, owner_info=OWNER, auto_renew=False)
+        for _ in range(2)
+    ]
+    assert all(p.acquire(blocking=False) for p in permits)
+    client = Client(make_app(app))
+    seen: list[list[str]] = []
+    cursor: str | None = ""
+    while cursor is not None:
+        page = json.loads(_text(client.get(f"/api/locks?pattern=pg:*&limit=2&cursor={cursor}")))
+        seen.append(sorted(o["name"] for o in page["locks"]))
+        cursor = page["next"]
+    assert seen == [["pg:1", "pg:2"], ["pg:3", "pg:3", "pg:4"], ["pg:5"]]
+    assert json.loads(_text(client.get("/api/locks?pattern=pg:*")))["next"] is None
+
+    # A prefix of its own: the event writers of earlier tests' apps may still flush theirs.
+    app.conf.redlock_key_prefix = "pgtest:"
+    client = Client(make_app(app))
+    redis_client.xadd(log_key("pgtest:"), {"e": json.dumps({"kind": "acquired", "name": "e:0"})})
+    for i in range(1, 5):
+        event = {"kind": "acquired", "name": f"e:{i}", "at": 1000.0 + i}
+        redis_client.xadd(log_key("pgtest:"), {"e": json.dumps(event)})
+    first = json.loads(_text(client.get("/api/events?limit=3")))
+    assert [e["name"] for e in first["events"]] == ["e:4", "e:3", "e:2"] and first["next"] == "3"
+    rest = json.loads(_text(client.get(f"/api/events?limit=3&cursor={first['next']}")))
+    assert [e["name"] for e in rest["events"]] == ["e:1", "e:0"] and rest["next"] is None
+
+
+def test_sign_ins_sign_outs_and_actions_are_logged_with_who_and_from_where(
+    app: Celery, shared_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One INFO line on celery_redlock.board for a sign-in, a refused sign-in, an action
+    (the token's name, the verb, the key, the client's address) and a sign-out."""
+    lock = _lock(shared_redis, "log:1")
+    board = make_app(app, actions=True, token=TOKEN)
+    with caplog.at_level("INFO", logger="celery_redlock.board"):
+        client = Client(board)
+        env = {"REMOTE_ADDR": "127.0.0.9"}
+        client.post("/login", data={"token": "wrong"}, environ_overrides=env)
+        client.post("/login", data={"token": SECRET}, environ_overrides=env)
+        csrf = _csrf(_text(client.get("/key/log%3A1")))
+        form = {"verb": "release", "name": "log:1", "fence": str(lock.fence), "state": "running"}
+        client.post(
+            "/action", data={**form, "csrf": csrf, "confirmed": "yes"}, environ_overrides=env
+        )
+        client.post("/logout", data={"csrf": csrf}, environ_overrides=env)
+    lines = [r.getMessage() for r in caplog.records if r.name == "celery_redlock.board"]
+    assert all(
+        r.levelno == logging.INFO for r in caplog.records if r.name == "celery_redlock.board"
+    )
+    assert [lines[0], lines[1], lines[3]] == [
+        "celery-redlock board: sign-in refused from 127.0.0.9 (not a token of this board)",
+        "celery-redlock board: 'ops' signed in from 127.0.0.9",
+        "celery-redlock board: 'ops' signed out from 127.0.0.9",
+    ]
+    assert lines[2].startswith(
+        "celery-redlock board: release 'log:1' (token 'ops') from 127.0.0.9: released "
+        "'log:1': was held by task proj.sync[id-1]"
+    )
+    assert lines[2].endswith(f"fence {lock.fence}") and len(lines) == 4

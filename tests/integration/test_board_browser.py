@@ -25,6 +25,7 @@ from workers import Worker, forget_results, worker_env
 
 from celery_redlock import Lock
 from celery_redlock.board.serve import make_board_server
+from celery_redlock.board.wsgi import DONE
 from tests.apps import boardapp
 
 pytestmark = pytest.mark.slow
@@ -124,7 +125,7 @@ def board(
 def _api(board: str, path: str = "/api/locks") -> list[dict[str, Any]]:
     with urllib.request.urlopen(board + path, timeout=10) as answer:
         data = json.loads(answer.read())
-    return data["objects"] if isinstance(data, dict) else data  # type: ignore[no-any-return]
+    return data["events" if "events" in data else "locks"]  # type: ignore[no-any-return]
 
 
 def _until(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
@@ -233,7 +234,7 @@ def test_an_action_with_the_token_releases_a_holder_and_without_it_is_refused(
 ) -> None:
     """Signed in with the token, the release button and its confirmation release the
     run's lock; the same POST without the session cookie, or without the CSRF token, is
-    refused with 403 and the lock stays."""
+    refused with 403 and the lock stays; after sign-out the session's cookie is refused."""
     from selenium.webdriver.common.by import By  # noqa: PLC0415
 
     run = boardapp.hold.delay("act")
@@ -275,9 +276,12 @@ def test_an_action_with_the_token_releases_a_holder_and_without_it_is_refused(
     assert "mutex:act" in question and run.id in question
     browser.find_element(By.ID, "confirm").click()
     _until("back on the key page", lambda: "done=" in browser.current_url)
-    assert "released 'mutex:act'" in browser.find_element(By.CSS_SELECTOR, "p.done").text
+    assert browser.find_element(By.CSS_SELECTOR, "p.done").text == DONE["released"]
     assert not any(o["name"] == "mutex:act" for o in _api(board))
     _go(server, "act")
+    browser.find_element(By.ID, "signout").click()  # the session ends: its cookie is refused
+    _until("signed out", lambda: browser.get_cookie("redlock_board") is None)
+    assert post({**confirmed, "verb": "resume"}, f"redlock_board={session}") == 403
 
 
 def test_a_script_in_a_lock_name_does_not_run(
