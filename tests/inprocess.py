@@ -59,11 +59,15 @@ class Env:
         return [json.loads(v) for v in self.rec.lrange(key, 0, -1)]
 
     def held_keys(self) -> list[str]:
-        """Lock keys (not fence counters, notify lists or the board's event log) currently
-        in the lock store."""
+        """Lock keys (not fence counters, notify lists, the board's event log or the
+        operators' index of held names) currently in the lock store."""
         side = (":fence", ":notify", ":recent")
         found = self.locks.scan_iter("redlock:*")
-        return sorted(k for k in found if not k.endswith(side) and k != "redlock:events")
+        return sorted(
+            k
+            for k in found
+            if not k.endswith(side) and k != "redlock:events" and not k.startswith("redlock:index:")
+        )
 
     def hold_until(self, flag: str, limit: float = 10.0) -> bool:
         """Block (in small steps) until ``flag`` is set in the record db; False on timeout."""
