@@ -74,7 +74,9 @@ def _commands(client: Any) -> int:
     return int(client.info("stats")["total_commands_processed"])
 
 
-def _timed(board: Client, client: Any, path: str, runs: int, **headers: str) -> tuple[list[float], int]:
+def _timed(
+    board: Client, client: Any, path: str, runs: int, **headers: str
+) -> tuple[list[float], int]:
     took, asked = [], 0
     for _ in range(runs):
         before = _commands(client)
