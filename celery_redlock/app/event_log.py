@@ -38,6 +38,7 @@ KINDS = frozenset(
         "released",
         "lost",
         "rate_limited",
+        "granted",
         "duplicate",
         "superseded",
         "unavailable",

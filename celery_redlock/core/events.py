@@ -27,6 +27,7 @@ EventKind = Literal[
     "lost",
     "unavailable",
     "rate_limited",
+    "granted",
     "duplicate",
     "superseded",
     "backed_off",
@@ -37,20 +38,21 @@ EventKind = Literal[
 class LockEvent:
     """What happened to which lock.
 
-    ``waited`` is seconds spent acquiring (``acquired``/``contended``), ``held``
-    seconds held (``released``/``lost``); ``holder`` is the other owner's record
-    for ``contended``, ``duplicate`` (a call not queued because the holder's message
-    is queued or running) and ``superseded`` (a queued message that a newer call
-    replaced; ``holder`` is the newer one's), ours otherwise. ``owner`` is ours
-    (the waiting task's record for ``contended``), where the lock knows it.
-    ``rate_limited``: a rate limiter refused a start, and ``retry_after`` says in how
-    many seconds its next slot is free. ``unavailable``: Redis could not answer an
-    acquire (``error`` says why). ``limit`` is the lock's permits (1: a mutex), where a
-    lock emits the event. ``refused_by`` and ``refusal`` name the name and the reason
-    (``paused``, ``limit``, ``rate``) of an operator control or a ``lock_limits`` rule
-    that refused a ``contended`` acquire ("" when its holder was in the way). ``rules``
-    are the ``lock_limits`` holds an ``acquired`` acquisition took with it, one mapping
-    each: ``name``, ``kind`` (``limit`` or ``rate``), ``limit``, ``fence`` (a limit's).
+    ``waited`` is seconds spent acquiring (``acquired``/``contended``), ``held`` seconds
+    held (``released``/``lost``); ``holder`` is the other owner's record for ``contended``,
+    ``duplicate`` (a call not queued because the holder's message is queued or running) and
+    ``superseded`` (a queued message that a newer call replaced; ``holder`` is the newer
+    one's), ours otherwise. ``owner`` is ours (the waiting task's record for ``contended``),
+    where the lock knows it. ``rate_limited``: a rate limiter refused a start, and
+    ``retry_after`` says in how many seconds its next slot is free; ``granted``: it granted
+    one (so that a refused start that later got its slot is known to wait no more).
+    ``unavailable``: Redis could not answer an acquire (``error`` says why). ``limit`` is
+    the lock's permits (1: a mutex), where a lock emits the event. ``refused_by`` and
+    ``refusal`` name the name and the reason (``paused``, ``limit``, ``rate``) of an
+    operator control or a ``lock_limits`` rule that refused a ``contended`` acquire ("" when
+    its holder was in the way). ``rules`` are the ``lock_limits`` holds an ``acquired``
+    acquisition took with it, one mapping each: ``name``, ``kind`` (``limit`` or ``rate``),
+    ``limit``, ``fence`` (a limit's).
     ``backed_off``: a run raised ``BackOff``, which paused ``name`` for ``retry_after``
     seconds (``error``: its reason).
     """

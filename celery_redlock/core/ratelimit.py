@@ -186,6 +186,7 @@ class RateLimiter:
             grant = self.backend.rate(
                 self.name, self.key, self.interval_us, self.burst, mode="take"
             )
+        self._granted()
         return grant
 
     def peek(self) -> RateGrant:
@@ -198,7 +199,17 @@ class RateLimiter:
         )
         if not grant.granted:
             self._refused(grant)
+        else:
+            self._granted()
         return grant
+
+    def _granted(self) -> None:
+        if events.wanted("granted"):
+            events.emit(
+                events.LockEvent(
+                    kind="granted", name=self.name, key=self.key, holder=self.owner_info
+                )
+            )
 
     def _refused(self, grant: RateGrant) -> None:
         if events.wanted("rate_limited"):
