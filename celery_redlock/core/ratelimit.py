@@ -51,6 +51,7 @@ from .backend_types import RateGrant
 from .backends import open_backend
 from .errors import ConfigError
 from .keys import rate_key
+from .lease import check_timeout
 
 __all__ = ["PERIODS", "RateGrant", "RateLimiter", "parse_rate", "slot_lead"]
 
@@ -156,14 +157,16 @@ class RateLimiter:
         for a caller that was already promised one), sleeps until its slot and asks
         again, until granted or *timeout* (None: no limit) runs out. Each sleep is the
         computed time to the next slot, never a poll.
+
+        *timeout* is None (no limit) or seconds >= 0, and only with blocking: a negative
+        or NaN timeout, or one with ``blocking=False``, is a :class:`ConfigError` (a
+        ``ValueError``) naming it, as for :meth:`Lock.acquire
+        <celery_redlock.core.lock.Lock.acquire>`.
         """
+        timeout = check_timeout(timeout, bool(blocking))  # as Lock.acquire checks it
         if not blocking:
             return self._decide("queue" if queue else "take")
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-        ):
-            raise ConfigError(f"timeout must be None or a number of seconds, got {timeout!r}")
-        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        deadline = None if timeout is None else time.monotonic() + timeout
         most = 0 if timeout is None else max(1, round(timeout * 1e6))
         grant = self.backend.rate(
             self.name,

@@ -522,8 +522,8 @@ def release_for_request(
     except LockLost as exc:
         if events:
             send_task_event(state, task, "lost", lock=lock.name, reason=str(exc), held=held)
-        policy = task.redlock_options.on_lost
-        log.warning("Task %s[%s]: %s (lock_on_lost=%s)", task.name, task_id, exc, policy)
+        # The lock wrote the loss's one WARNING line (naming this task) when it found it.
+        log.debug("Task %s[%s]: release found the lock lost: %s", task.name, task_id, exc)
     except QuorumUnavailable as exc:
         log.warning(
             "Task %s[%s]: could not release lock %r (%s); it expires within %ss",
