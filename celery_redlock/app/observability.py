@@ -63,6 +63,7 @@ log = logging.getLogger("celery_redlock.events")
 _LEVELS = {
     "acquired": logging.DEBUG,
     "released": logging.DEBUG,
+    "granted": logging.DEBUG,  # a rate limiter's slot: as routine as an acquire
     "contended": logging.INFO,
     # the core logs each as one WARNING line, in words, naming the run's task
     "renew_failed": logging.DEBUG,

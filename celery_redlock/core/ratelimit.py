@@ -166,7 +166,8 @@ class RateLimiter:
         timeout = check_timeout(timeout, bool(blocking))  # as Lock.acquire checks it
         if not blocking:
             return self._decide("queue" if queue else "take")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        begin = time.monotonic()
+        deadline = None if timeout is None else begin + timeout
         most = 0 if timeout is None else max(1, round(timeout * 1e6))
         grant = self.backend.rate(
             self.name,
@@ -189,7 +190,7 @@ class RateLimiter:
             grant = self.backend.rate(
                 self.name, self.key, self.interval_us, self.burst, mode="take"
             )
-        self._granted()
+        self._granted(time.monotonic() - begin)
         return grant
 
     def peek(self) -> RateGrant:
@@ -197,20 +198,27 @@ class RateLimiter:
         return self.backend.rate(self.name, self.key, self.interval_us, self.burst, mode="peek")
 
     def _decide(self, mode: str) -> RateGrant:
+        begin = time.monotonic()
         grant = self.backend.rate(
             self.name, self.key, self.interval_us, self.burst, mode=mode, grace_us=self.grace_us
         )
         if not grant.granted:
             self._refused(grant)
         else:
-            self._granted()
+            self._granted(time.monotonic() - begin)
         return grant
 
-    def _granted(self) -> None:
+    def _granted(self, waited: float) -> None:
+        """The ``granted`` event: *waited* seconds from the ask (a blocking one's sleeps
+        included) to the grant."""
         if events.wanted("granted"):
             events.emit(
                 events.LockEvent(
-                    kind="granted", name=self.name, key=self.key, holder=self.owner_info
+                    kind="granted",
+                    name=self.name,
+                    key=self.key,
+                    holder=self.owner_info,
+                    waited=waited,
                 )
             )
 
