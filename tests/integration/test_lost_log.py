@@ -7,10 +7,10 @@ INFO, with no traceback.
 
 from __future__ import annotations
 
+import itertools
 import re
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from celery import Celery
@@ -52,7 +52,7 @@ def _lines_about(text: str, lock: str) -> list[str]:
     """The log records (a record is its first line and what follows it) that mention
     *lock*."""
     starts = [m.start() for m in re.finditer(r"^\[\d{4}-", text, re.MULTILINE)] + [len(text)]
-    records = [text[a:b] for a, b in zip(starts, starts[1:], strict=False)]
+    records = [text[a:b] for a, b in itertools.pairwise(starts)]
     return [r for r in records if lock in r]
 
 

@@ -170,9 +170,7 @@ def test_contended_run_names_the_holder_in_its_acquire_span(env: Env, spans: Spa
     assert "redlock.policy" not in attrs(one(spans.children(holder_task, "redlock.acquire")))
 
 
-def test_a_waiting_run_names_the_wait_policy_on_its_refused_attempt(
-    env: Env, spans: Spans
-) -> None:
+def test_a_waiting_run_names_the_wait_policy_on_its_refused_attempt(env: Env, spans: Spans) -> None:
     """lock_on_contended="wait" on a held key: the refused attempt's span says
     ``redlock.policy`` = ``wait``; the wait that got the lock is ``acquired``, without one."""
     app = env.app()
