@@ -163,7 +163,8 @@ def test_blocking_acquire_waits_the_computed_time_and_honours_its_timeout(
 
 
 def test_a_refusal_is_a_rate_limited_event_with_its_retry_after(redis_client: redis.Redis) -> None:
-    """Hooks hear of each refused acquire, with the time until the next slot."""
+    """Hooks hear of each grant, and of each refused acquire with the time until the next
+    slot."""
     seen: list[LockEvent] = []
     add_hook(seen.append)
     try:
@@ -172,9 +173,9 @@ def test_a_refusal_is_a_rate_limited_event_with_its_retry_after(redis_client: re
         refused = limiter.acquire()
     finally:
         remove_hook(seen.append)
-    assert [e.kind for e in seen] == ["rate_limited"]
-    assert seen[0].name == "rate:events" and seen[0].key == limiter.key
-    assert seen[0].retry_after == refused.retry_after and 59 < refused.retry_after <= 60
+    assert [e.kind for e in seen] == ["granted", "rate_limited"]
+    assert seen[1].name == "rate:events" and seen[1].key == limiter.key
+    assert seen[1].retry_after == refused.retry_after and 59 < refused.retry_after <= 60
 
 
 def test_rate_limited_error_keeps_its_context_through_pickling() -> None:
