@@ -83,3 +83,8 @@ def test_a_forced_release_of_a_running_lock_is_one_warning_line(
     assert f"{APP}.{task}[{result.id}]" in line, line
     assert "the key is gone" in line, line
     assert "Traceback" not in text and "raised unexpected" not in text, text
+    if policy == "raise":  # LockLost is in the task's throws: Celery's INFO line
+        assert (
+            f"INFO/ForkPoolWorker-1] Task {APP}.{task}[{result.id}] raised expected: LockLost("
+            in text
+        )
