@@ -2,10 +2,10 @@
 
 * :func:`logging_hook` logs every :class:`~celery_redlock.core.events.LockEvent`
   as one structured line on ``celery_redlock.events`` (DEBUG for the routine
-  acquire/release and for what is logged in words elsewhere: duplicates, and Redis
-  unavailable, which is raised; INFO for the rest: the core already logs losses and
-  renewal failures as WARNING on ``celery_redlock.renew``, once). ``install(app)``
-  registers it.
+  acquire/release and for what is logged in words elsewhere: duplicates, Redis
+  unavailable, which is raised, and losses and renewal failures, which the core logs
+  as one WARNING line each, naming the task, on ``celery_redlock.renew`` or
+  ``.release``; INFO for the rest). ``install(app)`` registers it.
 * Celery events in a group of their own, ``redlock-<kind>`` for each kind of
   :data:`CELERY_EVENT_KINDS`: ``redlock-acquired``, ``redlock-contended``,
   ``redlock-released``, ``redlock-lost``, ``redlock-rate-limited`` (with
@@ -63,9 +63,11 @@ log = logging.getLogger("celery_redlock.events")
 _LEVELS = {
     "acquired": logging.DEBUG,
     "released": logging.DEBUG,
+    "granted": logging.DEBUG,  # a rate limiter's slot: as routine as an acquire
     "contended": logging.INFO,
-    "renew_failed": logging.INFO,
-    "lost": logging.INFO,
+    # the core logs each as one WARNING line, in words, naming the run's task
+    "renew_failed": logging.DEBUG,
+    "lost": logging.DEBUG,
     "rate_limited": logging.INFO,
     # raised to the caller as QuorumUnavailable, which a run logs once, in words
     "unavailable": logging.DEBUG,

@@ -5,9 +5,11 @@ event into spans of the thread's current span, which in a worker's run is the ta
 span (opentelemetry-instrumentation-celery makes it current in ``task_prerun``, before
 the lock is taken in ``before_start``); where no span is current, none is made:
 
-* ``redlock.acquire``: one per attempt that ended (``acquired``, ``contended``,
-  ``paused``, ``rate_limited``, ``superseded``, ``unavailable``), started when the
-  attempt began (the event knows how long it waited) and ended at the event; a
+* ``redlock.acquire``: one per attempt that ended (``acquired``, ``granted`` (a rate
+  limiter's slot), ``contended``, ``paused``, ``rate_limited``, ``superseded``,
+  ``unavailable``), started when the attempt began (the event knows how long it waited)
+  and ended at the event; a refused one names the run's ``lock_on_contended`` policy
+  that then applies (``redlock.policy``, from :func:`attempt_policy`); a
   ``lock_limits`` hold it took, or the rule that refused it, is a ``redlock.rule``
   span event on it;
 * ``redlock.hold``: from the acquire to the release (``released``) or the loss
@@ -45,6 +47,7 @@ from ..core.events import LockEvent, add_hook, remove_hook
 __all__ = [
     "MAX_OPEN_HOLDS",
     "TRACER_NAME",
+    "attempt_policy",
     "disable_tracing",
     "enable_tracing",
     "enable_tracing_by_default",
@@ -65,6 +68,7 @@ MAX_OPEN_HOLDS = 10_000
 _KINDS = frozenset(
     {
         "acquired",
+        "granted",
         "contended",
         "superseded",
         "rate_limited",
@@ -86,8 +90,21 @@ _receiver_connected = False
 #: (Redis key, fence, id of the lock's owner record) -> its open ``redlock.hold`` span.
 _open: dict[tuple[str, int | None, int], Any] = {}
 _open_lock = threading.Lock()
-#: The ``redlock.enqueue`` span of the publish this thread makes, with its outcome.
+#: The ``redlock.enqueue`` span of the publish this thread makes, with its outcome
+#: (``enqueue``); the contended policy of the run this thread is starting (``policy``).
 _local = threading.local()
+#: The outcomes of a refused attempt, after which the run's contended policy applies.
+_REFUSED = frozenset({"contended", "paused", "rate_limited"})
+
+
+def attempt_policy(policy: str | None) -> str | None:
+    """Name *policy* (a ``lock_on_contended`` value) on this thread's refused
+    ``redlock.acquire`` spans from now on (None: none); returns the one named before, to
+    put back when the run's start is over. Two attribute writes: made with tracing off
+    too, since spans may be switched on at the run's first event."""
+    previous = getattr(_local, "policy", None)
+    _local.policy = policy
+    return previous
 
 
 # -- switching it on and off -------------------------------------------------------------------
@@ -294,6 +311,10 @@ def _acquire_span(
     if event.refused_by:
         attributes["redlock.refused_by"] = event.refused_by
         attributes["redlock.refusal"] = event.refusal
+    if outcome in _REFUSED:
+        policy = getattr(_local, "policy", None)
+        if policy:
+            attributes["redlock.policy"] = policy
     attributes.update(extra)
     span = tracer.start_span("redlock.acquire", start_time=end - _ns(waited), attributes=attributes)
     for rule in event.rules:
@@ -336,6 +357,11 @@ def _on_acquired(tracer: Any, event: LockEvent) -> None:
     if evicted is not None:
         evicted.set_attribute("redlock.outcome", "untracked")
         evicted.end()
+
+
+def _on_granted(tracer: Any, event: LockEvent) -> None:
+    """A rate limiter's slot: the attempt's span, and no hold (a slot is never given back)."""
+    _acquire_span(tracer, event, "granted")
 
 
 _REFUSALS = {"paused": "paused", "rate": "rate_limited"}
@@ -404,6 +430,7 @@ def _on_duplicate(tracer: Any, event: LockEvent) -> None:
 
 _HANDLERS = {
     "acquired": _on_acquired,
+    "granted": _on_granted,
     "contended": _on_refused,
     "superseded": _on_refused,
     "rate_limited": _on_refused,

@@ -136,13 +136,16 @@ class QuorumUnavailable(RedlockError):
         return self._message()
 
     def _message(self) -> str:
+        return f"lock {self.name!r}: {self.cause}"
+
+    @property
+    def cause(self) -> str:
+        """What went wrong, without the lock's name: the same for every lock of a round
+        that one server failed (``Redis unavailable (127.0.0.1:6379: ...)``)."""
         detail = "; ".join(f"{m}: {e}" for m, e in self.errors.items()) or "no answer"
         if self.total == 1:
-            return f"lock {self.name!r}: Redis unavailable ({detail})"
-        return (
-            f"lock {self.name!r}: quorum unavailable, need {self.needed} of {self.total} "
-            f"masters ({detail})"
-        )
+            return f"Redis unavailable ({detail})"
+        return f"quorum unavailable, need {self.needed} of {self.total} masters ({detail})"
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild_quorum, (self.name, self.errors, self.needed, self.total))

@@ -138,6 +138,9 @@ class Lease:
         self._count = 0
         self._lost = False
         self._lost_reason = ""
+        #: Why the last renewal round did not get through ("" after a confirmed one): the
+        #: cause, when the lease then runs out (the store was lost).
+        self._renew_error = ""
         self._max_hold_logged = False
 
     # -- state ------------------------------------------------------------------------
@@ -191,6 +194,7 @@ class Lease:
             self._count = 1
             self._lost = False
             self._lost_reason = ""
+            self._renew_error = ""
             self._max_hold_logged = False
         if self.auto_renew:
             get_manager().register(self)
@@ -214,34 +218,75 @@ class Lease:
                 return None
             return self._token, self.ttl_ms
 
-    def renewed(self, started: float, token: str, outcome: Status | QuorumUnavailable) -> None:
-        """Take the outcome of a renewal round for the acquisition *token*."""
+    def renewed(
+        self,
+        started: float,
+        token: str,
+        outcome: Status | QuorumUnavailable,
+        *,
+        logged: bool = False,
+    ) -> None:
+        """Take the outcome of a renewal round for the acquisition *token*; *logged*: a
+        failure the renewal thread has logged already, in one line for the several locks
+        it struck (a server that failed the round)."""
         if token != self._token or self._releasing:
             return  # released (or re-acquired) while the round was in flight
         if isinstance(outcome, QuorumUnavailable):
+            cause = self._renew_error = outcome.cause  # the error may name another lock
             left = self._valid_until - time.monotonic()
-            log_renew.warning(
-                "renewal of %r failed (%s); the lease runs out in %.2f s unless a "
+            log_renew.log(
+                logging.DEBUG if logged else logging.WARNING,
+                "renewal of lock %r%s failed (%s); its lease runs out in %.2f s unless a "
                 "later round gets through",
                 self.name,
-                outcome,
+                self._whose(),
+                cause,
                 left,
             )
-            self._event("renew_failed", error=str(outcome))
+            self._event("renew_failed", error=cause)
             return
         if outcome is Status.OK:
             with self._state:
                 if self._token == token and not self._lost:
                     self._valid_until = max(self._valid_until, started + self.ttl - drift(self.ttl))
+                    self._renew_error = ""
             return
         self._mark_lost(outcome.describe())
 
     def expire_if_past(self, now: float) -> None:
         """Mark the lock lost if *now* is past its local deadline."""
         if self._held_here() and not self._lost and now >= self._valid_until:
-            self._mark_lost("the lease ran out before a confirmed renewal")
+            failed = self._renew_error
+            why = f" (the last round failed: {failed})" if failed else ""
+            self._mark_lost(f"the lease ran out before a confirmed renewal{why}")
+
+    def _whose(self) -> str:
+        """`` of task <name>[<id>]`` when the owner record names a task (a Celery run's
+        lock), for the lines about this lock; "" otherwise."""
+        info = self.owner_info
+        task = info.get("task_name")
+        if not task:
+            return ""
+        task_id = info.get("task_id")
+        return f" of task {task}[{task_id}]" if task_id else f" of task {task}"
+
+    def _log_loss(
+        self, logger: logging.Logger, reason: str, held: float, fence: int | None, tail: str = ""
+    ) -> None:
+        """The one WARNING line of a loss: the lock, its task (when a run holds it), how
+        long it was held, its fence and why."""
+        logger.warning(
+            "lock %r%s LOST after %.3f s (fence %s): %s%s",
+            self.name,
+            self._whose(),
+            held,
+            fence,
+            reason,
+            tail,
+        )
 
     def _mark_lost(self, reason: str) -> None:
+        """Mark the acquisition lost (once): its one line, its ``lost`` event, ``on_lost``."""
         with self._state:
             if not self._held_here() or self._lost or self._releasing:
                 return  # a release under way learns the outcome from the backend itself
@@ -250,9 +295,7 @@ class Lease:
             held = self.held_for
             self._freed.notify_all()
         get_manager().unregister(self)
-        log_renew.warning(
-            "lock %r LOST after %.3f s (fence %s): %s", self.name, held, self._fence, reason
-        )
+        self._log_loss(log_renew, reason, held, self._fence)
         self._event("lost", held=held, error=reason)
         if self.on_lost is not None:
             try:

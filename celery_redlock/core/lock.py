@@ -432,14 +432,17 @@ class Lock(Lease):
             self._event("released", held=held, fence=fence)
             return
         reason = lost_reason or status.describe()
-        log_release.warning(
-            "lock %r was lost before release (%s) after %.3f s: the work it guarded may "
-            "have overlapped with another holder",
-            self.name,
-            reason,
-            held,
-        )
-        if not reported:
+        if reported:  # its one line was written when the loss was found
+            log_release.debug("release of %r found it lost, as reported: %s", self.name, reason)
+        else:
+            self._log_loss(
+                log_release,
+                reason,
+                held,
+                fence,
+                "; found at its release: the work it guarded may have overlapped with "
+                "another holder's",
+            )
             self._event("lost", held=held, fence=fence, error=reason)
         raise LockLost(self.name, reason)
 

@@ -51,6 +51,7 @@ from .backend_types import RateGrant
 from .backends import open_backend
 from .errors import ConfigError
 from .keys import rate_key
+from .lease import check_timeout
 
 __all__ = ["PERIODS", "RateGrant", "RateLimiter", "parse_rate", "slot_lead"]
 
@@ -156,14 +157,17 @@ class RateLimiter:
         for a caller that was already promised one), sleeps until its slot and asks
         again, until granted or *timeout* (None: no limit) runs out. Each sleep is the
         computed time to the next slot, never a poll.
+
+        *timeout* is None (no limit) or seconds >= 0, and only with blocking: a negative
+        or NaN timeout, or one with ``blocking=False``, is a :class:`ConfigError` (a
+        ``ValueError``) naming it, as for :meth:`Lock.acquire
+        <celery_redlock.core.lock.Lock.acquire>`.
         """
+        timeout = check_timeout(timeout, bool(blocking))  # as Lock.acquire checks it
         if not blocking:
             return self._decide("queue" if queue else "take")
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-        ):
-            raise ConfigError(f"timeout must be None or a number of seconds, got {timeout!r}")
-        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        begin = time.monotonic()
+        deadline = None if timeout is None else begin + timeout
         most = 0 if timeout is None else max(1, round(timeout * 1e6))
         grant = self.backend.rate(
             self.name,
@@ -186,7 +190,7 @@ class RateLimiter:
             grant = self.backend.rate(
                 self.name, self.key, self.interval_us, self.burst, mode="take"
             )
-        self._granted()
+        self._granted(time.monotonic() - begin)
         return grant
 
     def peek(self) -> RateGrant:
@@ -194,20 +198,27 @@ class RateLimiter:
         return self.backend.rate(self.name, self.key, self.interval_us, self.burst, mode="peek")
 
     def _decide(self, mode: str) -> RateGrant:
+        begin = time.monotonic()
         grant = self.backend.rate(
             self.name, self.key, self.interval_us, self.burst, mode=mode, grace_us=self.grace_us
         )
         if not grant.granted:
             self._refused(grant)
         else:
-            self._granted()
+            self._granted(time.monotonic() - begin)
         return grant
 
-    def _granted(self) -> None:
+    def _granted(self, waited: float) -> None:
+        """The ``granted`` event: *waited* seconds from the ask (a blocking one's sleeps
+        included) to the grant."""
         if events.wanted("granted"):
             events.emit(
                 events.LockEvent(
-                    kind="granted", name=self.name, key=self.key, holder=self.owner_info
+                    kind="granted",
+                    name=self.name,
+                    key=self.key,
+                    holder=self.owner_info,
+                    waited=waited,
                 )
             )
 

@@ -75,8 +75,16 @@ class Renewable(Protocol):
         """(token, lease ms) to renew this round; None to skip it."""
         ...
 
-    def renewed(self, started: float, token: str, outcome: Status | QuorumUnavailable) -> None:
-        """Take the outcome of the round for the acquisition *token*."""
+    def renewed(
+        self,
+        started: float,
+        token: str,
+        outcome: Status | QuorumUnavailable,
+        *,
+        logged: bool = False,
+    ) -> None:
+        """Take the outcome of the round for the acquisition *token* (*logged*: a failure
+        already logged by the round, in one line for every lock it struck)."""
         ...
 
     def expire_if_past(self, now: float) -> None:
@@ -236,19 +244,60 @@ class RenewalManager:
             futures[future] = backend
         done, _ = cf.wait(futures, timeout=max(interval / 2, 0.01))
         for future in done:
-            batch = batches[futures[future]]
+            backend = futures[future]
+            batch = batches[backend]
             try:
                 outcomes: Sequence[Status | QuorumUnavailable] = future.result()
             except QuorumUnavailable as exc:
                 outcomes = [exc] * len(batch)
             except Exception:  # a bug or a client-side error: said as it is, never "down"
                 if any(lock.token == item.token for lock, item in batch):
-                    log.exception("renewal: %s failed", futures[future].describe())
+                    log.exception("renewal: %s failed", backend.describe())
                 else:  # all given back meanwhile (and the client perhaps closed after)
                     log.debug("renewal of locks released meanwhile failed", exc_info=True)
                 continue
+            told = _log_shared_failures(backend, batch, outcomes)
             for (lock, item), outcome in zip(batch, outcomes, strict=True):
-                _safely(lock.renewed, started, item.token, outcome)
+                logged = id(outcome) in told
+                _safely(partial(lock.renewed, logged=logged), started, item.token, outcome)
+
+
+#: How many lock names a line about a failed round lists before "and N more".
+_NAMES_SHOWN = 5
+
+
+def _log_shared_failures(
+    backend: Backend,
+    batch: Sequence[tuple[Renewable, Renewal]],
+    outcomes: Sequence[Status | QuorumUnavailable],
+) -> set[int]:
+    """One line for each failure that struck several locks of the round (the same error
+    for all: the server, or the cluster node, did not answer), naming the backend and
+    the locks; the ids of those errors (each lock then logs its own at DEBUG only). A
+    failure of one lock alone is that lock's own line."""
+    struck: dict[int, list[str]] = defaultdict(list)
+    errors: dict[int, QuorumUnavailable] = {}
+    for (lock, item), outcome in zip(batch, outcomes, strict=True):
+        if isinstance(outcome, QuorumUnavailable) and lock.token == item.token:
+            struck[id(outcome)].append(lock.name)
+            errors[id(outcome)] = outcome
+    told = set()
+    for key, names in struck.items():
+        if len(names) < 2:
+            continue
+        told.add(key)
+        shown = ", ".join(repr(n) for n in names[:_NAMES_SHOWN])
+        more = len(names) - _NAMES_SHOWN
+        log.warning(
+            "renewal round on %s failed (%s): %d locks not renewed (%s%s); each lease runs "
+            "out at its deadline unless a later round gets through",
+            backend.describe(),
+            errors[key].cause,
+            len(names),
+            shown,
+            f" and {more} more" if more > 0 else "",
+        )
+    return told
 
 
 def _soonest(locks: Any) -> float:

@@ -17,7 +17,10 @@ interrupts that body's thread:
 
 Either way the body sees a :class:`LockLostInterrupt` (a :class:`LockLost`) that names
 the lock and why it was lost. With
-``"warn"`` the loss is only logged (the body can read ``self.lock.lost``). Each value
+``"warn"`` the loss is only logged (the body can read ``self.lock.lost``). Either way the
+loss is one WARNING line, the lock's own (:mod:`celery_redlock.core.lease`), which names
+the task from the lock's holder record; ``LockLost`` is in the task's ``throws``, so
+Celery logs a run it ended at INFO, without a traceback. Each value
 is a :class:`LostPolicy` registered in ``policies.LOST``; a task's is resolved once, with
 its options (``options.lost``).
 
@@ -187,7 +190,7 @@ class Watch:
 
     def __init__(self, task_name: str, policy: LostPolicy) -> None:
         self.task_name = task_name
-        #: ``lock_on_lost``: "raise" interrupts the body, "warn" only logs.
+        #: ``lock_on_lost``: "raise" interrupts the body, "warn" lets it run on.
         self.policy = policy
         self.running = True
         self.sent = False
@@ -217,13 +220,15 @@ class Watch:
             # A green interrupt not yet delivered finds running False and does nothing.
 
     def lost(self, lock: Any) -> None:
-        """Log the loss of *lock*; with policy "raise", interrupt the body if it still runs."""
-        log.warning(
-            "Task %s: lock %r lost while running (%s); lock_on_lost=%s",
+        """With policy "raise", interrupt the body if it still runs. The loss itself is
+        the lock's one WARNING line (it names the task: the holder record's), so this
+        says only what the policy does with it, at DEBUG."""
+        log.debug(
+            "Task %s: lock %r lost while running; lock_on_lost=%s: %s",
             self.task_name,
             lock.name,
-            lock.lost_reason,
             self.policy.name,
+            "the body is interrupted" if self.policy.interrupts else "the body runs on",
         )
         with _guard:
             if not self.policy.interrupts or not self.running or self.sent:

@@ -49,7 +49,7 @@ from ..app.config import (
 )
 from ..app.rules import BackOff, limits_option
 from ..app.state import AppState, state_for
-from ..core import ConfigError, Lock, LockContended, QuorumUnavailable
+from ..core import ConfigError, Lock, LockContended, LockLost, QuorumUnavailable
 from .contention import SKIPPED, is_skipped
 from .dedup import publish
 from .flow import check_limits
@@ -68,8 +68,10 @@ __all__ = [
     "lock_name_for",
 ]
 
-#: Failures that a task's lock options produce on purpose (added to ``Task.throws``).
-_EXPECTED = (LockContended, QuorumUnavailable, BackOff)
+#: Failures that a task's lock options produce on purpose (added to ``Task.throws``): a
+#: LockLost (``lock_on_lost="raise"``, or a release that found the lock lost; the
+#: interrupt the body sees, LockLostInterrupt, is one) has had its one WARNING line.
+_EXPECTED = (LockContended, QuorumUnavailable, BackOff, LockLost)
 
 #: Called with the app of each task class made on one. ``celery_redlock.install`` adds
 #: ``install`` when it is imported (always, by ``import celery_redlock``), so defining a
@@ -215,9 +217,10 @@ def _prepare(cls: type) -> None:
     check_limits(name, limits_option(declared(cls, "lock_limits")), signature)
     cls.redlock_spec = TaskSpec(signature=signature, key=key)  # type: ignore[attr-defined]
 
-    # A run refused for contention, or given up on because Redis stayed unreachable, is
-    # an outcome the task's lock options asked for, and celery_redlock.task.contention has already
-    # logged why in one line: Celery logs "raised expected" at INFO, not a traceback.
+    # A run refused for contention, given up on because Redis stayed unreachable, or ended
+    # by the loss of its lock, is an outcome the task's lock options asked for, and has
+    # had its one line already (celery_redlock.task.contention, the lock's own loss line):
+    # Celery logs "raised expected" at INFO, not a traceback. The task's own throws stay.
     throws = tuple(inspect.getattr_static(cls, "throws", ()) or ())
     cls.throws = throws + tuple(e for e in _EXPECTED if e not in throws)  # type: ignore[attr-defined]
 

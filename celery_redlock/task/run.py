@@ -31,6 +31,7 @@ from ..app.controls import control
 from ..app.observability import send_task_event
 from ..app.rules import BackOff
 from ..app.state import AppState
+from ..app.tracing import attempt_policy
 from ..core import (
     Handover,
     Lock,
@@ -160,6 +161,7 @@ def acquire_for_request(
         state, task, request, task_id, name, options, strategy, eager, attempt, (args, kwargs),
         direct,
     )  # fmt: skip
+    previous = attempt_policy(strategy.name)  # named on the spans of refused attempts
     try:
         _acquire(run, handover)
     except Retry:
@@ -175,6 +177,8 @@ def acquire_for_request(
         if handover is not None:
             give_back(state, name, handover.owner, "did not start")
         raise
+    finally:
+        attempt_policy(previous)
     if handover is not None and lock_of(request) is None:
         give_back(state, name, handover.owner, "did not start")  # fail-open, a skip
 
@@ -522,8 +526,8 @@ def release_for_request(
     except LockLost as exc:
         if events:
             send_task_event(state, task, "lost", lock=lock.name, reason=str(exc), held=held)
-        policy = task.redlock_options.on_lost
-        log.warning("Task %s[%s]: %s (lock_on_lost=%s)", task.name, task_id, exc, policy)
+        # The lock wrote the loss's one WARNING line (naming this task) when it found it.
+        log.debug("Task %s[%s]: release found the lock lost: %s", task.name, task_id, exc)
     except QuorumUnavailable as exc:
         log.warning(
             "Task %s[%s]: could not release lock %r (%s); it expires within %ss",

@@ -455,6 +455,47 @@ def test_release_after_a_takeover_raises_lock_lost(target: Any, name: str) -> No
     b.release()
 
 
+def _loss_lines(caplog: pytest.LogCaptureFixture, name: str) -> list[tuple[str, str]]:
+    """(level, message) of every record about lock *name* at WARNING or worse."""
+    severe = ("WARNING", "ERROR", "CRITICAL")
+    return [
+        (r.levelname, r.getMessage())
+        for r in caplog.records
+        if r.levelname in severe and repr(name) in r.getMessage()
+    ]
+
+
+def test_a_lock_outside_celery_logs_its_loss_once_at_warning(
+    target: Any, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Lock used outside Celery, force-released while held, logs its loss exactly once at
+    WARNING (the lock, why), whoever finds it: the renewal thread (then its release raises
+    LockLost with no second line), or its own release."""
+    renewed = Lock(target, name, ttl=0.6)
+    with caplog.at_level("DEBUG", logger="celery_redlock"):
+        assert renewed.acquire(blocking=False)
+        _on_every_master(target, name)
+        assert force_release(target, PREFIX, name).outcome == "released"
+        assert wait_for(lambda: renewed.lost, timeout=3, what="the renewal to see the loss")
+        with pytest.raises(LockLost):
+            renewed.release()
+    found = _loss_lines(caplog, name)
+    assert len(found) == 1 and found[0][0] == "WARNING", found
+    assert found[0][1].startswith(f"lock {name!r} LOST after "), found
+    assert "the key is gone" in found[0][1] or "another owner" in found[0][1], found
+    caplog.clear()
+    plain = Lock(target, name, ttl=30, auto_renew=False)
+    with caplog.at_level("DEBUG", logger="celery_redlock"):
+        assert plain.acquire(blocking=False)
+        _on_every_master(target, name)
+        assert force_release(target, PREFIX, name).outcome == "released"
+        with pytest.raises(LockLost):
+            plain.release()
+    found = _loss_lines(caplog, name)
+    assert len(found) == 1 and found[0][0] == "WARNING", found
+    assert "LOST after" in found[0][1] and "found at its release" in found[0][1], found
+
+
 def test_a_resent_release_is_ok(target: Any, name: str) -> None:
     """A re-sent copy of one's own release is OK, even after another owner took the lock."""
     backend, slot, token = open_backend(target), Slot(lock_keys(name, PREFIX)), "c" * 40
@@ -869,6 +910,27 @@ def test_a_semaphore_never_exceeds_its_limit(target: Any, name: str) -> None:
 
 
 # -- rate limits -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("blocking", "timeout", "named"),
+    [(True, -1, "-1"), (True, -0.5, "-0.5"), (True, float("nan"), "nan"), (False, 5, "5")],
+)
+def test_a_rate_limiter_refuses_a_negative_or_nan_timeout_as_a_lock_does(
+    target: Any, name: str, blocking: bool, timeout: float, named: str
+) -> None:
+    """RateLimiter.acquire() refuses a negative or NaN timeout, and one with
+    blocking=False, with the ConfigError (a ValueError) naming it that Lock.acquire()
+    gives; nothing is taken (a quorum has no rates)."""
+    if _quorum(target):
+        with pytest.raises(ConfigError, match="Redlock"):
+            RateLimiter(target, name, "1/m")
+        return
+    limiter = RateLimiter(target, name, "1/m")
+    with pytest.raises(ConfigError, match=f"timeout.*{named}") as refused:
+        limiter.acquire(blocking, timeout)
+    assert isinstance(refused.value, ValueError)
+    assert limiter.acquire().granted  # the refused call took no slot
+
+
 def test_a_rate_limiter_grants_at_most_rate_plus_burst_minus_one_per_period(
     target: Any, name: str
 ) -> None:

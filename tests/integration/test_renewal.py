@@ -322,6 +322,50 @@ def test_redis_killed_mid_hold_reports_the_loss_and_a_restart_lets_the_client_re
     lock.release()
 
 
+def test_a_round_redis_fails_is_one_line_naming_the_node_and_each_loss_is_one_line(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis dies under three held locks: each failed round is one WARNING line naming the
+    node and the three locks (never one lock's line naming another lock); each lock's loss
+    is then one line of its own, naming the failed round as the cause."""
+    client = connect(redis_server.url)
+    names = [f"renew:round:{i}" for i in range(3)]
+    locks = [Lock(client, name, ttl=1.2) for name in names]
+    assert all(lock.acquire(blocking=False) for lock in locks)
+    with caplog.at_level(logging.WARNING, "celery_redlock.renew"):
+        redis_server.kill()
+        wait_for(lambda: all(lock.lost for lock in locks), 5, "the three losses")
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    rounds = [m for m in lines if m.startswith("renewal round on ")]
+    assert rounds, lines
+    for line in rounds:
+        assert "Redis unavailable" in line and "3 locks not renewed" in line, line
+        assert all(repr(name) in line for name in names), line
+    assert not [m for m in lines if m.startswith("renewal of ")], lines
+    for name in names:
+        lost = [m for m in lines if "LOST" in m and repr(name) in m]
+        assert len(lost) == 1, lines
+        assert "the last round failed: Redis unavailable" in lost[0], lost
+    assert len(lines) == len(rounds) + 3, lines
+
+
+def test_a_failed_renewal_of_one_lock_names_that_lock_only(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One held lock on a Redis that dies: its renewal failure line names it, and no other
+    lock, and the error's cause."""
+    lock = Lock(connect(redis_server.url), "renew:alone", ttl=1.2)
+    assert lock.acquire(blocking=False)
+    with caplog.at_level(logging.WARNING, "celery_redlock.renew"):
+        redis_server.kill()
+        wait_for(lambda: lock.lost, 5, "the loss")
+    failed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("renewal")]
+    assert failed, caplog.records
+    for line in failed:
+        assert line.startswith("renewal of lock 'renew:alone' failed (Redis unavailable ("), line
+        assert line.count("renew:alone") == 1, line
+
+
 # --------------------------------------------------------------------------- fork
 
 

@@ -136,7 +136,8 @@ def test_acquired_and_released_run_has_acquire_and_hold_spans_under_its_task_spa
 
 def test_contended_run_names_the_holder_in_its_acquire_span(env: Env, spans: Spans) -> None:
     """A second run of a held key (lock_on_contended="skip"): its ``redlock.acquire`` is
-    ``contended``, names the holding run's task id, and no hold span is made for it."""
+    ``contended``, names the holding run's task id and the policy applied (``skip``), and
+    no hold span is made for it."""
     app = env.app()
 
     @app.task(base=LockedTask, shared=False, lock_key="report", lock_on_contended="skip")
@@ -160,11 +161,43 @@ def test_contended_run_names_the_holder_in_its_acquire_span(env: Env, spans: Spa
     assert a["redlock.outcome"] == "contended" and a["redlock.key"] == "report"
     assert a["redlock.holder.task_id"] == first.id
     assert a["redlock.holder.task_name"] == report.name
+    assert a["redlock.policy"] == "skip"
     assert "redlock.fence" not in a
     assert spans.children(task, "redlock.hold") == []
     # The holder's own spans are under its own task span.
     holder_task = spans.task_span(first.id)
     assert attrs(one(spans.children(holder_task, "redlock.hold")))["redlock.outcome"] == "released"
+    assert "redlock.policy" not in attrs(one(spans.children(holder_task, "redlock.acquire")))
+
+
+def test_a_waiting_run_names_the_wait_policy_on_its_refused_attempt(env: Env, spans: Spans) -> None:
+    """lock_on_contended="wait" on a held key: the refused attempt's span says
+    ``redlock.policy`` = ``wait``; the wait that got the lock is ``acquired``, without one."""
+    app = env.app()
+
+    @app.task(base=LockedTask, shared=False, lock_key="queue", lock_on_contended="wait",
+              lock_wait_timeout=10)  # fmt: skip
+    def drain(tag: str) -> str:
+        if tag == "first":
+            env.rec.set("first-started", 1)
+            env.hold_until("go")
+        return tag
+
+    with worker(app, concurrency=2):
+        first = drain.delay("first")
+        assert env.hold_until("first-started")
+        second = drain.delay("second")
+        wait_for(lambda: len(spans.named("redlock.acquire")) >= 2)  # the refused attempt ended
+        env.rec.set("go", 1)
+        assert second.get(timeout=10) == "second" and first.get(timeout=10) == "first"
+        wait_for(lambda: len(spans.named("run/" + drain.name)) == 2)
+    task = spans.task_span(second.id)
+    refused, waited = sorted(
+        (attrs(s) for s in spans.children(task, "redlock.acquire")),
+        key=lambda a: a["redlock.outcome"] != "contended",
+    )
+    assert refused["redlock.outcome"] == "contended" and refused["redlock.policy"] == "wait"
+    assert waited["redlock.outcome"] == "acquired" and "redlock.policy" not in waited
 
 
 def test_lost_hold_ends_under_the_task_span_although_the_renewal_thread_saw_it(
@@ -340,6 +373,18 @@ def test_rate_limited_and_unavailable_runs_say_so_in_their_acquire_span(
     assert (mutex["redlock.kind"], mutex["redlock.outcome"]) == ("mutex", "acquired")
     assert rate["redlock.outcome"] == "rate_limited" and rate["redlock.kind"] == "rate"
     assert rate["redlock.key"] == "api" and 0 < rate["redlock.retry_after_ms"] <= 60_000
+    assert rate["redlock.policy"] == "skip"
+    # The first run got its rate slot: that attempt is a span too (``granted``), no hold.
+    first_task = spans.task_span(first.id)
+    mutex, rate = sorted(
+        (attrs(s) for s in spans.children(first_task, "redlock.acquire")),
+        key=lambda a: a["redlock.kind"],
+    )
+    assert (mutex["redlock.kind"], mutex["redlock.outcome"]) == ("mutex", "acquired")
+    assert (rate["redlock.kind"], rate["redlock.outcome"]) == ("rate", "granted")
+    assert rate["redlock.key"] == "api" and 0 <= rate["redlock.wait_ms"] < 1000
+    assert "redlock.policy" not in rate
+    assert attrs(one(spans.children(first_task, "redlock.hold")))["redlock.kind"] == "mutex"
     assert attrs(one(spans.children(task, "redlock.hold")))["redlock.outcome"] == "released"
     failed = one(spans.children(spans.task_span(lone.id), "redlock.acquire"))
     f = attrs(failed)
