@@ -27,7 +27,7 @@ from typing import Any
 from . import events, process
 from .backend import Backend
 from .backend_types import Grant, Slot, Status
-from .errors import ConfigError, QuorumUnavailable
+from .errors import ConfigError, StoreUnavailable
 from .keys import LockKeys
 from .renewal import get_manager
 
@@ -214,11 +214,11 @@ class Lease:
                 return None
             return self._token, self.ttl_ms
 
-    def renewed(self, started: float, token: str, outcome: Status | QuorumUnavailable) -> None:
+    def renewed(self, started: float, token: str, outcome: Status | StoreUnavailable) -> None:
         """Take the outcome of a renewal round for the acquisition *token*."""
         if token != self._token or self._releasing:
             return  # released (or re-acquired) while the round was in flight
-        if isinstance(outcome, QuorumUnavailable):
+        if isinstance(outcome, StoreUnavailable):
             left = self._valid_until - time.monotonic()
             log_renew.warning(
                 "renewal of %r failed (%s); the lease runs out in %.2f s unless a "

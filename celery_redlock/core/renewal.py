@@ -42,7 +42,7 @@ from typing import Any, Protocol
 from . import process, threads
 from .backend import Backend
 from .backend_types import Renewal, Slot, Status
-from .errors import QuorumUnavailable
+from .errors import StoreUnavailable
 
 __all__ = ["Renewable", "RenewalManager", "get_manager", "shutdown"]
 
@@ -75,7 +75,7 @@ class Renewable(Protocol):
         """(token, lease ms) to renew this round; None to skip it."""
         ...
 
-    def renewed(self, started: float, token: str, outcome: Status | QuorumUnavailable) -> None:
+    def renewed(self, started: float, token: str, outcome: Status | StoreUnavailable) -> None:
         """Take the outcome of the round for the acquisition *token*."""
         ...
 
@@ -95,7 +95,7 @@ class RenewalManager:
         # Held weakly: a lock nobody references is not renewed, and its key expires within
         # its TTL (a lock in a ``with`` block or a running task is referenced there).
         self._locks: weakref.WeakValueDictionary[int, Renewable] = weakref.WeakValueDictionary()
-        self._inflight: dict[Backend, cf.Future[list[Status | QuorumUnavailable]]] = {}
+        self._inflight: dict[Backend, cf.Future[list[Status | StoreUnavailable]]] = {}
         self._next_round = _NEVER
         self._wake_at = 0.0  # when the waiting thread wakes by itself; 0.0 while it runs
         self._stop = False
@@ -225,7 +225,7 @@ class RenewalManager:
             if renewal is not None:
                 token, ms = renewal
                 batches[lock.backend].append((lock, Renewal(lock.slot, token, ms)))
-        futures: dict[cf.Future[list[Status | QuorumUnavailable]], Backend] = {}
+        futures: dict[cf.Future[list[Status | StoreUnavailable]], Backend] = {}
         for backend, batch in batches.items():
             if backend in self._inflight:  # the previous round's call has not returned
                 log.warning("renewal: %s still busy with the previous round", backend.describe())
@@ -238,8 +238,8 @@ class RenewalManager:
         for future in done:
             batch = batches[futures[future]]
             try:
-                outcomes: Sequence[Status | QuorumUnavailable] = future.result()
-            except QuorumUnavailable as exc:
+                outcomes: Sequence[Status | StoreUnavailable] = future.result()
+            except StoreUnavailable as exc:
                 outcomes = [exc] * len(batch)
             except Exception:  # a bug or a client-side error: said as it is, never "down"
                 if any(lock.token == item.token for lock, item in batch):
