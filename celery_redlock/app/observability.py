@@ -69,7 +69,7 @@ _LEVELS = {
     "renew_failed": logging.DEBUG,
     "lost": logging.DEBUG,
     "rate_limited": logging.INFO,
-    # raised to the caller as QuorumUnavailable, which a run logs once, in words
+    # raised to the caller as StoreUnavailable, which a run logs once, in words
     "unavailable": logging.DEBUG,
     # celery_redlock.dedup logs each of these once, in words, at INFO
     "duplicate": logging.DEBUG,

@@ -31,7 +31,7 @@ from urllib.parse import parse_qs, quote
 
 from ..app.event_log import MAXLEN
 from ..core.admin import force_dequeue, force_release
-from ..core.errors import ConfigError, QuorumUnavailable, one_line
+from ..core.errors import ConfigError, StoreUnavailable, one_line
 from . import pages
 from .auth import SESSION_TTL, Session, Sessions, Token, load_tokens, pasted
 from .http import HostCheck, Refused, bad, duration, headers, local_path, whole
@@ -405,7 +405,7 @@ class Board:
                 exc,
             )
             raise bad(f"{verb} {name[:80]!r} refused: {one_line(exc)}") from None
-        except QuorumUnavailable as exc:
+        except StoreUnavailable as exc:
             code, said = "unreachable", f"failed: Redis unreachable ({one_line(exc)})"
         log.info("celery-redlock board: %s %r (token %r) from %s: %s", verb, name, user, who, said)
         return "303 See Other", [("Location", back + pages.query(done=code))], ""

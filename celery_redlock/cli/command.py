@@ -97,7 +97,7 @@ class _Unreachable(Exception):
             super().__init__(f"cannot reach Redis at {url}: {one_line(exc)}")
 
 
-#: What a master that cannot be asked raises: the backend's QuorumUnavailable, or a
+#: What a master that cannot be asked raises: the backend's StoreUnavailable, or a
 #: client-side Redis error it passes on as it is.
 _UNREACHABLE = STORE_ERRORS
 

@@ -19,6 +19,7 @@ from .connect import connect, mask_url
 from .errors import (
     AlreadyQueued,
     ConfigError,
+    ForeignData,
     HeldBack,
     LockContended,
     LockLost,
@@ -26,6 +27,7 @@ from .errors import (
     QuorumUnavailable,
     RateLimited,
     RedlockError,
+    StoreUnavailable,
 )
 from .events import LockEvent, add_hook, remove_hook
 from .keys import KeyTemplate, lock_keys, render_value
@@ -41,6 +43,7 @@ __all__ = [
     "AlreadyQueued",
     "Backend",
     "ConfigError",
+    "ForeignData",
     "Grant",
     "Handover",
     "HeldBack",
@@ -64,6 +67,7 @@ __all__ = [
     "Semaphore",
     "Slot",
     "Status",
+    "StoreUnavailable",
     "add_hook",
     "connect",
     "get_manager",

@@ -6,7 +6,7 @@ operator verbs (the :class:`~celery_redlock.core.backend.Admin` capability). For
 Redlock, call them once per master to see each master's view, as the CLI does: a
 quorum has no operator verbs of its own (a ConfigError says so).
 
-Errors are the backend's: :class:`~celery_redlock.core.errors.QuorumUnavailable` when it
+Errors are the backend's: :class:`~celery_redlock.core.errors.StoreUnavailable` when it
 cannot answer, :class:`~celery_redlock.core.errors.ConfigError` for a name no lock can
 have or a key holding data that is not ours.
 """

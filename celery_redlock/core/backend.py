@@ -32,7 +32,7 @@ capability), :mod:`~.backends.memory` (the Redis backend on an in-process server
 What every verb promises (the behaviour suite ``tests/integration/test_backends.py``
 checks each backend):
 
-- *Errors.* A verb raises :class:`~.errors.QuorumUnavailable` when the backend cannot
+- *Errors.* A verb raises :class:`~.errors.StoreUnavailable` when the backend cannot
   decide (a server down, not answering in time, loading, out of memory, read-only, or
   too few masters of a quorum), and :class:`~.errors.ConfigError` when the data at a
   lock's keys is not ours. Anything else (a client whose pool is exhausted, a wrong
@@ -70,7 +70,7 @@ from .backend_types import (
     Slot,
     Status,
 )
-from .errors import ConfigError, QuorumUnavailable
+from .errors import ConfigError, StoreUnavailable
 from .listing import Listing, ListQuery
 
 __all__ = [
@@ -221,12 +221,12 @@ class Backend(Protocol):
         in ms, or why not (GONE, TAKEN, FOREIGN). Never recreates a missing key."""
         ...
 
-    def renew(self, items: Sequence[Renewal]) -> list[Status | QuorumUnavailable]:
+    def renew(self, items: Sequence[Renewal]) -> list[Status | StoreUnavailable]:
         """Set each item's lease to its ``ms`` if its token still holds it: one outcome
         per item, in order, in one round trip per node (a script for every item held
-        there). An item a quorum could not decide for is a ``QuorumUnavailable`` in the
+        there). An item a quorum could not decide for is a ``StoreUnavailable`` in the
         list; when the backend cannot decide for any item (its one server is down), the
-        verb raises :class:`~.errors.QuorumUnavailable` instead."""
+        verb raises :class:`~.errors.StoreUnavailable` instead."""
         ...
 
     def wait(self, slot: Slot, seconds: float, refused: Grant | None = None) -> None:
@@ -397,7 +397,7 @@ class Records(Protocol):
         *version*) of the records hash, only while *token* holds the lock, and never over
         a newer version of the same fence: ``claimed`` (also when the field already holds
         *value*: a re-sent copy), ``lost`` or ``stale``. Raises
-        :class:`~.errors.QuorumUnavailable` when too few answered to know. *deadline*
+        :class:`~.errors.StoreUnavailable` when too few answered to know. *deadline*
         (``time.monotonic()``) bounds the wait for a quorum's answers."""
         ...
 

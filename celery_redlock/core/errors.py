@@ -12,12 +12,14 @@ from typing import Any
 __all__ = [
     "AlreadyQueued",
     "ConfigError",
+    "ForeignData",
     "HeldBack",
     "LockContended",
     "LockLost",
     "NotOwned",
     "QuorumUnavailable",
     "RedlockError",
+    "StoreUnavailable",
     "cost_above_burst",
     "describe_holder",
     "one_line",
@@ -39,6 +41,12 @@ class ConfigError(RedlockError, ValueError):
     Raised where the mistake is made (task definition, worker start-up,
     ``Lock(...)``), never deep inside a running worker.
     """
+
+
+class ForeignData(ConfigError):
+    """A key where a lock (or its fence, queue, rate or control) lives holds data that
+    is not ours: something else writes under the key prefix. The message names the key
+    and what it holds; choose another ``redlock_key_prefix`` or remove the key."""
 
 
 class LockContended(RedlockError):
@@ -113,10 +121,13 @@ def _rebuild_contended(
     return LockContended(name, holder, ttl_ms, masters=masters)
 
 
-class QuorumUnavailable(RedlockError):
-    """Too many Redis masters are unreachable to decide: a Redis problem, not contention.
+class StoreUnavailable(RedlockError):
+    """The lock store cannot answer: a Redis problem, not contention. One Redis that is
+    down raises this; a Redlock quorum raises its subclass :class:`QuorumUnavailable`, so
+    ``except StoreUnavailable`` catches both.
 
-    ``errors`` maps each failed master (password-free address) to what went wrong.
+    ``errors`` maps each failed server (password-free address) to what went wrong;
+    ``needed`` of ``total`` had to answer (1 of 1 for one Redis).
     """
 
     def __init__(
@@ -148,13 +159,12 @@ class QuorumUnavailable(RedlockError):
         return f"quorum unavailable, need {self.needed} of {self.total} masters ({detail})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_quorum, (self.name, self.errors, self.needed, self.total))
+        return (type(self), (self.name, self.errors, self.needed, self.total))
 
 
-def _rebuild_quorum(
-    name: str, errors: dict[str, str], needed: int, total: int
-) -> QuorumUnavailable:
-    return QuorumUnavailable(name, errors, needed=needed, total=total)
+class QuorumUnavailable(StoreUnavailable):
+    """Too many Redlock masters are unreachable to reach a majority (a quorum's
+    :class:`StoreUnavailable`)."""
 
 
 class NotOwned(RedlockError):

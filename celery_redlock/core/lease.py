@@ -27,7 +27,7 @@ from typing import Any
 from . import events, process
 from .backend import Backend
 from .backend_types import Grant, Slot, Status
-from .errors import ConfigError, QuorumUnavailable
+from .errors import ConfigError, StoreUnavailable
 from .keys import LockKeys
 from .renewal import get_manager
 
@@ -222,7 +222,7 @@ class Lease:
         self,
         started: float,
         token: str,
-        outcome: Status | QuorumUnavailable,
+        outcome: Status | StoreUnavailable,
         *,
         logged: bool = False,
     ) -> None:
@@ -231,7 +231,7 @@ class Lease:
         it struck (a server that failed the round)."""
         if token != self._token or self._releasing:
             return  # released (or re-acquired) while the round was in flight
-        if isinstance(outcome, QuorumUnavailable):
+        if isinstance(outcome, StoreUnavailable):
             cause = self._renew_error = outcome.cause  # the error may name another lock
             left = self._valid_until - time.monotonic()
             log_renew.log(

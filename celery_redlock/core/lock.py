@@ -41,7 +41,7 @@ from . import process
 from .backend import Backend, FlowControl, has, need
 from .backend_types import Grant, Rule, Slot, Status
 from .backends import open_backend
-from .errors import ConfigError, LockContended, LockLost, NotOwned, QuorumUnavailable, RedlockError
+from .errors import ConfigError, LockContended, LockLost, NotOwned, RedlockError, StoreUnavailable
 from .keys import LockKeys, lock_keys
 from .lease import DEFAULT_FENCE_TTL, MIN_TTL, Lease, check_timeout, drift, ttl_to_ms
 from .renewal import get_manager
@@ -209,7 +209,7 @@ class Lock(Lease):
 
         Blocking waits are woken by the holder's release notice and capped at the
         holder's remaining lease, since expiry sends no notice. Raises
-        :class:`QuorumUnavailable` promptly when Redis cannot answer, also when
+        :class:`StoreUnavailable` promptly when Redis cannot answer, also when
         blocking: waiting is for contention, not for outages. *timeout* is None (no
         limit) or seconds >= 0, and only with blocking: a negative or NaN timeout, or one
         with ``blocking=False``, is a :class:`ConfigError` (a ``ValueError``).
@@ -239,7 +239,7 @@ class Lock(Lease):
             started = time.monotonic()
             try:
                 grant = self._attempt(token, record, will_wait, answer_by)
-            except QuorumUnavailable as exc:
+            except StoreUnavailable as exc:
                 self._event("unavailable", waited=time.monotonic() - begin, error=str(exc))
                 raise
             self.masters = dict(grant.masters)
@@ -364,7 +364,7 @@ class Lock(Lease):
         late to be valid): where it does not get through, the lease expires by itself."""
         try:
             self.backend.release(self.slot, token, self._notice_ms)
-        except QuorumUnavailable:
+        except StoreUnavailable:
             log_acquire.debug("give-back of a late acquire of %r did not get through", self.name)
 
     def release(self) -> None:
@@ -377,7 +377,7 @@ class Lock(Lease):
         release (after a lost reply) finds its own token remembered as released and
         counts as released (see the module docstring).
 
-        A release the backend did not answer (:class:`QuorumUnavailable`, or any other
+        A release the backend did not answer (:class:`StoreUnavailable`, or any other
         error) leaves the acquisition as it was, no longer renewed: call ``release()``
         again to free the key, or it expires within its TTL. A reentrant object is
         released by the thread that acquired it; any thread may release a plain one.
@@ -488,7 +488,7 @@ class Lock(Lease):
             return False
         try:
             holders = self.backend.holders(self.slot)
-        except QuorumUnavailable:
+        except StoreUnavailable:
             return time.monotonic() < self._valid_until
         except ConfigError:  # the key holds foreign data: this owner's lock is gone
             holders = []

@@ -98,7 +98,7 @@ class QueuedHold:
         held by another task id's run, the call is a duplicate of that run. A task id
         that holds the name already renews its hold (a retry keeps its place).
         A duplicate emits a ``duplicate`` LockEvent unless *report* is False.
-        Raises :class:`QuorumUnavailable` when Redis cannot answer.
+        Raises :class:`StoreUnavailable` when Redis cannot answer.
         """
         ttl_ms, record = self._terms(owner, ttl)
         found = self.backend.enqueue(
@@ -192,7 +192,7 @@ class PendingClaim:
 
     def result(self) -> Queued:
         """The claim's answer (a duplicate reported as :meth:`QueuedHold.claim` does);
-        raises :class:`~.errors.QuorumUnavailable` when Redis cannot answer."""
+        raises :class:`~.errors.StoreUnavailable` when Redis cannot answer."""
         if self._found is None:
             assert self._sent is not None
             sent, self._sent = self._sent, None

@@ -51,7 +51,7 @@ from typing import Any
 
 from .backend import Records, need
 from .backend_types import Claim, record_version
-from .errors import ConfigError, QuorumUnavailable
+from .errors import ConfigError, StoreUnavailable
 from .lock import Lock
 
 __all__ = ["Claim", "LockRecords", "record_version"]
@@ -85,7 +85,7 @@ class LockRecords:
     def load(self) -> dict[str, str]:
         """Every field's newest record (by ``(fence, n)``) on the masters that answer.
 
-        Raises :class:`QuorumUnavailable` when fewer than a majority answer: records
+        Raises :class:`StoreUnavailable` when fewer than a majority answer: records
         read from a minority could miss what the last holder claimed; :class:`ConfigError`
         when the key holds something that is not a hash (foreign data).
         """
@@ -111,7 +111,7 @@ class LockRecords:
             found = self.backend.claim(
                 lock.slot, self.suffix, token, name, value, (fence, n), deadline
             )
-        except QuorumUnavailable as exc:
+        except StoreUnavailable as exc:
             return Claim("unavailable", detail=str(exc))
         if found.outcome == "claimed" and time.monotonic() >= deadline:
             return Claim("lost", detail="the lease ran out before the claim was confirmed")

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 from . import process, threads
 from .backend import Backend
 from .backend_types import Renewal, Slot, Status
-from .errors import QuorumUnavailable
+from .errors import StoreUnavailable
 
 __all__ = ["Renewable", "RenewalManager", "get_manager", "shutdown"]
 
@@ -79,7 +79,7 @@ class Renewable(Protocol):
         self,
         started: float,
         token: str,
-        outcome: Status | QuorumUnavailable,
+        outcome: Status | StoreUnavailable,
         *,
         logged: bool = False,
     ) -> None:
@@ -103,7 +103,7 @@ class RenewalManager:
         # Held weakly: a lock nobody references is not renewed, and its key expires within
         # its TTL (a lock in a ``with`` block or a running task is referenced there).
         self._locks: weakref.WeakValueDictionary[int, Renewable] = weakref.WeakValueDictionary()
-        self._inflight: dict[Backend, cf.Future[list[Status | QuorumUnavailable]]] = {}
+        self._inflight: dict[Backend, cf.Future[list[Status | StoreUnavailable]]] = {}
         self._next_round = _NEVER
         self._wake_at = 0.0  # when the waiting thread wakes by itself; 0.0 while it runs
         self._stop = False
@@ -233,7 +233,7 @@ class RenewalManager:
             if renewal is not None:
                 token, ms = renewal
                 batches[lock.backend].append((lock, Renewal(lock.slot, token, ms)))
-        futures: dict[cf.Future[list[Status | QuorumUnavailable]], Backend] = {}
+        futures: dict[cf.Future[list[Status | StoreUnavailable]], Backend] = {}
         for backend, batch in batches.items():
             if backend in self._inflight:  # the previous round's call has not returned
                 log.warning("renewal: %s still busy with the previous round", backend.describe())
@@ -247,8 +247,8 @@ class RenewalManager:
             backend = futures[future]
             batch = batches[backend]
             try:
-                outcomes: Sequence[Status | QuorumUnavailable] = future.result()
-            except QuorumUnavailable as exc:
+                outcomes: Sequence[Status | StoreUnavailable] = future.result()
+            except StoreUnavailable as exc:
                 outcomes = [exc] * len(batch)
             except Exception:  # a bug or a client-side error: said as it is, never "down"
                 if any(lock.token == item.token for lock, item in batch):
@@ -269,16 +269,16 @@ _NAMES_SHOWN = 5
 def _log_shared_failures(
     backend: Backend,
     batch: Sequence[tuple[Renewable, Renewal]],
-    outcomes: Sequence[Status | QuorumUnavailable],
+    outcomes: Sequence[Status | StoreUnavailable],
 ) -> set[int]:
     """One line for each failure that struck several locks of the round (the same error
     for all: the server, or the cluster node, did not answer), naming the backend and
     the locks; the ids of those errors (each lock then logs its own at DEBUG only). A
     failure of one lock alone is that lock's own line."""
     struck: dict[int, list[str]] = defaultdict(list)
-    errors: dict[int, QuorumUnavailable] = {}
+    errors: dict[int, StoreUnavailable] = {}
     for (lock, item), outcome in zip(batch, outcomes, strict=True):
-        if isinstance(outcome, QuorumUnavailable) and lock.token == item.token:
+        if isinstance(outcome, StoreUnavailable) and lock.token == item.token:
             struck[id(outcome)].append(lock.name)
             errors[id(outcome)] = outcome
     told = set()

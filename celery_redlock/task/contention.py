@@ -34,8 +34,8 @@ from ..core.errors import (
     AlreadyQueued,
     HeldBack,
     LockContended,
-    QuorumUnavailable,
     RateLimited,
+    StoreUnavailable,
     describe_holder,
 )
 from ..core.queued import QueuedHold
@@ -348,7 +348,7 @@ def requeue(
         request, countdown=delay, retries=request.retries, headers=headers
     )
     # One line of ours per attempt (Celery adds its own "retry:" line with the reason).
-    if isinstance(exc, QuorumUnavailable):
+    if isinstance(exc, StoreUnavailable):
         reason = f"lock {name!r} unavailable"
         log.warning(
             "Task %s[%s] not started, lock %r unavailable: %s (lock retry %d/%d in %.2fs)",

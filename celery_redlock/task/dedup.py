@@ -59,7 +59,7 @@ from ..app import tracing
 from ..app.config import TaskOptions
 from ..app.observability import send_publisher_event, send_task_event
 from ..app.state import AppState
-from ..core import ConfigError, Queued, QueuedHold, QuorumUnavailable
+from ..core import ConfigError, Queued, QueuedHold, StoreUnavailable
 from ..core.queued import PendingClaim
 from . import claiming
 from .contention import RETRIES_HEADER, Duplicate, answer_with_holder, skip_message
@@ -177,7 +177,7 @@ def publish_held(  # noqa: PLR0917 - the publish's state, task, name, options an
                 # The lock is held by something that is no task message (a direct call,
                 # user code): nothing to return; this call is queued behind it.
                 found = hold.claim(task_id, ttl)
-    except QuorumUnavailable as exc:
+    except StoreUnavailable as exc:
         _sent_anyway(task, task_id, name, exc)
         return send(args, kwargs, **call)
     if found.outcome == "duplicate" and not republish:
@@ -235,7 +235,7 @@ def _publish_overlapped(  # noqa: PLR0917 - publish_held's call, with its hold a
     task_id = call["task_id"]
     try:
         pending = hold.claim_later(task_id, ttl, **options.duplicate.terms(options.lock_on))
-    except QuorumUnavailable as exc:
+    except StoreUnavailable as exc:
         _sent_anyway(task, task_id, name, exc)
         return send(**call)
     headers = call["headers"] = {**(call.get("headers") or {}), HOLD_HEADER: name}
@@ -245,7 +245,7 @@ def _publish_overlapped(  # noqa: PLR0917 - publish_held's call, with its hold a
             found = claim.result()
             if found.outcome == "duplicate" and not found.owner:
                 found = hold.claim(task_id, ttl)  # queued behind a holder that is no task
-        except QuorumUnavailable as exc:
+        except StoreUnavailable as exc:
             _sent_anyway(task, task_id, name, exc)
             headers.pop(HOLD_HEADER, None)  # no hold: its worker checks
             return None
@@ -273,7 +273,7 @@ def _claim_taken(deciding: claiming.Deciding) -> bool:
     cannot be read counts as taken (the give-back is owner-checked)."""
     try:
         deciding.answer()
-    except (claiming.NotSent, QuorumUnavailable, ConfigError):
+    except (claiming.NotSent, StoreUnavailable, ConfigError):
         return False
     except Exception:
         return True

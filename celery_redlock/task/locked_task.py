@@ -49,7 +49,7 @@ from ..app.config import (
 )
 from ..app.rules import BackOff, limits_option
 from ..app.state import AppState, state_for
-from ..core import ConfigError, Lock, LockContended, LockLost, QuorumUnavailable
+from ..core import ConfigError, Lock, LockContended, LockLost, StoreUnavailable
 from .contention import SKIPPED, is_skipped
 from .dedup import publish
 from .flow import check_limits
@@ -71,7 +71,7 @@ __all__ = [
 #: Failures that a task's lock options produce on purpose (added to ``Task.throws``): a
 #: LockLost (``lock_on_lost="raise"``, or a release that found the lock lost; the
 #: interrupt the body sees, LockLostInterrupt, is one) has had its one WARNING line.
-_EXPECTED = (LockContended, QuorumUnavailable, BackOff, LockLost)
+_EXPECTED = (LockContended, StoreUnavailable, BackOff, LockLost)
 
 #: Called with the app of each task class made on one. ``celery_redlock.install`` adds
 #: ``install`` when it is imported (always, by ``import celery_redlock``), so defining a

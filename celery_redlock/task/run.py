@@ -36,12 +36,12 @@ from ..core import (
     Handover,
     Lock,
     LockLost,
-    QuorumUnavailable,
     RateGrant,
     RateLimiter,
     RedlockError,
     RunLock,
     Semaphore,
+    StoreUnavailable,
 )
 from ..core import events as lock_events
 from ..core.errors import describe_holder
@@ -324,7 +324,7 @@ def _acquire(run: _Run, handover: Handover | None) -> None:
                         retry_after=grant.retry_after,
                     )
                 request._redlock_skip = strategy.refuse(run.refusal(limiter, grant))
-    except QuorumUnavailable as exc:
+    except StoreUnavailable as exc:
         if lock is not None and lock_of(request) is lock:
             release_for_request(state, task, lock, task_id, request)
         if state.settings.fail_open:
@@ -528,7 +528,7 @@ def release_for_request(
             send_task_event(state, task, "lost", lock=lock.name, reason=str(exc), held=held)
         # The lock wrote the loss's one WARNING line (naming this task) when it found it.
         log.debug("Task %s[%s]: release found the lock lost: %s", task.name, task_id, exc)
-    except QuorumUnavailable as exc:
+    except StoreUnavailable as exc:
         log.warning(
             "Task %s[%s]: could not release lock %r (%s); it expires within %ss",
             task.name,

@@ -44,7 +44,6 @@ from celery_redlock.core import (
     LockRecords,
     NotOwned,
     QueuedHold,
-    QuorumUnavailable,
     RateLimiter,
     Redlock,
     RedlockError,
@@ -52,6 +51,7 @@ from celery_redlock.core import (
     Semaphore,
     Slot,
     Status,
+    StoreUnavailable,
     admin,
     connect,
     lock_keys,
@@ -748,7 +748,7 @@ def test_a_lock_nobody_references_is_no_longer_renewed(target: Any, name: str) -
 
 
 def test_a_release_the_backend_did_not_answer_can_be_retried(target: Any, name: str) -> None:
-    """A release() that raised QuorumUnavailable keeps the acquisition: a renewal answer
+    """A release() that raised StoreUnavailable keeps the acquisition: a renewal answer
     that arrives meanwhile does not mark it lost, the key stays held, and release() again
     frees it."""
     real = open_backend(target)
@@ -768,7 +768,7 @@ def test_a_release_the_backend_did_not_answer_can_be_retried(target: Any, name: 
                 assert self.lock is not None
                 # A renewal round that read the lock before release() began answers now.
                 self.lock.renewed(time.monotonic(), token, Status.GONE)
-                raise QuorumUnavailable(name, {"test": "release not answered"})
+                raise StoreUnavailable(name, {"test": "release not answered"})
             return real.release(slot, token, notice_ms)
 
     backend = Unanswered()
@@ -776,7 +776,7 @@ def test_a_release_the_backend_did_not_answer_can_be_retried(target: Any, name: 
     lock = Lock(backend, name, ttl=10, on_lost=lost.append)
     backend.lock = lock
     assert lock.acquire(blocking=False)
-    with pytest.raises(QuorumUnavailable):
+    with pytest.raises(StoreUnavailable):
         lock.release()
     assert not lock.lost and lost == []
     assert lock.owned() and lock.valid_until > time.monotonic()

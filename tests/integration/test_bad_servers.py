@@ -44,7 +44,7 @@ from celery.contrib.testing.worker import start_worker
 from servers import RedisServer, free_port, wait_for
 from workers import Worker, close_publisher
 
-from celery_redlock import ConfigError, Lock, LockedTask, QuorumUnavailable, connect
+from celery_redlock import ConfigError, Lock, LockedTask, StoreUnavailable, connect
 
 SECRET = "hunter2-secret"
 _apps = itertools.count(1)
@@ -215,12 +215,12 @@ def password_server() -> Iterator[RedisServer]:
 def test_wrong_or_missing_password_is_one_clear_error_naming_the_server(
     password_server: RedisServer,
 ) -> None:
-    """Lock on a password-protected server with a wrong or no password: QuorumUnavailable
+    """Lock on a password-protected server with a wrong or no password: StoreUnavailable
     naming the server and saying the credentials were refused, never the password."""
     port = password_server.port
     for url in (f"redis://:{SECRET}@127.0.0.1:{port}/1", f"redis://127.0.0.1:{port}/1"):
         lock = Lock(connect(url), "pw", ttl=5)
-        with pytest.raises(QuorumUnavailable) as caught:
+        with pytest.raises(StoreUnavailable) as caught:
             lock.acquire(blocking=False)
         message = str(caught.value)
         assert f"127.0.0.1:{port}" in message and "AuthenticationError" in message
@@ -238,7 +238,7 @@ def test_a_lock_server_refusing_us_is_loud_at_start_and_tasks_never_run_unlocked
 ) -> None:
     """Wrong password, no password, a TLS URL for a plain server, nothing listening: one
     ERROR at worker start naming the server (masked URL, what is wrong); the task is
-    retried, then fails with QuorumUnavailable when its lock retries run out; its body never
+    retried, then fails with StoreUnavailable when its lock retries run out; its body never
     runs; the password appears in no log line and no error."""
     caplog.set_level(logging.INFO, logger="celery_redlock")
     reasons: list[str] = []  # what Celery's "retry:" line says for each retry
@@ -281,7 +281,7 @@ def test_a_lock_server_refusing_us_is_loud_at_start_and_tasks_never_run_unlocked
         if masked is not None:
             assert masked in startup[0]
         result = job.delay("a")
-        with pytest.raises(QuorumUnavailable) as caught:
+        with pytest.raises(StoreUnavailable) as caught:
             result.get(timeout=30, propagate=True)
     error = str(caught.value)
     assert "127.0.0.1" in error
@@ -447,7 +447,7 @@ def test_out_of_memory_retries_new_tasks_and_keeps_held_locks_alive(
 def test_core_lock_reports_each_refusing_server_as_unavailable_naming_it(
     redis_server: RedisServer, replica: RedisServer, loading_server: RedisServer
 ) -> None:
-    """Lock.acquire against OOM, a replica and a loading server: QuorumUnavailable (retry
+    """Lock.acquire against OOM, a replica and a loading server: StoreUnavailable (retry
     later) naming the server and the reply, never a ConfigError about the key."""
     admin = redis_server.client()
     admin.config_set("maxmemory-policy", "noeviction")
@@ -460,7 +460,7 @@ def test_core_lock_reports_each_refusing_server_as_unavailable_naming_it(
         ):
             lock = Lock(connect(f"redis://127.0.0.1:{server.port}/1"), "refused", ttl=5)
             started = time.monotonic()
-            with pytest.raises(QuorumUnavailable) as caught:
+            with pytest.raises(StoreUnavailable) as caught:
                 lock.acquire(timeout=5)
             assert time.monotonic() - started < 4  # an outage is not waited out
             assert words in str(caught.value) and f"127.0.0.1:{server.port}" in str(caught.value)
@@ -491,7 +491,7 @@ def test_threads_waiting_on_a_refusing_server_are_not_left_blocked(
     redis_server: RedisServer,
 ) -> None:
     """A blocking acquire whose server goes OOM while it waits for a holder ends with
-    QuorumUnavailable within about the holder's lease, not after its own timeout."""
+    StoreUnavailable within about the holder's lease, not after its own timeout."""
     client = connect(f"redis://127.0.0.1:{redis_server.port}/1")
     holder = Lock(client, "oom:wait", ttl=1.0, auto_renew=False)
     assert holder.acquire(blocking=False)
@@ -512,6 +512,6 @@ def test_threads_waiting_on_a_refusing_server_are_not_left_blocked(
     try:
         thread.join(10)
         assert not thread.is_alive()
-        assert len(outcome) == 1 and isinstance(outcome[0], QuorumUnavailable), outcome
+        assert len(outcome) == 1 and isinstance(outcome[0], StoreUnavailable), outcome
     finally:
         admin.config_set("maxmemory", 0)

@@ -5,7 +5,7 @@ retry) and ``connect(url)``. Every test starts from the first call after the fau
 What must hold: a dead, frozen or slow master costs a quorum call at most one per-node
 timeout whatever the client's retry policy; with a majority alive, acquire is granted,
 holds are never lost and a release returns within a per-node timeout; with a majority
-dead, ``QuorumUnavailable`` within 2 s; ``acquire(timeout=T)`` returns within T and a few
+dead, ``StoreUnavailable`` within 2 s; ``acquire(timeout=T)`` returns within T and a few
 milliseconds. No test here tunes a client.
 """
 
@@ -20,7 +20,7 @@ import pytest
 import redis
 from servers import RedisServer, wait_for
 
-from celery_redlock import Lock, QuorumUnavailable, Redlock, connect
+from celery_redlock import Lock, Redlock, StoreUnavailable, connect
 from celery_redlock.core.backends.redis.client import checkout
 from celery_redlock.core.keys import lock_keys
 
@@ -122,7 +122,7 @@ def test_majority_down_is_quorum_unavailable_within_two_seconds(
     how: str, kind: str, redis_servers: Servers
 ) -> None:
     """Two of three masters dead or frozen: the first acquire after the fault, blocking
-    with a long timeout, raises QuorumUnavailable within 2 s, naming both."""
+    with a long timeout, raises StoreUnavailable within 2 s, naming both."""
     servers = redis_servers(3)
     clients = clients_for(how, servers)
     warm(clients, 3)
@@ -131,7 +131,7 @@ def test_majority_down_is_quorum_unavailable_within_two_seconds(
     try:
         for name in ("first", "second"):  # the second call too, once they are known bad
             began = time.monotonic()
-            with pytest.raises(QuorumUnavailable) as caught:  # per-node timeout 500 ms
+            with pytest.raises(StoreUnavailable) as caught:  # per-node timeout 500 ms
                 Redlock(clients, name, ttl=10).acquire(timeout=30)
             assert time.monotonic() - began < 2.0
             assert caught.value.needed == 2 and caught.value.total == 3
@@ -190,7 +190,7 @@ def test_blocking_acquire_returns_at_its_timeout_with_a_master_frozen(
 
 @pytest.mark.parametrize("how", CLIENTS)
 def test_one_redis_dead_answers_at_once(how: str, redis_server: RedisServer) -> None:
-    """One Redis dead: acquire(timeout=2) raises QuorumUnavailable at once (a refused
+    """One Redis dead: acquire(timeout=2) raises StoreUnavailable at once (a refused
     connect is not retried with backoff), and owned() of a held lock answers at once
     (from its local deadline, Redis being unable to say)."""
     (client,) = clients_for(how, [redis_server])
@@ -198,7 +198,7 @@ def test_one_redis_dead_answers_at_once(how: str, redis_server: RedisServer) -> 
     assert lock.acquire(blocking=False)
     redis_server.kill()
     began = time.monotonic()
-    with pytest.raises(QuorumUnavailable):
+    with pytest.raises(StoreUnavailable):
         Lock(client, "one:fresh", ttl=10).acquire(timeout=2)
     assert time.monotonic() - began < 0.5
     began = time.monotonic()
@@ -210,7 +210,7 @@ def test_one_redis_dead_answers_at_once(how: str, redis_server: RedisServer) -> 
 def test_one_redis_frozen_is_unavailable_within_the_lock_socket_timeout(
     how: str, redis_server: RedisServer
 ) -> None:
-    """One Redis frozen: acquire raises QuorumUnavailable after the lock traffic's socket
+    """One Redis frozen: acquire raises StoreUnavailable after the lock traffic's socket
     timeout (2 s at most, whatever the client's own), and works again once it resumes."""
     (client,) = clients_for(how, [redis_server])
     with Lock(client, "frozen:warm", ttl=10):
@@ -218,7 +218,7 @@ def test_one_redis_frozen_is_unavailable_within_the_lock_socket_timeout(
     redis_server.pause()
     try:
         began = time.monotonic()
-        with pytest.raises(QuorumUnavailable):
+        with pytest.raises(StoreUnavailable):
             Lock(client, "frozen:one", ttl=10).acquire(blocking=False)
         assert time.monotonic() - began < 2.0 + 5 * SLACK  # one socket timeout, on a busy CI
     finally:

@@ -6,7 +6,7 @@ expected, a hash without its fields, an unreadable or huge holder record, a key 
 TTL, a fence counter that is not an integer. Whatever is there, every part reports it
 clearly, naming the key: ``Lock`` and ``Redlock``, the renewal thread, a worker running
 ``LockedTask``, ``celery locks`` and beat's ``LeaderScheduler``. None of them crashes,
-runs a task without its lock, or calls it a Redis outage (``QuorumUnavailable``).
+runs a task without its lock, or calls it a Redis outage (``StoreUnavailable``).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from celery_redlock import (
     LockContended,
     LockedTask,
     LockLost,
-    QuorumUnavailable,
     Redlock,
+    StoreUnavailable,
 )
 from celery_redlock.beat import LeaderScheduler
 from celery_redlock.core.renewal import get_manager
@@ -89,7 +89,7 @@ def test_acquire_over_a_non_hash_at_the_lock_key_is_a_config_error_naming_the_ke
     message = str(caught.value)
     assert repr(lock.keys.lock) in message and f"holds a {kind}" in message
     assert "prefix" in message  # says what to do about it
-    assert not isinstance(caught.value, QuorumUnavailable)
+    assert not isinstance(caught.value, StoreUnavailable)
     assert raw.dump(lock.keys.lock) == before
     assert not raw.exists(lock.keys.fence)
     assert lock.fence is None and not lock.owned()
@@ -322,7 +322,7 @@ def test_redlock_with_foreign_data_on_a_minority_still_locks_and_on_a_majority_s
     again = Redlock(clients, "redlock:one-bad", ttl=5, auto_renew=False)
     with pytest.raises(ConfigError) as caught:
         again.acquire(blocking=False)
-    assert not isinstance(caught.value, QuorumUnavailable)
+    assert not isinstance(caught.value, StoreUnavailable)
     assert repr(lock.keys.lock) in str(caught.value) and "2 of 3 masters" in str(caught.value)
     assert not raw[2].exists(lock.keys.lock)  # what master 2 granted was given back
 

@@ -48,10 +48,10 @@ from celery_redlock.core import (
     Lock,
     LockLost,
     NotOwned,
-    QuorumUnavailable,
     RateLimiter,
     Redlock,
     Semaphore,
+    StoreUnavailable,
     connect,
     get_manager,
 )
@@ -548,7 +548,7 @@ def test_exhausted_pool_is_not_unavailable(
 ) -> None:
     """With every connection of the lock traffic's 2-connection pool (the user's cap, on
     the lock client's own pool) checked out, acquiring raises redis' own pool error
-    (MaxConnectionsError / "Too many connections"), not QuorumUnavailable, leaves no lock
+    (MaxConnectionsError / "Too many connections"), not StoreUnavailable, leaves no lock
     behind, and works once the connections are back (the old core said "Redis
     unavailable", so LockedTask retried forever)."""
     kind = "redlock" if primitive == "Redlock" else "redis"
@@ -567,7 +567,7 @@ def test_exhausted_pool_is_not_unavailable(
     try:
         with pytest.raises(Exception) as caught:
             acquire()
-        assert not isinstance(caught.value, QuorumUnavailable), caught.value
+        assert not isinstance(caught.value, StoreUnavailable), caught.value
         assert pool_exhausted(caught.value), f"{type(caught.value).__name__}: {caught.value}"
     finally:
         for client, conn in taken:
@@ -612,7 +612,7 @@ def test_wrong_argument_type_is_named(
     case: str, kind: str, three_servers: list[RedisServer], admins: list[redis.Redis]
 ) -> None:
     """A wrong argument type raises ConfigError or TypeError naming the argument, never
-    QuorumUnavailable, and takes nothing on the backend."""
+    StoreUnavailable, and takes nothing on the backend."""
     if case.startswith(_ONE_STORE_ONLY) and kind == "redlock":
         pytest.skip("refused on a list of masters whatever the arguments")
     if case.startswith("Redlock") and kind != "redlock":
@@ -622,7 +622,7 @@ def test_wrong_argument_type_is_named(
     try:
         with pytest.raises((ConfigError, TypeError)) as caught:
             make(target)
-        assert not isinstance(caught.value, QuorumUnavailable)
+        assert not isinstance(caught.value, StoreUnavailable)
         assert word in str(caught.value), (
             f"{case}: {type(caught.value).__name__} does not name {word!r}: {caught.value}"
         )

@@ -37,8 +37,8 @@ from celery_redlock import (
     LockContended,
     LockLost,
     NotOwned,
-    QuorumUnavailable,
     RedlockError,
+    StoreUnavailable,
 )
 from celery_redlock.core import process
 from celery_redlock.core.errors import describe_holder
@@ -396,7 +396,7 @@ def test_acquire_resent_after_its_connection_broke_ends_holding_the_lock(
 def test_acquire_whose_reply_is_late_raises_and_leaves_no_orphaned_key(
     redis_server: RedisServer, fault_proxy: ProxyFactory
 ) -> None:
-    """A reply that never comes in time: acquire raises QuorumUnavailable after one socket
+    """A reply that never comes in time: acquire raises StoreUnavailable after one socket
     timeout (a timeout is not re-sent), and the hold it may have taken is given back."""
     proxy = fault_proxy(redis_server)
     direct = redis_server.client()
@@ -410,7 +410,7 @@ def test_acquire_whose_reply_is_late_raises_and_leaves_no_orphaned_key(
     redis_server.reset_stats()
     proxy.delay_replies(0.5)
     started = time.monotonic()
-    with pytest.raises(QuorumUnavailable):
+    with pytest.raises(StoreUnavailable):
         lock.acquire(blocking=False)
     assert time.monotonic() - started < 0.45, "the caller waited past one socket timeout"
     proxy.heal()
@@ -439,7 +439,7 @@ def test_acquire_timing_out_until_the_network_heals_holds_or_leaves_nothing(
     healer.start()
     try:
         held = lock.acquire(blocking=False)
-    except QuorumUnavailable:
+    except StoreUnavailable:
         held = False
     finally:
         healer.join(5)

@@ -28,7 +28,7 @@ from celery_redlock.core.backend import (
 from celery_redlock.core.backend_types import Grant, Renewal, Slot, Status
 from celery_redlock.core.backends.quorum import QuorumBackend
 from celery_redlock.core.backends.redis import RedisBackend
-from celery_redlock.core.errors import ConfigError, QuorumUnavailable
+from celery_redlock.core.errors import ConfigError, StoreUnavailable
 from celery_redlock.core.keys import lock_keys
 
 RECORD = json.dumps({"hostname": "test", "pid": 1})
@@ -44,7 +44,7 @@ class Flaky:
     """A member backend over a memory store that fails on demand (a stub backend, which
     calls every verb the usual way: no ``send``).
 
-    ``down``: every verb raises QuorumUnavailable; ``stall``: every verb blocks until
+    ``down``: every verb raises StoreUnavailable; ``stall``: every verb blocks until
     :meth:`heal` (at most 30 s); ``broken``: every verb raises :class:`PoolExhausted`.
     ``log`` records ``(verb, "start"|"end", monotonic)`` of every call that ran.
     """
@@ -87,7 +87,7 @@ class Flaky:
             mode = self.mode
             if mode == "down":
                 self.refused.set()
-                raise QuorumUnavailable("x", {self.describe(): "ConnectionError: refused"})
+                raise StoreUnavailable("x", {self.describe(): "ConnectionError: refused"})
             if mode == "broken":
                 raise PoolExhausted("Too many connections")
             with self.lock:
@@ -201,13 +201,13 @@ def test_majority_acquires_with_one_member_down(flaky: list[Flaky]) -> None:
 
 
 def test_two_members_down_is_unavailable_promptly(flaky: list[Flaky]) -> None:
-    """Two of three down (refusing, or stalled): QuorumUnavailable within about two
+    """Two of three down (refusing, or stalled): StoreUnavailable within about two
     timeouts, naming the masters, never a contention."""
     quorum = quorum_of(flaky)
     flaky[1].fail("down")
     flaky[2].fail("down")
     started = time.monotonic()
-    with pytest.raises(QuorumUnavailable) as caught:
+    with pytest.raises(StoreUnavailable) as caught:
         take(quorum, mutex("two-down"), "t1")
     assert time.monotonic() - started < 2 * TIMEOUT
     assert caught.value.needed == 2 and caught.value.total == 3
@@ -216,7 +216,7 @@ def test_two_members_down_is_unavailable_promptly(flaky: list[Flaky]) -> None:
     flaky[1].fail("stall")
     flaky[2].fail("stall")
     started = time.monotonic()
-    with pytest.raises(QuorumUnavailable, match="no answer within 100 ms"):
+    with pytest.raises(StoreUnavailable, match="no answer within 100 ms"):
         take(quorum, mutex("two-stalled"), "t2")
     assert time.monotonic() - started < 2 * TIMEOUT + 0.05
 
@@ -228,7 +228,7 @@ def test_first_contact_waits_three_timeouts(flaky: list[Flaky]) -> None:
     for member in flaky[1:]:
         member.fail("stall")
     started = time.monotonic()
-    with pytest.raises(QuorumUnavailable):
+    with pytest.raises(StoreUnavailable):
         take(quorum, mutex("first"), "t1")
     assert 3 * TIMEOUT <= time.monotonic() - started < 3 * TIMEOUT + 0.2
 
@@ -373,7 +373,7 @@ def test_a_foreign_member_is_a_config_error(flaky: list[Flaky]) -> None:
 # -- release, extend, renew ---------------------------------------------------------------
 def test_release_reports(flaky: list[Flaky]) -> None:
     """OK on a majority; TAKEN when another token holds a majority; GONE when nobody
-    holds it; QuorumUnavailable when too few answer."""
+    holds it; StoreUnavailable when too few answer."""
     quorum = quorum_of(flaky)
     slot = mutex("release")
     take(quorum, slot, "t1")
@@ -387,7 +387,7 @@ def test_release_reports(flaky: list[Flaky]) -> None:
     assert quorum.release(mutex("nobody"), "t3", TTL) is Status.GONE
     flaky[1].fail("down")
     flaky[2].fail("down")
-    with pytest.raises(QuorumUnavailable):
+    with pytest.raises(StoreUnavailable):
         quorum.release(slot, "t2", TTL)
 
 
@@ -433,7 +433,7 @@ def test_extend_is_the_quorum_th_longest_lease(flaky: list[Flaky]) -> None:
 
 
 def test_renew_settles_each_item_by_its_own_majority(flaky: list[Flaky]) -> None:
-    """One batch per member; per item OK with a majority, QuorumUnavailable while the
+    """One batch per member; per item OK with a majority, StoreUnavailable while the
     silent members could still make one, else the lowest status; all members down
     raises."""
     quorum = quorum_of(flaky)
@@ -449,11 +449,11 @@ def test_renew_settles_each_item_by_its_own_majority(flaky: list[Flaky]) -> None
     flaky[2].fail("down")
     outcomes = quorum.renew([Renewal(held, "t", TTL), Renewal(near, "t", TTL)])
     assert outcomes[0] is Status.OK
-    assert isinstance(outcomes[1], QuorumUnavailable)
+    assert isinstance(outcomes[1], StoreUnavailable)
     assert outcomes[1].name == "r-near"
     for member in flaky:
         member.fail("down")
-    with pytest.raises(QuorumUnavailable):
+    with pytest.raises(StoreUnavailable):
         quorum.renew(items)
     assert quorum.renew([]) == []
 
@@ -477,7 +477,7 @@ def test_holders_locked_and_was_done(flaky: list[Flaky]) -> None:
     flaky[1].fail("down")
     flaky[2].fail("down")
     for read in (lambda: quorum.holders(slot), lambda: quorum.locked(slot)):
-        with pytest.raises(QuorumUnavailable):
+        with pytest.raises(StoreUnavailable):
             read()
 
 
@@ -528,9 +528,9 @@ def test_records_need_a_majority(flaky: list[Flaky]) -> None:
     assert late.outcome == "lost"
     flaky[0].fail("down")
     flaky[1].fail("down")
-    with pytest.raises(QuorumUnavailable):
+    with pytest.raises(StoreUnavailable):
         quorum.load_records(slot, "ticks")
-    with pytest.raises(QuorumUnavailable):
+    with pytest.raises(StoreUnavailable):
         quorum.claim(slot, "ticks", "t1", "beat", record, (grant.fence or 0, 4))
 
 
@@ -559,7 +559,7 @@ def three_redis(redis_servers: Callable[[int], list[RedisServer]]) -> list[Redis
 
 def test_redlock_over_three_redis_servers(three_redis: list[RedisServer]) -> None:
     """Over three real Redis backends: acquire, extend, holders, release; with one server
-    stopped a majority still decides; with two, QuorumUnavailable."""
+    stopped a majority still decides; with two, StoreUnavailable."""
     clients = [s.client(socket_timeout=1.0) for s in three_redis]
     try:
         quorum = QuorumBackend([RedisBackend.of(c) for c in clients], per_node_timeout=0.5)
@@ -574,7 +574,7 @@ def test_redlock_over_three_redis_servers(three_redis: list[RedisServer]) -> Non
         assert quorum.renew([Renewal(slot, "t2", TTL)]) == [Status.OK]
         assert quorum.release(slot, "t2", TTL) is Status.OK
         three_redis[1].stop()
-        with pytest.raises(QuorumUnavailable):
+        with pytest.raises(StoreUnavailable):
             take(quorum, slot, "t3")
     finally:
         for client in clients:

@@ -13,7 +13,7 @@ import redis
 from servers import RedisServer
 
 from celery_redlock.core.connect import connect
-from celery_redlock.core.errors import QuorumUnavailable
+from celery_redlock.core.errors import StoreUnavailable
 from celery_redlock.core.lock import Lock, Redlock
 from celery_redlock.core.records import LockRecords, record_version
 
@@ -156,7 +156,7 @@ def test_redlock_load_takes_the_newest_record_per_field_and_needs_a_majority(
     masters: list[RedisServer], held: list[Lock | Redlock]
 ) -> None:
     """load() returns per field the record with the highest (fence, n) over the masters that
-    answer (unreadable ones rank lowest), and raises QuorumUnavailable below a majority."""
+    answer (unreadable ones rank lowest), and raises StoreUnavailable below a majority."""
     lock = redlock(masters, held)
     clients = [m.client() for m in masters]
     rows = [
@@ -171,7 +171,7 @@ def test_redlock_load_takes_the_newest_record_per_field_and_needs_a_majority(
     assert record_version("not json") == (-1, -1)
     masters[0].kill()
     masters[1].kill()
-    with pytest.raises(QuorumUnavailable):
+    with pytest.raises(StoreUnavailable):
         records.load()
 
 

@@ -20,7 +20,7 @@ from servers import ClusterSetup, FaultProxy, RedisServer
 from celery_redlock.core.backend_types import Handover, Renewal, Slot, Status
 from celery_redlock.core.backends.redis import RedisBackend, cannot_decide, server_refused
 from celery_redlock.core.backends.redis.client import lock_client
-from celery_redlock.core.errors import ConfigError, QuorumUnavailable
+from celery_redlock.core.errors import ConfigError, StoreUnavailable
 from celery_redlock.core.keys import lock_keys, permit_keys, rate_key
 
 RECORD = json.dumps({"hostname": "test", "pid": 1})
@@ -143,7 +143,7 @@ def test_resent_release_after_lost_reply(
         backend, slot, tok = RedisBackend.of(client), mutex(), token()
         take(backend, slot, tok)
         proxy.delay_replies(1.5)
-        with pytest.raises(QuorumUnavailable):
+        with pytest.raises(StoreUnavailable):
             backend.release(slot, tok, 10_000)
         assert wait_until(lambda: not redis_client.exists(slot.keys.lock))
         proxy.heal()
@@ -157,7 +157,7 @@ def test_unclear_acquire_is_taken_back(
     shared_redis: RedisServer, redis_client: redis.Redis
 ) -> None:
     """An acquire whose reply was lost (the connection reset after the server ran it) raises
-    QuorumUnavailable, and the token's hold is taken back: nothing is left held."""
+    StoreUnavailable, and the token's hold is taken back: nothing is left held."""
     proxy = FaultProxy.start(shared_redis.host, shared_redis.port)
     client = proxy.client(socket_timeout=0.3)
     try:
@@ -173,7 +173,7 @@ def test_unclear_acquire_is_taken_back(
 
         cutter = threading.Thread(target=cut_after_the_script_ran)
         cutter.start()
-        with pytest.raises(QuorumUnavailable):
+        with pytest.raises(StoreUnavailable):
             backend.acquire(slot, token(), 30_000, RECORD, wait=False, fence_ttl_ms=0)
         cutter.join()
         proxy.heal()  # the take-back's second try (from the give-back thread) gets through
@@ -223,7 +223,7 @@ def test_exhausted_pool_is_not_unavailable(
     backend: RedisBackend, shared_redis: RedisServer
 ) -> None:
     """A pool with no connection to give (the lock traffic's own, with the user's cap of
-    2) raises the client's own error, not QuorumUnavailable, and nothing is taken back
+    2) raises the client's own error, not StoreUnavailable, and nothing is taken back
     (nothing was sent)."""
     client = shared_redis.client(max_connections=2)
     pool = lock_client(client).connection_pool
@@ -245,7 +245,7 @@ def test_exhausted_pool_is_not_unavailable(
 
 
 def test_stopped_server_is_unavailable(redis_server: RedisServer) -> None:
-    """Every verb on a stopped server raises QuorumUnavailable naming its address, at once
+    """Every verb on a stopped server raises StoreUnavailable naming its address, at once
     on a client with redis-py's defaults (the lock client retries a refused connect once,
     without the user's backoff)."""
     client = redis.Redis(host=redis_server.host, port=redis_server.port)
@@ -262,7 +262,7 @@ def test_stopped_server_is_unavailable(redis_server: RedisServer) -> None:
             lambda: backend.scan("redlock:"),
         ):
             began = time.monotonic()
-            with pytest.raises(QuorumUnavailable) as caught:
+            with pytest.raises(StoreUnavailable) as caught:
                 call()
             assert time.monotonic() - began < 0.5, "waited on redis-py's backoff"
             assert list(caught.value.errors) == [backend.describe()]
@@ -449,7 +449,7 @@ def test_rate_and_read_rate(backend: RedisBackend) -> None:
 
 def test_foreign_data(backend: RedisBackend, redis_client: redis.Redis) -> None:
     """Data that is not ours at a lock's keys is a ConfigError (or FOREIGN), never
-    QuorumUnavailable."""
+    StoreUnavailable."""
     slot = mutex("odd")
     redis_client.set(slot.keys.lock, "x")
     with pytest.raises(ConfigError, match="holds a string"):

@@ -163,7 +163,7 @@ def test_a_bug_or_version_mismatch_is_raised_not_reported_as_redis_down(
     redis_servers: Callable[[int], list[RedisServer]],
 ) -> None:
     """A TypeError from inside the client reaches the caller as it is, for Lock and for
-    Redlock: it is never turned into QuorumUnavailable (retried forever as "Redis down")."""
+    Redlock: it is never turned into StoreUnavailable (retried forever as "Redis down")."""
     servers = redis_servers(3)
     broken = redis.Redis(connection_pool=BrokenPool(host=servers[0].host, port=servers[0].port))
     with pytest.raises(TypeError):

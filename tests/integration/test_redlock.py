@@ -22,8 +22,8 @@ from celery_redlock import (
     Lock,
     LockContended,
     LockLost,
-    QuorumUnavailable,
     Redlock,
+    StoreUnavailable,
     connect,
 )
 from celery_redlock.core.backend_types import Slot
@@ -178,13 +178,13 @@ def test_extend_needs_a_quorum_and_recomputes_validity(redis_servers: Servers) -
 def test_extend_with_a_majority_unreachable_is_quorum_unavailable_not_lost(
     redis_servers: Servers,
 ) -> None:
-    """Two of three masters down: extend() cannot confirm, raises QuorumUnavailable."""
+    """Two of three masters down: extend() cannot confirm, raises StoreUnavailable."""
     servers = redis_servers(3)
     lock = Redlock(clients_of(servers), "rl:extend-down", ttl=5, auto_renew=False)
     assert lock.acquire(blocking=False)
     servers[0].kill()
     servers[1].kill()
-    with pytest.raises(QuorumUnavailable) as caught:
+    with pytest.raises(StoreUnavailable) as caught:
         lock.extend()
     assert caught.value.needed == 2 and caught.value.total == 3
     assert not lock.lost  # not known to be lost: the local deadline still decides
@@ -299,7 +299,7 @@ def test_fence_that_cannot_be_written_back_is_quorum_unavailable_and_given_back(
     redis_servers: Servers,
 ) -> None:
     """Granted by masters 0 and 1 (fences 101 and 6), but master 1 refuses to raise its
-    counter: no fence can be promised, so QuorumUnavailable, and both keys are given back."""
+    counter: no fence can be promised, so StoreUnavailable, and both keys are given back."""
     servers = redis_servers(3)
     name = "rl:no-write-back"
     for server in servers:  # this user may not SET: raise_fence.lua fails for it
@@ -311,7 +311,7 @@ def test_fence_that_cannot_be_written_back_is_quorum_unavailable_and_given_back(
     servers[2].kill()
     # fence_ttl=None: a counter this user creates without SET (a new one is seeded with it)
     lock = Redlock(clients, name, ttl=5, fence_ttl=None)
-    with pytest.raises(QuorumUnavailable) as caught:
+    with pytest.raises(StoreUnavailable) as caught:
         lock.acquire(blocking=False)
     assert "writing fence 101 back failed" in str(caught.value)
     assert not holds_key(servers[0], name) and not holds_key(servers[1], name)
@@ -324,7 +324,7 @@ def test_fence_that_cannot_be_written_back_is_quorum_unavailable_and_given_back(
 def test_majority_paused_raises_quorum_unavailable_promptly_and_leaves_nothing(
     redis_servers: Servers, n: int
 ) -> None:
-    """A majority SIGSTOPped: a *blocking* acquire raises QuorumUnavailable within ~2 per-node
+    """A majority SIGSTOPped: a *blocking* acquire raises StoreUnavailable within ~2 per-node
     timeouts, naming every master, and the live masters keep nothing of it."""
     servers = redis_servers(n)
     down = servers[: n // 2 + 1]
@@ -336,7 +336,7 @@ def test_majority_paused_raises_quorum_unavailable_promptly_and_leaves_nothing(
     try:
         for _ in range(2):  # also the second time, when the paused masters are known bad
             began = time.monotonic()
-            with pytest.raises(QuorumUnavailable) as caught:
+            with pytest.raises(StoreUnavailable) as caught:
                 lock.acquire()
             elapsed = time.monotonic() - began
             assert elapsed < 4 * lock.per_node_timeout + 0.1, elapsed
@@ -350,13 +350,13 @@ def test_majority_paused_raises_quorum_unavailable_promptly_and_leaves_nothing(
 
 
 def test_majority_killed_raises_quorum_unavailable_at_once(redis_servers: Servers) -> None:
-    """Two of three masters SIGKILLed: QuorumUnavailable, also when blocking, in well under 1 s."""
+    """Two of three masters SIGKILLed: StoreUnavailable, also when blocking, in well under 1 s."""
     servers = redis_servers(3)
     lock = Redlock(clients_of(servers), "rl:killed", ttl=10)
     servers[0].kill()
     servers[2].kill()
     began = time.monotonic()
-    with pytest.raises(QuorumUnavailable) as caught:
+    with pytest.raises(StoreUnavailable) as caught:
         lock.acquire(timeout=30)
     assert time.monotonic() - began < 2 * lock.per_node_timeout + 0.2
     assert "ConnectionError" in caught.value.errors[f"127.0.0.1:{servers[0].port}/0"]
@@ -383,7 +383,7 @@ def test_paused_master_does_not_slow_an_acquire_the_others_decide(
 def test_a_release_a_paused_majority_did_not_answer_can_be_sent_again(
     redis_servers: Servers,
 ) -> None:
-    """Two of three masters SIGSTOPped during release(): QuorumUnavailable, the lock still
+    """Two of three masters SIGSTOPped during release(): StoreUnavailable, the lock still
     held here; once they resume, release() again answers OK and no master holds the key."""
     servers = redis_servers(3)
     lock = Redlock(clients_of(servers), "rl:release-again", ttl=5)  # per-node 250 ms
@@ -393,7 +393,7 @@ def test_a_release_a_paused_majority_did_not_answer_can_be_sent_again(
     for server in servers[:2]:
         server.pause()
     try:
-        with pytest.raises(QuorumUnavailable):
+        with pytest.raises(StoreUnavailable):
             lock.release()
         assert lock.token is not None and not lock.lost
     finally:
@@ -591,12 +591,12 @@ def test_waiting_on_a_master_that_went_silent_is_a_redlock_error(
     redis_servers: Servers, fault_proxy: ProxyFactory
 ) -> None:
     """The release-notice wait on a silent master (its new connection's handshake times out)
-    raises QuorumUnavailable, never a raw redis error; a Redlock waiter then tries again."""
+    raises StoreUnavailable, never a raw redis error; a Redlock waiter then tries again."""
     server = redis_servers(1)[0]
     proxy = fault_proxy(server)
     client = connect(proxy.url, socket_timeout=0.2, socket_connect_timeout=0.2)
     proxy.blackhole()
-    with pytest.raises(QuorumUnavailable):
+    with pytest.raises(StoreUnavailable):
         RedisBackend.of(client).wait(Slot(lock_keys("rl:silent-wait")), 0.5)
     proxy.heal()
 
@@ -624,7 +624,7 @@ def _exclusion_worker(
                     if not lock.acquire(timeout=60):
                         raise RuntimeError(f"no lock within 60 s: {lock.masters}")
                     break
-                except QuorumUnavailable:
+                except StoreUnavailable:
                     # A starved host can miss a per-node timeout; a Celery task would be
                     # retried. Counted, and the test bounds it.
                     unavailable += 1
@@ -681,7 +681,7 @@ def run_exclusion(
                 proc.kill()
                 proc.join(5)
     assert int(counter.get("counter") or 0) == total
-    # QuorumUnavailable with every master up only happens on a starved host; a handful
+    # StoreUnavailable with every master up only happens on a starved host; a handful
     # at most, or something is wrong.
     assert counter.llen("unavailable") <= processes, counter.llen("unavailable")
     fences = [int(f) for f in counter.lrange("fences", 0, -1)]

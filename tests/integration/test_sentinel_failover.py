@@ -30,7 +30,7 @@ from redis.sentinel import Sentinel
 from servers import RedisServer, SentinelSetup, wait_for
 from workers import Worker
 
-from celery_redlock import Lock, QuorumUnavailable, Semaphore, connect
+from celery_redlock import Lock, Semaphore, StoreUnavailable, connect
 from celery_redlock.core.backend_types import Rule
 from celery_redlock.core.backends.redis.sentinel import CHANNELS, MasterWatch, watch_of
 from celery_redlock.core.keys import lock_keys, permit_keys
@@ -221,7 +221,7 @@ def test_a_replaced_master_refuses_callers_that_have_not_heard(
     assert lock.acquire(blocking=False)
     lock.release()
     setup.master.client().set("redlock:replaced-master-epoch", 7)
-    with pytest.raises(QuorumUnavailable, match="replaced as the master"):
+    with pytest.raises(StoreUnavailable, match="replaced as the master"):
         lock.acquire(blocking=False)
     assert not setup.master.client().exists(lock_keys("marked").lock)
     setup.master.client().delete("redlock:replaced-master-epoch")
@@ -273,7 +273,7 @@ def test_no_lock_is_granted_on_the_old_master_once_its_replica_is_being_promoted
         try:
             if lock.acquire(blocking=False):
                 granted.append((lock.keys.lock, lock.fence or 0))
-        except QuorumUnavailable:
+        except StoreUnavailable:
             refused += 1
             time.sleep(0.002)
     assert watch(client).view == (new_master, 1)

@@ -41,7 +41,7 @@ from celery_redlock import (
     LockContended,
     LockedTask,
     LockLost,
-    QuorumUnavailable,
+    StoreUnavailable,
     install,
     is_skipped,
 )
@@ -395,7 +395,7 @@ def test_raise_fails_with_lock_contended(env: Env, trace_logs: pytest.LogCapture
 
 
 def test_the_tasks_own_throws_are_kept_beside_the_lock_failures(env: Env) -> None:
-    """throws=(KeyError,) on a LockedTask: KeyError, LockContended, QuorumUnavailable,
+    """throws=(KeyError,) on a LockedTask: KeyError, LockContended, StoreUnavailable,
     BackOff (a body that backed off until its lock retries ran out) and LockLost."""
     app = env.app()
 
@@ -403,7 +403,7 @@ def test_the_tasks_own_throws_are_kept_beside_the_lock_failures(env: Env) -> Non
     def picky(n: int) -> int:
         return n
 
-    assert set(picky.throws) == {KeyError, LockContended, QuorumUnavailable, BackOff, LockLost}
+    assert set(picky.throws) == {KeyError, LockContended, StoreUnavailable, BackOff, LockLost}
     assert picky.throws[0] is KeyError
 
 
@@ -1223,7 +1223,7 @@ def test_redis_down_retries_then_fails_without_running(
     fault_proxy: Callable[[RedisServer], Any],
     outage: str,
 ) -> None:
-    """Lock Redis down: body never runs; RETRY, then FAILURE(QuorumUnavailable); no tracebacks."""
+    """Lock Redis down: body never runs; RETRY, then FAILURE(StoreUnavailable); no tracebacks."""
     logs.set_level(logging.INFO, logger="celery.app.trace")
     if outage == "stopped":
         url = f"redis://127.0.0.1:{redis_server.port}/1"
@@ -1244,7 +1244,7 @@ def test_redis_down_retries_then_fails_without_running(
         wait_for(lambda: result.state == "RETRY", timeout=10, interval=0.005)
         exc = result.get(timeout=15, propagate=False)
     assert result.state == "FAILURE"
-    assert isinstance(exc, QuorumUnavailable)
+    assert isinstance(exc, StoreUnavailable)
     assert exc.name == "down:1"
     assert env.rec.get("runs") is None
     ours = [r for r in logs.records if r.name.startswith(LOGGER) and r.levelno >= logging.WARNING]

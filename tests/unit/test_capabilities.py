@@ -29,7 +29,7 @@ from celery_redlock.core.backend import (
     need,
 )
 from celery_redlock.core.backend_types import Grant, Holder, Renewal, Slot, Status
-from celery_redlock.core.errors import ConfigError, QuorumUnavailable
+from celery_redlock.core.errors import ConfigError, StoreUnavailable
 from celery_redlock.worker.bootstep import check_locked_tasks
 
 
@@ -121,7 +121,7 @@ class _LockVerbsOnly:
     def extend(self, slot: Slot, token: str, ms: int, *, replace: bool) -> int | Status:
         return self.inner.extend(slot, token, ms, replace=replace)
 
-    def renew(self, items: Sequence[Renewal]) -> list[Status | QuorumUnavailable]:
+    def renew(self, items: Sequence[Renewal]) -> list[Status | StoreUnavailable]:
         return self.inner.renew(items)
 
     def wait(self, slot: Slot, seconds: float, refused: Grant | None = None) -> None:

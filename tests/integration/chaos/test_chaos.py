@@ -23,7 +23,7 @@ import redis
 from chaos_harness import LONG, Run, Scenario, alive, chaos_seconds, scenario, wait_until
 from servers import FaultProxy, RedisServer, SentinelSetup, start_servers
 
-from celery_redlock import Lock, QuorumUnavailable, connect
+from celery_redlock import Lock, StoreUnavailable, connect
 
 #: kombu's Redis transport gives an unacknowledged message back to the queue on a timer of
 #: its own (``unacked_restore_interval``) only from 5.7; older releases restore it every 10 s
@@ -448,7 +448,7 @@ def test_redelivered_copy_of_a_running_message_is_refused_not_run_later(
 def test_delayed_acquire_reports_unavailable_within_about_two_socket_timeouts(
     redis_server: RedisServer, fault_proxy: Callable[[RedisServer], FaultProxy]
 ) -> None:
-    """DESIGN.md: with the one Redis unreachable, acquire raises QuorumUnavailable promptly,
+    """DESIGN.md: with the one Redis unreachable, acquire raises StoreUnavailable promptly,
     within about two per-node timeouts, also when the server still accepts connections
     but its replies come later than the socket timeout."""
     proxy = fault_proxy(redis_server)
@@ -459,7 +459,7 @@ def test_delayed_acquire_reports_unavailable_within_about_two_socket_timeouts(
     lock.release()
     proxy.delay_replies(60)  # past anything below: the server has stopped answering
     started = time.monotonic()
-    with pytest.raises(QuorumUnavailable):
+    with pytest.raises(StoreUnavailable):
         lock.acquire(blocking=False)
     took = time.monotonic() - started
     proxy.heal()

@@ -11,7 +11,7 @@ members, quorum ``q = n // 2 + 1``)::
                     holds >= fence (raise_fence)
     otherwise    -> release wherever this token may hold (members that did not answer
                     included: chained behind their unanswered acquire), then
-                    fewer than q answered -> QuorumUnavailable
+                    fewer than q answered -> StoreUnavailable
                     one holder may own q  -> the caller waits for its release notice
                                              (on one of its members), capped at its lease
                     split vote            -> the caller retries after a short random delay
@@ -72,7 +72,13 @@ from ...backend_types import (
     newest_records,
     record_version,
 )
-from ...errors import ConfigError, QuorumUnavailable, describe_holder
+from ...errors import (
+    ConfigError,
+    ForeignData,
+    QuorumUnavailable,
+    StoreUnavailable,
+    describe_holder,
+)
 from .gate import NoAnswer, gate_of
 from .round import (
     FIRST_CONTACT,
@@ -252,7 +258,7 @@ class QuorumBackend:
         return QuorumUnavailable(name, errors, needed=self.quorum, total=self.masters)
 
     def fail(self, name: str, results: Sequence[Any]) -> NoReturn:
-        """Too few answered: ConfigError naming the masters that found foreign data,
+        """Too few answered: ForeignData naming the masters that found foreign data,
         else QuorumUnavailable."""
         foreign = [
             f"{m}: {v}"
@@ -260,7 +266,7 @@ class QuorumBackend:
             if isinstance(v, ConfigError)
         ]
         if foreign:
-            raise ConfigError(
+            raise ForeignData(
                 f"lock {name!r}: {len(foreign)} of {self.masters} masters refused: "
                 + "; ".join(foreign)
             )
@@ -435,7 +441,7 @@ class QuorumBackend:
             self.fail(slot.name, results)
         return min(min(codes, default=Status.GONE), Status.GONE)
 
-    def renew(self, items: Sequence[Renewal]) -> list[Status | QuorumUnavailable]:
+    def renew(self, items: Sequence[Renewal]) -> list[Status | StoreUnavailable]:
         """Every member renews the batch at once; each item settles by its own majority."""
         q, batch = self.quorum, list(items)
         if not batch:
@@ -449,7 +455,7 @@ class QuorumBackend:
         results = self.ask(lambda m: m.renew(batch), timeout, settled)
         if not any(answered(r) for r in results):
             self.fail(batch[0].slot.name, results)
-        outcomes: list[Status | QuorumUnavailable] = []
+        outcomes: list[Status | StoreUnavailable] = []
         for k, item in enumerate(batch):
             said = [r[k] if answered(r) else r for r in results]
             codes = [v for v in said if isinstance(v, Status)]
@@ -475,7 +481,7 @@ class QuorumBackend:
         own = None if refused is None else dataclasses.replace(refused, wait_on=0, masters={})
         try:
             self.members[index].wait(slot, seconds, own)
-        except QuorumUnavailable:
+        except StoreUnavailable:
             return  # that member just failed: the next attempt finds out about the others
 
     # -- reads ------------------------------------------------------------------------
@@ -530,7 +536,7 @@ class QuorumBackend:
         version: tuple[int, int], deadline: float | None = None
     ) -> Claim:  # fmt: skip
         """Claimed on a majority before *deadline*; lost on too many; else stale, or
-        QuorumUnavailable (see :mod:`~celery_redlock.core.records`)."""
+        StoreUnavailable (see :mod:`~celery_redlock.core.records`)."""
         n, q = self.masters, self.quorum
         if deadline is not None and time.monotonic() >= deadline:
             return Claim("lost", detail="the lease ran out before the claim")
@@ -569,7 +575,7 @@ class QuorumBackend:
         for member in self.members:
             log = given(member, EventLog)
             if log is not None:
-                with contextlib.suppress(QuorumUnavailable):
+                with contextlib.suppress(StoreUnavailable):
                     log.log_events(log_key, events, maxlen, ttl_ms)
 
     def read_events(self, log_key: str, count: int) -> list[str]:
@@ -577,7 +583,7 @@ class QuorumBackend:
         for member in self.members:
             log = given(member, EventLog)
             if log is not None:
-                with contextlib.suppress(QuorumUnavailable):
+                with contextlib.suppress(StoreUnavailable):
                     return log.read_events(log_key, count)
         return []
 

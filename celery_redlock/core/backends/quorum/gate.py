@@ -29,7 +29,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from ... import process, threads
-from ...errors import QuorumUnavailable
+from ...errors import StoreUnavailable
 
 __all__ = ["BUSY", "REAP_AFTER", "Gate", "NoAnswer", "gate_of"]
 
@@ -177,7 +177,7 @@ class Gate:
                 # Before the future is resolved: a follow-up chained to it is offered from
                 # this thread, and must not find this call still "running".
                 self._since = 0.0
-            if not isinstance(error, QuorumUnavailable):
+            if not isinstance(error, StoreUnavailable):
                 self.heard = self.sends = True
             if error is None:
                 future.set_result(value)

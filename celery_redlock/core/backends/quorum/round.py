@@ -10,7 +10,7 @@ whose last call went unanswered) runs in the process's pool
 (:func:`~celery_redlock.core.threads.submit`). The caller waits until the outcome is
 decided, every member answered, or the timeout; it never waits for a member the outcome
 no longer needs (an answer still on its way is read in the background, its connection
-given back). A member's answer is its value, a :class:`~.errors.QuorumUnavailable` (it
+given back). A member's answer is its value, a :class:`~.errors.StoreUnavailable` (it
 is down: no answer), a :class:`~.errors.ConfigError` (foreign data), or
 :class:`NoAnswer`. Any other error (a client whose pool is exhausted, a wrong argument,
 a bug) is raised to the caller as it is, never counted as a member being down. A member
@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 from ...backend import Backend, DoneMarks, Records, Sent, capability
 from ...backend_types import Grant, Slot
-from ...errors import ConfigError, QuorumUnavailable
+from ...errors import ConfigError, StoreUnavailable
 from .gate import BUSY, Gate, NoAnswer
 
 __all__ = [
@@ -265,19 +265,19 @@ class Round:
 
 
 def _answer(sent: Sent) -> Any:
-    """A sent verb's answer, or its QuorumUnavailable / ConfigError; anything else is
+    """A sent verb's answer, or its StoreUnavailable / ConfigError; anything else is
     raised."""
     try:
         return sent.result()
-    except (QuorumUnavailable, ConfigError) as exc:
+    except (StoreUnavailable, ConfigError) as exc:
         return exc
 
 
 def _outcome(future: cf.Future[Any]) -> Any:
-    """A member's value, or its QuorumUnavailable / ConfigError; anything else is raised."""
+    """A member's value, or its StoreUnavailable / ConfigError; anything else is raised."""
     try:
         return future.result()
-    except (QuorumUnavailable, ConfigError) as exc:
+    except (StoreUnavailable, ConfigError) as exc:
         return exc
 
 
@@ -303,11 +303,11 @@ def cut_off(value: Any) -> bool:
 
 def silent(value: Any) -> bool:
     """Sent, and no answer: down (its client gave up) or not in time."""
-    return isinstance(value, (QuorumUnavailable, NoAnswer))
+    return isinstance(value, (StoreUnavailable, NoAnswer))
 
 
 def describe_failure(value: Any) -> str:
-    """A member's failure in words (a member's QuorumUnavailable: its own detail)."""
-    if isinstance(value, QuorumUnavailable) and value.errors:
+    """A member's failure in words (a member's StoreUnavailable: its own detail)."""
+    if isinstance(value, StoreUnavailable) and value.errors:
         return "; ".join(value.errors.values())
     return f"{type(value).__name__}: {value}"

@@ -27,7 +27,7 @@ client last looked answers MOVED: its script is sent again through the cluster c
 which finds the slot's node.
 
 Errors: see :func:`~.client.cannot_decide` for what is reported as
-:class:`~celery_redlock.core.errors.QuorumUnavailable`; an error reply about the data at a
+:class:`~celery_redlock.core.errors.StoreUnavailable`; an error reply about the data at a
 lock's keys is a :class:`~celery_redlock.core.errors.ConfigError` (foreign data);
 anything else is raised as it is.
 
@@ -72,7 +72,7 @@ from ...backend_types import (
     text,
 )
 from ...connect import address_of
-from ...errors import ConfigError, QuorumUnavailable
+from ...errors import ConfigError, ForeignData, StoreUnavailable
 from ...keys import name_of_key
 from ...listing import Listing, ListQuery, select
 from . import admin, giveback, verbs
@@ -213,13 +213,13 @@ class RedisBackend:
         """*call* run (:meth:`_run`), its reply read."""
         return call.read(self._run(call.script, call.keys, call.args))
 
-    def unavailable(self, name: str, exc: BaseException, where: str = "") -> QuorumUnavailable:
+    def unavailable(self, name: str, exc: BaseException, where: str = "") -> StoreUnavailable:
         """The error for lock *name* when this Redis (or node *where*) could not decide."""
-        return QuorumUnavailable(name, {where or self.describe(): f"{type(exc).__name__}: {exc}"})
+        return StoreUnavailable(name, {where or self.describe(): f"{type(exc).__name__}: {exc}"})
 
     def _errors(self, name: str, foreign: Callable[[Exception], str] | None = None) -> _Errors:
         """Report what cannot be decided as unavailable and an error reply about the data
-        (with *foreign*, which words it) as a ConfigError; let everything else through."""
+        (with *foreign*, which words it) as ForeignData; let everything else through."""
         return _Errors(self, name, foreign)
 
     def _guard(self, slot: Slot) -> _Errors:
@@ -270,7 +270,7 @@ class RedisBackend:
         # reaches the server after the last give-back lives out its lease.
         self._abandon(slot, token, ttl_ms, here=not _timed_out(exc))
         if foreign:
-            raise ConfigError(foreign_data_message(self.client, slot.keys, exc)) from exc
+            raise ForeignData(foreign_data_message(self.client, slot.keys, exc)) from exc
         raise self.unavailable(slot.name, exc) from exc
 
     def _failed(self, slot: Slot, exc: Exception) -> NoReturn:
@@ -339,7 +339,7 @@ class RedisBackend:
                     return rules
         return lease
 
-    def renew(self, items: Sequence[Renewal]) -> list[Status | QuorumUnavailable]:
+    def renew(self, items: Sequence[Renewal]) -> list[Status | StoreUnavailable]:
         """One script per node: ``extend_many.lua`` on a plain Redis; on a cluster
         ``extend_node.lua`` on each node for every item it serves, whatever their slots
         (one ``extend_many.lua`` per slot where the node refuses that: slots moving, or
@@ -352,7 +352,7 @@ class RedisBackend:
         outcomes = self._renew_flat(flat)
         return [_first_failure([outcomes[i] for i in own]) for own in where]
 
-    def _renew_flat(self, items: Sequence[Renewal]) -> list[Status | QuorumUnavailable]:
+    def _renew_flat(self, items: Sequence[Renewal]) -> list[Status | StoreUnavailable]:
         """*items* renewed as they are: one ``extend_many.lua`` on a plain Redis, else
         :meth:`_renew_nodes`."""
         if self.cluster:
@@ -360,7 +360,7 @@ class RedisBackend:
         with self._errors(items[0].slot.name):
             return [*self._call(verbs.extend_many(items))]
 
-    def _renew_nodes(self, items: Sequence[Renewal]) -> list[Status | QuorumUnavailable]:
+    def _renew_nodes(self, items: Sequence[Renewal]) -> list[Status | StoreUnavailable]:
         """A cluster's renewal: ``extend_node.lua`` on each node for the items it serves."""
         by_node: dict[str, list[int]] = defaultdict(list)
         nodes: dict[str, Any] = {}
@@ -368,10 +368,10 @@ class RedisBackend:
             node = self.client.get_node_from_key(item.slot.keys.lock)
             by_node[node.name].append(i)
             nodes[node.name] = node
-        out: list[Status | QuorumUnavailable] = [Status.GONE] * len(items)
+        out: list[Status | StoreUnavailable] = [Status.GONE] * len(items)
         for name, indexes in by_node.items():
             part = [items[i] for i in indexes]
-            found: Sequence[Status | QuorumUnavailable]
+            found: Sequence[Status | StoreUnavailable]
             try:
                 found = self._extend_node(nodes[name], part)
             except Exception as exc:
@@ -382,7 +382,7 @@ class RedisBackend:
                 found = [failed] * len(part)
             for i, status in zip(indexes, found, strict=True):
                 out[i] = status
-        failures = [o for o in out if isinstance(o, QuorumUnavailable)]
+        failures = [o for o in out if isinstance(o, StoreUnavailable)]
         if len(failures) == len(out):
             raise failures[0]
         return out
@@ -789,7 +789,7 @@ class _Errors:
         if cannot_decide(exc):
             raise self.backend.unavailable(self.name, exc) from exc
         if self.foreign is not None and isinstance(exc, rx.ResponseError):
-            raise ConfigError(self.foreign(exc)) from exc
+            raise ForeignData(self.foreign(exc)) from exc
 
 
 def _timed_out(exc: BaseException) -> bool:
@@ -797,11 +797,11 @@ def _timed_out(exc: BaseException) -> bool:
     return isinstance(exc, (rx.TimeoutError, TimeoutError))
 
 
-def _first_failure(found: Sequence[Status | QuorumUnavailable]) -> Status | QuorumUnavailable:
+def _first_failure(found: Sequence[Status | StoreUnavailable]) -> Status | StoreUnavailable:
     """The outcome of an item renewed with its Limits: the first that did not answer (a
     cluster node), else the first failure (:meth:`~...backend_types.Status.first_failure`)."""
     for each in found:
-        if isinstance(each, QuorumUnavailable):
+        if isinstance(each, StoreUnavailable):
             return each
     return Status.first_failure([s for s in found if isinstance(s, Status)])
 

@@ -23,7 +23,7 @@ from redis.cluster import RedisCluster
 from ... import process
 from ...backend_types import Health, text
 from ...connect import LOCK_CLIENT_DEFAULTS, lock_retry
-from ...errors import ConfigError, QuorumUnavailable
+from ...errors import ConfigError, StoreUnavailable
 
 __all__ = [
     "STORE_ERRORS",
@@ -279,16 +279,16 @@ def server_refused(exc: BaseException) -> bool:
 
 
 #: What a call to a lock store raises when the store cannot be asked: the seam's
-#: QuorumUnavailable, or an error of the Redis client that a verb passes on as it is
+#: StoreUnavailable, or an error of the Redis client that a verb passes on as it is
 #: (redis-py's ``RedisError``: a pool with nothing to give, a refused command).
-STORE_ERRORS: tuple[type[Exception], ...] = (QuorumUnavailable, rx.RedisError)
+STORE_ERRORS: tuple[type[Exception], ...] = (StoreUnavailable, rx.RedisError)
 
 
 def refusal(exc: BaseException) -> Literal["credentials", "permissions"] | None:
     """What a refusal that no retry mends is, or None: ``credentials`` when Redis refused
     the user name or password, ``permissions`` when its ACL refused the command
-    (``NOPERM``). A verb's QuorumUnavailable carries the Redis error as its cause."""
-    cause = exc.__cause__ if isinstance(exc, QuorumUnavailable) else exc
+    (``NOPERM``). A verb's StoreUnavailable carries the Redis error as its cause."""
+    cause = exc.__cause__ if isinstance(exc, StoreUnavailable) else exc
     if isinstance(cause, rx.AuthenticationError):
         return "credentials"
     if isinstance(cause, rx.ResponseError) and "NOPERM" in str(cause):

@@ -21,7 +21,7 @@ What the watch does, in every process that locks on a Sentinel-managed master:
   life of the pool in this process). From the leader's
   ``+failover-state-send-slaveof-noone`` until ``+switch-master`` (or the failover's
   end), no script goes to the old master: a call reports it unavailable
-  (:class:`~.client.MasterChanging`, then ``QuorumUnavailable``) rather than
+  (:class:`~.client.MasterChanging`, then ``StoreUnavailable``) rather than
   write what R would never see.
 * On ``+switch-master`` (or when a call finds its connection on a server other than
   the one the sentinels name) it first marks the old master as replaced
