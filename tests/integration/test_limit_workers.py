@@ -22,7 +22,7 @@ import pytest
 from celery import Celery
 from servers import RedisServer, free_port, wait_for
 from test_observability import EventCapture
-from workers import Worker, close_publisher, publisher, values_of, worker_env
+from workers import Worker, close_publisher, publisher, stop_workers, values_of, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +54,7 @@ def workers(
             w.wait_ready()
         yield started
     finally:
-        for w in started:
-            w.stop()
+        stop_workers(started)
 
 
 @pytest.fixture
