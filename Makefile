@@ -29,12 +29,11 @@ typecheck: $(STAMP)
 	$(PY) -m mypy
 
 # Both halves, tests/unit and tests/integration (real servers, worker processes, chaos).
-# Four test processes (pytest-xdist), a test file each at a time: most tests wait on
-# servers and workers (a test process uses about 0.4 of a core), so four share the CI
-# machine's two cores; a file's module fixtures (one chaos scenario run checked by
-# several tests) stay in one process.
+# Two test processes (pytest-xdist), a test file each at a time: most tests wait on
+# servers and workers, so two share the CI machine's two cores; a file's module fixtures
+# (one chaos scenario run checked by several tests) stay in one process.
 pytest: $(STAMP)
-	$(PY) -m pytest tests -p no:randomly -n 4 --dist loadfile --durations=15 --durations-min=0 $(PYTEST_ARGS)
+	$(PY) -m pytest tests -p no:randomly -n 2 --dist loadfile --durations=15 --durations-min=0 $(PYTEST_ARGS)
 
 test: lint typecheck docs pytest
 
