@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Any
 
 import redis
 from celery import Celery
@@ -79,21 +80,33 @@ def hold(self, name: str, seconds: float) -> str:
     return name
 
 
-@app.task(base=LockedTask, bind=True, lock_key="api:<partner>", lock_limit=None, lock_rate="20/s")
-def call_api(self, partner: str, n: int) -> int:
-    """Record the start of a run of a partner limited to 20 starts a second (no other cap)."""
+def _record_call(request: Any, partner: str, n: int) -> int:
+    """Record a "call" event: its partner, its number, its lock and task retries."""
     record(
         "call",
         partner=partner,
         n=n,
         lock_retries=int(
-            (self.request.headers or {}).get("redlock_retries")
-            or getattr(self.request, "redlock_retries", 0)
+            (request.headers or {}).get("redlock_retries")
+            or getattr(request, "redlock_retries", 0)
             or 0
         ),
-        retries=self.request.retries,
+        retries=request.retries,
     )
     return n
+
+
+@app.task(base=LockedTask, bind=True, lock_key="api:<partner>", lock_limit=None, lock_rate="20/s")
+def call_api(self, partner: str, n: int) -> int:
+    """Record the start of a run of a partner limited to 20 starts a second (no other cap)."""
+    return _record_call(self.request, partner, n)
+
+
+@app.task(base=LockedTask, bind=True, lock_key="held:<partner>", lock_limit=None, lock_rate="5/s")
+def call_held(self, partner: str, n: int) -> int:
+    """Record the start of a run of a partner limited to 5 starts a second: a backlog that
+    lasts long next to the time the workers take to fetch it."""
+    return _record_call(self.request, partner, n)
 
 
 @app.task(

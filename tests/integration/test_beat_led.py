@@ -121,6 +121,15 @@ def _leader_then_standby(first: Proc, second: Proc) -> None:
     wait_for(lambda: "standing by" in second.text(), 40, "the second beat to stand by")
 
 
+def _only_the_leader_publishes(leader: Proc, standby: Proc, entry: str) -> None:
+    """Two more ticks of *leader* (about 2 s) while *standby* stands by, which publishes none."""
+    count = len(leader.sent(entry))
+    wait_for(
+        lambda: len(leader.sent(entry)) >= count + 2, 10, "two ticks of the leader", interval=0.05
+    )
+    assert len(leader.sent(entry)) >= 2 and standby.sent() == [], "only the leader publishes"
+
+
 def _kill_just_after_a_tick(leader: Proc, entry: str) -> float:
     """Wait for a fresh tick of *entry* by *leader*, then 0.3 s, and SIGKILL it."""
     count = len(leader.sent(entry))
@@ -136,7 +145,10 @@ def _assert_handover(old: Proc, new: Proc, entry: str, killed: float) -> None:
     wait_for(lambda: new.sent(entry), TTL + 10, "the new leader to publish")
     first = new.sent(entry)[0]
     assert first - killed < TTL + 2, f"took over {first - killed:.2f} s after the kill"
-    time.sleep(3)
+    # The ticks until one past the burst window (1 s apart: about 2 s after the first).
+    wait_for(
+        lambda: new.sent(entry)[-1] > first + 1.5, 10, "the new leader's later ticks", interval=0.05
+    )
     times = sorted(old.sent(entry) + new.sent(entry))
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert all(g > 0.5 for g in gaps), f"a tick was published twice: gaps {gaps}"
@@ -179,8 +191,7 @@ def test_two_beats_lead_django_celery_beats_database_scheduler(
     argv = ["-A", "tests.apps.djbeat", "beat", "-l", "info", "--pidfile="]
     argv += ["-S", "celery_redlock.beat:LeaderScheduler"]
     a, b = _leader_and_standby(lambda _name: argv, env, tmp_path, procs)
-    time.sleep(3)
-    assert len(a.sent("every-second")) >= 2 and b.sent() == [], "only the leader publishes"
+    _only_the_leader_publishes(a, b, "every-second")
     assert "scheduler -> celery_redlock.beat.LeaderDatabaseScheduler" in a.text()
 
     killed = _kill_just_after_a_tick(a, "every-second")
@@ -222,8 +233,7 @@ def test_two_beats_lead_persistent_schedulers_with_a_file_each(
         return [*argv, "-S", "celery_redlock.beat:LeaderScheduler", f"--schedule={tmp_path / name}"]
 
     a, b = _leader_and_standby(beat, env, tmp_path, procs)
-    time.sleep(3)
-    assert len(a.sent("heartbeat")) >= 2 and b.sent() == [], "only the leader publishes"
+    _only_the_leader_publishes(a, b, "heartbeat")
     assert "scheduler -> celery_redlock.beat.LeaderPersistentScheduler" in a.text()
     assert list(tmp_path.glob("a*")) and list(tmp_path.glob("b*")), "a schedule file each"
     killed = _kill_just_after_a_tick(a, "heartbeat")
@@ -403,8 +413,7 @@ def test_two_workers_with_embedded_leader_beats_publish_once(
         tmp_path,
         procs,
     )
-    time.sleep(3)
-    assert len(a.sent("heartbeat")) >= 2 and b.sent() == [], "only one worker's beat publishes"
+    _only_the_leader_publishes(a, b, "heartbeat")
     killed = _kill_just_after_a_tick(a, "heartbeat")
     _assert_handover(a, b, "heartbeat", killed)
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from servers import RedisServer, wait_for
-from workers import Worker
+from workers import Worker, stop_workers
 
 pytestmark = pytest.mark.slow
 
@@ -57,8 +57,7 @@ def _workers(
             worker.wait_ready()
         yield started
     finally:
-        for worker in started:
-            worker.stop()
+        stop_workers(started)
 
 
 class _Beat:

@@ -22,7 +22,7 @@ import pytest
 from celery import Celery
 from servers import RedisServer, free_port, wait_for
 from test_observability import EventCapture
-from workers import Worker, close_publisher, publisher, values_of, worker_env
+from workers import Worker, close_publisher, publisher, stop_workers, values_of, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +54,7 @@ def workers(
             w.wait_ready()
         yield started
     finally:
-        for w in started:
-            w.stop()
+        stop_workers(started)
 
 
 @pytest.fixture
@@ -152,33 +151,56 @@ def test_twenty_a_second_over_two_workers_hold_and_are_reached_other_keys_run_at
     client: Celery, server: RedisServer
 ) -> None:
     """lock_rate="20/s" over 200 runs of one key from two workers: no one-second window has
-    more than 20 + 1 starts, the throughput keeps up with the rate (3/4 of it or more), runs
-    come back within their lock retry budget (task retries untouched), and another key's
-    runs sent meanwhile start at once."""
-    results = [client.send_task(f"{APP}.call_api", args=("acme", n)) for n in range(200)]
-    time.sleep(2.0)  # the backlog of acme is re-queued by now
-    sent = time.time()
+    more than 20 + 1 starts, runs come back within their lock retry budget (task retries
+    untouched), the held backlog keeps up with the rate (3/4 of it or more), and another
+    key's runs sent while a 5/s key's backlog is held start before that backlog is through."""
+    # 48 runs at 5/s: about 9.5 s of slots, more runs than the two workers' 8 processes and
+    # 8 prefetched messages hold. Once the broker's queue is empty the workers hold all of
+    # them, re-queued for their slots (waited on: under load the fetching takes seconds).
+    held = [client.send_task(f"{APP}.call_held", args=("held", n)) for n in range(48)]
+    broker = server.client(db=0)
+    wait_for(lambda: broker.llen("celery") == 0, 60)
     others = [client.send_task(f"{APP}.call_api", args=("other", n)) for n in range(10)]
+    results = [client.send_task(f"{APP}.call_api", args=("acme", n)) for n in range(200)]
+    wait_for(lambda: broker.llen("celery") == 0, 60)
+    fetched = time.time()  # from here on the workers hold all of acme's runs still to start
     # Every run ends with its own stored result (no late RETRY of an earlier attempt).
     values_of(others, 30)
     values_of(results, 60)
+    values_of(held, 60)
     calls = _events(server, "call")
     acme = sorted(e["t"] for e in calls if e["partner"] == "acme")
     assert len(acme) == 200
     most = max(sum(1 for u in acme[i:] if u < t + 1.0) for i, t in enumerate(acme))
     assert most <= 20 + 1, most
-    # The backlog keeps up with the rate: a re-queued run that backed off past its slot
-    # would leave the rate half used. The figure itself is a benchmark's (0.9 of the rate
-    # and more on a quiet machine); three quarters leaves room for a loaded one.
-    throughput = (len(acme) - 1) / (acme[-1] - acme[0])
-    assert throughput >= 0.75 * 20, throughput
+    # The held backlog keeps up with the rate: a re-queued run that backed off past its slot
+    # would leave the rate half used. Measured once the workers hold the whole backlog: how
+    # fast a loaded machine fetches 200 messages is no behaviour of the limiter. The figure
+    # itself is a benchmark's (0.9 of the rate and more on a quiet machine); three quarters
+    # leaves room for a loaded one.
+    # A machine so loaded that the workers refuse and re-queue runs slower than the rate
+    # starts them (seen under 4 test processes at load 8: 179 of 200 had run by then)
+    # holds no backlog to measure: the whole run's throughput then only has to show that
+    # no run waited seconds past its slot (more than half the rate).
+    still = [t for t in acme if t >= fetched]
+    if len(still) >= 40:
+        throughput = (len(still) - 1) / (still[-1] - still[0])
+        assert throughput >= 0.75 * 20, ("held backlog", throughput)
+    else:
+        throughput = (len(acme) - 1) / (acme[-1] - acme[0])
+        assert throughput > 0.5 * 20, ("no backlog held", len(still), throughput)
     assert all(e["retries"] == 0 for e in calls)
     assert max(e["lock_retries"] for e in calls) <= 5
     other = sorted(e["t"] for e in calls if e["partner"] == "other")
     assert len(other) == 10
-    # acme's backlog lasts 200 / 20 = 10 s from its start (about 8 s after `sent`): a
-    # key that waited behind it would end near then; 4 s leaves room for a loaded machine.
-    assert other[-1] - sent < 4.0, "another key waited behind acme's backlog"
+    backlog = sorted(e["t"] for e in calls if e["partner"] == "held")
+    assert len(backlog) == 48
+    # A key that waited behind the held backlog (its runs occupying the processes or the
+    # prefetch) would start after all but the last 16 of it at most; the other key's runs
+    # are through with 3 s of it (16 slots) still ahead. The backlog's length is the rate's,
+    # not the machine's: a loaded machine only stretches it.
+    later = sum(1 for t in backlog if t > other[-1])
+    assert later >= 16, f"another key waited behind a held backlog: {later} of 48 after it"
 
 
 def test_a_limit_on_redlock_masters_stops_the_worker_naming_task_and_option(

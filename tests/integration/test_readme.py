@@ -77,36 +77,49 @@ def test_the_ten_lines_run_as_written(server: RedisServer, tmp_path: Path) -> No
     argv = shlex.split(_here(worker_line, server))
     assert argv[:4] == ["celery", "-A", "proj", "worker"], argv
     argv = [sys.executable, "-m", *argv, "-c", "2", "-n", f"readme{uuid.uuid4().hex[:6]}@%h"]
-    worker, log_path = _start_worker(argv, env, tmp_path)
+    publish = textwrap.dedent("""
+        from proj import nightly_report, sync_user
+        sync_user.delay(42)
+        nightly_report.delay()
+    """)
+    # Sent while the worker starts (the broker keeps the messages): two Python processes
+    # importing Celery side by side instead of one after the other.
+    publisher = subprocess.Popen(
+        [sys.executable, "-c", publish], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        worker, log_path = _start_worker(argv, env, tmp_path)
+    except BaseException:
+        publisher.kill()
+        publisher.communicate()
+        raise
     try:
         text = log_path.read_text(errors="replace")
         assert f"locks at redis://127.0.0.1:{server.port}/1 (ttl=30.0s" in text
-        publish = textwrap.dedent("""
-            from proj import nightly_report, sync_user
-            sync_user.delay(42)
-            nightly_report.delay()
-        """)
-        done = subprocess.run(
-            [sys.executable, "-c", publish], cwd=tmp_path, env=env, timeout=60, check=False,
-            capture_output=True, text=True,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr
+        _, err = publisher.communicate(timeout=60)
+        assert publisher.returncode == 0, err
         wait_for(
             lambda: log_path.read_text(errors="replace").count("succeeded") >= 2,
             30,
             "both tasks to run",
+            interval=0.05,
         )
-        for line, code_wanted, said in (
-            (list_line, 0, f"no locks held at redis://127.0.0.1:{server.port}/1"),
-            (release_line, 1, "'sync:42' is not held"),
-        ):
-            argv = [sys.executable, "-m", *shlex.split(_here(line, server))]
-            ran = subprocess.run(
-                argv, cwd=tmp_path, env=env, timeout=60, check=False, capture_output=True,
-                text=True,
-            )  # fmt: skip
-            assert ran.returncode == code_wanted, (line, ran.stdout, ran.stderr)
-            assert said in ran.stdout + ran.stderr, (line, ran.stdout, ran.stderr)
+        # `celery locks list` and `release` side by side: both ask about what is held now.
+        commands = [
+            (line, code_wanted, said, subprocess.Popen(
+                [sys.executable, "-m", *shlex.split(_here(line, server))], cwd=tmp_path,
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            ))
+            for line, code_wanted, said in (
+                (list_line, 0, f"no locks held at redis://127.0.0.1:{server.port}/1"),
+                (release_line, 1, "'sync:42' is not held"),
+            )
+        ]  # fmt: skip
+        answers = [(*c[:3], *c[3].communicate(timeout=60), c[3].returncode) for c in commands]
+        for line, code_wanted, said, out, err, code in answers:
+            assert code == code_wanted, (line, out, err)
+            assert said in out + err, (line, out, err)
     finally:
         _stop(worker)
 

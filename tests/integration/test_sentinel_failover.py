@@ -14,6 +14,7 @@ import inspect
 import itertools
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -422,6 +423,15 @@ def _overlaps(runs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str
     return pairs
 
 
+def _wait_for_runs(record: redis.Redis, since: float, what: str) -> None:
+    """Wait until 6 runs that started at *since* or later have recorded themselves."""
+
+    def started() -> int:
+        return sum(json.loads(r)["start"] >= since for r in record.lrange("runs", 0, -1))
+
+    wait_for(lambda: started() >= 6, 30, what, interval=0.1)
+
+
 @pytest.mark.slow
 def test_failover_planned_and_not_under_a_stream_of_runs_on_two_workers(
     sentinel_setup: SentinelSetup, redis_server: RedisServer, tmp_path: Path
@@ -452,8 +462,23 @@ def test_failover_planned_and_not_under_a_stream_of_runs_on_two_workers(
     try:
         for w in workers:
             w.wait_ready()
+        # Each sentinel polls INFO every second instead of every 10 s, and says hello every
+        # 0.5 s instead of 2 s: a sentinel converts an old master that still says it is one
+        # after 4 hello periods, so about 2 s after the switch instead of 8 to 10 (the
+        # clients follow the switch itself; that wait bought nothing but time).
+        for sentinel in setup.sentinel().sentinels:
+            sentinel.execute_command(
+                "SENTINEL", "DEBUG", "INFO-PERIOD", 1000, "PUBLISH-PERIOD", 500
+            )
         stream.start()
         wait_for(lambda: record.llen("runs") >= 6, 30, "runs before the failover")
+        # The failover starts just after a run took its key: that run still holds it when
+        # the master switches (about 1 s on, the run holds 2 s), so a worker has a lock to
+        # warn about. Seen free first: the run just recorded may not have released it yet.
+        lock = lock_keys(f"key:{json.loads(record.lindex('runs', -1))['key']}").lock
+        master = setup.master.client()
+        wait_for(lambda: not master.exists(lock), 10, "the key's release", interval=0.002)
+        wait_for(lambda: master.exists(lock), 10, "the key's next run", interval=0.002)
 
         # A planned failover: the old master stays a writable master until converted.
         old, new = setup.master, setup.replica
@@ -463,16 +488,19 @@ def test_failover_planned_and_not_under_a_stream_of_runs_on_two_workers(
         wait_for(lambda: role_of(old) == "slave", 30, "the old master's conversion", interval=0.05)
         timeline["converted"] = time.time()
         timeline["promoted"] = promotion.at or float("nan")
-        time.sleep(1)
+        _wait_for_runs(record, since=timeline["failover"], what="runs after the planned failover")
 
         # An unplanned one: the new master is SIGKILLed, the old one promoted back.
         timeline["kill"] = time.time()
         new.kill()
         wait_for(lambda: role_of(old) == "master", 30, "the second failover", interval=0.05)
         timeline["promoted back"] = time.time()
-        time.sleep(4.5)
+        _wait_for_runs(record, since=timeline["kill"], what="runs after the kill")
         stream.stop()
-        time.sleep(BODY + 1.0)  # the last runs end and record themselves
+        for w in workers:  # warm shutdowns, side by side: the last runs end and record
+            w.proc.send_signal(signal.SIGTERM)
+        for w in workers:
+            w.proc.wait(BODY + 20)
     finally:
         stream.stop()
         events.stop()

@@ -47,7 +47,7 @@ from celery.result import AsyncResult
 from celery.states import READY_STATES
 from fenced_store import FencedStore, KeyState
 from servers import FaultProxy, RedisServer
-from workers import Worker
+from workers import Worker, stop_workers
 
 from celery_redlock import Lock, connect
 
@@ -846,8 +846,10 @@ class Scenario:
         for pid in list(self.stopped):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-        for w in self.workers:
-            w.stop()
+        for w in self.workers:  # the pool children, remembered for the leak check
+            with contextlib.suppress(OSError):
+                w.children()
+        stop_workers(w.worker for w in self.workers)
         for proxy in self.proxies:
             proxy.stop()
         with contextlib.suppress(Exception):
