@@ -60,6 +60,8 @@ def ttl_to_ms(ttl: float, what: str = "ttl") -> int:
     """Seconds (float) to whole milliseconds, refusing what Redis cannot store."""
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl):
         raise ConfigError(f"{what} must be a finite number of seconds, got {ttl!r}")
+    if ttl > MAX_TTL_MS / 1000:  # before the product, which a huge float makes infinite
+        raise ConfigError(f"{what} must be at most {MAX_TTL_MS // 1000} seconds, got {ttl!r}")
     ms = round(ttl * 1000)
     if not ms >= 1:
         raise ConfigError(f"{what} must be at least 0.001 seconds, got {ttl!r}")

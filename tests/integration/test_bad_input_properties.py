@@ -572,3 +572,15 @@ def test_short_lived_failing_clients_never_deadlock_the_store_cache() -> None:
         gc.set_threshold(*threshold)
     assert not thread.is_alive(), "a thread deadlocked creating a lock"
     assert isinstance(errors[0], StoreUnavailable)
+
+
+@pytest.mark.parametrize("option", ["ttl", "fence_ttl", "max_hold"])
+@pytest.mark.parametrize("seconds", [1.8e305, 1.7976931348623157e308, 2.0**53])
+def test_a_huge_finite_number_of_seconds_is_a_config_error_naming_the_option(
+    redis_client: redis.Redis, option: str, seconds: float
+) -> None:
+    """A float so large that seconds * 1000 is infinite (hypothesis found 1.8e305 for
+    fence_ttl) is refused as too long, naming the option, not an OverflowError."""
+    kwargs = {option: seconds} if option != "ttl" else {}
+    with pytest.raises(ConfigError, match=f"{option} must be at most"):
+        Lock(redis_client, "huge", seconds if option == "ttl" else 5.0, **kwargs)
