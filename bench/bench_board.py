@@ -13,7 +13,9 @@ it asks the board's WSGI app for ``/`` (the whole page, as a browser does), its 
 every lock (their counters stay, as they do for users) and asks for ``/`` again. It prints
 the median and the slowest of each, and the Redis commands one request cost (``INFO
 stats``, ``total_commands_processed``): they grow with what the page shows, not with the
-keyspace.
+keyspace. ``--tabs N`` then keeps N open tabs for ``--tab-seconds``: N threads, each asking
+for the live part once a second as board.js does, and prints what they cost the Redis
+server (``INFO cpu``: its user and system CPU over the wall time, in % of one core).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -89,6 +92,43 @@ def _timed(
     return took, asked
 
 
+def _server_cpu(client: Any) -> float:
+    """The Redis server's CPU seconds so far (user + system)."""
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def _tabs(app: Any, client: Any, tabs: int, seconds: float) -> None:
+    """*tabs* open tabs refreshing the overview's live part every second for *seconds*."""
+    stop = threading.Event()
+    asked = [0] * tabs
+
+    def tab(i: int) -> None:
+        board = Client(app)
+        nxt = time.monotonic()
+        while not stop.is_set():
+            answer = board.get("/", headers={"X-Board-Part": "live"})
+            assert answer.status_code == 200
+            answer.get_data()
+            asked[i] += 1
+            nxt += 1.0
+            stop.wait(max(0.0, nxt - time.monotonic()))
+
+    threads = [threading.Thread(target=tab, args=(i,), daemon=True) for i in range(tabs)]
+    cpu, start = _server_cpu(client), time.monotonic()
+    for thread in threads:
+        thread.start()
+    stop.wait(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join(30)
+    wall, used = time.monotonic() - start, _server_cpu(client) - cpu
+    print(
+        f"{tabs} open tabs for {wall:.0f} s ({sum(asked)} refreshes): Redis used "
+        f"{used:.2f} s of CPU, {100 * used / wall:.1f}% of one core"
+    )
+
+
 def _show(label: str, took: list[float], asked: int) -> None:
     print(
         f"{label:36} median {statistics.median(took) * 1000:6.0f} ms, "
@@ -100,6 +140,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keys", type=int, default=100_000)
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--tabs", type=int, default=0, help="open tabs to keep (0: none)")
+    parser.add_argument("--tab-seconds", type=float, default=30.0)
     args = parser.parse_args()
     with _servers.running() as server:
         import redis  # noqa: PLC0415
@@ -112,13 +154,16 @@ def main() -> None:
             f"{args.keys} locks taken in {time.perf_counter() - start:.1f}s; "
             f"{client.dbsize()} keys in Redis"
         )
-        board = Client(make_app(_project(url)))
+        wsgi = make_app(_project(url))
+        board = Client(wsgi)
         for label, path, headers in (
             ("overview (/)", "/", {}),
             ("its live part (every second)", "/", {"X-Board-Part": "live"}),
             ("one key's page", "/key/sync%3A000042", {}),
         ):
             _show(label, *_timed(board, client, path, args.runs, **headers))
+        if args.tabs:
+            _tabs(wsgi, client, args.tabs, args.tab_seconds)
         start = time.perf_counter()
         for lock in held:
             lock.release()

@@ -261,3 +261,30 @@ def test_a_rate_limited_run_that_got_its_slot_waits_no_more(app: Celery) -> None
 def _waiting(page: str) -> str:
     """The key page's "Waiting and queued runs" section."""
     return page.split("<h2>Waiting and queued runs</h2>", 1)[1].split("<h2>", 1)[0]
+
+
+def test_leases_that_ran_out_unreleased_leave_the_index_when_later_locks_are_taken(
+    redis_client: redis.Redis,
+) -> None:
+    """Five locks dropped unreleased run out; with no board or CLI ever reading, three
+    later acquires sweep all five from the held sets and the expiry set (two a write), so
+    the index stays bounded where nobody lists it; a living lock stays listed."""
+    kept = Lock(redis_client, "sweep:kept", ttl=30, auto_renew=False)
+    assert kept.acquire(blocking=False)
+    for i in range(5):
+        assert Lock(redis_client, f"sweep:dropped:{i}", ttl=0.3, auto_renew=False).acquire(
+            blocking=False
+        )
+    dropped = {f"redlock:{{sweep:dropped:{i}}}" for i in range(5)}
+    assert dropped <= {k.decode() for k in redis_client.zrange("redlock:index:expiry", 0, -1)}
+    assert wait_for(
+        lambda: not any(redis_client.exists(k) for k in dropped), timeout=5, what="expiry"
+    )
+    for i in range(3):
+        with Lock(redis_client, f"sweep:later:{i}", ttl=30):
+            pass
+    for name in ("expiry", "held", "running"):
+        listed = {k.decode() for k in redis_client.zrange(f"redlock:index:{name}", 0, -1)}
+        assert not listed & dropped, (name, listed & dropped)
+    assert redis_client.zscore("redlock:index:expiry", "redlock:{sweep:kept}") is not None
+    kept.release()

@@ -14,8 +14,9 @@
 --                        itself; these four sets live as long as their longest member,
 --                        and each write drops two members whose time has passed
 -- A script adds a key when it writes it, moves its expiry when it renews it, and takes
--- it out when it deletes it; readers drop the members whose expiry has passed (a lease
--- that ran out unreleased: index_prune.lua).
+-- it out when it deletes it; a lease that ran out unreleased goes when a reader lists
+-- the index (index_prune.lua), and two of them at each write of a held key
+-- (index_sweep), so that the index stays bounded where nobody reads it.
 -- index_lock(key, ms, state)  a mutex at *key* held *ms* more, in the set *state*
 -- index_put(key, ms, set)     *key* lives *ms* more (nil: no expiry), in *set*
 -- index_renew(key, ms)        *key*, already indexed, lives *ms* more
@@ -65,6 +66,25 @@ local function index_timed(head, set)
     end
   end
 end
+local INDEX_HELD = {'held', 'running', 'parked', 'permits'}
+local function index_sweep(head)
+  -- Two keys whose lease ran out unreleased (a dropped Lock, a killed worker) go from the
+  -- held sets, so that the index stays bounded where no operator ever reads it; a key
+  -- that still lives (renewed by a script that did not list it) gets its expiry back.
+  local expiry = head .. 'expiry'
+  local gone = redis.call('ZRANGEBYSCORE', expiry, '-inf', '(' .. index_at(0), 'LIMIT', 0, 2)
+  for _, old in ipairs(gone) do
+    local left = redis.call('PTTL', old)
+    if left > 0 then
+      redis.call('ZADD', expiry, index_at(left), old)
+    elseif left == -2 then
+      redis.call('ZREM', expiry, old)
+      for _, other in ipairs(INDEX_HELD) do
+        redis.call('ZREM', head .. other, old)
+      end
+    end
+  end
+end
 local function index_put(key, ms, set)
   if INDEX then
     local head = index_head(key)
@@ -73,6 +93,8 @@ local function index_put(key, ms, set)
     redis.call('ZADD', head .. set, 0, key)
     if timed then
       index_timed(head, set)
+    else
+      index_sweep(head)
     end
   end
 end
