@@ -12,7 +12,7 @@ import contextlib
 import json
 import threading
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,16 @@ from ..core.errors import ConfigError, one_line
 from ..core.keys import lock_keys
 from ..core.listing import COUNTED, MAX_LIMIT, Listing, ListQuery
 
-__all__ = ["PAGE", "Problem", "Source", "View", "glob_escape", "merge_masters", "merged"]
+__all__ = [
+    "PAGE",
+    "TIMELINE_READ",
+    "Problem",
+    "Source",
+    "View",
+    "glob_escape",
+    "merge_masters",
+    "merged",
+]
 
 #: What a master that cannot be asked raises (as ``celery locks`` catches it).
 _UNREACHABLE = STORE_ERRORS
@@ -35,6 +44,9 @@ _UNREACHABLE = STORE_ERRORS
 EVENTS_READ = MAXLEN
 #: Keys a page of the overview shows unless told otherwise.
 PAGE = 50
+#: Events the timeline reads from a log at most, newest first: what a refresh costs the
+#: log is bounded by this, not by how many keys or events there are.
+TIMELINE_READ = 2000
 
 
 @dataclass(frozen=True)
@@ -329,6 +341,33 @@ class Source:
             out.append(event)
         out.sort(key=_at, reverse=True)
         return out[:count], view.problems
+
+    def recent(
+        self, names: Iterable[str], since: float, read: int = TIMELINE_READ
+    ) -> tuple[list[dict[str, Any]], list[Problem]]:
+        """The events of *names* at or after *since* (epoch s) among the newest *read* of
+        the log, newest first (one read of the log however many names: the timeline of a
+        page of keys)."""
+        wanted = set(names)
+        view = View()
+        out: list[dict[str, Any]] = []
+        seen: set[str] = set()
+        if not wanted:
+            return out, []
+        for master, text in self._each(view, lambda b: _read_log(b, log_key(self.prefix), read)):
+            if text in seen:  # the same event, written to each master of a Redlock
+                continue
+            seen.add(text)
+            event = _parse_event(text)
+            if event.get("name") not in wanted:
+                continue
+            if _at(event) < since and event.get("kind") != "acquired":
+                continue  # an acquire before the window still starts a bar in it
+            if master is not None:
+                event["master"] = master
+            out.append(event)
+        out.sort(key=_at, reverse=True)
+        return out, view.problems
 
 
 def _at(event: dict[str, Any]) -> float:

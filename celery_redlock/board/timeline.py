@@ -14,8 +14,12 @@ ran            acquired and released, without waiting
 waited         released, after waiting for the lock more than :data:`WAITED` seconds
 running        acquired and not released yet: the bar runs to now
 lost           the lease was lost while the run held it (expired, taken over)
-force-released an operator released it (``celery locks release --force``, the board)
-refused        a run refused the lock: re-queued, skipped or failed by its policy
+force-released an operator released it: the board records a ``forced`` event when it
+               does; a ``lost`` event whose error names the operator counts too
+re-queued      a run refused the lock, sent back to the queue (``policy`` "retry",
+               "requeue" or "queue" on the event)
+skipped        a run refused the lock and dropped (``policy`` "skip" on the event)
+refused        a run refused the lock whose event says no policy (older events)
 duplicate      a publish found the key held: nothing was sent
 ============== =========================================================================
 """
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any
 
-__all__ = ["WAITED", "WINDOW", "Bar", "Tick", "bars_of", "timeline_svg"]
+__all__ = ["WAITED", "WINDOW", "Bar", "Tick", "bars_of", "refusal", "timeline_svg"]
 
 #: Seconds of waiting after which a run counts as one that waited.
 WAITED = 0.05
@@ -74,6 +78,8 @@ def _key(event: Mapping[str, Any]) -> tuple[str, Any]:
 def bars_of(events: Iterable[Mapping[str, Any]]) -> tuple[list[Bar], list[Tick]]:
     """The bars and ticks that *events* (the event log's objects, in any order) make."""
     open_: dict[tuple[str, Any], Mapping[str, Any]] = {}
+    #: Runs an operator released: the run's own "lost" or "released" after it is the same end.
+    forced: set[tuple[str, Any]] = set()
     bars: list[Bar] = []
     ticks: list[Tick] = []
     for event in sorted(events, key=lambda e: float(e.get("at") or 0.0)):
@@ -83,12 +89,18 @@ def bars_of(events: Iterable[Mapping[str, Any]]) -> tuple[list[Bar], list[Tick]]
         task_id = str(event.get("task_id") or "")
         if kind == "acquired":
             open_[_key(event)] = event
-        elif kind in ("released", "lost"):
+            forced.discard(_key(event))
+        elif kind in ("released", "lost", "forced"):
+            if kind != "forced" and _key(event) in forced:
+                continue  # the holder found its lease gone: the bar ended at the release
             began = open_.pop(_key(event), None)
             held = event.get("held")
             start = float(began["at"]) if began else at - float(held or 0.0)
             waited = float((began or {}).get("waited") or 0.0)
-            if kind == "lost":
+            if kind == "forced":
+                forced.add(_key(event))
+                outcome = "force-released"
+            elif kind == "lost":
                 error = str(event.get("error") or "").lower()
                 outcome = "force-released" if "force" in error or "operator" in error else "lost"
             else:
@@ -106,7 +118,7 @@ def bars_of(events: Iterable[Mapping[str, Any]]) -> tuple[list[Bar], list[Tick]]
                 )
             )
         elif kind in ("contended", "rate_limited", "superseded"):
-            ticks.append(Tick(name, at, "refused", task_id))
+            ticks.append(Tick(name, at, refusal(event), task_id))
         elif kind == "duplicate":
             ticks.append(Tick(name, at, "duplicate", task_id))
     for event in open_.values():
@@ -123,6 +135,17 @@ def bars_of(events: Iterable[Mapping[str, Any]]) -> tuple[list[Bar], list[Tick]]
             )
         )
     return bars, ticks
+
+
+#: A refused run's ``policy`` (``lock_on_contended``) -> its outcome.
+_POLICIES = {"retry": "re-queued", "requeue": "re-queued", "queue": "re-queued", "skip": "skipped"}
+
+
+def refusal(event: Mapping[str, Any]) -> str:
+    """How a refused run went: ``re-queued``, ``skipped`` (its event's ``policy``) or
+    ``refused`` (an event that names no policy)."""
+    policy = event.get("policy") or event.get("outcome")
+    return _POLICIES.get(str(policy or ""), "refused")
 
 
 def _int(value: Any) -> int | None:
@@ -230,13 +253,17 @@ def timeline_svg(
             )
         out.append("</g>")
     out.append("</svg>")
-    legend = "".join(
-        f'<span class="tl-key tl-{o}">{o}</span>'
-        for o in ("ran", "waited", "running", "lost", "force-released", "refused", "duplicate")
-    )
+    legend = "".join(f'<span class="tl-key tl-{o}">{o}</span>' for o in _OUTCOMES)
     more = f'<p class="timeline-more">{hidden} more lanes not drawn.</p>' if hidden else ""
     picture = "".join(out)
     return f'<figure class="timeline-box">{picture}<figcaption>{legend}</figcaption></figure>{more}'
+
+
+#: The outcomes of the legend, in its order.
+_OUTCOMES = (
+    "ran", "waited", "running", "lost", "force-released", "re-queued", "skipped", "refused",
+    "duplicate",
+)  # fmt: skip
 
 
 def _span(seconds: float) -> str:
