@@ -1,10 +1,11 @@
 """Whether a holder's worker still runs, as far as the board can tell cheaply and truly.
 
-A holder record names its worker's node (``hostname``: Celery's node name, ``w1@host``)
-and the process (``pid``) that took the lock. When that node's host is the board's own
-host, the board asks the operating system whether the pid is alive (``kill(pid, 0)``,
-no signal sent): a pid that is not is a worker that no longer answers, and its hold is
-left to expire. On another host nothing is claimed (the lease's expiry ends it there).
+A holder record names the host (``hostname``) and the process (``pid``) that took the
+lock, and a task run's record its worker's node (``worker``: ``w1@host``). When that
+host is the board's own host, the board asks the operating system whether the pid is
+alive (``kill(pid, 0)``, no signal sent): a pid that is not is a worker that no longer
+answers, and its hold is left to expire. On another host nothing is claimed (the lease's
+expiry ends it there: no renewal comes).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _host_of(node: str) -> str:
 def gone(holder: Mapping[str, Any]) -> str:
     """Why *holder*'s worker is known not to run (``"pid 4121 is not running on host"``),
     or "" when it runs or nothing can be said of it."""
-    node, pid = holder.get("hostname"), holder.get("pid")
+    node, pid = holder.get("hostname") or holder.get("worker"), holder.get("pid")
     if not isinstance(node, str) or not isinstance(pid, int) or isinstance(pid, bool):
         return ""
     host = _host_of(node)

@@ -92,10 +92,11 @@ class Row:
 
 
 def who(holder: dict[str, Any]) -> str:
-    """A holder in words: ``task[id] on host (pid N)``."""
+    """A holder in words: ``task[id] on w1@host (pid N)``: its worker's node name where
+    the record has it (a task's run), else its host."""
     task = holder.get("task_name") or "-"
     tid = holder.get("task_id")
-    host, pid = holder.get("hostname"), holder.get("pid")
+    host, pid = holder.get("worker") or holder.get("hostname"), holder.get("pid")
     where = f" on {host}" if host else ""
     where += f" (pid {pid})" if pid else ""
     return (f"{task}[{tid}]" if tid else str(task)) + where
@@ -270,6 +271,12 @@ def overview_live(
     out.append(_counts(base, view, filters))
     if timeline:
         out.append(f'<section id="timeline"><h2>Last minutes</h2>{timeline}</section>')
+    return "".join(out) + _keys_table(base, view, rows, filters)
+
+
+def _keys_table(base: str, view: View, rows: Sequence[Row], filters: dict[str, str]) -> str:
+    """The overview's page of keys and where it is among them."""
+    out: list[str] = []
     if not rows:
         out.append('<p class="empty">No key held under this filter.</p>')
         out.append(_pager(base, view, filters))

@@ -41,7 +41,7 @@ from .auth import SESSION_TTL, Session, Sessions, Token, load_tokens, pasted
 from .http import HostCheck, Refused, bad, duration, headers, local_path, whole
 from .pages import e, hidden
 from .rules import matching, task_rules
-from .source import Source, glob_escape, merged
+from .source import Source, glob_escape, merged, public
 
 __all__ = ["DONE", "PAGE_DEFAULT", "PAGE_MAX", "Board"]
 
@@ -74,7 +74,7 @@ DONE = {
     "gone": "Nothing to release: the hold shown was already gone (expired or released).",
     "refused": "Left alone: another acquisition than the one shown holds this key now.",
     "no-master": "Nothing released: the master shown is not one of this board's.",
-    "released-set": "Released what matched the filters (the board's log lists each key).",
+    "released-set": "Released what matched the filters; the board log lists each key.",
     "nothing-set": "Nothing matched the filters: nothing released.",
     "paused": "Paused.",
     "resumed": "Resumed.",
@@ -241,7 +241,9 @@ class Board:
             sort=filters["sort"] or "name",
         )
         rows = pages.group(view, task_rules(self.source.app))
-        picture = self._timeline({r.name for r in rows}, href=lambda n: base + pages.link(n))
+        picture = self._timeline(
+            {r.name for r in rows}, href=lambda n: base + pages.link(n), prefix=filters["prefix"]
+        )
         part = pages.overview_live(base, view, rows, filters, picture)
         if live:
             return "200 OK", [], part
@@ -250,12 +252,11 @@ class Board:
         body = pages.overview_page(base, part, filters, forms.release_set(filters), message)
         return "200 OK", [], self._layout(environ, base, "locks", body)
 
-    def _timeline(self, names: set[str], href: Any = None) -> str:
-        """The timeline of *names*: one capped read of the event log (:meth:`Source.recent`)."""
+    def _timeline(self, names: set[str], href: Any = None, prefix: str | None = None) -> str:
+        """The timeline of *names* (and of the names under *prefix* that ran lately): one
+        capped read of the event log (:meth:`Source.recent`)."""
         now = time.time()
-        events, _ = self.source.recent(names, now - timeline.WINDOW)
-        if not names:
-            return ""
+        events, _ = self.source.recent(names, now - timeline.WINDOW, prefix=prefix)
         return timeline.timeline_svg(events, now=now, href=href)
 
     def key(
@@ -283,9 +284,10 @@ class Board:
             return self._api_locks(args)
         if path.startswith("locks/"):
             view = self.source.one(path[len("locks/") :])
+            objects = public(view.objects)
             if view.problems:  # what was read, and what could not be
-                return _json({"objects": view.objects, "problems": _problems(view.problems)})
-            return _json(view.objects)
+                return _json({"objects": objects, "problems": _problems(view.problems)})
+            return _json(objects)
         if path == "events":
             return self._api_events(args)
         raise Refused("404 Not Found", f"no API /api/{path[:80]}")
@@ -298,7 +300,7 @@ class Board:
         offset = whole(args.get("cursor"), "cursor", high=CURSOR_MAX, default=0)
         view = self.source.listing(args.get("pattern") or "*", offset=offset, limit=limit)
         out: dict[str, Any] = {
-            "locks": view.objects,
+            "locks": public(view.objects),
             "next": str(offset + limit) if view.more else None,
         }
         if view.problems:
