@@ -1178,14 +1178,3 @@ def test_a_holder_shows_its_worker_node_and_is_marked_when_its_process_is_gone(
     }  # fmt: skip
     live.release()
 
-
-def test_waiting_runs_leave_out_a_skipped_run_at_once() -> None:
-    """A contended event whose policy is skip is no waiting run, however recent; one with
-    no policy is, until its wait is over."""
-    from celery_redlock.board.pages import waiting  # noqa: PLC0415
-
-    now = time.time()
-    skipped = {"kind": "contended", "task_id": "a", "at": now - 1, "policy": "skip"}
-    kept = {"kind": "contended", "task_id": "b", "at": now - 1}
-    old = {"kind": "contended", "task_id": "c", "at": now - 600}
-    assert waiting([skipped, kept, old], now) == [kept]
