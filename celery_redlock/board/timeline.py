@@ -58,6 +58,8 @@ class Bar:
     fence: int | None
     task_id: str
     task_name: str
+    #: Seconds the run waited for the lock before *start* (drawn as a thin bar before it).
+    waited: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ def bars_of(events: Iterable[Mapping[str, Any]]) -> tuple[list[Bar], list[Tick]]
                     _int(fence),
                     task_id,
                     str(event.get("task_name") or ""),
+                    waited,
                 )
             )
         elif kind in ("contended", "rate_limited", "superseded"):
@@ -132,6 +135,7 @@ def bars_of(events: Iterable[Mapping[str, Any]]) -> tuple[list[Bar], list[Tick]]
                 _int(event.get("fence")),
                 str(event.get("task_id") or ""),
                 str(event.get("task_name") or ""),
+                waited,
             )
         )
     return bars, ticks
@@ -230,6 +234,13 @@ def timeline_svg(
         )
         for bar in lane:
             x0 = x(bar.start)
+            if bar.waited > WAITED:  # the wait before it: a thin bar that ends where it starts
+                xw = x(bar.start - bar.waited)
+                out.append(
+                    f'<rect class="tl-wait" x="{xw:.1f}" y="{y + _LANE_H / 2 - 3:.1f}" '
+                    f'width="{max(x0 - xw, 1.0):.1f}" height="6"><title>waited '
+                    f"{bar.waited:.2f} s</title></rect>"
+                )
             x1 = x(bar.end if bar.end is not None else now)
             w = max(x1 - x0, 2.0)
             tip = f"{bar.task_name or 'a run'} {bar.task_id} {bar.outcome}"
@@ -239,10 +250,10 @@ def timeline_svg(
                 f'<rect class="tl-bar tl-{bar.outcome}" x="{x0:.1f}" y="{y + 2}" '
                 f'width="{w:.1f}" height="{_LANE_H - 4}"><title>{escape(tip)}</title></rect>'
             )
-            if bar.fence is not None and w > 8 * len(str(bar.fence)) + 6:
+            shown = _fence_text(bar.fence)
+            if shown and w > 7 * len(shown) + 6:
                 out.append(
-                    f'<text class="tl-fence" x="{x0 + 3:.1f}" y="{y + _LANE_H - 7}">'
-                    f"{bar.fence}</text>"
+                    f'<text class="tl-fence" x="{x0 + 3:.1f}" y="{y + _LANE_H - 7}">{shown}</text>'
                 )
         for tick in (t for t in ticks if t.name == name and permit == 0):
             tx = x(tick.at)
@@ -264,6 +275,15 @@ _OUTCOMES = (
     "ran", "waited", "running", "lost", "force-released", "re-queued", "skipped", "refused",
     "duplicate",
 )  # fmt: skip
+
+
+def _fence_text(fence: int | None) -> str:
+    """A fence as a bar shows it: whole up to 6 digits, else its last 4 (``…2390``; the
+    bar's title has it whole)."""
+    if fence is None:
+        return ""
+    text = str(fence)
+    return text if len(text) <= 6 else "…" + text[-4:]
 
 
 def _span(seconds: float) -> str:
