@@ -267,7 +267,10 @@ def timeline_svg(
     legend = "".join(f'<span class="tl-key tl-{o}">{o}</span>' for o in _OUTCOMES)
     more = f'<p class="timeline-more">{hidden} more lanes not drawn.</p>' if hidden else ""
     picture = "".join(out)
-    return f'<figure class="timeline-box">{picture}<figcaption>{legend}</figcaption></figure>{more}'
+    caption = f"<figcaption>{legend}</figcaption>"
+    return (
+        f'<figure class="timeline-box"><div class="scroll">{picture}</div>{caption}</figure>{more}'
+    )
 
 
 #: The outcomes of the legend, in its order.

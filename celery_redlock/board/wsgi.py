@@ -537,9 +537,10 @@ class Board:
             )
             return self._layout(environ, base, "confirm", body)
         question = (
-            f"Release {len(held):,} acquisitions of {pages.keys_text(len(names))} matching "
-            f"{_filters_text(filters)}? Their holders keep running and may overlap with the "
-            "next owners."
+            f"Release {len(held):,} hold{'' if len(held) == 1 else 's'} of "
+            f"{pages.keys_text(len(names))} ({_filters_text(filters)})? Their holders keep "
+            "running and may overlap with the next owners; a queued hold's message stays "
+            "queued."
         )
         body = (
             f'<h1>Confirm</h1><p class="confirm">{e(question)}</p>{note}'
@@ -651,13 +652,13 @@ class Board:
 
 
 def _filters_text(filters: dict[str, str]) -> str:
-    """The overview's filters in words: ``prefix 'sync:', kind mutex`` (``every key``)."""
+    """The overview's filters in words: ``prefix 'sync:', kind 'mutex'``."""
     parts = [
         f"{k.replace('_', ' ')} {v!r}"
         for k, v in filters.items()
         if v and k not in ("offset", "sort")
     ]
-    return ", ".join(parts) or "every key"
+    return ", ".join(parts) or "no filter: every key held"
 
 
 class _Forms:

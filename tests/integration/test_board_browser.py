@@ -393,7 +393,7 @@ def test_a_refresh_keeps_the_sideways_scroll_the_selection_and_unchanged_rows(
         browser.get(board + "/?prefix=scroll%3A")
         _until("the row shows", lambda: _row(browser, "scroll:1") is not None)
         browser.execute_script(
-            "var s = document.querySelector('#live .scroll'); s.scrollLeft = 120;"
+            "var s = document.getElementById('keys').parentElement; s.scrollLeft = 120;"
             "var row = document.querySelector('#keys tr[data-name=\"scroll:1\"]');"
             "row.__mark = 'kept';"
             "var cell = row.querySelector('td[data-col=\"holder(s)\"]');"
@@ -401,7 +401,7 @@ def test_a_refresh_keeps_the_sideways_scroll_the_selection_and_unchanged_rows(
             "var sel = window.getSelection(); sel.removeAllRanges(); sel.addRange(r);"
         )
         scrolled = browser.execute_script(
-            "return document.querySelector('#live .scroll').scrollLeft;"
+            "return document.getElementById('keys').parentElement.scrollLeft;"
         )
         assert scrolled > 0  # the table is wider than the window
         selected = browser.execute_script("return window.getSelection().toString();")
@@ -410,7 +410,7 @@ def test_a_refresh_keeps_the_sideways_scroll_the_selection_and_unchanged_rows(
         _updates(browser, 2)  # refreshes with no selection: the row is patched in place
         state = browser.execute_script(
             "var row = document.querySelector('#keys tr[data-name=\"scroll:1\"]');"
-            "return [document.querySelector('#live .scroll').scrollLeft, row.__mark];"
+            "return [document.getElementById('keys').parentElement.scrollLeft, row.__mark];"
         )
         assert state == [scrolled, "kept"]
         browser.execute_script(
