@@ -41,7 +41,7 @@ from .auth import SESSION_TTL, Session, Sessions, Token, load_tokens, pasted
 from .http import HostCheck, Refused, bad, duration, headers, local_path, whole
 from .pages import e, hidden
 from .rules import matching, task_rules
-from .source import Source, glob_escape, merged, public
+from .source import Source, glob_escape, public
 
 __all__ = ["DONE", "PAGE_DEFAULT", "PAGE_MAX", "Board"]
 
@@ -469,7 +469,8 @@ class Board:
         view = self._matching(filters)
         if view.unknown:
             raise bad(f"nothing released: {pages.unknown_text(view)}")
-        held = [o for o in merged(view) if o["kind"] in ("lock", "permit")]
+        # each master's own objects (a Redlock): each one's hold is released on it
+        held = [o for o in view.objects if o["kind"] in ("lock", "permit")]
         back = f"{base}/" + pages.query(**filters)
         if form.get("confirmed") != "yes":
             return "200 OK", [], self._confirm_set(environ, base, form, filters, view, held)

@@ -1178,3 +1178,23 @@ def test_a_holder_shows_its_worker_node_and_is_marked_when_its_process_is_gone(
     }  # fmt: skip
     live.release()
 
+
+def test_on_a_redlock_a_release_of_the_filtered_set_releases_it_on_every_master(
+    three_servers: list[RedisServer],
+) -> None:
+    """A Redlock's lock matching the filters is listed once on the confirm page and,
+    confirmed, removed from each of the three masters."""
+    for server in three_servers:
+        server.client().flushall()
+    lock = Redlock(
+        [s.client() for s in three_servers], "redset:1", 30, owner_info=OWNER, auto_renew=False
+    )
+    assert lock.acquire(blocking=False)
+    app = Celery("redlockset", broker="memory://", set_as_current=False)
+    app.conf.redlock_url = [s.url for s in three_servers]
+    client = _signed_in(make_app(app, actions=True, token=TOKEN))
+    form = {"verb": "release-set", "prefix": "redset:", "csrf": _csrf(_text(client.get("/")))}
+    ask = _text(client.post("/action", data=form))
+    assert ask.count("<li>redset:1</li>") == 1 and "Release 3 holds of 1 key" in ask
+    client.post("/action", data={**form, "confirmed": "yes"})
+    assert [read_lock(s.client(), "redlock:", "redset:1") for s in three_servers] == [[], [], []]
