@@ -32,9 +32,8 @@ from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, quote
 
-from ..app.event_log import LOG_TTL_MS, MAXLEN, log_key
+from ..app.event_log import MAXLEN, log_forced
 from ..core.admin import force_dequeue, force_release, force_release_permit
-from ..core.backend import EventLog, given
 from ..core.errors import ConfigError, QuorumUnavailable, one_line
 from . import pages, timeline
 from .auth import SESSION_TTL, Session, Sessions, Token, load_tokens, pasted
@@ -627,29 +626,10 @@ class Board:
         user: str,
         backend: Any = None,
     ) -> None:
-        """Write a ``forced`` event to the event log (the timeline's force-released bar);
-        a log that cannot be written is logged at DEBUG: the release is done either way."""
-        info = record.get("owner_info")
-        owner: dict[str, Any] = info if isinstance(info, dict) else {}
-        event = {
-            "kind": "forced",
-            "name": name,
-            "at": time.time(),
-            "fence": fence,
-            "task_name": record.get("task_name", owner.get("task_name")),
-            "task_id": record.get("task_id", owner.get("task_id")),
-            "hostname": record.get("hostname"),
-            "pid": record.get("pid"),
-            "error": f"released by operator {user!r} through the board",
-        }
+        """Log a ``forced`` event (the timeline's force-released bar)."""
         store = backend if backend is not None else self.source.store()
-        log_ = given(store, EventLog)
-        if log_ is None:
-            return
-        try:
-            log_.log_events(log_key(self.source.prefix), [json.dumps(event)], MAXLEN, LOG_TTL_MS)
-        except Exception as exc:  # the events are for people, never the locks
-            log.debug("celery-redlock board: the forced event of %r was not logged: %s", name, exc)
+        by = f"operator {user!r} through the board"
+        log_forced(store, self.source.prefix, name, fence, record, by=by)
 
 
 def _filters_text(filters: dict[str, str]) -> str:
