@@ -6,9 +6,10 @@ No server is needed: the locks live in a ``memory://`` store of this process (a 
 by a task's run, two permits of a semaphore, a queued hold, a rate limiter, a pause), the
 board is served on a free loopback port, and Chromium (``apt-get install chromium
 chromium-driver``) takes ``board.png`` (the overview and its timeline),
-``board-key-dark.png`` (a key's page in dark mode), ``board-phone.png`` (the overview on a
-phone-wide window) and ``board-release-set.png`` (the confirm page of a release of what
-the filters match, signed in). The timeline's earlier runs are made-up events written to
+``board-timeline.png`` (that timeline alone), ``board-key-dark.png`` (a key's page in
+dark mode), ``board-phone.png`` (the overview on a phone-wide window) and
+``board-release-set.png`` (the confirm page of a release of what the filters match,
+signed in). The timeline's earlier runs are made-up events written to
 the event log (runs of minutes would take minutes); the held locks are real.
 """
 
@@ -102,6 +103,11 @@ def _shot(driver: object, url: str | None, path: Path, width: int, tallest: int 
     driver.set_window_size(width, min(int(height) + 20, tallest))  # type: ignore[attr-defined]
     time.sleep(0.3)
     driver.save_screenshot(str(path))  # type: ignore[attr-defined]
+    _small(path)
+
+
+def _small(path: Path) -> None:
+    """*path* as a PNG of at most 256 colours, when Pillow is there."""
     try:
         from PIL import Image  # noqa: PLC0415 - optional: only makes the files smaller
     except ImportError:
@@ -195,6 +201,8 @@ def main() -> None:
 
         base = f"http://127.0.0.1:{server.server_port}"
         _shot(driver, base + "/", out / "board.png", 1240)
+        driver.find_element(By.ID, "timeline").screenshot(str(out / "board-timeline.png"))
+        _small(out / "board-timeline.png")
         driver.get(base + "/login?next=%2F")
         driver.find_element(By.NAME, "token").send_keys(SECRET)
         driver.find_element(By.CSS_SELECTOR, "form button[type=submit]").click()
@@ -213,7 +221,7 @@ def main() -> None:
         server.shutdown()
         server.server_close()
         thread.join(10)
-    print(f"wrote 4 screenshots to {out} ({len(kept)} holds shown)")
+    print(f"wrote 5 screenshots to {out} ({len(kept)} holds shown)")
 
 
 if __name__ == "__main__":
