@@ -18,6 +18,7 @@ import collections
 import json
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -26,7 +27,16 @@ from ..core.backend import EventLog, given
 from ..core.events import LockEvent, add_hook
 from ..core.process import on_fork
 
-__all__ = ["FLUSH_EVERY", "KINDS", "MAXLEN", "event_json", "log_key", "record", "recorder_hook"]
+__all__ = [
+    "FLUSH_EVERY",
+    "KINDS",
+    "MAXLEN",
+    "event_json",
+    "log_forced",
+    "log_key",
+    "record",
+    "recorder_hook",
+]
 
 log = logging.getLogger("celery_redlock.board")
 
@@ -65,6 +75,36 @@ def log_key(prefix: str) -> str:
     """The key of the event log of the locks under *prefix* (outside every lock's braces,
     so ``celery locks`` never takes it for a lock)."""
     return f"{prefix}events"
+
+
+def log_forced(
+    store: Any, prefix: str, name: str, fence: int | None, record: Any, *, by: str
+) -> None:
+    """Write a ``forced`` event (an operator's release of the acquisition with *fence*,
+    whose holder *record* it was) to the log under *prefix*, at once: the board's timeline
+    then draws that run as force-released. *by* says who (``operator 'ops' through the
+    board``). A log that cannot be written is logged at DEBUG: the release is done anyway."""
+    log_ = given(store, EventLog)
+    if log_ is None:
+        return
+    record = record if isinstance(record, dict) else {}
+    info = record.get("owner_info")
+    owner: dict[str, Any] = info if isinstance(info, dict) else {}
+    event = {
+        "kind": "forced",
+        "name": name,
+        "at": time.time(),
+        "fence": fence,
+        "task_name": record.get("task_name", owner.get("task_name")),
+        "task_id": record.get("task_id", owner.get("task_id")),
+        "hostname": record.get("hostname"),
+        "pid": record.get("pid"),
+        "error": f"released by {by}",
+    }
+    try:
+        log_.log_events(log_key(prefix), [_encode(event)], MAXLEN, LOG_TTL_MS)
+    except Exception as exc:  # the events are for people, never for the locks
+        log.debug("celery-redlock: the forced release of %r was not logged: %s", name, exc)
 
 
 def event_json(event: LockEvent) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 from ..cli.render import _duration, _ttl
+from .liveness import gone
 from .rules import KeyRule, matching
 from .source import Problem, View, merged
 
@@ -32,6 +33,7 @@ __all__ = [
     "unknown_text",
     "waiting",
     "who",
+    "who_html",
 ]
 
 #: The overview's kind filter: value -> label.
@@ -90,13 +92,24 @@ class Row:
 
 
 def who(holder: dict[str, Any]) -> str:
-    """A holder in words: ``task[id] on host (pid N)``."""
+    """A holder in words: ``task[id] on w1@host (pid N)``: its worker's node name where
+    the record has it (a task's run), else its host."""
     task = holder.get("task_name") or "-"
     tid = holder.get("task_id")
-    host, pid = holder.get("hostname"), holder.get("pid")
+    host, pid = holder.get("worker") or holder.get("hostname"), holder.get("pid")
     where = f" on {host}" if host else ""
     where += f" (pid {pid})" if pid else ""
     return (f"{task}[{tid}]" if tid else str(task)) + where
+
+
+def who_html(holder: dict[str, Any]) -> str:
+    """:func:`who` as HTML, with a mark when its worker is known to run no more
+    (:func:`~.liveness.gone`)."""
+    why = gone(holder)
+    text = e(who(holder))
+    if why:
+        text += f' <span class="gone" title="{e(why)}">worker gone: {e(why)}</span>'
+    return text
 
 
 def group(view: View, rules: list[KeyRule] | None = None) -> list[Row]:
@@ -240,17 +253,30 @@ def _pager(base: str, view: View, filters: dict[str, str]) -> str:
 
 
 def overview_live(
-    base: str, view: View, rows: Sequence[Row], filters: dict[str, str] | None = None
+    base: str,
+    view: View,
+    rows: Sequence[Row],
+    filters: dict[str, str] | None = None,
+    timeline: str = "",
 ) -> str:
-    """The overview's live part: problems, the counts by kind and state, then the page of
-    keys and where it is among them. *filters*: the query of the page (prefix, kind,
-    state, task_id, worker, sort), kept by the count and page links."""
+    """The overview's live part: problems, the counts by kind and state, the *timeline*
+    of the page's keys, then the page of keys and where it is among them. *filters*: the
+    query of the page (prefix, kind, state, task_id, worker, sort), kept by the count and
+    page links."""
     filters = dict(filters or {})
     out = [_problems(view.problems)]
     if view.unknown:
         out.append(f'<p class="unknown" role="alert">{e(unknown_text(view))}</p>')
         return "".join(out)
     out.append(_counts(base, view, filters))
+    if timeline:
+        out.append(f'<section id="timeline"><h2>Last minutes</h2>{timeline}</section>')
+    return "".join(out) + _keys_table(base, view, rows, filters)
+
+
+def _keys_table(base: str, view: View, rows: Sequence[Row], filters: dict[str, str]) -> str:
+    """The overview's page of keys and where it is among them."""
+    out: list[str] = []
     if not rows:
         out.append('<p class="empty">No key held under this filter.</p>')
         out.append(_pager(base, view, filters))
@@ -263,7 +289,7 @@ def overview_live(
     out.append("</tr></thead><tbody>")
     for r in rows:
         text = _semaphore(r) if r.kind == "semaphore" else _KIND_TEXT[r.kind]
-        holders = "<br>".join(e(who(h)) for h in r.holders) or "-"
+        holders = "<br>".join(who_html(h) for h in r.holders) or "-"
         if r.detail:
             holders = e(r.detail)
         cells = [
@@ -332,9 +358,11 @@ def _select(name: str, choices: dict[str, str], chosen: str) -> str:
     return f'<select name="{e(name)}">{options}</select>'
 
 
-def overview_page(base: str, live: str, filters: dict[str, str]) -> str:
+def overview_page(
+    base: str, live: str, filters: dict[str, str], actions: str = "", message: str = ""
+) -> str:
     """The overview around its live part: the filters (key prefix, kind, state, task id,
-    worker) and the order."""
+    worker) and the order, the *message* of an action's end and the *actions* form."""
 
     def field(name: str, text: str) -> str:
         value = e(filters.get(name, ""))
@@ -349,7 +377,8 @@ def overview_page(base: str, live: str, filters: dict[str, str]) -> str:
         + field("worker", "worker")
         + f"<label>order {_select('sort', SORTS, filters.get('sort', 'name'))}</label>"
         + '<button type="submit">filter</button></form>'
-        f'<div id="live" data-refresh="1000">{live}</div>'
+        + (f'<p class="done" role="status">{e(message)}</p>' if message else "")
+        + f'<div id="live" data-refresh="1000">{live}</div>{actions}'
     )
 
 
@@ -384,7 +413,10 @@ def _event_more(event: dict[str, Any]) -> str:
 
 #: Events after which a run no longer waits for the key: it took it (an acquire, a rate
 #: slot granted), gave up, ended or was skipped.
-_DONE = ("acquired", "granted", "released", "lost", "skipped", "superseded", "failed", "expired")
+_DONE = (
+    "acquired", "granted", "released", "lost", "forced", "skipped", "superseded", "failed",
+    "expired",
+)  # fmt: skip
 #: Events of a run refused the key that will come back for it.
 _REFUSED = ("contended", "rate_limited")
 
@@ -423,8 +455,10 @@ def key_live(  # noqa: PLR0917 - the parts of one key's page
     problems: Sequence[Problem],
     forms: Any,
     rules: Sequence[KeyRule] = (),
+    timeline: str = "",
 ) -> str:
-    """A key's live part: holders, controls, fence history, waiting runs and events."""
+    """A key's live part: holders, its *timeline*, controls, fence history, waiting runs
+    and events."""
     out = [_problems([*view.problems, *problems])]
     holders = [o for o in merged(view) if o["kind"] in ("lock", "permit")]
     out.append("<h2>Holders</h2>")
@@ -443,7 +477,7 @@ def key_live(  # noqa: PLR0917 - the parts of one key's page
             held = _duration(now - at) if isinstance(at, (int, float)) else "-"
             out.append(
                 f'<tr data-state="{e(o["state"])}"><td>{e(o["kind"])}</td><td>{e(o["state"])}</td>'
-                f'<td class="holder">{e(who(o["holder"]))}</td><td>{e(held)}</td>'
+                f'<td class="holder">{who_html(o["holder"])}</td><td>{e(held)}</td>'
                 f"<td>{e(_ttl(o['ttl_ms']))}</td>"
                 f"<td>{e(o['fence'] if o['fence'] is not None else '-')}</td>"
                 + (f"<td>{e(_agree(o))}</td>" if view.redlock else "")
@@ -452,6 +486,8 @@ def key_live(  # noqa: PLR0917 - the parts of one key's page
         out.append("</tbody></table></div>")
     elif not view.unknown:
         out.append('<p class="empty">Nobody holds it now.</p>')
+    if timeline:
+        out.append(f'<section id="timeline"><h2>Last minutes</h2>{timeline}</section>')
     rates = [o for o in view.objects if o["kind"] == "rate"]
     for o in rates:
         out.append(

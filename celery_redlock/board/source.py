@@ -12,7 +12,7 @@ import contextlib
 import json
 import threading
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,16 @@ from ..core.errors import ConfigError, one_line
 from ..core.keys import lock_keys
 from ..core.listing import COUNTED, MAX_LIMIT, Listing, ListQuery
 
-__all__ = ["PAGE", "Problem", "Source", "View", "glob_escape", "merge_masters", "merged"]
+__all__ = [
+    "PAGE",
+    "TIMELINE_READ",
+    "Problem",
+    "Source",
+    "View",
+    "glob_escape",
+    "merge_masters",
+    "merged",
+]
 
 #: What a master that cannot be asked raises (as ``celery locks`` catches it).
 _UNREACHABLE = STORE_ERRORS
@@ -35,6 +44,9 @@ _UNREACHABLE = STORE_ERRORS
 EVENTS_READ = MAXLEN
 #: Keys a page of the overview shows unless told otherwise.
 PAGE = 50
+#: Events the timeline reads from a log at most, newest first: what a refresh costs the
+#: log is bounded by this, not by how many keys or events there are.
+TIMELINE_READ = 2000
 
 
 @dataclass(frozen=True)
@@ -262,7 +274,7 @@ class Source:
         queued hold, its rate limiter, its controls)."""
         by_key: dict[str, list[dict[str, Any]]] = {}
         for info in listing.locks:
-            row = LockRow.of(info, master).as_json(self.redlock)
+            row = with_worker(LockRow.of(info, master).as_json(self.redlock), info.record)
             by_key.setdefault(info.key, []).append(row)
         for rate in listing.rates:
             by_key.setdefault(rate.key, []).append(rate_json(rate))
@@ -278,7 +290,7 @@ class Source:
         found = self._each(view, lambda b: [read_lock(b, prefix, name)])
         view.masters, view.answered = len(self.clients()), len(found)
         view.objects = [
-            LockRow.of(info, master).as_json(self.redlock)
+            with_worker(LockRow.of(info, master).as_json(self.redlock), info.record)
             for master, infos in found
             for info in infos
         ]
@@ -329,6 +341,63 @@ class Source:
             out.append(event)
         out.sort(key=_at, reverse=True)
         return out[:count], view.problems
+
+    def recent(
+        self,
+        names: Iterable[str],
+        since: float,
+        read: int = TIMELINE_READ,
+        prefix: str | None = None,
+    ) -> tuple[list[dict[str, Any]], list[Problem]]:
+        """The events of *names* (and, with *prefix*, of every name that starts with it)
+        at or after *since* (epoch s) among the newest *read* of the log, newest first:
+        one read of the log however many names (the timeline of a page of keys)."""
+        wanted = set(names)
+        view = View()
+        out: list[dict[str, Any]] = []
+        seen: set[str] = set()
+        if not wanted and prefix is None:
+            return out, []
+        for master, text in self._each(view, lambda b: _read_log(b, log_key(self.prefix), read)):
+            if text in seen:  # the same event, written to each master of a Redlock
+                continue
+            seen.add(text)
+            event = _parse_event(text)
+            name = event.get("name")
+            if name not in wanted and not (
+                prefix is not None and isinstance(name, str) and name.startswith(prefix)
+            ):
+                continue
+            if _at(event) < since and event.get("kind") != "acquired":
+                continue  # an acquire before the window still starts a bar in it
+            if master is not None:
+                event["master"] = master
+            out.append(event)
+        out.sort(key=_at, reverse=True)
+        return out, view.problems
+
+
+def with_worker(obj: dict[str, Any], record: Mapping[str, Any]) -> dict[str, Any]:
+    """*obj* with its holder's worker node (``w1@host``, the record's ``worker``, which a
+    task's run writes; ``celery locks show`` prints it) as ``holder["worker"]``, for the
+    pages; the API leaves it out (:func:`public`), as ``--json`` does."""
+    worker = record.get("worker")
+    if isinstance(worker, str) and worker and isinstance(obj.get("holder"), dict):
+        obj["holder"] = {**obj["holder"], "worker": worker}
+    return obj
+
+
+def public(objects: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """*objects* as ``celery locks list --json`` prints them (no ``holder["worker"]``)."""
+    out = []
+    for obj in objects:
+        holder = obj.get("holder")
+        if isinstance(holder, dict) and "worker" in holder:
+            holder = {k: v for k, v in holder.items() if k != "worker"}
+            out.append({**obj, "holder": holder})
+        else:
+            out.append(obj)
+    return out
 
 
 def _at(event: dict[str, Any]) -> float:

@@ -14,8 +14,12 @@ ran            acquired and released, without waiting
 waited         released, after waiting for the lock more than :data:`WAITED` seconds
 running        acquired and not released yet: the bar runs to now
 lost           the lease was lost while the run held it (expired, taken over)
-force-released an operator released it (``celery locks release --force``, the board)
-refused        a run refused the lock: re-queued, skipped or failed by its policy
+force-released an operator released it: the board records a ``forced`` event when it
+               does; a ``lost`` event whose error names the operator counts too
+re-queued      a run refused the lock, sent back to the queue (``policy`` "retry",
+               "requeue" or "queue" on the event)
+skipped        a run refused the lock and dropped (``policy`` "skip" on the event)
+refused        a run refused the lock whose event says no policy (older events)
 duplicate      a publish found the key held: nothing was sent
 ============== =========================================================================
 """
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any
 
-__all__ = ["WAITED", "WINDOW", "Bar", "Tick", "bars_of", "timeline_svg"]
+__all__ = ["WAITED", "WINDOW", "Bar", "Tick", "bars_of", "refusal", "timeline_svg"]
 
 #: Seconds of waiting after which a run counts as one that waited.
 WAITED = 0.05
@@ -54,6 +58,8 @@ class Bar:
     fence: int | None
     task_id: str
     task_name: str
+    #: Seconds the run waited for the lock before *start* (drawn as a thin bar before it).
+    waited: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,8 @@ def _key(event: Mapping[str, Any]) -> tuple[str, Any]:
 def bars_of(events: Iterable[Mapping[str, Any]]) -> tuple[list[Bar], list[Tick]]:
     """The bars and ticks that *events* (the event log's objects, in any order) make."""
     open_: dict[tuple[str, Any], Mapping[str, Any]] = {}
+    #: Runs an operator released: the run's own "lost" or "released" after it is the same end.
+    forced: set[tuple[str, Any]] = set()
     bars: list[Bar] = []
     ticks: list[Tick] = []
     for event in sorted(events, key=lambda e: float(e.get("at") or 0.0)):
@@ -83,12 +91,18 @@ def bars_of(events: Iterable[Mapping[str, Any]]) -> tuple[list[Bar], list[Tick]]
         task_id = str(event.get("task_id") or "")
         if kind == "acquired":
             open_[_key(event)] = event
-        elif kind in ("released", "lost"):
+            forced.discard(_key(event))
+        elif kind in ("released", "lost", "forced"):
+            if kind != "forced" and _key(event) in forced:
+                continue  # the holder found its lease gone: the bar ended at the release
             began = open_.pop(_key(event), None)
             held = event.get("held")
             start = float(began["at"]) if began else at - float(held or 0.0)
             waited = float((began or {}).get("waited") or 0.0)
-            if kind == "lost":
+            if kind == "forced":
+                forced.add(_key(event))
+                outcome = "force-released"
+            elif kind == "lost":
                 error = str(event.get("error") or "").lower()
                 outcome = "force-released" if "force" in error or "operator" in error else "lost"
             else:
@@ -103,10 +117,11 @@ def bars_of(events: Iterable[Mapping[str, Any]]) -> tuple[list[Bar], list[Tick]]
                     _int(fence),
                     task_id,
                     str(event.get("task_name") or ""),
+                    waited,
                 )
             )
         elif kind in ("contended", "rate_limited", "superseded"):
-            ticks.append(Tick(name, at, "refused", task_id))
+            ticks.append(Tick(name, at, refusal(event), task_id))
         elif kind == "duplicate":
             ticks.append(Tick(name, at, "duplicate", task_id))
     for event in open_.values():
@@ -120,9 +135,21 @@ def bars_of(events: Iterable[Mapping[str, Any]]) -> tuple[list[Bar], list[Tick]]
                 _int(event.get("fence")),
                 str(event.get("task_id") or ""),
                 str(event.get("task_name") or ""),
+                waited,
             )
         )
     return bars, ticks
+
+
+#: A refused run's ``policy`` (``lock_on_contended``) -> its outcome.
+_POLICIES = {"retry": "re-queued", "requeue": "re-queued", "queue": "re-queued", "skip": "skipped"}
+
+
+def refusal(event: Mapping[str, Any]) -> str:
+    """How a refused run went: ``re-queued``, ``skipped`` (its event's ``policy``) or
+    ``refused`` (an event that names no policy)."""
+    policy = event.get("policy") or event.get("outcome")
+    return _POLICIES.get(str(policy or ""), "refused")
 
 
 def _int(value: Any) -> int | None:
@@ -207,6 +234,13 @@ def timeline_svg(
         )
         for bar in lane:
             x0 = x(bar.start)
+            if bar.waited > WAITED:  # the wait before it: a thin bar that ends where it starts
+                xw = x(bar.start - bar.waited)
+                out.append(
+                    f'<rect class="tl-wait" x="{xw:.1f}" y="{y + _LANE_H / 2 - 3:.1f}" '
+                    f'width="{max(x0 - xw, 1.0):.1f}" height="6"><title>waited '
+                    f"{bar.waited:.2f} s</title></rect>"
+                )
             x1 = x(bar.end if bar.end is not None else now)
             w = max(x1 - x0, 2.0)
             tip = f"{bar.task_name or 'a run'} {bar.task_id} {bar.outcome}"
@@ -216,10 +250,10 @@ def timeline_svg(
                 f'<rect class="tl-bar tl-{bar.outcome}" x="{x0:.1f}" y="{y + 2}" '
                 f'width="{w:.1f}" height="{_LANE_H - 4}"><title>{escape(tip)}</title></rect>'
             )
-            if bar.fence is not None and w > 8 * len(str(bar.fence)) + 6:
+            shown = _fence_text(bar.fence)
+            if shown and w > 7 * len(shown) + 6:
                 out.append(
-                    f'<text class="tl-fence" x="{x0 + 3:.1f}" y="{y + _LANE_H - 7}">'
-                    f"{bar.fence}</text>"
+                    f'<text class="tl-fence" x="{x0 + 3:.1f}" y="{y + _LANE_H - 7}">{shown}</text>'
                 )
         for tick in (t for t in ticks if t.name == name and permit == 0):
             tx = x(tick.at)
@@ -230,13 +264,29 @@ def timeline_svg(
             )
         out.append("</g>")
     out.append("</svg>")
-    legend = "".join(
-        f'<span class="tl-key tl-{o}">{o}</span>'
-        for o in ("ran", "waited", "running", "lost", "force-released", "refused", "duplicate")
-    )
+    legend = "".join(f'<span class="tl-key tl-{o}">{o}</span>' for o in _OUTCOMES)
     more = f'<p class="timeline-more">{hidden} more lanes not drawn.</p>' if hidden else ""
     picture = "".join(out)
-    return f'<figure class="timeline-box">{picture}<figcaption>{legend}</figcaption></figure>{more}'
+    caption = f"<figcaption>{legend}</figcaption>"
+    return (
+        f'<figure class="timeline-box"><div class="scroll">{picture}</div>{caption}</figure>{more}'
+    )
+
+
+#: The outcomes of the legend, in its order.
+_OUTCOMES = (
+    "ran", "waited", "running", "lost", "force-released", "re-queued", "skipped", "refused",
+    "duplicate",
+)  # fmt: skip
+
+
+def _fence_text(fence: int | None) -> str:
+    """A fence as a bar shows it: whole up to 6 digits, else its last 4 (``…2390``; the
+    bar's title has it whole)."""
+    if fence is None:
+        return ""
+    text = str(fence)
+    return text if len(text) <= 6 else "…" + text[-4:]
 
 
 def _span(seconds: float) -> str:

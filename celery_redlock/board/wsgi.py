@@ -9,7 +9,9 @@ any path (links follow ``SCRIPT_NAME``).
 ``GET /api/events``         the recorded events, newest first, a page (``?name=&limit=&cursor=``)
 ``GET|POST /login``         paste a token (boards with one)
 ``POST /logout``            end the session (its CSRF token)
-``POST /action``            release, pause, resume, set, unset (actions only: session + CSRF)
+``POST /action``            release (a lock, a permit, a queued hold), release-set (what the
+                            overview's filters match), pause, resume, set, unset (actions
+                            only: session + CSRF)
 =========================== ===============================================================
 
 A page asked with the header ``X-Board-Part: live`` answers its live part only: the
@@ -23,21 +25,22 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 from http.cookies import CookieError, SimpleCookie
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, quote
 
-from ..app.event_log import MAXLEN
-from ..core.admin import force_dequeue, force_release
+from ..app.event_log import MAXLEN, log_forced
+from ..core.admin import force_dequeue, force_release, force_release_permit
 from ..core.errors import ConfigError, StoreUnavailable, one_line
-from . import pages
+from . import pages, timeline
 from .auth import SESSION_TTL, Session, Sessions, Token, load_tokens, pasted
 from .http import HostCheck, Refused, bad, duration, headers, local_path, whole
 from .pages import e, hidden
 from .rules import matching, task_rules
-from .source import Source, glob_escape
+from .source import Source, glob_escape, public
 
 __all__ = ["DONE", "PAGE_DEFAULT", "PAGE_MAX", "Board"]
 
@@ -54,7 +57,9 @@ _CSP = (
     "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
 )
 _STATIC = {"board.css": "text/css; charset=utf-8", "board.js": "text/javascript; charset=utf-8"}
-_VERBS = ("release", "pause", "resume", "set", "unset")
+_VERBS = ("release", "release-set", "pause", "resume", "set", "unset")
+#: The most names one release of a filtered set removes (and its confirm page lists).
+SET_MAX = 1000
 #: An API page: this many names (locks) or events unless ``?limit=`` says, at most PAGE_MAX.
 PAGE_DEFAULT = 100
 PAGE_MAX = 1000
@@ -68,6 +73,8 @@ DONE = {
     "gone": "Nothing to release: the hold shown was already gone (expired or released).",
     "refused": "Left alone: another acquisition than the one shown holds this key now.",
     "no-master": "Nothing released: the master shown is not one of this board's.",
+    "released-set": "Released what matched the filters; the board log lists each key.",
+    "nothing-set": "Nothing matched the filters: nothing released.",
     "paused": "Paused.",
     "resumed": "Resumed.",
     "not-paused": "It was not paused.",
@@ -233,11 +240,23 @@ class Board:
             sort=filters["sort"] or "name",
         )
         rows = pages.group(view, task_rules(self.source.app))
-        part = pages.overview_live(base, view, rows, filters)
+        picture = self._timeline(
+            {r.name for r in rows}, href=lambda n: base + pages.link(n), prefix=filters["prefix"]
+        )
+        part = pages.overview_live(base, view, rows, filters, picture)
         if live:
             return "200 OK", [], part
-        body = pages.overview_page(base, part, filters)
+        forms = _Forms(self, environ, base, "")
+        message = DONE.get(args.get("done", ""), "")
+        body = pages.overview_page(base, part, filters, forms.release_set(filters), message)
         return "200 OK", [], self._layout(environ, base, "locks", body)
+
+    def _timeline(self, names: set[str], href: Any = None, prefix: str | None = None) -> str:
+        """The timeline of *names* (and of the names under *prefix* that ran lately): one
+        capped read of the event log (:meth:`Source.recent`)."""
+        now = time.time()
+        events, _ = self.source.recent(names, now - timeline.WINDOW, prefix=prefix)
+        return timeline.timeline_svg(events, now=now, href=href)
 
     def key(
         self, environ: Environ, base: str, name: str, args: dict[str, str], live: bool
@@ -246,7 +265,8 @@ class Board:
         events, problems = self.source.events(name, count=50)
         forms = _Forms(self, environ, base, name)
         rules = matching(task_rules(self.source.app), name)
-        part = pages.key_live(base, name, view, events, problems, forms, rules)
+        picture = self._timeline({name})
+        part = pages.key_live(base, name, view, events, problems, forms, rules, picture)
         if live:
             return "200 OK", [], part
         body = pages.key_page(name, part, forms.controls(), DONE.get(args.get("done", ""), ""))
@@ -263,9 +283,10 @@ class Board:
             return self._api_locks(args)
         if path.startswith("locks/"):
             view = self.source.one(path[len("locks/") :])
+            objects = public(view.objects)
             if view.problems:  # what was read, and what could not be
-                return _json({"objects": view.objects, "problems": _problems(view.problems)})
-            return _json(view.objects)
+                return _json({"objects": objects, "problems": _problems(view.problems)})
+            return _json(objects)
         if path == "events":
             return self._api_events(args)
         raise Refused("404 Not Found", f"no API /api/{path[:80]}")
@@ -278,7 +299,7 @@ class Board:
         offset = whole(args.get("cursor"), "cursor", high=CURSOR_MAX, default=0)
         view = self.source.listing(args.get("pattern") or "*", offset=offset, limit=limit)
         out: dict[str, Any] = {
-            "locks": view.objects,
+            "locks": public(view.objects),
             "next": str(offset + limit) if view.more else None,
         }
         if view.problems:
@@ -387,14 +408,16 @@ class Board:
                 "403 Forbidden", "the form's CSRF token is missing or wrong: reload the page"
             )
         verb, name = form.get("verb", ""), form.get("name", "")
-        if verb not in _VERBS or not name:
+        if verb not in _VERBS or (not name and verb != "release-set"):
             raise bad(f"unknown action {verb[:20]!r} (one of {', '.join(_VERBS)})")
         values = _values(verb, form)  # every value checked before a question is asked
+        if verb == "release-set":
+            return self._release_set(environ, base, form, user, who)
         back = f"{base}/key/{quote(name, safe='')}"
         if form.get("confirmed") != "yes":
             return "200 OK", [], self._confirm(environ, base, form)
         try:
-            code, said = self._do(verb, name, form, values)
+            code, said = self._do(verb, name, form, values, user)
         except ConfigError as exc:
             log.info(
                 "celery-redlock board: %s %r (token %r) from %s refused: %s",
@@ -422,15 +445,122 @@ class Board:
         )
         return self._layout(environ, base, "confirm", body)
 
+    def _matching(self, filters: dict[str, str]) -> Any:
+        """The first :data:`SET_MAX` keys the overview's *filters* match (a View)."""
+        return self.source.listing(
+            glob_escape(filters["prefix"]) + "*",
+            kind=filters["kind"],
+            state=filters["state"],
+            task_id=filters["task_id"],
+            worker=filters["worker"],
+            limit=SET_MAX,
+        )
+
+    def _release_set(
+        self, environ: Environ, base: str, form: dict[str, str], user: str, who: str
+    ) -> Answer:
+        """Release every lock, permit and queued hold the overview's filters match (at
+        most :data:`SET_MAX` names): a confirm page that lists them first; then each one
+        read now, each released by its fence (task id, for a queued hold), so that only
+        the acquisitions read are removed."""
+        filters = pages.overview_filters(form)
+        filters["offset"] = filters["sort"] = ""
+        view = self._matching(filters)
+        if view.unknown:
+            raise bad(f"nothing released: {pages.unknown_text(view)}")
+        # each master's own objects (a Redlock): each one's hold is released on it
+        held = [o for o in view.objects if o["kind"] in ("lock", "permit")]
+        back = f"{base}/" + pages.query(**filters)
+        if form.get("confirmed") != "yes":
+            return "200 OK", [], self._confirm_set(environ, base, form, filters, view, held)
+        released = 0
+        for obj in held:
+            fields = {
+                "state": obj["state"],
+                "kind": obj["kind"],
+                "fence": "" if obj["fence"] is None else str(obj["fence"]),
+                "task_id": obj["holder"].get("task_id") or "",
+                "master": obj.get("master") or "",
+            }
+            try:
+                code, said = self._release(obj["name"], fields, obj["fence"], user)
+            except (ConfigError, StoreUnavailable) as exc:
+                code, said = "failed", f"failed: {one_line(exc)}"
+            released += code in ("released", "dequeued")
+            log.info(
+                "celery-redlock board: release-set %r (token %r) from %s: %s",
+                obj["name"],
+                user,
+                who,
+                said,
+            )
+        log.info(
+            "celery-redlock board: release-set of %s (token %r) from %s: %d of %d released",
+            _filters_text(filters),
+            user,
+            who,
+            released,
+            len(held),
+        )
+        code = "released-set" if held else "nothing-set"
+        return (
+            "303 See Other",
+            [("Location", back + ("&" if "?" in back else "?") + f"done={code}")],
+            "",
+        )
+
+    def _confirm_set(  # noqa: PLR0917 - the parts of one page
+        self,
+        environ: Environ,
+        base: str,
+        form: dict[str, str],
+        filters: dict[str, str],
+        view: Any,
+        held: list[dict[str, Any]],
+    ) -> str:
+        names = sorted({o["name"] for o in held})
+        more = (view.total or 0) > SET_MAX
+        fields = {k: v for k, v in form.items() if k != "confirmed"}
+        listed = "".join(f"<li>{e(pages.label(n))}</li>" for n in names)
+        note = (
+            f'<p class="confirm">More than {SET_MAX:,} keys match '
+            f"({e(pages.keys_text(view.total or 0))}): "
+            f"only the first {SET_MAX:,} are released; release again for the rest.</p>"
+            if more
+            else ""
+        )
+        if not names:
+            body = (
+                '<h1>Confirm</h1><p class="empty">Nothing held matches '
+                f"{e(_filters_text(filters))}.</p>"
+                f'<a href="{e(base)}/{e(pages.query(**filters))}">back</a>'
+            )
+            return self._layout(environ, base, "confirm", body)
+        question = (
+            f"Release {len(held):,} hold{'' if len(held) == 1 else 's'} of "
+            f"{pages.keys_text(len(names))} ({_filters_text(filters)})? Their holders keep "
+            "running and may overlap with the next owners; a queued hold's message stays "
+            "queued."
+        )
+        body = (
+            f'<h1>Confirm</h1><p class="confirm">{e(question)}</p>{note}'
+            f'<ul class="names" id="to-release">{listed}</ul>'
+            f'<form method=post action="{e(base)}/action">{hidden(fields)}'
+            '<input type="hidden" name="confirmed" value="yes">'
+            '<button type="submit" class="danger" id="confirm">yes, release them</button> '
+            f'<a href="{e(base)}/{e(pages.query(**filters))}">cancel</a></form>'
+        )
+        return self._layout(environ, base, "confirm", body)
+
     def _do(
-        self, verb: str, name: str, form: dict[str, str], values: dict[str, Any]
+        self, verb: str, name: str, form: dict[str, str], values: dict[str, Any], user: str
     ) -> tuple[str, str]:
         """The action, through the code of ``celery locks`` and ``control(app)``: the code
         of its sentence (:data:`DONE`) and what it did, for the log."""
         seconds = values.get("seconds")
         span = f" for {form.get('for', '').strip()}" if seconds else ""
         if verb == "release":
-            return self._release(name, form, values.get("fence"))
+            return self._release(name, form, values.get("fence"), user)
         controls = self.source.controls()
         if verb == "pause":
             controls.pause(name, seconds, reason=form.get("reason", "")[:500])
@@ -447,14 +577,29 @@ class Board:
         parts = ([f"limit {limit}"] if limit else []) + ([f"rate {rate}"] if rate else [])
         return "set", ", ".join(parts) + (span or " until unset")
 
-    def _release(self, name: str, form: dict[str, str], fence: int | None) -> tuple[str, str]:
-        """Remove the acquisition shown (its fence), or the queued hold shown (its task id),
-        on the master it was shown on, as ``celery locks release`` does."""
+    def _release(
+        self, name: str, form: dict[str, str], fence: int | None, user: str
+    ) -> tuple[str, str]:
+        """Remove the acquisition shown (its fence), the permit shown (its fence), or the
+        queued hold shown (its task id), on the master it was shown on, as ``celery locks
+        release`` does; a removed acquisition is recorded as a ``forced`` event."""
         master = form.get("master") or None
         notice_ttl = self.source.settings.ttl
         said: list[str] = []
         codes: list[str] = []
         queued = form.get("state") == "queued"
+        if form.get("kind") == "permit":
+            if fence is None:
+                raise ConfigError("a permit is released by its fence: the form has none")
+            rules = matching(task_rules(self.source.app), name)
+            limit = max((r.limit or 1 for r in rules), default=2)
+            done = force_release_permit(
+                self.source.store(), self.source.prefix, name, fence,
+                limit=limit, notice_ttl=notice_ttl,
+            )  # fmt: skip
+            if done.outcome == "released":
+                self._record_forced(name, done.fence, done.record, user)
+            return done.outcome, "permit: " + done.said(name)
         for _, backend in self.source.clients():
             if self.source.redlock and backend.describe() != master:
                 continue
@@ -467,9 +612,34 @@ class Board:
             done = force_release(backend, prefix, name, fence, notice_ttl=notice_ttl)
             said.append(done.said(name))
             codes.append(done.outcome)
+            if done.outcome == "released":
+                self._record_forced(name, done.fence, done.record, user, backend)
         if not codes:
             return "no-master", f"no master {master!r}"
         return codes[0], "; ".join(said)
+
+    def _record_forced(
+        self,
+        name: str,
+        fence: int | None,
+        record: dict[str, Any],
+        user: str,
+        backend: Any = None,
+    ) -> None:
+        """Log a ``forced`` event (the timeline's force-released bar)."""
+        store = backend if backend is not None else self.source.store()
+        by = f"operator {user!r} through the board"
+        log_forced(store, self.source.prefix, name, fence, record, by=by)
+
+
+def _filters_text(filters: dict[str, str]) -> str:
+    """The overview's filters in words: ``prefix 'sync:', kind 'mutex'``."""
+    parts = [
+        f"{k.replace('_', ' ')} {v!r}"
+        for k, v in filters.items()
+        if v and k not in ("offset", "sort")
+    ]
+    return ", ".join(parts) or "no filter: every key held"
 
 
 class _Forms:
@@ -494,9 +664,10 @@ class _Forms:
         )
 
     def release(self, obj: dict[str, Any]) -> str:
-        if self.csrf is None or obj["kind"] == "permit":
+        if self.csrf is None or (obj["kind"] == "permit" and obj["fence"] is None):
             return ""
         fields = {
+            "kind": obj["kind"],
             "state": obj["state"],
             "fence": obj["fence"],
             "task_id": obj["holder"].get("task_id"),
@@ -504,6 +675,18 @@ class _Forms:
             "holder": pages.who(obj["holder"]),
         }
         return self._form("release", "release", fields, danger=True)
+
+    def release_set(self, filters: dict[str, str]) -> str:
+        """The overview's form that releases what its filters match (signed in only)."""
+        if self.csrf is None:
+            return ""
+        fields = {k: v for k, v in filters.items() if v and k not in ("offset", "sort")}
+        return (
+            f'<form method=post action="{e(self.base)}/action" class="act actions-set">'
+            f"{hidden({'csrf': self.csrf, 'verb': 'release-set', **fields})}"
+            '<button type="submit" class="danger" id="release-set">release what these '
+            "filters match…</button></form>"
+        )
 
     def controls(self) -> str:
         if not self.board.actions:
@@ -535,6 +718,12 @@ def _question(form: dict[str, str]) -> str:
     verb, name = form.get("verb", ""), form.get("name", "")
     if verb == "release":
         who = form.get("holder") or "its holder"
+        if form.get("kind") == "permit":
+            return (
+                f"Release one permit of semaphore {name!r} held by {who} (fence "
+                f"{form.get('fence') or '?'})? The holder keeps running; another run may "
+                "take the permit."
+            )
         if form.get("state") == "queued":
             return f"Remove the queued hold of {name!r} ({who})? The message stays queued."
         return (

@@ -37,6 +37,7 @@ from celery.exceptions import CeleryCommandException
 from ..app.checks import parse_duration
 from ..app.config import Settings, load_settings
 from ..app.controls import Controls
+from ..app.event_log import log_forced
 from ..app.flags import flag_overrides, locks_flags
 from ..core import STORE_ERRORS, Backend, connect, mask_url, open_backend, refusal
 from ..core.admin import (
@@ -453,6 +454,9 @@ def _release_one(session: _Session, name: str, rows: list[LockRow], force: bool)
             continue
         if done.outcome == "released":
             released += 1
+            log_forced(
+                client, session.prefix, name, done.fence, done.record, by="celery locks release"
+            )
         click.echo(done.said(name, master or ""))
     return released
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from .backend import Admin, need
-from .backend_types import ForceRelease, LockInfo, RateInfo, Slot
+from .backend_types import ForceRelease, LockInfo, RateInfo, Slot, Status
 from .backends import open_backend
-from .keys import lock_keys
+from .keys import lock_keys, permit_keys
 from .listing import Listing, ListQuery
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "RateInfo",
     "force_dequeue",
     "force_release",
+    "force_release_permit",
     "list_keys",
     "read_lock",
     "read_rate",
@@ -85,6 +86,36 @@ def force_release(
     confirmed = None if fence is None else int(fence)
     notice_ms = max(1, round(notice_ttl * 1000))
     return _admin(target).force_release(Slot(lock_keys(name, prefix)), confirmed, notice_ms)
+
+
+def force_release_permit(
+    target: Any,
+    prefix: str,
+    name: str,
+    fence: int | str,
+    *,
+    limit: int = 2,
+    notice_ttl: float = 30.0,
+) -> ForceRelease:
+    """Give back the one permit of semaphore *name* whose acquisition has *fence* (the
+    one an operator confirmed) and wake one waiter; ``"gone"`` when no live permit has
+    that fence. It is the permit's own release by its token (read just before, so only
+    that acquisition can be removed): the holder is not told; its next renewal finds the
+    permit gone. *limit* bounds the wake-up notices kept (the semaphore's permits)."""
+    backend = open_backend(target)
+    confirmed = int(fence)
+    slot = Slot(permit_keys(name, prefix), limit=max(2, limit))
+    found = next((h for h in backend.holders(slot) if h.fence == confirmed), None)
+    if found is None:
+        return ForceRelease("gone")
+    notice_ms = max(1, round(notice_ttl * 1000))
+    status = backend.release(slot, found.token, notice_ms)
+    record = dict(found.record)
+    if status is Status.OK:
+        return ForceRelease("released", record, found.fence)
+    if status is Status.FOREIGN:
+        return ForceRelease("refused", record, found.fence)
+    return ForceRelease("gone", record, found.fence)
 
 
 def force_dequeue(target: Any, prefix: str, name: str, task_id: str | None = None) -> ForceRelease:

@@ -1777,3 +1777,26 @@ def test_the_listing_filters_counts_and_pages_every_key(target: Any) -> None:
         assert page.total == 100
     for page in list_keys(target, prefix, task_id="t-300"):
         assert [e.name for e in page.entries] == ["n:0300"] and page.counts["mutex"] == 1
+
+
+def test_one_permit_is_released_by_its_fence_and_the_others_stay(target: Any, name: str) -> None:
+    """``admin.force_release_permit`` removes the permit with the fence given only (the
+    board's release of one permit): the other stays, its place can be taken at once, and
+    the same fence again is gone (quorum: permits above 1 are refused)."""
+    if _quorum(target):
+        with pytest.raises(ConfigError, match="Redlock"):
+            Semaphore(target, name, 2)
+        return
+    first = Semaphore(target, name, 2, ttl=30, key_prefix=PREFIX, auto_renew=False)
+    second = Semaphore(target, name, 2, ttl=30, key_prefix=PREFIX, auto_renew=False)
+    assert first.acquire(blocking=False) and second.acquire(blocking=False)
+    assert first.fence is not None
+    done = admin.force_release_permit(target, PREFIX, name, first.fence, limit=2)
+    assert done.outcome == "released" and done.fence == first.fence
+    left = [i.fence for i in read_lock(target, PREFIX, name) if i.kind == "permit"]
+    assert left == [second.fence]
+    third = Semaphore(target, name, 2, ttl=30, key_prefix=PREFIX, auto_renew=False)
+    assert third.acquire(blocking=False)
+    assert admin.force_release_permit(target, PREFIX, name, first.fence).outcome == "gone"
+    second.release()
+    third.release()

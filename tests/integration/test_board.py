@@ -40,6 +40,7 @@ from celery_redlock.board.auth import Token
 from celery_redlock.board.serve import make_board_server
 from celery_redlock.board.wsgi import DONE
 from celery_redlock.core import open_backend
+from celery_redlock.core.admin import read_lock
 from celery_redlock.core.backend import EventLog, need
 from celery_redlock.core.errors import ConfigError
 from tests.apps import locksapp
@@ -1022,3 +1023,178 @@ def test_sign_ins_sign_outs_and_actions_are_logged_with_who_and_from_where(
         "'log:1': was held by task proj.sync[id-1]"
     )
     assert lines[2].endswith(f"fence {lock.fence}") and len(lines) == 4
+
+
+# -- the timeline, permits, filtered releases, gone workers (issue 47) -----------------------
+def _permit(server: RedisServer, name: str, tid: str) -> Semaphore:
+    permit = Semaphore(
+        server.client(), name, 3, 30, owner_info={**OWNER, "task_id": tid}, auto_renew=False
+    )
+    assert permit.acquire(blocking=False)
+    return permit
+
+
+def _permit_fences(server: RedisServer, name: str) -> list[int | None]:
+    """The fences of the live permits of semaphore *name*, as ``celery locks show`` reads them."""
+    infos = read_lock(server.client(), "redlock:", name)
+    return sorted(i.fence for i in infos if i.kind == "permit")  # type: ignore[type-var]
+
+
+def _live(client: Client, path: str) -> str:
+    return _text(client.get(path, headers={"X-Board-Part": "live"}))
+
+
+def test_the_pages_draw_a_timeline_of_their_keys_runs(app: Celery) -> None:
+    """A run of a LockedTask is a bar with its fence on the overview's timeline and on its
+    key's page; a key the overview's filter leaves out has no lane."""
+    install(app)
+
+    @app.task(base=LockedTask, shared=False, bind=True, lock_key="tl:<n>")
+    def job(self: Any, n: int) -> int | None:
+        return self.lock.fence  # type: ignore[no-any-return]
+
+    fence = job(1)
+    job(2)
+    flush()
+    board = make_app(app)
+    client = Client(board)
+    overview = _live(client, "/?prefix=tl%3A1")
+    assert '<svg class="timeline"' in overview
+    assert re.search(rf'class="tl-bar tl-ran"[^>]*><title>[^<]*fence {fence}</title>', overview)
+    assert "tl:1" in overview and "tl:2" not in overview
+    page = _live(client, "/key/tl%3A2")
+    assert '<svg class="timeline"' in page and "tl-bar tl-ran" in page
+
+
+def test_one_permit_is_released_by_its_fence_and_the_others_stay(
+    app: Celery, shared_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each permit of a semaphore has its release form; releasing one (confirmed) removes
+    that permit only, logs it at INFO, records a forced event the timeline draws as
+    force-released; a second release of it finds it gone."""
+    first, second = _permit(shared_redis, "sem:1", "p-1"), _permit(shared_redis, "sem:1", "p-2")
+    board = make_app(app, actions=True, token=TOKEN)
+    client = _signed_in(board)
+    page = _text(client.get("/key/sem%3A1"))
+    assert page.count('name="kind" value="permit"') == 2
+    form = {
+        "verb": "release", "name": "sem:1", "kind": "permit", "state": "held",
+        "fence": str(first.fence), "csrf": _csrf(page),
+    }  # fmt: skip
+    ask = client.post("/action", data=form)
+    assert ask.status_code == 200 and "Release one permit" in _text(ask)
+    assert len(_permit_fences(shared_redis, "sem:1")) == 2
+    with caplog.at_level("INFO", logger="celery_redlock.board"):
+        done = client.post("/action", data={**form, "confirmed": "yes"})
+    assert done.headers["Location"] == "/key/sem%3A1?done=released"
+    holders = _permit_fences(shared_redis, "sem:1")
+    assert holders == [second.fence]
+    [line] = [r.getMessage() for r in caplog.records if r.name == "celery_redlock.board"]
+    assert "release 'sem:1' (token 'ops')" in line and f"fence {first.fence}" in line
+    events, _ = board.source.events("sem:1")
+    assert events[0]["kind"] == "forced" and events[0]["fence"] == first.fence
+    assert "tl-force-released" in _live(client, "/key/sem%3A1")
+    again = client.post("/action", data={**form, "confirmed": "yes"})
+    assert again.headers["Location"] == "/key/sem%3A1?done=gone"
+
+
+def test_a_release_of_the_filtered_set_lists_what_goes_then_releases_only_that(
+    app: Celery, shared_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The overview's "release what these filters match": a confirm page listing the
+    matching names (and not the others), nothing released yet; confirmed, the locks and
+    permits matching go, the others stay, one INFO line per key and one for the set."""
+    locks = [_lock(shared_redis, n) for n in ("sweep:1", "sweep:2")]
+    permit = _permit(shared_redis, "sweep:sem", "p-9")
+    keep = _lock(shared_redis, "keep:1")
+    board = make_app(app, actions=True, token=TOKEN)
+    client = _signed_in(board)
+    overview = _text(client.get("/?prefix=sweep%3A"))
+    assert 'id="release-set"' in overview
+    form = {"verb": "release-set", "prefix": "sweep:", "csrf": _csrf(overview)}
+    ask = _text(client.post("/action", data=form))
+    listed = re.search(r'<ul class="names" id="to-release">(.*?)</ul>', ask)
+    assert listed and re.findall(r"<li>(.*?)</li>", listed.group(1)) == [
+        "sweep:1", "sweep:2", "sweep:sem",
+    ]  # fmt: skip
+    assert all(lock.locked() for lock in locks)
+    assert _permit_fences(shared_redis, "sweep:sem") == [permit.fence]
+    with caplog.at_level("INFO", logger="celery_redlock.board"):
+        done = client.post("/action", data={**form, "confirmed": "yes"})
+    assert done.status_code == 303
+    assert done.headers["Location"] == "/?prefix=sweep%3A&done=released-set"
+    assert not any(lock.locked() for lock in locks)
+    assert _permit_fences(shared_redis, "sweep:sem") == []
+    assert keep.locked()
+    lines = [r.getMessage() for r in caplog.records if r.name == "celery_redlock.board"]
+    assert len(lines) == 4 and lines[-1].endswith("3 of 3 released")
+    assert DONE["released-set"] in _text(client.get(done.headers["Location"]))
+
+
+def test_a_release_of_the_filtered_set_says_when_more_match_than_it_lists(
+    app: Celery, shared_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More matching names than the cap: the confirm page lists the cap's worth and says
+    how many match; confirmed, only those go."""
+    import celery_redlock.board.wsgi as wsgi  # noqa: PLC0415 - its cap, lowered
+
+    monkeypatch.setattr(wsgi, "SET_MAX", 3)
+    locks = [_lock(shared_redis, f"many:{i}") for i in range(5)]
+    client = _signed_in(make_app(app, actions=True, token=TOKEN))
+    form = {"verb": "release-set", "prefix": "many:", "csrf": _csrf(_text(client.get("/")))}
+    ask = _text(client.post("/action", data=form))
+    assert "More than 3 keys match (5 keys)" in ask and ask.count("<li>many:") == 3
+    client.post("/action", data={**form, "confirmed": "yes"})
+    assert [lock.locked() for lock in locks] == [False, False, False, True, True]
+
+
+def test_a_holder_shows_its_worker_node_and_is_marked_when_its_process_is_gone(
+    app: Celery, shared_redis: RedisServer, tmp_path: Path
+) -> None:
+    """A holder's worker node name (the record's ``worker``) is on its row; a lock whose
+    process ended without releasing it (a pid of this host that no longer runs) is marked
+    "worker gone"; a live holder is not."""
+    live = _lock(shared_redis, "alive:1", worker="w1@somewhere")
+    script = (
+        "import sys; from celery_redlock import Lock; import redis\n"
+        f"lock = Lock(redis.Redis.from_url({shared_redis.url!r}), 'dead:1', 60, auto_renew=False)\n"
+        "assert lock.acquire(blocking=False); print(lock.fence)\n"
+    )
+    ended = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True,
+    )  # fmt: skip
+    assert ended.stdout.strip().isdigit()
+    client = Client(make_app(app))
+    page = _live(client, "/")
+    alive = re.search(r'<tr data-name="alive:1".*?</tr>', page)
+    dead = re.search(r'<tr data-name="dead:1".*?</tr>', page)
+    assert alive and dead, page
+    assert "on w1@somewhere" in alive.group(0) and "worker gone" not in alive.group(0)
+    assert "worker gone" in dead.group(0) and "is not running on" in dead.group(0)
+    assert "worker gone" in _live(client, "/key/dead%3A1")
+    assert json.loads(_text(client.get("/api/locks/alive%3A1")))[0]["holder"].keys() == {
+        "task_name", "task_id", "hostname", "pid",
+    }  # fmt: skip
+    live.release()
+
+
+def test_on_a_redlock_a_release_of_the_filtered_set_releases_it_on_every_master(
+    three_servers: list[RedisServer],
+) -> None:
+    """A Redlock's lock matching the filters is listed once on the confirm page and,
+    confirmed, removed from each of the three masters."""
+    for server in three_servers:
+        server.client().flushall()
+    lock = Redlock(
+        [s.client() for s in three_servers], "redset:1", 30, owner_info=OWNER, auto_renew=False
+    )
+    assert lock.acquire(blocking=False)
+    app = Celery("redlockset", broker="memory://", set_as_current=False)
+    app.conf.redlock_url = [s.url for s in three_servers]
+    client = _signed_in(make_app(app, actions=True, token=TOKEN))
+    form = {"verb": "release-set", "prefix": "redset:", "csrf": _csrf(_text(client.get("/")))}
+    ask = _text(client.post("/action", data=form))
+    assert ask.count("<li>redset:1</li>") == 1 and "Release 3 holds of 1 key" in ask
+    client.post("/action", data={**form, "confirmed": "yes"})
+    assert [read_lock(s.client(), "redlock:", "redset:1") for s in three_servers] == [[], [], []]

@@ -314,3 +314,250 @@ def test_a_script_in_a_lock_name_does_not_run(
         assert browser.execute_script("return window.__pwned;") is None
     finally:
         lock.release()
+
+
+def _serve(app: Any, **kw: Any) -> tuple[str, Callable[[], None]]:
+    """Another board of *app* on a free loopback port: its URL and its stop."""
+    http = make_board_server(app, host="127.0.0.1", port=0, **kw)
+    thread = threading.Thread(target=http.serve_forever, kwargs={"poll_interval": 0.1})
+    thread.start()
+
+    def stop() -> None:
+        http.shutdown()
+        http.server_close()
+        thread.join(10)
+
+    return f"http://127.0.0.1:{http.server_port}", stop
+
+
+def _updates(browser: Any, n: int = 2) -> None:
+    """Wait until the live part was updated *n* more times."""
+    read = "return document.getElementById('live').getAttribute('data-updated');"
+    for _ in range(n):
+        before = browser.execute_script(read)
+        _until(
+            "the live part is updated",
+            lambda b=before: browser.execute_script(read) not in (None, b),
+            5.0,
+        )
+
+
+def test_the_timeline_draws_a_bar_for_each_run_that_happened(
+    browser: Any, board: str, server: RedisServer
+) -> None:
+    """Two runs of the mutex, one after the other: the key page's and the overview's
+    timelines each draw two "ran" bars titled with the runs' task ids and fences; the
+    lane's label links to the key's page."""
+    runs = []
+    for _ in range(2):
+        run = boardapp.hold.delay("tl")
+        _until("the run holds mutex:tl", lambda: any(o["name"] == "mutex:tl" for o in _api(board)))
+        _go(server, "tl")
+        run.get(timeout=20)
+        server.client(db=3).delete("go:tl")
+        runs.append(run)
+
+    def recorded() -> bool:
+        events = _api(board, "/api/events?name=mutex%3Atl")
+        return [e["kind"] for e in events].count("released") == 2
+
+    _until("the worker recorded both runs", recorded)
+    bars = (
+        "return Array.from(document.querySelectorAll('#timeline rect.tl-bar')).map("
+        "function (r) { return [r.getAttribute('class'), r.textContent]; });"
+    )
+    for path in ("/key/mutex%3Atl", "/?prefix=mutex%3Atl"):
+        browser.get(board + path)
+        drawn = browser.execute_script(bars)
+        assert len(drawn) == 2, drawn
+        assert all("tl-ran" in cls for cls, _ in drawn)
+        for run in runs:
+            assert any(run.id in title and "fence" in title for _, title in drawn)
+    link = browser.execute_script(
+        "return document.querySelector('#timeline svg a').getAttribute('href');"
+    )
+    assert link == "/key/mutex%3Atl"
+
+
+def test_a_refresh_keeps_the_sideways_scroll_the_selection_and_unchanged_rows(
+    browser: Any, board: str, server: RedisServer
+) -> None:
+    """On a phone-wide window the keys' table scrolls sideways: after refreshes, its
+    scroll is where the user left it, the text selected in a row is still selected, and
+    that row is the same element (updated in place, not replaced)."""
+    owner = {"task_name": "boardapp." + "long_task_name_" * 8, "task_id": "t-scroll"}
+    lock = Lock(server.client(db=1), "scroll:1", 60, owner_info=owner, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    browser.set_window_size(420, 900)
+    try:
+        browser.get(board + "/?prefix=scroll%3A")
+        _until("the row shows", lambda: _row(browser, "scroll:1") is not None)
+        browser.execute_script(
+            "var s = document.getElementById('keys').parentElement; s.scrollLeft = 120;"
+            "var row = document.querySelector('#keys tr[data-name=\"scroll:1\"]');"
+            "row.__mark = 'kept';"
+            "var cell = row.querySelector('td[data-col=\"holder(s)\"]');"
+            "var r = document.createRange(); r.selectNodeContents(cell);"
+            "var sel = window.getSelection(); sel.removeAllRanges(); sel.addRange(r);"
+        )
+        scrolled = browser.execute_script(
+            "return document.getElementById('keys').parentElement.scrollLeft;"
+        )
+        assert scrolled > 0  # the table is wider than the window
+        selected = browser.execute_script("return window.getSelection().toString();")
+        assert "t-scroll" in selected
+        browser.execute_script("window.getSelection().removeAllRanges();")
+        _updates(browser, 2)  # refreshes with no selection: the row is patched in place
+        state = browser.execute_script(
+            "var row = document.querySelector('#keys tr[data-name=\"scroll:1\"]');"
+            "return [document.getElementById('keys').parentElement.scrollLeft, row.__mark];"
+        )
+        assert state == [scrolled, "kept"]
+        browser.execute_script(
+            'var cell = document.querySelector(\'#keys tr[data-name="scroll:1"] '
+            'td[data-col="holder(s)"]\');'
+            "var r = document.createRange(); r.selectNodeContents(cell);"
+            "var sel = window.getSelection(); sel.removeAllRanges(); sel.addRange(r);"
+        )
+        time.sleep(0)  # let the page run its timers
+        deadline = time.monotonic() + 2.5  # two refresh periods pass with the selection
+        while time.monotonic() < deadline:
+            assert "t-scroll" in browser.execute_script("return window.getSelection().toString();")
+            time.sleep(0.1)
+    finally:
+        browser.execute_script("window.getSelection().removeAllRanges();")
+        browser.set_window_size(1200, 900)
+        lock.release()
+
+
+def test_counts_paging_and_search_follow_the_filters(
+    browser: Any, board: str, server: RedisServer
+) -> None:
+    """60 locks under one prefix: the counts say 60 mutexes, the first page shows 50 and
+    links to the next, which shows the other 10; typing a longer prefix narrows the rows
+    in place and the URL follows."""
+    from selenium.webdriver.common.by import By  # noqa: PLC0415
+
+    client = server.client(db=1)
+    locks = [Lock(client, f"pg:{i:02d}", 60, auto_renew=False) for i in range(60)]
+    for lock in locks:
+        assert lock.acquire(blocking=False)
+    try:
+        browser.get(board + "/?prefix=pg%3A")
+        count = "return document.querySelector('[data-count=\"mutex\"] b').textContent;"
+        assert browser.execute_script(count) == "60"
+        assert len(_rows(browser, "#keys tbody tr")) == 50
+        assert "60 keys, 1-50 shown" in browser.find_element(By.CSS_SELECTOR, "p.count").text
+        browser.find_element(By.CSS_SELECTOR, "a[rel=next]").click()
+        _until("the second page", lambda: "offset=50" in browser.current_url)
+        assert [r["name"] for r in _rows(browser, "#keys tbody tr")] == [
+            f"pg:{i}" for i in range(50, 60)
+        ]
+        browser.get(board + "/?prefix=pg%3A")
+        field = browser.find_element(By.NAME, "prefix")
+        field.send_keys("5")
+        _until(
+            "the rows narrow to pg:5*",
+            lambda: (
+                [r["name"] for r in _rows(browser, "#keys tbody tr")]
+                == [f"pg:{i}" for i in range(50, 60)]
+            ),
+            timeout=5.0,
+        )
+        assert "prefix=pg%3A5" in browser.current_url
+        assert browser.execute_script(count) == "10"
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def test_signed_in_the_filtered_set_and_one_permit_are_released_then_sign_out(
+    browser: Any, board: str, server: RedisServer
+) -> None:
+    """Signed in: "release what these filters match" lists the three bulk locks on its
+    confirm page and releases them; a permit of the semaphore is released from its key's
+    page, the other stays; sign-out ends the session (the actions' forms go)."""
+    from selenium.webdriver.common.by import By  # noqa: PLC0415
+
+    client = server.client(db=1)
+    bulk = [Lock(client, f"bulk:{i}", 60, auto_renew=False) for i in range(3)]
+    for lock in bulk:
+        assert lock.acquire(blocking=False)
+    permits = [boardapp.permit.delay("rel") for _ in range(2)]
+    _until(
+        "both permits held",
+        lambda: [o["name"] for o in _api(board)].count("sem:rel") == 2,
+    )
+    try:
+        browser.get(board + "/login?next=" + urllib.parse.quote("/?prefix=bulk%3A"))
+        browser.find_element(By.NAME, "token").send_keys(SECRET)
+        browser.find_element(By.CSS_SELECTOR, "form button[type=submit]").click()
+        _until("back on the overview", lambda: "prefix=bulk" in browser.current_url)
+        browser.find_element(By.ID, "release-set").click()
+        _until("the confirm page", lambda: "/action" in browser.current_url)
+        listed = [li.text for li in browser.find_elements(By.CSS_SELECTOR, "#to-release li")]
+        assert listed == ["bulk:0", "bulk:1", "bulk:2"]
+        browser.find_element(By.ID, "confirm").click()
+        _until("back on the overview", lambda: "done=released-set" in browser.current_url)
+        assert browser.find_element(By.CSS_SELECTOR, "p.done").text == DONE["released-set"]
+        assert not any(lock.locked() for lock in bulk)
+
+        browser.get(board + "/key/sem%3Arel")
+        forms = browser.find_elements(By.CSS_SELECTOR, "#holders form.act")
+        assert len(forms) == 2
+        browser.execute_script("document.querySelector('#holders form.act button').click();")
+        _until("the confirm page", lambda: "/action" in browser.current_url)
+        assert "Release one permit" in browser.find_element(By.CSS_SELECTOR, "p.confirm").text
+        browser.find_element(By.ID, "confirm").click()
+        _until("back on the key page", lambda: "done=released" in browser.current_url)
+        assert [o["name"] for o in _api(board)].count("sem:rel") == 1
+        browser.find_element(By.ID, "signout").click()
+        _until("signed out", lambda: browser.get_cookie("redlock_board") is None)
+        browser.get(board + "/key/sem%3Arel")
+        assert browser.find_elements(By.CSS_SELECTOR, "#holders form.act") == []
+        assert "Sign in" in browser.find_element(By.CSS_SELECTOR, "p.signin").text
+    finally:
+        _go(server, "rel")
+        for p in permits:
+            p.get(timeout=30, propagate=False)
+
+
+def test_the_pages_say_when_the_store_is_down_or_the_quorum_is_lost(browser: Any) -> None:
+    """A board whose Redis stops says so on the open page within seconds (no reload); a
+    Redlock board with two of its three masters down says the quorum is lost."""
+    from celery import Celery  # noqa: PLC0415
+    from selenium.webdriver.common.by import By  # noqa: PLC0415
+    from servers import free_port  # noqa: PLC0415
+
+    alone = RedisServer.start()
+    app = Celery("down", broker="memory://", set_as_current=False)
+    app.conf.redlock_url = alone.url
+    url, stop = _serve(app)
+    try:
+        browser.get(url + "/")
+        assert browser.find_elements(By.CSS_SELECTOR, "p.unknown") == []
+        alone.stop()
+        _until(
+            "the page says the store did not answer",
+            lambda: (
+                "did not answer"
+                in " ".join(
+                    p.text for p in browser.find_elements(By.CSS_SELECTOR, "#live p.unknown")
+                )
+            ),
+            timeout=15.0,
+        )
+    finally:
+        stop()
+        alone.stop()
+    one = RedisServer.start()
+    quorum = Celery("quorum", broker="memory://", set_as_current=False)
+    quorum.conf.redlock_url = [one.url] + [f"redis://127.0.0.1:{free_port()}/0" for _ in range(2)]
+    url, stop = _serve(quorum)
+    try:
+        browser.get(url + "/")
+        notice = browser.find_element(By.CSS_SELECTOR, "#live p.unknown").text
+        assert "quorum is lost" in notice and "1 of 3" in notice
+    finally:
+        stop()
+        one.stop()

@@ -898,3 +898,22 @@ def test_control_commands_on_redlock_masters_say_a_quorum_has_no_flow_control(
     result = run("pause", "x")
     assert result.exit_code == 2
     assert "quorum" in result.stderr.lower() or "redlock" in result.stderr.lower(), result.stderr
+
+
+def test_a_forced_release_is_recorded_in_the_event_log(
+    locks_on: redis.Redis, hold: Callable[..., Lock]
+) -> None:
+    """release --force writes a ``forced`` event (the lock, its fence, its task) to the
+    app's event log, which the board's timeline draws as force-released."""
+    from celery_redlock.core import open_backend  # noqa: PLC0415
+    from celery_redlock.core.backend import EventLog, need  # noqa: PLC0415
+
+    holder = hold(locks_on, "sync:forced", task_name="proj.sync", task_id="t-f")
+    result = run("release", "sync:forced", "--force")
+    assert result.exit_code == 0, result.output
+    texts = need(open_backend(locks_on), EventLog).read_events("redlock:events", 10)
+    [event] = [json.loads(t) for t in texts if '"forced"' in t]
+    assert (event["name"], event["fence"], event["task_id"]) == (
+        "sync:forced", holder.fence, "t-f",
+    )  # fmt: skip
+    assert event["error"] == "released by celery locks release"

@@ -97,3 +97,41 @@ def test_lanes_are_capped_and_the_rest_counted() -> None:
     html = timeline_svg(events, now=NOW)
     assert html.count('class="tl-lane"') == MAX_LANES
     assert "7 more lanes not drawn." in html
+
+
+def test_a_forced_release_ends_the_bar_as_force_released_and_the_holders_lost_is_not_another() -> (
+    None
+):
+    """A "forced" event (the board's release) ends the run's bar as force-released; the
+    holder's own "lost" after it draws no second bar."""
+    root = svg_of([
+        ev("acquired", "f", -60, "t", fence=5),
+        ev("forced", "f", -40, "t", fence=5),
+        ev("lost", "f", -35, "t", fence=5, held=25.0, error="expired"),
+    ])  # fmt: skip
+    [bar] = bars(root)
+    assert "tl-force-released" in bar.get("class", "")
+
+
+def test_a_refusal_says_re_queued_or_skipped_when_its_event_names_the_policy() -> None:
+    """contended with policy retry is a re-queued tick, with skip a skipped one, with no
+    policy a plain refused one."""
+    _, ticks = bars_of([
+        ev("contended", "k", -30, "a", policy="retry"),
+        ev("contended", "k", -20, "b", policy="skip"),
+        ev("contended", "k", -10, "c"),
+    ])  # fmt: skip
+    assert [t.outcome for t in ticks] == ["re-queued", "skipped", "refused"]
+
+
+def test_a_wait_is_drawn_before_its_bar_and_a_long_fence_shows_its_last_digits() -> None:
+    """An acquire that waited 20 s gets a wait bar ending where its run's bar starts; a
+    16-digit fence is written as its last four digits, whole in the bar's title."""
+    fence = 1796192303394938
+    root = svg_of([ev("acquired", "w", -100, fence=fence, waited=20.0),
+                   ev("released", "w", -40, fence=fence)])  # fmt: skip
+    [wait] = [r for r in root.iter(f"{SVG}rect") if r.get("class") == "tl-wait"]
+    [bar] = bars(root)
+    assert abs(float(wait.get("x", 0)) + float(wait.get("width", 0)) - float(bar.get("x", 0))) < 0.2
+    assert str(fence) in "".join(bar.itertext())
+    assert "…4938" in [t.text for t in root.iter(f"{SVG}text") if "tl-fence" in t.get("class", "")]
