@@ -421,9 +421,14 @@ _DONE = (
 _REFUSED = ("contended", "rate_limited")
 
 
+#: Refused runs that wait for nothing: skipped, or failed with LockContended.
+_GIVEN_UP = frozenset({"skip", "raise"})
+
+
 def waiting(events: Sequence[dict[str, Any]], now: float | None = None) -> list[dict[str, Any]]:
     """The runs refused the key (contended, rate limited) that wait for it now, newest
-    first: refused, not skipped (``policy`` "skip"), with no later event of the run, and
+    first: refused, not skipped or failed (``policy`` "skip" or "raise"), with no later
+    event of the run, and
     refused less than their own wait ago (``retry_after``; a minute without one), after
     which their retry has come and gone or they were given up."""
     now = time.time() if now is None else now
@@ -436,7 +441,7 @@ def waiting(events: Sequence[dict[str, Any]], now: float | None = None) -> list[
             done.add(tid)
         elif kind in _REFUSED and tid not in done:
             done.add(tid)
-            if event.get("policy") == "skip" or event.get("outcome") == "skip":
+            if (event.get("policy") or event.get("outcome")) in _GIVEN_UP:
                 continue
             at = event.get("at")
             wait = event.get("retry_after")

@@ -18,7 +18,7 @@ from celery import Celery
 from servers import RedisServer, wait_for
 from werkzeug.test import Client
 
-from celery_redlock import Lock, RateLimiter, Redlock, Semaphore, connect, install
+from celery_redlock import Lock, LockedTask, RateLimiter, Redlock, Semaphore, connect, install
 from celery_redlock.app.event_log import flush, log_key
 from celery_redlock.board import make_app, pages
 from celery_redlock.core import open_backend
@@ -288,3 +288,32 @@ def test_leases_that_ran_out_unreleased_leave_the_index_when_later_locks_are_tak
         assert not listed & dropped, (name, listed & dropped)
     assert redis_client.zscore("redlock:index:expiry", "redlock:{sweep:kept}") is not None
     kept.release()
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_refused_runs_event_names_its_policy_and_a_skipped_run_waits_no_more(
+    app: Celery, redis_client: redis.Redis, policy: str
+) -> None:
+    """A run refused its key records the policy that then applies, and neither a skipped
+    run nor one that failed with LockContended is listed as waiting (before, both were
+    listed for a minute)."""
+    install(app)
+
+    @app.task(base=LockedTask, shared=False, name=f"proj.{policy}", lock_key="pol:1",
+              lock_on_contended=policy, lock_max_retries=0)  # fmt: skip
+    def run() -> None: ...
+
+    holder = Lock(redis_client, "pol:1", ttl=30, owner_info={"task_name": "someone"})
+    assert holder.acquire(blocking=False)
+    try:
+        run.apply()  # skipped, or failed with LockContended
+        flush()
+        events, _ = make_app(app).source.events("pol:1")
+        refused = [e for e in events if e["kind"] == "contended"]
+        assert refused and refused[0].get("policy") == policy, refused
+        listed = "[" + str(refused[0]["task_id"]) + "]" in _waiting(
+            _text(Client(make_app(app)).get("/key/pol%3A1"))
+        )
+        assert not listed
+    finally:
+        holder.release()
