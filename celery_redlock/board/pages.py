@@ -207,14 +207,21 @@ def label(name: str) -> str:
     return "[" + " ".join(f"U+{ord(c):04X}" for c in name) + "]"
 
 
-def unknown_text(view: View) -> str:
-    """What the page says when nothing can be said of what is held (:attr:`View.unknown`)."""
+def unknown_text(view: View, now: float | None = None) -> str:
+    """What the page says when nothing can be said of what is held (:attr:`View.unknown`),
+    and since when: the store's last answer to this board."""
     if view.quorum_lost:
-        return (
+        text = (
             f"Fewer than a majority of the masters answered ({view.answered} of "
             f"{view.masters}): the quorum is lost, holders unknown."
         )
-    return NO_ANSWER
+    else:
+        text = NO_ANSWER
+    if view.last_answer is None:
+        return f"{text} No answer since the board started."
+    now = time.time() if now is None else now
+    at = time.strftime("%H:%M:%S", time.gmtime(view.last_answer))
+    return f"{text} Last answer {at} UTC, {max(0, round(now - view.last_answer))} s ago."
 
 
 def keys_text(n: int) -> str:

@@ -173,7 +173,8 @@ def test_a_store_that_does_not_answer_makes_the_holders_unknown(
     redis_servers: Any,
 ) -> None:
     """With its Redis stopped, the overview and the key page say the holders are unknown,
-    never that nothing is held."""
+    never that nothing is held, and since when: the store's last answer to the board; a
+    board that never got one says so."""
     (server,) = redis_servers(1)
     app = Celery("downboard", broker="memory://", set_as_current=False)
     app.conf.redlock_url = server.url
@@ -185,7 +186,10 @@ def test_a_store_that_does_not_answer_makes_the_holders_unknown(
     overview, key = _text(board.get("/")), _text(board.get("/key/held"))
     for page in (overview, key):
         assert NO_ANSWER in page and "unreachable" in page
+        assert re.search(r"Last answer \d\d:\d\d:\d\d UTC, \d+ s ago\.", page), page
     assert "No key held" not in overview and "Nobody holds it now" not in key
+    fresh = _text(Client(make_app(app)).get("/"))
+    assert "No answer since the board started." in fresh
 
 
 def test_a_quorum_shows_one_row_a_name_and_says_when_it_is_lost(
