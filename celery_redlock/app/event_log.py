@@ -26,6 +26,7 @@ from typing import Any
 from ..core.backend import EventLog, given
 from ..core.events import LockEvent, add_hook
 from ..core.process import on_fork
+from .tracing import current_policy
 
 __all__ = [
     "FLUSH_EVERY",
@@ -55,6 +56,8 @@ KINDS = frozenset(
         "backed_off",
     }
 )
+#: The refusals whose event names the policy the run then applies.
+_REFUSED = frozenset({"contended", "rate_limited"})
 #: About how many events each log keeps (``XADD ... MAXLEN ~``).
 MAXLEN = 10_000
 #: A log nobody writes to goes after this long (ms): a week.
@@ -107,8 +110,10 @@ def log_forced(
         log.debug("celery-redlock: the forced release of %r was not logged: %s", name, exc)
 
 
-def event_json(event: LockEvent) -> str:
-    """*event* as the log stores it: the run's task and the other holder, when there is one."""
+def event_json(event: LockEvent, policy: str | None = None) -> str:
+    """*event* as the log stores it: the run's task and the other holder, when there is one;
+    for a refusal, the *policy* that then applies (``lock_on_contended``: the board tells a
+    skipped run from one re-queued or waiting by it)."""
     other = event.kind in ("contended", "duplicate", "superseded")
     ours = event.owner if other else event.holder
     out: dict[str, Any] = {
@@ -129,6 +134,8 @@ def event_json(event: LockEvent) -> str:
         out["holder"] = {
             k: event.holder.get(k) for k in ("task_name", "task_id", "hostname", "pid")
         }
+    if policy:
+        out["policy"] = policy
     return _encode(out)
 
 
@@ -149,7 +156,10 @@ class _Recorder:
         thread is not there, and its queue was the parent's to write)."""
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
-        self.queue: collections.deque[LockEvent] = collections.deque(maxlen=_BACKLOG)
+        #: Each event with the policy its run applies on a refusal (read where it was sent).
+        self.queue: collections.deque[tuple[LockEvent, str | None]] = collections.deque(
+            maxlen=_BACKLOG
+        )
         self.thread: threading.Thread | None = None
 
     def add(self, state: Any) -> None:
@@ -158,9 +168,9 @@ class _Recorder:
                 self.apps.append(weakref.ref(state))
             self.enabled = True
 
-    def put(self, event: LockEvent) -> None:
+    def put(self, event: LockEvent, policy: str | None = None) -> None:
         with self.lock:
-            self.queue.append(event)
+            self.queue.append((event, policy))
             if self.thread is None:
                 self.thread = threading.Thread(
                     target=self._run, name="celery-redlock-events", daemon=True
@@ -186,7 +196,7 @@ class _Recorder:
             except Exception:  # the loop never dies of one batch
                 log.exception("celery-redlock: writing lock events failed")
 
-    def write(self, events: Iterable[LockEvent]) -> None:
+    def write(self, events: Iterable[tuple[LockEvent, str | None]]) -> None:
         """Write *events* to the log of each recording app whose prefix they are under."""
         events = list(events)
         recording = 0
@@ -205,7 +215,7 @@ class _Recorder:
                 continue
             recording += 1
             start = settings.key_prefix + "{"
-            mine = [event_json(e) for e in events if e.key.startswith(start)]
+            mine = [event_json(e, p) for e, p in events if e.key.startswith(start)]
             if not mine:
                 continue
             try:
@@ -253,7 +263,8 @@ def _task_run(event: LockEvent) -> bool:
 def recorder_hook(event: LockEvent) -> None:
     """Queue a task run's lock *event* for its app's event log."""
     if event.kind in KINDS and _task_run(event):
-        _recorder.put(event)
+        refused = event.kind in _REFUSED
+        _recorder.put(event, current_policy() if refused else None)
 
 
 def _wants(kind: str) -> bool:

@@ -48,6 +48,7 @@ __all__ = [
     "MAX_OPEN_HOLDS",
     "TRACER_NAME",
     "attempt_policy",
+    "current_policy",
     "disable_tracing",
     "enable_tracing",
     "enable_tracing_by_default",
@@ -105,6 +106,12 @@ def attempt_policy(policy: str | None) -> str | None:
     previous = getattr(_local, "policy", None)
     _local.policy = policy
     return previous
+
+
+def current_policy() -> str | None:
+    """The policy :func:`attempt_policy` named on this thread (None outside a run's start):
+    what a refused attempt of this run leads to."""
+    return getattr(_local, "policy", None)
 
 
 # -- switching it on and off -------------------------------------------------------------------

@@ -207,14 +207,21 @@ def label(name: str) -> str:
     return "[" + " ".join(f"U+{ord(c):04X}" for c in name) + "]"
 
 
-def unknown_text(view: View) -> str:
-    """What the page says when nothing can be said of what is held (:attr:`View.unknown`)."""
+def unknown_text(view: View, now: float | None = None) -> str:
+    """What the page says when nothing can be said of what is held (:attr:`View.unknown`),
+    and since when: the store's last answer to this board."""
     if view.quorum_lost:
-        return (
+        text = (
             f"Fewer than a majority of the masters answered ({view.answered} of "
             f"{view.masters}): the quorum is lost, holders unknown."
         )
-    return NO_ANSWER
+    else:
+        text = NO_ANSWER
+    if view.last_answer is None:
+        return f"{text} No answer since the board started."
+    now = time.time() if now is None else now
+    at = time.strftime("%H:%M:%S", time.gmtime(view.last_answer))
+    return f"{text} Last answer {at} UTC, {max(0, round(now - view.last_answer))} s ago."
 
 
 def keys_text(n: int) -> str:
@@ -421,9 +428,14 @@ _DONE = (
 _REFUSED = ("contended", "rate_limited")
 
 
+#: Refused runs that wait for nothing: skipped, or failed with LockContended.
+_GIVEN_UP = frozenset({"skip", "raise"})
+
+
 def waiting(events: Sequence[dict[str, Any]], now: float | None = None) -> list[dict[str, Any]]:
     """The runs refused the key (contended, rate limited) that wait for it now, newest
-    first: refused, not skipped (``policy`` "skip"), with no later event of the run, and
+    first: refused, not skipped or failed (``policy`` "skip" or "raise"), with no later
+    event of the run, and
     refused less than their own wait ago (``retry_after``; a minute without one), after
     which their retry has come and gone or they were given up."""
     now = time.time() if now is None else now
@@ -436,7 +448,7 @@ def waiting(events: Sequence[dict[str, Any]], now: float | None = None) -> list[
             done.add(tid)
         elif kind in _REFUSED and tid not in done:
             done.add(tid)
-            if event.get("policy") == "skip" or event.get("outcome") == "skip":
+            if (event.get("policy") or event.get("outcome")) in _GIVEN_UP:
                 continue
             at = event.get("at")
             wait = event.get("retry_after")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -77,6 +78,9 @@ class View:
     #: Masters configured, and how many answered.
     masters: int = 1
     answered: int = 0
+    #: When the store last answered a read of this board (epoch s; None: not since the
+    #: board started), so that a page that knows nothing says since when.
+    last_answer: float | None = None
 
     @property
     def unknown(self) -> bool:
@@ -138,6 +142,7 @@ class Source:
         self._lock = threading.Lock()
         self._clients: list[tuple[str, Backend]] | None = None
         self._settings: Settings | None = None
+        self._last_answer: float | None = None
 
     @property
     def settings(self) -> Settings:
@@ -235,7 +240,7 @@ class Source:
                 view.objects += part.objects
                 view.problems += [p for p in part.problems if p not in view.problems]
                 view.total, view.counts, view.answered = part.total, part.counts, part.answered
-                view.masters = part.masters
+                view.masters, view.last_answer = part.masters, part.last_answer
                 offset += MAX_LIMIT
                 if part.total is None or offset >= part.total:
                     return view
@@ -246,6 +251,7 @@ class Source:
         found = self._each(view, lambda b: [list_keys(b, self.prefix, query)])
         view.masters = len(self.clients())
         view.answered = len(found)
+        self._stamp(view)
         if not found:
             return view  # unknown: the problems say why
         pages = [(master, self._objects(listing, master)) for master, listing in found]
@@ -289,6 +295,7 @@ class Source:
         prefix = self.prefix
         found = self._each(view, lambda b: [read_lock(b, prefix, name)])
         view.masters, view.answered = len(self.clients()), len(found)
+        self._stamp(view)
         view.objects = [
             with_worker(LockRow.of(info, master).as_json(self.redlock), info.record)
             for master, infos in found
@@ -299,6 +306,12 @@ class Source:
         controls = self._controls_of(view, glob_escape(name))
         view.objects += [control_json(c) for c in controls if c.name == name]
         return view
+
+    def _stamp(self, view: View) -> None:
+        """Note when the store last answered: now, when *view* knows what is held."""
+        if not view.unknown:
+            self._last_answer = time.time()
+        view.last_answer = self._last_answer
 
     def _controls_of(self, view: View, pattern: str) -> list[Any]:
         store = self.store()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -523,8 +524,10 @@ def test_signed_in_the_filtered_set_and_one_permit_are_released_then_sign_out(
 
 
 def test_the_pages_say_when_the_store_is_down_or_the_quorum_is_lost(browser: Any) -> None:
-    """A board whose Redis stops says so on the open page within seconds (no reload); a
-    Redlock board with two of its three masters down says the quorum is lost."""
+    """A board whose Redis stops says so on the open page within seconds (no reload), with
+    the time of the store's last answer; when the board itself stops answering, the page
+    says since when what it shows is old; a Redlock board with two of its three masters
+    down says the quorum is lost."""
     from celery import Celery  # noqa: PLC0415
     from selenium.webdriver.common.by import By  # noqa: PLC0415
     from servers import free_port  # noqa: PLC0415
@@ -544,6 +547,16 @@ def test_the_pages_say_when_the_store_is_down_or_the_quorum_is_lost(browser: Any
                 in " ".join(
                     p.text for p in browser.find_elements(By.CSS_SELECTOR, "#live p.unknown")
                 )
+            ),
+            timeout=15.0,
+        )
+        notice = browser.find_element(By.CSS_SELECTOR, "#live p.unknown").text
+        assert re.search(r"Last answer \d\d:\d\d:\d\d UTC, \d+ s ago", notice), notice
+        stop()  # the board goes too: the open page says since when it shows old news
+        _until(
+            "the page says the board did not answer",
+            lambda: "last update" in " ".join(
+                p.text for p in browser.find_elements(By.CSS_SELECTOR, "#stale-note")
             ),
             timeout=15.0,
         )

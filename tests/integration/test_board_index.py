@@ -18,7 +18,7 @@ from celery import Celery
 from servers import RedisServer, wait_for
 from werkzeug.test import Client
 
-from celery_redlock import Lock, RateLimiter, Redlock, Semaphore, connect, install
+from celery_redlock import Lock, LockedTask, RateLimiter, Redlock, Semaphore, connect, install
 from celery_redlock.app.event_log import flush, log_key
 from celery_redlock.board import make_app, pages
 from celery_redlock.core import open_backend
@@ -173,7 +173,8 @@ def test_a_store_that_does_not_answer_makes_the_holders_unknown(
     redis_servers: Any,
 ) -> None:
     """With its Redis stopped, the overview and the key page say the holders are unknown,
-    never that nothing is held."""
+    never that nothing is held, and since when: the store's last answer to the board; a
+    board that never got one says so."""
     (server,) = redis_servers(1)
     app = Celery("downboard", broker="memory://", set_as_current=False)
     app.conf.redlock_url = server.url
@@ -185,7 +186,10 @@ def test_a_store_that_does_not_answer_makes_the_holders_unknown(
     overview, key = _text(board.get("/")), _text(board.get("/key/held"))
     for page in (overview, key):
         assert NO_ANSWER in page and "unreachable" in page
+        assert re.search(r"Last answer \d\d:\d\d:\d\d UTC, \d+ s ago\.", page), page
     assert "No key held" not in overview and "Nobody holds it now" not in key
+    fresh = _text(Client(make_app(app)).get("/"))
+    assert "No answer since the board started." in fresh
 
 
 def test_a_quorum_shows_one_row_a_name_and_says_when_it_is_lost(
@@ -288,3 +292,32 @@ def test_leases_that_ran_out_unreleased_leave_the_index_when_later_locks_are_tak
         assert not listed & dropped, (name, listed & dropped)
     assert redis_client.zscore("redlock:index:expiry", "redlock:{sweep:kept}") is not None
     kept.release()
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_refused_runs_event_names_its_policy_and_a_skipped_run_waits_no_more(
+    app: Celery, redis_client: redis.Redis, policy: str
+) -> None:
+    """A run refused its key records the policy that then applies, and neither a skipped
+    run nor one that failed with LockContended is listed as waiting (before, both were
+    listed for a minute)."""
+    install(app)
+
+    @app.task(base=LockedTask, shared=False, name=f"proj.{policy}", lock_key="pol:1",
+              lock_on_contended=policy, lock_max_retries=0)  # fmt: skip
+    def run() -> None: ...
+
+    holder = Lock(redis_client, "pol:1", ttl=30, owner_info={"task_name": "someone"})
+    assert holder.acquire(blocking=False)
+    try:
+        run.apply()  # skipped, or failed with LockContended
+        flush()
+        events, _ = make_app(app).source.events("pol:1")
+        refused = [e for e in events if e["kind"] == "contended"]
+        assert refused and refused[0].get("policy") == policy, refused
+        listed = "[" + str(refused[0]["task_id"]) + "]" in _waiting(
+            _text(Client(make_app(app)).get("/key/pol%3A1"))
+        )
+        assert not listed
+    finally:
+        holder.release()

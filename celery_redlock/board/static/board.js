@@ -90,10 +90,28 @@
       .then(function (html) {
         update(html);
         document.body.classList.remove("stale");
+        var note = document.getElementById("stale-note");
+        if (note) { note.parentNode.removeChild(note); }
         live.setAttribute("data-updated", String(Date.now()));
       })
-      .catch(function () { document.body.classList.add("stale"); })
+      .catch(function () { document.body.classList.add("stale"); stale(); })
       .then(function () { busy = false; });
+  }
+  // While the board does not answer, say since when: what the page shows is that old.
+  var loaded = Date.now();
+  function stale() {
+    var note = document.getElementById("stale-note");
+    if (!note) {
+      note = document.createElement("p");
+      note.id = "stale-note";
+      note.className = "unknown";
+      note.setAttribute("role", "status");
+      live.parentNode.insertBefore(note, live);
+    }
+    var at = parseInt(live.getAttribute("data-updated"), 10) || loaded;
+    var ago = Math.max(0, Math.round((Date.now() - at) / 1000));
+    note.textContent = "The board did not answer: last update " +
+      new Date(at).toLocaleTimeString() + ", " + ago + " s ago.";
   }
   var filters = document.querySelector("form.filters");
   if (filters) {
