@@ -25,6 +25,7 @@ __all__ = [
     "duration",
     "headers",
     "local_path",
+    "loopback",
     "whole",
 ]
 
@@ -141,7 +142,7 @@ class HostCheck:
         (``--allowed-host``)."""
         names = {host.lower()}
         wildcard = not host or _unspecified(host)
-        if wildcard or _loopback(host):
+        if wildcard or loopback(host):
             names |= {"localhost", "127.0.0.1", "::1"}
         if wildcard:
             import socket  # noqa: PLC0415 - only a wildcard bind asks the machine's names
@@ -203,7 +204,8 @@ def _unspecified(host: str) -> bool:
         return False
 
 
-def _loopback(host: str) -> bool:
+def loopback(host: str) -> bool:
+    """True when *host* reaches only this machine (127.0.0.0/8, ::1, localhost)."""
     if host == "localhost":
         return True
     try:

@@ -14,7 +14,6 @@ thread for long while the board runs.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import signal
 import socket
@@ -29,7 +28,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from ..core.errors import ConfigError
 from .auth import ENV, load_tokens
-from .http import HostCheck
+from .http import HostCheck, loopback
 from .wsgi import Board
 
 __all__ = ["loopback", "make_board_server", "serve_board", "show_log"]
@@ -98,16 +97,6 @@ class _Quiet(WSGIRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
-
-
-def loopback(host: str) -> bool:
-    """True when *host* reaches only this machine (127.0.0.0/8, ::1, localhost)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def make_board_server(
