@@ -93,7 +93,7 @@ def once(self: Task, name: str, seconds: float) -> str:
     lock_key="evn:<name>",
     lock_on="enqueue",
     lock_on_duplicate="replace",
-    lock_debounce=0.5,
+    lock_debounce=2.0,  # wide enough that the newer call comes while the older waits
     **_LOCKED,
 )
 def newest(self: Task, name: str, n: int) -> int:
