@@ -15,8 +15,8 @@
 --                        and each write drops two members whose time has passed
 -- A script adds a key when it writes it, moves its expiry when it renews it, and takes
 -- it out when it deletes it; a lease that ran out unreleased goes when a reader lists
--- the index (index_prune.lua), and two of them at each write of a held key
--- (index_sweep), so that the index stays bounded where nobody reads it.
+-- the index (index_prune.lua), and sixteen of them at one write of a held key in
+-- sixteen (index_sweep), so that the index stays bounded where nobody reads it.
 -- index_lock(key, ms, state)  a mutex at *key* held *ms* more, in the set *state*
 -- index_put(key, ms, set)     *key* lives *ms* more (nil: no expiry), in *set*
 -- index_renew(key, ms)        *key*, already indexed, lives *ms* more
@@ -67,12 +67,19 @@ local function index_timed(head, set)
   end
 end
 local INDEX_HELD = {'held', 'running', 'parked', 'permits'}
+local INDEX_SWEEP = 16
 local function index_sweep(head)
-  -- Two keys whose lease ran out unreleased (a dropped Lock, a killed worker) go from the
-  -- held sets, so that the index stays bounded where no operator ever reads it; a key
-  -- that still lives (renewed by a script that did not list it) gets its expiry back.
+  -- In one write of a held key out of INDEX_SWEEP (by the server's clock), that many keys
+  -- whose lease ran out unreleased (a dropped Lock, a killed worker) go from the held
+  -- sets, so that the index stays bounded where no operator ever reads it, at about one
+  -- command a sixteenth of the writes; a key that still lives (renewed by a script that
+  -- did not list it) gets its expiry back.
+  local now = index_at(0)
+  if now % INDEX_SWEEP ~= 0 then
+    return
+  end
   local expiry = head .. 'expiry'
-  local gone = redis.call('ZRANGEBYSCORE', expiry, '-inf', '(' .. index_at(0), 'LIMIT', 0, 2)
+  local gone = redis.call('ZRANGEBYSCORE', expiry, '-inf', '(' .. now, 'LIMIT', 0, INDEX_SWEEP)
   for _, old in ipairs(gone) do
     local left = redis.call('PTTL', old)
     if left > 0 then
