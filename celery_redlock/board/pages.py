@@ -102,9 +102,19 @@ def who(holder: dict[str, Any]) -> str:
     return (f"{task}[{tid}]" if tid else str(task)) + where
 
 
-def who_html(holder: dict[str, Any]) -> str:
+def who_html(holder: dict[str, Any], *, queued: bool = False) -> str:
     """:func:`who` as HTML, with a mark when its worker is known to run no more
-    (:func:`~.liveness.gone`)."""
+    (:func:`~.liveness.gone`). A *queued* hold's record is its publisher's, not a worker's:
+    it says so, and the publisher's exit is no mark (it publishes and goes). A run kept
+    for its redelivered message (``kept_for``) is still its worker's."""
+    if queued and not holder.get("kept_for"):
+        task = holder.get("task_name") or "-"
+        tid = holder.get("task_id")
+        host, pid = holder.get("hostname"), holder.get("pid")
+        by = f" by {host}" if host else ""
+        by += f" (publisher pid {pid})" if pid else ""
+        name = f"{task}[{tid}]" if tid else str(task)
+        return e(f"{name}, published{by}, not started yet")
     why = gone(holder)
     text = e(who(holder))
     if why:
@@ -296,7 +306,8 @@ def _keys_table(base: str, view: View, rows: Sequence[Row], filters: dict[str, s
     out.append("</tr></thead><tbody>")
     for r in rows:
         text = _semaphore(r) if r.kind == "semaphore" else _KIND_TEXT[r.kind]
-        holders = "<br>".join(who_html(h) for h in r.holders) or "-"
+        waits = r.state == "queued"
+        holders = "<br>".join(who_html(h, queued=waits) for h in r.holders) or "-"
         if r.detail:
             holders = e(r.detail)
         cells = [
@@ -489,7 +500,8 @@ def key_live(  # noqa: PLR0917 - the parts of one key's page
             held = _duration(now - at) if isinstance(at, (int, float)) else "-"
             out.append(
                 f'<tr data-state="{e(o["state"])}"><td>{e(o["kind"])}</td><td>{e(o["state"])}</td>'
-                f'<td class="holder">{who_html(o["holder"])}</td><td>{e(held)}</td>'
+                f'<td class="holder">{who_html(o["holder"], queued=o["state"] == "queued")}'
+                f"</td><td>{e(held)}</td>"
                 f"<td>{e(_ttl(o['ttl_ms']))}</td>"
                 f"<td>{e(o['fence'] if o['fence'] is not None else '-')}</td>"
                 + (f"<td>{e(_agree(o))}</td>" if view.redlock else "")

@@ -19,7 +19,16 @@ from celery import Celery
 from servers import RedisServer, wait_for
 from werkzeug.test import Client
 
-from celery_redlock import Lock, LockedTask, RateLimiter, Redlock, Semaphore, connect, install
+from celery_redlock import (
+    Lock,
+    LockedTask,
+    QueuedHold,
+    RateLimiter,
+    Redlock,
+    Semaphore,
+    connect,
+    install,
+)
 from celery_redlock.app.event_log import flush, log_key
 from celery_redlock.board import make_app, pages
 from celery_redlock.core import open_backend
@@ -329,3 +338,31 @@ def test_a_refused_runs_event_names_its_policy_and_a_skipped_run_waits_no_more(
         assert not listed
     finally:
         holder.release()
+
+
+def test_a_queued_hold_shows_its_publisher_as_such_and_never_as_a_gone_worker(
+    app: Celery, redis_client: redis.Redis
+) -> None:
+    """A queued hold's record is its publisher's, which publishes and exits: the overview
+    and the key page say it was published and has not started, with no "worker gone"
+    mark, where a held lock whose process is gone gets one."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                            capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
+    dead = int(exited.stdout)
+    QueuedHold(redis_client, "q:1", owner_info={"task_name": "proj.imp", "pid": dead}).claim(
+        "tid-q1", 60
+    )
+    Lock(redis_client, "h:1", 60, owner_info={"pid": dead}, auto_renew=False).acquire(
+        blocking=False
+    )
+    board = Client(make_app(app))
+    overview, key = _text(board.get("/")), _text(board.get("/key/q%3A1"))
+    for page in (overview, key):
+        assert "proj.imp[tid-q1], published by" in page and "not started yet" in page
+    row = re.search(r'<tr data-name="q:1".*?</tr>', overview, re.S)
+    assert row and "worker gone" not in row.group(0)
+    held = re.search(r'<tr data-name="h:1".*?</tr>', overview, re.S)
+    assert held and "worker gone" in held.group(0)
