@@ -211,26 +211,17 @@ class RateLimiter:
     def _granted(self, waited: float) -> None:
         """The ``granted`` event: *waited* seconds from the ask (a blocking one's sleeps
         included) to the grant."""
-        if events.wanted("granted"):
-            events.emit(
-                events.LockEvent(
-                    kind="granted",
-                    name=self.name,
-                    key=self.key,
-                    holder=self.owner_info,
-                    waited=waited,
-                )
-            )
+        self._emit("granted", waited=waited)
 
     def _refused(self, grant: RateGrant) -> None:
-        if events.wanted("rate_limited"):
+        self._emit("rate_limited", retry_after=grant.retry_after)
+
+    def _emit(self, kind: events.EventKind, **fields: Any) -> None:
+        """This limiter's *kind* event, built only when a hook wants it."""
+        if events.wanted(kind):
             events.emit(
                 events.LockEvent(
-                    kind="rate_limited",
-                    name=self.name,
-                    key=self.key,
-                    holder=self.owner_info,
-                    retry_after=grant.retry_after,
+                    kind=kind, name=self.name, key=self.key, holder=self.owner_info, **fields
                 )
             )
 
