@@ -23,7 +23,7 @@ venv: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check celery_redlock tests bench examples tools
-	$(PY) -m ruff format --check celery_redlock
+	$(PY) -m ruff format --check celery_redlock tests
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

@@ -20,7 +20,6 @@ from servers import wait_for
 ROOT = Path(__file__).resolve().parent.parent
 
 
-
 def worker_env(
     server: Any,
     prefix: str = "REDLOCK_TEST",

@@ -555,8 +555,9 @@ def test_the_pages_say_when_the_store_is_down_or_the_quorum_is_lost(browser: Any
         stop()  # the board goes too: the open page says since when it shows old news
         _until(
             "the page says the board did not answer",
-            lambda: "last update" in " ".join(
-                p.text for p in browser.find_elements(By.CSS_SELECTOR, "#stale-note")
+            lambda: (
+                "last update"
+                in " ".join(p.text for p in browser.find_elements(By.CSS_SELECTOR, "#stale-note"))
             ),
             timeout=15.0,
         )

@@ -219,9 +219,7 @@ def test_a_limit_on_redlock_masters_stops_the_worker_naming_task_and_option(
     assert "lock_limit=" in text and "B on 2 and 3, C on 1 and 3" in text
 
 
-def test_permits_and_rate_refusals_are_redlock_events(
-    client: Celery, server: RedisServer
-) -> None:
+def test_permits_and_rate_refusals_are_redlock_events(client: Celery, server: RedisServer) -> None:
     """With -E, a permit's acquire and release are redlock-acquired/-released events with
     its fence, and a rate refusal is redlock-rate-limited with the lock and retry_after."""
     capture = EventCapture(client)

@@ -120,9 +120,7 @@ def _app(env: Env) -> Celery:
     return app
 
 
-def _tasks(
-    env: Env, mapping: dict[str, Any]
-) -> tuple[Callable[..., Any], Callable[..., Any]]:
+def _tasks(env: Env, mapping: dict[str, Any]) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """(their task, our task) with the row's options; the bodies record each run."""
     app = _app(env)
 

@@ -164,8 +164,7 @@ def test_one_watch_per_pool_with_a_thread_per_sentinel_gone_with_the_client(
 
     def subscribers() -> int:
         return sum(
-            sum(1 for c in s.client_list() if int(c.get("psub", 0)) == len(CHANNELS))
-            for s in admin
+            sum(1 for c in s.client_list() if int(c.get("psub", 0)) == len(CHANNELS)) for s in admin
         )
 
     idle = subscribers()

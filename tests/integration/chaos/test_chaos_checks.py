@@ -124,6 +124,7 @@ def test_only_a_message_nobody_received_counts_as_gone() -> None:
     """A task never received, or retried with its retry's message never received, lost a
     message in the broker; a retry received (even before its ``retried`` record) did not,
     and a redelivery does not stand in for a first delivery."""
+
     def received(task: str, redelivered: bool = False) -> dict[str, Any]:
         return {"event": "received", "task_id": task, "redelivered": redelivered}
 
