@@ -13,32 +13,11 @@ import json
 import os
 import time
 
-import redis
-from celery import Celery
-
 from celery_redlock import LockedTask
+from tests.apps._env import env_app, record
 
-app = Celery(
-    "configapp",
-    broker=os.environ.get("REDLOCK_TEST_BROKER", "redis://127.0.0.1:1/0"),
-    backend=os.environ.get("REDLOCK_TEST_BACKEND", "redis://127.0.0.1:1/2"),
-)
-app.conf.redlock_url = os.environ.get("REDLOCK_TEST_LOCKS", "redis://127.0.0.1:1/1")
-app.conf.redlock_ttl = 30
-app.conf.worker_prefetch_multiplier = 1
-app.conf.broker_connection_retry_on_startup = True
+app = env_app("configapp", redlock_ttl=30)
 app.conf.update(json.loads(os.environ.get("REDLOCK_TEST_CONF") or "{}"))
-
-_record: redis.Redis | None = None
-
-
-def record(event: str, **fields: object) -> None:
-    """Append one JSON event to the record list (read by the test)."""
-    global _record
-    if _record is None:
-        _record = redis.Redis.from_url(os.environ["REDLOCK_TEST_RECORD"])
-    fields.update(event=event, pid=os.getpid(), t=time.time())
-    _record.rpush("events", json.dumps(fields))
 
 
 @app.task(base=LockedTask, bind=True, lock_key="cfg:<name>", lock_on_contended="raise")

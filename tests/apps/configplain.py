@@ -8,36 +8,17 @@ REDLOCK_TEST_RECORD (see ``configapp``).
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from typing import Any
 
-import redis
-from celery import Celery, shared_task
+from celery import shared_task
 
-app = Celery(
-    "configplain",
-    broker=os.environ.get("REDLOCK_TEST_BROKER", "redis://127.0.0.1:1/0"),
-    backend=os.environ.get("REDLOCK_TEST_BACKEND", "redis://127.0.0.1:1/2"),
-)
-app.conf.redlock_url = os.environ.get("REDLOCK_TEST_LOCKS", "redis://127.0.0.1:1/1")
+from tests.apps._env import env_app, record
+
+app = env_app("configplain")
 app.conf.redlock_tasks = {
     "tests.apps.configplain.plain_*": {"lock_key": "plain:<n>", "lock_on_contended": "skip"},
 }
-app.conf.worker_prefetch_multiplier = 1
-app.conf.broker_connection_retry_on_startup = True
-
-_record: redis.Redis | None = None
-
-
-def record(event: str, **fields: object) -> None:
-    """Append one JSON event to the record list (read by the test)."""
-    global _record
-    if _record is None:
-        _record = redis.Redis.from_url(os.environ["REDLOCK_TEST_RECORD"])
-    fields.update(event=event, pid=os.getpid(), t=time.time())
-    _record.rpush("events", json.dumps(fields))
 
 
 @shared_task(bind=True)

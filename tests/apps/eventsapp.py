@@ -11,40 +11,18 @@ REDLOCK_TEST_RECORD   a Redis URL where tasks record what they did
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from typing import Any
 
-import redis
-from celery import Celery, Task
+from celery import Task
 
 from celery_redlock import LockedTask
+from tests.apps._env import env_app, record
 
-app = Celery(
-    "eventsapp",
-    broker=os.environ.get("REDLOCK_TEST_BROKER", "redis://127.0.0.1:1/0"),
-    backend=os.environ.get("REDLOCK_TEST_BACKEND", "redis://127.0.0.1:1/2"),
-)
-app.conf.update(
-    redlock_url=os.environ.get("REDLOCK_TEST_LOCKS", "redis://127.0.0.1:1/1"),
-    worker_prefetch_multiplier=1,
-    broker_connection_retry_on_startup=True,
-)
-
-_record: redis.Redis | None = None
+app = env_app("eventsapp")
 
 #: The tests import this module to publish: its tasks must not join every app made later.
 _LOCKED: dict[str, Any] = {"base": LockedTask, "bind": True, "shared": False}
-
-
-def record(event: str, **fields: object) -> None:
-    """Append one JSON event to the record list (read by the test)."""
-    global _record
-    if _record is None:
-        _record = redis.Redis.from_url(os.environ["REDLOCK_TEST_RECORD"])
-    fields.update(event=event, pid=os.getpid(), t=time.time())
-    _record.rpush("events", json.dumps(fields))
 
 
 @app.task(name="ev.hold", lock_key="ev:<name>", lock_on_contended="skip", **_LOCKED)

@@ -10,37 +10,13 @@ REDLOCK_TEST_RECORD   a Redis URL where tasks record what they did
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from typing import Any
 
-import redis
-from celery import Celery
-
 from celery_redlock import LockedTask, LockLost
+from tests.apps._env import env_app, record
 
-app = Celery(
-    "limitsapp",
-    broker=os.environ.get("REDLOCK_TEST_BROKER", "redis://127.0.0.1:1/0"),
-    backend=os.environ.get("REDLOCK_TEST_BACKEND", "redis://127.0.0.1:1/2"),
-)
-_locks = os.environ.get("REDLOCK_TEST_LOCKS", "redis://127.0.0.1:1/1")
-app.conf.redlock_url = _locks.split(",") if "," in _locks else _locks
-app.conf.worker_prefetch_multiplier = 1
-app.conf.task_acks_late = False
-app.conf.broker_connection_retry_on_startup = True
-
-_record: redis.Redis | None = None
-
-
-def record(event: str, **fields: object) -> None:
-    """Append one JSON event to the record list (read by the test)."""
-    global _record
-    if _record is None:
-        _record = redis.Redis.from_url(os.environ["REDLOCK_TEST_RECORD"])
-    fields.update(event=event, pid=os.getpid(), t=time.time())
-    _record.rpush("events", json.dumps(fields))
+app = env_app("limitsapp", task_acks_late=False)
 
 
 @app.task(
