@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,31 @@ class Worker:
         if self.proc.poll() is None:
             self.proc.wait(10)
         self.log.close()
+
+
+@contextlib.contextmanager
+def running_worker(
+    app: str, env: dict[str, str], log_path: Path, **options: Any
+) -> Iterator[Worker]:
+    """A :class:`Worker` (*options* as its own) once it logs that it is ready; stopped when
+    the block ends, however it ends (a worker that never gets ready is stopped too)."""
+    worker = Worker(app, env, log_path, **options)
+    try:
+        worker.wait_ready()
+        yield worker
+    finally:
+        worker.stop()
+
+
+@contextlib.contextmanager
+def publishing(env: dict[str, str]) -> Iterator[Celery]:
+    """A :func:`publisher` to the broker and backend of a :func:`worker_env` *env*; closed
+    (see :func:`close_publisher`) when the block ends."""
+    app = publisher(env["REDLOCK_TEST_BROKER"], env["REDLOCK_TEST_BACKEND"])
+    try:
+        yield app
+    finally:
+        close_publisher(app)
 
 
 def stop_workers(workers: Iterable[Worker]) -> None:

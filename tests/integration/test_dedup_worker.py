@@ -26,7 +26,7 @@ import kombu
 import pytest
 from celery import Celery, chord
 from servers import RedisServer, wait_for
-from workers import ROOT, Worker, worker_env
+from workers import ROOT, Worker, running_worker, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -66,12 +66,10 @@ def _held(server: RedisServer, name: str) -> bool:
 @pytest.fixture(scope="module")
 def worker(server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     """A prefork worker, concurrency 2, 30 s lock TTL, shared by the kill tests."""
-    w = Worker(APP, _env(server, 30), tmp_path_factory.mktemp("w") / "worker.log", concurrency=2)
-    try:
-        w.wait_ready()
+    with running_worker(
+        APP, _env(server, 30), tmp_path_factory.mktemp("w") / "worker.log", concurrency=2
+    ) as w:
         yield w
-    finally:
-        w.stop()
 
 
 @pytest.fixture

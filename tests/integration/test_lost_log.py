@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 from celery import Celery
 from servers import RedisServer, wait_for
-from workers import Worker, close_publisher, publisher, worker_env
+from workers import Worker, publishing, running_worker, worker_env
 
 from celery_redlock.core import admin
 
@@ -29,23 +29,17 @@ _SEVERE = re.compile(r"^\[[^\]]*: (WARNING|ERROR|CRITICAL)/", re.MULTILINE)
 @pytest.fixture(scope="module")
 def worker(server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     """One prefork worker (one child) of the test app for the module."""
-    w = Worker(APP, worker_env(server), tmp_path_factory.mktemp("lost") / "worker.log")
-    try:
-        w.wait_ready()
+    with running_worker(
+        APP, worker_env(server), tmp_path_factory.mktemp("lost") / "worker.log"
+    ) as w:
         yield w
-    finally:
-        w.stop()
 
 
 @pytest.fixture
 def client(server: RedisServer, worker: Worker) -> Iterator[Celery]:
     """A publisher for the module's worker."""
-    env = worker_env(server)
-    app = publisher(env["REDLOCK_TEST_BROKER"], env["REDLOCK_TEST_BACKEND"])
-    try:
+    with publishing(worker_env(server)) as app:
         yield app
-    finally:
-        close_publisher(app)
 
 
 def _lines_about(text: str, lock: str) -> list[str]:

@@ -25,7 +25,7 @@ from celery import Celery
 from celery.concurrency import get_implementation
 from celery.concurrency.base import BasePool
 from servers import RedisServer, wait_for
-from workers import Worker, close_publisher, worker_env
+from workers import Worker, close_publisher, running_worker, worker_env
 
 from celery_redlock import Lock
 
@@ -50,12 +50,8 @@ def pool_worker(
     """One worker of the pool (the parameter), shared by that pool's tests."""
     pool: str = request.param
     log = tmp_path_factory.mktemp(pool) / "worker.log"
-    w = Worker(APP, _env(server), log, concurrency=POOLS[pool], pool=pool)
-    try:
-        w.wait_ready()
+    with running_worker(APP, _env(server), log, concurrency=POOLS[pool], pool=pool) as w:
         yield w
-    finally:
-        w.stop()
 
 
 @pytest.fixture

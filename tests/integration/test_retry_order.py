@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from servers import RedisServer, wait_for
-from workers import Worker, close_publisher, publisher, worker_env
+from workers import Worker, publishing, running_worker, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -29,22 +29,14 @@ APP = "tests.apps.retryapp"
 def worker(server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     """One prefork worker of concurrency 6 (a child pauses in each slowed write)."""
     log = tmp_path_factory.mktemp("retry-order") / "worker.log"
-    started = Worker(APP, worker_env(server), log, concurrency=6)
-    try:
-        started.wait_ready()
+    with running_worker(APP, worker_env(server), log, concurrency=6) as started:
         yield started
-    finally:
-        started.stop()
 
 
 @pytest.fixture
 def client(server: RedisServer, worker: Worker) -> Iterator[Celery]:
-    env = worker_env(server)
-    app = publisher(env["REDLOCK_TEST_BROKER"], env["REDLOCK_TEST_BACKEND"])
-    try:
+    with publishing(worker_env(server)) as app:
         yield app
-    finally:
-        close_publisher(app)
 
 
 def _stored(server: RedisServer, task_id: str) -> dict[str, Any]:

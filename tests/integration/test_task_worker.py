@@ -23,7 +23,7 @@ import kombu
 import pytest
 from celery import Celery
 from servers import RedisServer, wait_for
-from workers import Worker, close_publisher, publisher, worker_env
+from workers import Worker, close_publisher, publisher, running_worker, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -47,12 +47,10 @@ def _events(server: RedisServer, kind: str | None = None) -> list[dict[str, Any]
 @pytest.fixture(scope="module")
 def worker(server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     """A prefork worker with concurrency 4 and a 30 s lock TTL, shared by this module."""
-    w = Worker(APP, _env(server, 30), tmp_path_factory.mktemp("w") / "worker.log", concurrency=4)
-    try:
-        w.wait_ready()
+    with running_worker(
+        APP, _env(server, 30), tmp_path_factory.mktemp("w") / "worker.log", concurrency=4
+    ) as w:
         yield w
-    finally:
-        w.stop()
 
 
 @pytest.fixture
