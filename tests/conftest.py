@@ -13,6 +13,7 @@ import os
 import random
 import subprocess
 from collections.abc import Iterator
+from typing import Any
 
 import freezegun
 import pytest
@@ -100,3 +101,16 @@ def _forget_leftover_renewals() -> Iterator[None]:
     manager = get_manager()
     for lock in manager.held():
         manager.unregister(lock)
+
+
+# -- pytest-celery's in-process worker (celery_worker, and the plugin's redlock_worker) ------
+# Every module that uses it wants the same worker: two threads (a test holds a lock in one
+# run while another run meets it), and no ping check (it would run a task of its own).
+@pytest.fixture(scope="session")
+def celery_worker_pool() -> str:
+    return "threads"
+
+
+@pytest.fixture(scope="session")
+def celery_worker_parameters() -> dict[str, Any]:
+    return {"concurrency": 2, "perform_ping_check": False}

@@ -349,16 +349,6 @@ def celery_config(shared_redis: RedisServer, redis_client: redis.Redis) -> dict[
     }
 
 
-@pytest.fixture(scope="session")
-def celery_worker_pool() -> str:
-    return "threads"
-
-
-@pytest.fixture(scope="session")
-def celery_worker_parameters() -> dict[str, Any]:
-    return {"concurrency": 2, "perform_ping_check": False}
-
-
 @pytest.fixture
 def sync(celery_app: Celery) -> Any:
     """``sync(uid)`` under the lock sync:<uid>; ``sync.ran`` lists the uids whose body ran."""

@@ -70,16 +70,6 @@ def celery_config(shared_redis: RedisServer) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="session")
-def celery_worker_pool() -> str:
-    return "threads"
-
-
-@pytest.fixture(scope="session")
-def celery_worker_parameters() -> dict[str, Any]:
-    return {"concurrency": 2, "perform_ping_check": False}
-
-
 @pytest.fixture
 def obs_app(celery_app: Celery, shared_redis: RedisServer) -> tuple[Celery, dict[str, Any]]:
     """celery_app with two locked tasks (skip on contention; a 0.9 s lease that warns on loss)."""

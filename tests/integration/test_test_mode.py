@@ -89,16 +89,6 @@ def celery_config(redlock_celery_config: dict[str, Any]) -> dict[str, Any]:
     return redlock_celery_config
 
 
-@pytest.fixture(scope="session")
-def celery_worker_pool() -> str:
-    return "threads"
-
-
-@pytest.fixture(scope="session")
-def celery_worker_parameters() -> dict[str, Any]:
-    return {"concurrency": 2, "perform_ping_check": False}
-
-
 @pytest.fixture
 def slow(celery_app: Celery) -> Iterator[Any]:
     """A locked task that holds k:<n> until ``slow.release`` is set (set after the test)."""

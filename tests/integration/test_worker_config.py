@@ -301,16 +301,6 @@ def celery_config(shared_redis: RedisServer) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="session")
-def celery_worker_pool() -> str:
-    return "threads"
-
-
-@pytest.fixture(scope="session")
-def celery_worker_parameters() -> dict[str, Any]:
-    return {"concurrency": 2, "perform_ping_check": False}
-
-
 @pytest.fixture
 def slow(celery_app: Celery) -> Iterator[Any]:
     """A plain task (no LockedTask) that runs until ``slow.release`` is set (after the test
