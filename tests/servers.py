@@ -1123,6 +1123,19 @@ def wait_child(pid: int, timeout: float = 30.0) -> int:
     pytest.fail(f"forked child {pid} did not finish within {timeout}s")
 
 
+#: The RabbitMQ broker that broker-agnostic tests also run on, when one is up (not started here).
+RABBIT = "amqp://guest:guest@127.0.0.1:5672//"
+
+
+def rabbitmq_up() -> bool:
+    """Whether something accepts connections on RabbitMQ's port (:data:`RABBIT`)."""
+    try:
+        with socket.create_connection(("127.0.0.1", 5672), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
 def wait_for(
     check: Callable[[], Any],
     timeout: float = 10.0,

@@ -25,7 +25,7 @@ from celery import Celery, chord, group, signals
 from celery.result import AsyncResult
 from inprocess import Env, worker
 from prometheus_client import CollectorRegistry
-from servers import wait_for
+from servers import RABBIT, rabbitmq_up, wait_for
 from test_observability import EventCapture
 
 from celery_redlock import (
@@ -40,16 +40,6 @@ from celery_redlock.app.observability import disable_prometheus, enable_promethe
 from celery_redlock.core import add_hook, remove_hook
 from celery_redlock.core.admin import scan_locks
 from celery_redlock.task.dedup import HOLD_HEADER, hold_for
-
-RABBIT = "amqp://guest:guest@127.0.0.1:5672//"
-
-
-def _rabbitmq_up() -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", 5672), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 def queued_messages(app: Celery) -> int:
@@ -107,7 +97,7 @@ BROKERS = [
     "redis",
     pytest.param(
         "rabbitmq",
-        marks=pytest.mark.skipif(not _rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672"),
+        marks=pytest.mark.skipif(not rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672"),
     ),
 ]
 

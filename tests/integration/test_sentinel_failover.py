@@ -15,7 +15,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import threading
 import time
 import uuid
@@ -28,7 +27,7 @@ import pytest
 import redis
 from celery import Celery
 from redis.sentinel import Sentinel
-from servers import RedisServer, SentinelSetup, wait_for
+from servers import RABBIT, RedisServer, SentinelSetup, rabbitmq_up, wait_for
 from workers import Worker
 
 from celery_redlock import Lock, Semaphore, StoreUnavailable, connect
@@ -37,7 +36,6 @@ from celery_redlock.core.backends.redis.sentinel import CHANNELS, MasterWatch, w
 from celery_redlock.core.keys import lock_keys, permit_keys
 
 APP = "tests.apps.failoverapp"
-RABBIT = "amqp://guest:guest@127.0.0.1:5672//"
 
 
 def sentinel_url(setup: SentinelSetup) -> str:
@@ -139,14 +137,6 @@ class SentinelEvents:
         self._stop.set()
         for thread in self._threads:
             thread.join(5)
-
-
-def _rabbitmq_up() -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", 5672), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 # --------------------------------------------------------------------------- the watch
@@ -443,7 +433,7 @@ def test_failover_planned_and_not_under_a_stream_of_runs_on_two_workers(
     setup = sentinel_setup
     events = SentinelEvents(setup)
     queue = f"failover-{uuid.uuid4().hex[:8]}"
-    broker = RABBIT if _rabbitmq_up() else f"redis://127.0.0.1:{redis_server.port}/0"
+    broker = RABBIT if rabbitmq_up() else f"redis://127.0.0.1:{redis_server.port}/0"
     record = redis_server.client(db=3)
     env = {
         "REDLOCK_TEST_BROKER": broker,

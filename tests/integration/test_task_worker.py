@@ -11,7 +11,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import time
 import uuid
 from collections import defaultdict
@@ -22,7 +21,7 @@ from typing import Any
 import kombu
 import pytest
 from celery import Celery
-from servers import RedisServer, wait_for
+from servers import RABBIT, RedisServer, rabbitmq_up, wait_for
 from workers import Worker, close_publisher, publisher, running_worker, worker_env
 
 pytestmark = pytest.mark.slow
@@ -190,20 +189,12 @@ def test_whole_worker_sigkilled_lock_expires_within_ttl_then_next_run_proceeds(
         close_publisher(app)
 
 
-def _rabbitmq_up() -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", 5672), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672")
+@pytest.mark.skipif(not rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672")
 def test_exclusion_end_to_end_with_rabbitmq_broker(server: RedisServer, tmp_path: Path) -> None:
     """Same-key runs never overlap with RabbitMQ as the broker (Redis only for locks)."""
     server.client(db=3).delete("events")
     queue = f"redlock-{uuid.uuid4().hex[:8]}"  # private: stale messages never reach it
-    env = _env(server, 30, broker="amqp://guest:guest@127.0.0.1:5672//")
+    env = _env(server, 30, broker=RABBIT)
     w = Worker(APP, env, tmp_path / "rabbit.log", concurrency=4, extra=("-Q", queue))
     app = _client_app(env)
     try:
@@ -228,7 +219,7 @@ def test_exclusion_end_to_end_with_rabbitmq_broker(server: RedisServer, tmp_path
 
 
 def _delete_queue(name: str) -> None:
-    with kombu.Connection("amqp://guest:guest@127.0.0.1:5672//") as conn:
+    with kombu.Connection(RABBIT) as conn:
         conn.default_channel.queue_delete(name)
 
 
