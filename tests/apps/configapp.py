@@ -14,7 +14,7 @@ import os
 import time
 
 from celery_redlock import LockedTask
-from tests.apps._env import env_app, record
+from tests.apps.factory import env_app, record
 
 app = env_app("configapp", redlock_ttl=30)
 app.conf.update(json.loads(os.environ.get("REDLOCK_TEST_CONF") or "{}"))

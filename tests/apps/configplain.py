@@ -13,7 +13,7 @@ from typing import Any
 
 from celery import shared_task
 
-from tests.apps._env import env_app, record
+from tests.apps.factory import env_app, record
 
 app = env_app("configplain")
 app.conf.redlock_tasks = {

@@ -17,7 +17,7 @@ from typing import Any
 from celery import Task
 
 from celery_redlock import LockedTask
-from tests.apps._env import env_app, record
+from tests.apps.factory import env_app, record
 
 app = env_app("eventsapp")
 

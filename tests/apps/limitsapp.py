@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from celery_redlock import LockedTask, LockLost
-from tests.apps._env import env_app, record
+from tests.apps.factory import env_app, record
 
 app = env_app("limitsapp", task_acks_late=False)
 

@@ -13,7 +13,7 @@ import os
 import time
 
 from celery_redlock import LockedTask, LockLost
-from tests.apps._env import env_app, record
+from tests.apps.factory import env_app, record
 
 app = env_app(
     "lockapp", redlock_ttl=float(os.environ.get("REDLOCK_TEST_TTL", "30")), task_acks_late=False
