@@ -6,6 +6,8 @@ import functools
 import gc
 import itertools
 import multiprocessing
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -433,6 +435,86 @@ def test_an_answer_nobody_waited_for_gives_its_connection_back(redis_servers: Se
         said.append(lock.masters[f"127.0.0.1:{servers[0].port}/0"])
         lock.release()
     assert any("acquired" in outcome for outcome in said), said
+
+
+_RELEASE_AND_EXIT = """
+import sys
+from celery_redlock import Redlock, connect
+lock = Redlock(connect(sys.argv[1:], socket_timeout=5), "rl:exit", ttl=10)
+assert lock.acquire(blocking=False)
+print("acquired", flush=True)
+sys.stdin.readline()
+lock.release()
+print("released", flush=True)
+"""
+
+
+def test_a_script_that_releases_and_exits_leaves_nothing_on_a_master_that_answered_late(
+    redis_servers: Servers,
+) -> None:
+    """A process releases (decided by two masters) and exits while the third is paused;
+    its release there, sent as EVALSHA to a server that never ran the release script,
+    is answered NOSCRIPT once the master resumes: the exiting process reads that answer
+    and sends the script, so no master holds the key (it did for the lease's 10 s)."""
+    servers = redis_servers(3)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _RELEASE_AND_EXIT, *(s.url for s in servers)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "acquired"
+        assert wait_for(lambda: all(holds_key(s, "rl:exit") for s in servers), 3, "3 grants")
+        servers[2].pause()
+        try:
+            child.stdin.write("\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "released"
+            time.sleep(0.1)  # the process is exiting, its release there unanswered
+        finally:
+            servers[2].resume()
+        assert child.wait(timeout=10) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert not any(holds_key(s, "rl:exit") for s in servers)
+
+
+def test_a_script_exits_within_a_round_timeout_while_a_master_stays_paused(
+    redis_servers: Servers,
+) -> None:
+    """What an exit waits for is bounded: with the third master paused throughout, the
+    process that released on the other two ends within a second (the round's timeout is
+    5% of the 10 s lease), and the key left there ends with its lease."""
+    servers = redis_servers(3)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _RELEASE_AND_EXIT, *(s.url for s in servers)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "acquired"
+        assert wait_for(lambda: all(holds_key(s, "rl:exit") for s in servers), 3, "3 grants")
+        servers[2].pause()
+        try:
+            child.stdin.write("\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "released"
+            began = time.monotonic()
+            assert child.wait(timeout=10) == 0
+            assert time.monotonic() - began < 1.5
+        finally:
+            servers[2].resume()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert not holds_key(servers[0], "rl:exit") and not holds_key(servers[1], "rl:exit")
 
 
 def test_paused_master_whose_vote_is_needed_costs_the_per_node_timeout_then_is_given_back(

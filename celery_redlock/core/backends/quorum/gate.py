@@ -16,11 +16,15 @@ with its gate (:meth:`Gate.park`): the next call to that member reads it if it h
 first), and the process's one reaper thread finishes whatever is still outstanding
 :data:`REAP_AFTER` seconds later (its answer read in the pool, the connection given
 back). The common case, an answer a few microseconds behind the majority, so costs no
-thread at all.
+thread at all. At interpreter exit (:func:`atexit`) whatever is still parked is read
+in the exiting thread, each call for at most its round's timeout: a script that
+releases a Redlock and exits does not leave the lock on a master that answered a
+moment late (a release that met ``NOSCRIPT`` there is sent again as ``EVAL``).
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import threading
 import time
@@ -110,14 +114,15 @@ class Gate:
         with self._mutex:
             self._sent.pop(key, None)
 
-    def park(self, call: Any) -> None:
+    def park(self, call: Any, until: float) -> None:
         """Nobody waits for *call* (sent directly) any more: the next call to this member
-        may be written behind it (:meth:`parked_alone`); the reaper finishes it else."""
+        may be written behind it (:meth:`parked_alone`); the reaper finishes it else.
+        *until* (``time.monotonic()``): how long an exit waits for its answer."""
         with self._mutex:
             for key, (_, sent) in self._sent.items():
                 if sent is call:
                     self._parked.add(key)
-        _reaper.park(call)
+        _reaper.park(call, until)
 
     def parked_alone(self) -> Any:
         """The one call outstanding here when it is parked (a call may go behind it on
@@ -202,20 +207,24 @@ def gate_of(identity: Hashable) -> Gate:
 class _Reaper:
     """The process's one thread that finishes parked calls: every :data:`REAP_AFTER`
     while any are parked, each parked that long is finished (a call the next call to its
-    member settled meanwhile costs nothing). It stops once nothing is parked."""
+    member settled meanwhile costs nothing). It stops once nothing is parked; at exit,
+    :meth:`flush` reads what is left."""
 
     def __init__(self) -> None:
         self._mutex = threading.Lock()
-        self._parked: deque[tuple[float, Any]] = deque()
-        self._running = False
+        #: (when it is due, the call, how long an exit waits for its answer)
+        self._parked: deque[tuple[float, Any, float]] = deque()
+        self._thread: threading.Thread | None = None
 
-    def park(self, call: Any) -> None:
+    def park(self, call: Any, until: float) -> None:
         with self._mutex:
-            self._parked.append((time.monotonic() + REAP_AFTER, call))
-            if self._running:
+            self._parked.append((time.monotonic() + REAP_AFTER, call, until))
+            if self._thread is not None:
                 return
-            self._running = True
-        threading.Thread(target=self._run, name="celery-redlock-reaper", daemon=True).start()
+            self._thread = threading.Thread(
+                target=self._run, name="celery-redlock-reaper", daemon=True
+            )
+            self._thread.start()
 
     def _run(self) -> None:
         while True:
@@ -225,10 +234,25 @@ class _Reaper:
                 while self._parked and self._parked[0][0] <= now:
                     due.append(self._parked.popleft()[1])
                 if not due and not self._parked:
-                    self._running = False
+                    self._thread = None
                     return
             for call in due:
                 call.finish()
+
+    def flush(self) -> None:
+        """Read every parked answer here, each waited for until its *until* at most, and
+        let the reaper end the ones it has taken (the process is exiting: the reaper is
+        a daemon thread, and the pool takes no new work)."""
+        with self._mutex:
+            parked, self._parked = list(self._parked), deque()
+            thread = self._thread
+        last = time.monotonic()
+        for _, call, until in parked:
+            last = max(last, until)
+            if call.ready(max(0.0, until - time.monotonic())):
+                call.poll()
+        if thread is not None:
+            thread.join(max(0.0, last - time.monotonic()))
 
 
 _reaper = _Reaper()
@@ -238,6 +262,11 @@ def _after_fork() -> None:
     global _gates, _reaper
     _gates = {}  # a child has none of its parent's calls
     _reaper = _Reaper()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    _reaper.flush()
 
 
 process.on_fork(_after_fork)

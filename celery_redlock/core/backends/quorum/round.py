@@ -260,8 +260,9 @@ class Round:
         if wait:
             self.wait(lambda _: False)
         sent, self.sent = self.sent, {}
+        until = time.monotonic() + self.timeout
         for pos, pending in sent.items():
-            self.quorum.gates[self.where[pos]].park(pending)
+            self.quorum.gates[self.where[pos]].park(pending, until)
 
 
 def _answer(sent: Sent) -> Any:
