@@ -322,7 +322,8 @@ def _model_tests(backend: str, examples: int, servers: str | None) -> type:
     return Case
 
 
-TestMemoryModel = _model_tests("memory", 100, None)
+# memory:// runs the same Lua scripts as Redis (on fakeredis): as many examples as Redis.
+TestMemoryModel = _model_tests("memory", 40, None)
 TestRedisModel = _model_tests("redis", 40, "shared_redis")
 TestQuorumModel = _model_tests("quorum", 25, "three_servers")
 TestMemoryQuorumModel = _model_tests("memory-quorum", 25, None)

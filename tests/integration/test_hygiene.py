@@ -62,15 +62,18 @@ from celery_redlock.core.threads import MAX_WORKERS
 #: client's pool keeps as many connections as calls overlapped on it (a Redlock runs one
 #: call of ours at a time per master, beside a waiter's), never one per call.
 SLACK = 4
-#: Function-scoped calls per primitive on one shared client (a Redlock: fewer, each is
-#: three masters' calls; the old leak showed at call 101).
-CALLS = 10_000
-REDLOCK_CALLS = 3_000
+#: Function-scoped calls per primitive on one shared client, each count many times the
+#: 100 connections of a default pool (the old leak showed at call 101): a Redlock's
+#: fewer, each is three masters' calls; memory:// fewer, each is a Lua script run in
+#: this process (fakeredis), about ten times a real server's time.
+CALLS = 2_000
+REDLOCK_CALLS = 1_000
+MEMORY_CALLS = {"memory": 1_000, "redlock-memory": 400}
 #: Calls on clients whose pools allow 2 connections, and with a fresh client per call.
-SMALL_CALLS = 2_000
-THREADS, PER_THREAD = 16, 500
-#: Lock cycles per thread on a Redlock (each cycle is three masters' calls).
-REDLOCK_PER_THREAD = 200
+SMALL_CALLS = 1_000
+#: Lock cycles per thread, 16 threads on one client: a Redlock's and memory://'s fewer.
+THREADS, PER_THREAD = 16, 200
+PER_THREAD_OF = {"redlock": 100, "memory": 100}
 _IO_THREAD = "celery-redlock-io"
 _RENEWAL_THREAD = "celery-redlock-renewal"
 
@@ -272,12 +275,12 @@ PRIMITIVES: dict[str, Callable[[Any], Callable[[int], None]]] = {
 def test_function_scoped_primitive_on_one_shared_client(
     primitive: str, kind: str, three_servers: list[RedisServer], admins: list[redis.Redis]
 ) -> None:
-    """10,000 function-scoped primitives (3,000 of a Redlock) on one shared client all
+    """Thousands of function-scoped primitives (see CALLS) on one shared client all
     succeed and leave fds, threads and CLIENT LIST flat (the old core failed at call 101 of
     a ``with Lock`` in a function: each dropped Lock kept a connection of the client's
     100-connection pool)."""
     target = target_of(kind, three_servers)
-    calls = REDLOCK_CALLS if kind.startswith("redlock") else CALLS
+    calls = MEMORY_CALLS.get(kind, REDLOCK_CALLS if kind == "redlock" else CALLS)
     try:
         hygiene(
             f"{calls} x {primitive} on {kind}",
@@ -347,7 +350,7 @@ def run_threads(call: Callable[[int], object], per_thread: int, first: int) -> N
 def test_threads_on_one_client(
     kind: str, three_servers: list[RedisServer], admins: list[redis.Redis]
 ) -> None:
-    """16 threads each doing 500 lock cycles (200 on a Redlock) on one shared client (one
+    """16 threads each doing 200 lock cycles (100 on a Redlock or memory://) on one client (one
     set of masters) all succeed, and leave fds, threads and CLIENT LIST flat: a busy
     client is not reported as an unavailable Redis or quorum. The warm-up runs on the 16
     threads too: the client's pool keeps up to one connection per thread that used it at
@@ -358,7 +361,7 @@ def test_threads_on_one_client(
         export = lock_call(target)
         run_threads(export, 20, first=0)
         before = figures(watch)
-        per_thread = REDLOCK_PER_THREAD if kind == "redlock" else PER_THREAD
+        per_thread = PER_THREAD_OF.get(kind, PER_THREAD)
         run_threads(export, per_thread, first=1_000_000)
         case = f"{THREADS} threads x {per_thread} Locks on {kind}"
         assert_flat(case, before, settled(before, watch), watch)
