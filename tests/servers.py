@@ -73,6 +73,11 @@ RESEND: dict[str, Any] = (
 )
 
 
+#: What a server that is starting, failing over or re-linking answers: not yet.
+_DOWN: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+_STARTING: dict[str, Any] = {"ignore": _DOWN, "interval": 0.1}
+
+
 class ServerStartError(RuntimeError):
     """Raised when a server process does not come up; the message carries its log tail."""
 
@@ -578,21 +583,6 @@ def start_servers(
     return servers
 
 
-def _wait_until(
-    check: Callable[[], bool], timeout: float, what: str, interval: float = 0.1
-) -> None:
-    """Poll ``check`` (bounded in time and count) until it returns True, else TimeoutError."""
-    deadline = time.monotonic() + timeout
-    for _ in range(int(timeout / interval) + 1):
-        with contextlib.suppress(redis.RedisError, OSError):
-            if check():
-                return
-        if time.monotonic() > deadline:
-            break
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-
-
 # --------------------------------------------------------------------------- fault proxy
 
 _TICK = 0.02  # seconds: poll granularity of proxy loops
@@ -932,7 +922,7 @@ class SentinelSetup:
             finally:
                 client.close()
 
-        _wait_until(replica_linked, timeout, "replica to link to master")
+        wait_for(replica_linked, timeout, "replica to link to master", **_STARTING)
 
         def sentinels_converged() -> bool:
             for host, port in self.sentinels:
@@ -948,7 +938,12 @@ class SentinelSetup:
                     return False
             return True
 
-        _wait_until(sentinels_converged, timeout, "sentinels to discover replica and each other")
+        wait_for(
+            sentinels_converged,
+            timeout,
+            "sentinels to discover replica and each other",
+            **_STARTING,
+        )
 
     def sentinel(self, **kwargs: Any) -> Sentinel:
         """A redis-py Sentinel over all three sentinels (socket_timeout=1 unless overridden)."""
@@ -989,9 +984,9 @@ class SentinelSetup:
             return False
 
         try:
-            _wait_until(failed_over, timeout, "sentinel failover", interval=0.2)
-        except TimeoutError as exc:
-            raise TimeoutError(f"{exc}; sentinels report {self.master_addresses()}") from None
+            wait_for(failed_over, timeout, "sentinel failover", ignore=_DOWN, interval=0.2)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; sentinels report {self.master_addresses()}") from None
         return found[0]
 
     def stop(self) -> None:
@@ -1083,7 +1078,7 @@ class ClusterSetup:
                     return False
             return True
 
-        _wait_until(all_ok, timeout, "cluster_state:ok on all nodes")
+        wait_for(all_ok, timeout, "cluster_state:ok on all nodes", **_STARTING)
 
     @staticmethod
     def cluster_info(node: RedisServer) -> dict[str, str]:
@@ -1142,12 +1137,17 @@ def wait_for(
     what: str = "the condition",
     *,
     interval: float = 0.005,
+    ignore: tuple[type[BaseException], ...] = (),
 ) -> Any:
-    """Poll *check* until it returns something truthy, bounded in time and in count, and
-    return that value; on timeout, fail with an AssertionError naming *what*."""
+    """The tests' one wait: poll *check* until it returns something truthy, bounded in
+    time and in count, and return that value; on timeout, fail with an AssertionError
+    naming *what*. An error of a type in *ignore* (a server still starting) counts as
+    not yet."""
     deadline = time.monotonic() + timeout
-    for _ in range(int(timeout / interval) + 1):
-        value = check()
+    for _ in range(int(timeout / interval) + 2):
+        value = None
+        with contextlib.suppress(*ignore):
+            value = check()
         if value:
             return value
         if time.monotonic() > deadline:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import redis
-from servers import RedisServer
+from servers import RedisServer, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CELERY = str(Path(sys.executable).parent / "celery")
@@ -107,18 +107,6 @@ def start_beat(tmp_path: Path) -> Iterator[BeatFactory]:
             beat.stop()
 
 
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll *check* every 50 ms, at most *timeout* seconds; fail naming *what*."""
-    deadline = time.monotonic() + timeout
-    for _ in range(int(timeout / 0.05) + 1):
-        if check():
-            return
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert check(), f"timed out after {timeout}s waiting for {what}"
-
-
 def published(client: redis.Redis) -> list[Published]:
     """Every message on the ``celery`` queue, oldest first."""
     out = []
@@ -156,18 +144,16 @@ def stored_run_count(client: redis.Redis) -> int:
 def leader_and_standby(server: RedisServer, start_beat: BeatFactory) -> tuple[Beat, Beat]:
     """Start beat A, wait until it leads, then beat B, and wait until B stands by."""
     a = start_beat(server.url, "a")
-    wait_until(lambda: "is now the leader" in a.log(), 30, "beat A to lead")
+    wait_for(lambda: "is now the leader" in a.log(), 30, "beat A to lead")
     b = start_beat(server.url, "b")
-    wait_until(lambda: "standing by" in b.log(), 30, "beat B to stand by")
+    wait_for(lambda: "standing by" in b.log(), 30, "beat B to stand by")
     return a, b
 
 
 def just_after_a_tick(client: redis.Redis, pid: int) -> None:
     """Wait for a fresh message from *pid*, then 0.3 s, so a signal lands between ticks."""
     count = sum(m.pid == pid for m in published(client))
-    wait_until(
-        lambda: sum(m.pid == pid for m in published(client)) > count, 5, f"a tick from {pid}"
-    )
+    wait_for(lambda: sum(m.pid == pid for m in published(client)) > count, 5, f"a tick from {pid}")
     time.sleep(0.3)
 
 
@@ -187,7 +173,7 @@ def test_sigkilled_leader_is_replaced_within_one_ttl_and_no_tick_is_sent_twice(
     just_after_a_tick(client, a.pid)
     a.proc.send_signal(signal.SIGKILL)
     killed_at = time.time()
-    wait_until(lambda: any(m.pid == b.pid for m in published(client)), 10, "B to publish")
+    wait_for(lambda: any(m.pid == b.pid for m in published(client)), 10, "B to publish")
     time.sleep(3)
 
     messages = published(client)
@@ -222,9 +208,9 @@ def test_redlock_leader_sigkilled_with_a_master_down_is_replaced_within_one_ttl(
     client = broker.client()
     lock_clients = [m.client() for m in masters]
     a = start_beat(broker.url, "a", locks=locks)
-    wait_until(lambda: "is now the leader" in a.log(), 30, "beat A to lead")
+    wait_for(lambda: "is now the leader" in a.log(), 30, "beat A to lead")
     b = start_beat(broker.url, "b", locks=locks)
-    wait_until(lambda: "standing by" in b.log(), 30, "beat B to stand by")
+    wait_for(lambda: "standing by" in b.log(), 30, "beat B to stand by")
     tokens = {c.hget(LEADER_KEY, "token") for c in lock_clients}
     assert len(tokens) == 1 and None not in tokens, "A does not hold the lock on every master"
 
@@ -233,7 +219,7 @@ def test_redlock_leader_sigkilled_with_a_master_down_is_replaced_within_one_ttl(
     just_after_a_tick(client, a.pid)
     a.proc.send_signal(signal.SIGKILL)
     killed_at = time.time()
-    wait_until(lambda: any(m.pid == b.pid for m in published(client)), 10, "B to publish")
+    wait_for(lambda: any(m.pid == b.pid for m in published(client)), 10, "B to publish")
     time.sleep(2.5)
 
     messages = published(client)
@@ -262,11 +248,11 @@ def test_paused_leader_steps_down_and_later_takes_over_without_repeating_a_tick(
     os.kill(a.pid, signal.SIGSTOP)
     stopped_at = time.time()
     try:
-        wait_until(lambda: any(m.pid == b.pid for m in published(client)), 10, "B to publish")
+        wait_for(lambda: any(m.pid == b.pid for m in published(client)), 10, "B to publish")
         time.sleep(1)
     finally:
         os.kill(a.pid, signal.SIGCONT)
-    wait_until(lambda: "lost leadership" in a.log(), 5, "A to step down")
+    wait_for(lambda: "lost leadership" in a.log(), 5, "A to step down")
     time.sleep(2)
     assert a.proc.poll() is None, "the deposed leader crashed:\n" + a.log()
     assert not [m for m in published(client) if m.pid == a.pid and m.at > stopped_at]
@@ -275,7 +261,7 @@ def test_paused_leader_steps_down_and_later_takes_over_without_repeating_a_tick(
     # wakes A at once), A takes over and goes on from B's last tick instead of repeating it.
     just_after_a_tick(client, b.pid)
     b.stop()
-    wait_until(
+    wait_for(
         lambda: any(m.pid == a.pid and m.at > stopped_at for m in published(client)),
         TTL + 3,
         "A to lead again",
@@ -301,7 +287,7 @@ def test_standby_that_cannot_reach_the_lock_store_logs_once_and_keeps_waiting(
     broker, store = redis_servers(2)
     store.kill()
     beat = start_beat(broker.url, "a", locks=store.url)
-    wait_until(lambda: "cannot reach the lock store" in beat.log(), 30, "the outage line")
+    wait_for(lambda: "cannot reach the lock store" in beat.log(), 30, "the outage line")
     time.sleep(2.5)  # several retry rounds (every TTL/3)
     assert beat.proc.poll() is None, beat.log()
     assert beat.log().count("cannot reach the lock store") == 1
@@ -309,7 +295,7 @@ def test_standby_that_cannot_reach_the_lock_store_logs_once_and_keeps_waiting(
     assert published(client) == []
 
     store.restart()
-    wait_until(lambda: bool(published(client)), 10, "beat to publish after the outage")
+    wait_for(lambda: bool(published(client)), 10, "beat to publish after the outage")
     assert "answers again" in beat.log()
     assert {m.pid for m in published(client)} == {beat.pid}
 
@@ -357,18 +343,18 @@ def test_beat_job_longer_than_its_period_never_overlaps_and_logs_each_skip(
         worker_argv = [*app, "worker", "-P", "prefork", "-c", "3", "-l", "info"]
         worker_argv += ["-n", "beatjob@%h", "--without-heartbeat", "--without-gossip"]
         procs.append(start_celery([*worker_argv, "--without-mingle"], env, worker_log))
-        wait_until(lambda: "ready." in worker_log.read_text(errors="replace"), 40, "the worker")
+        wait_for(lambda: "ready." in worker_log.read_text(errors="replace"), 40, "the worker")
         beat_argv = [*app, "beat", "-l", "info", "--pidfile=", f"--schedule={tmp_path}/s"]
         procs.append(
             start_celery([*beat_argv, "-S", "celery_redlock.beat:LeaderScheduler"], env, beat_log)
         )
-        wait_until(lambda: "Sending due task" in beat_log.read_text(), 30, "beat to publish")
+        wait_for(lambda: "Sending due task" in beat_log.read_text(), 30, "beat to publish")
         time.sleep(8)
         # Stop beat just after a send, not during one: beat logs "Sending due task" before
         # it publishes, and a SIGTERM in between loses that message (Celery's beat, not
         # ours), which the count of logged sends below would miss.
         ticks = beat_log.read_text().count("Sending due task slow-job")
-        wait_until(
+        wait_for(
             lambda: beat_log.read_text().count("Sending due task slow-job") > ticks,
             3,
             "the next beat tick",
@@ -382,7 +368,7 @@ def test_beat_job_longer_than_its_period_never_overlaps_and_logs_each_skip(
             text = worker_log.read_text(errors="replace")
             return [line for line in text.splitlines() if "skipped: lock 'beatjob.slow'" in line]
 
-        wait_until(lambda: records.llen("runs") + len(skip_lines()) >= sent, 10, "the worker")
+        wait_for(lambda: records.llen("runs") + len(skip_lines()) >= sent, 10, "the worker")
     finally:
         for proc in reversed(procs):
             stop_group(proc)

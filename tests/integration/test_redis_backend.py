@@ -9,13 +9,13 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 from redis.cluster import RedisCluster
-from servers import ClusterSetup, FaultProxy, RedisServer
+from servers import ClusterSetup, FaultProxy, RedisServer, wait_for
 
 from celery_redlock.core.backend_types import Handover, Renewal, Slot, Status
 from celery_redlock.core.backends.redis import RedisBackend, cannot_decide, server_refused
@@ -55,15 +55,6 @@ def checkout(pool: Any) -> Any:
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def wait_until(check: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.02)
-    return check()
 
 
 @pytest.fixture
@@ -145,7 +136,7 @@ def test_resent_release_after_lost_reply(
         proxy.delay_replies(1.5)
         with pytest.raises(StoreUnavailable):
             backend.release(slot, tok, 10_000)
-        assert wait_until(lambda: not redis_client.exists(slot.keys.lock))
+        assert wait_for(lambda: not redis_client.exists(slot.keys.lock), 5, "the release")
         proxy.heal()
         assert backend.release(slot, tok, 10_000) is Status.OK
     finally:
@@ -166,7 +157,7 @@ def test_unclear_acquire_is_taken_back(
         proxy.delay_replies(10)
 
         def cut_after_the_script_ran() -> None:
-            wait_until(lambda: bool(redis_client.exists(slot.keys.lock)))
+            wait_for(lambda: redis_client.exists(slot.keys.lock), 5, "the lock key")
             # The reply held back is lost with its connection; the lock client's one
             # re-send (which finds its own token) times out too: the acquire is unclear.
             proxy.drop()
@@ -177,7 +168,7 @@ def test_unclear_acquire_is_taken_back(
             backend.acquire(slot, token(), 30_000, RECORD, wait=False, fence_ttl_ms=0)
         cutter.join()
         proxy.heal()  # the take-back's second try (from the give-back thread) gets through
-        assert wait_until(lambda: not redis_client.exists(slot.keys.lock))
+        assert wait_for(lambda: not redis_client.exists(slot.keys.lock), 5, "the release")
     finally:
         proxy.heal()
         client.close()

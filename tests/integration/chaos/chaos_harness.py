@@ -46,7 +46,7 @@ from celery import Celery
 from celery.result import AsyncResult
 from celery.states import READY_STATES
 from fenced_store import FencedStore, KeyState
-from servers import FaultProxy, RedisServer
+from servers import FaultProxy, RedisServer, wait_for
 from workers import Worker, stop_workers
 
 from celery_redlock import Lock, connect
@@ -93,18 +93,6 @@ def children_of(pid: int) -> list[int]:
             if stat is not None and len(stat) > 2 and stat[2] == str(pid):
                 out.append(int(entry))
     return out
-
-
-def wait_until(check: Callable[[], bool], timeout: float, what: str, step: float = 0.05) -> float:
-    """Poll *check* until true (bounded in time and count); seconds waited, or AssertionError."""
-    start = time.monotonic()
-    for _ in range(int(timeout / step) + 2):
-        if check():
-            return time.monotonic() - start
-        if time.monotonic() - start > timeout:
-            break
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def last_message_gone(events: list[dict[str, Any]], task_ids: list[str]) -> set[str]:
@@ -648,7 +636,7 @@ class Scenario:
                 for r in self.runs().values()
             )
 
-        wait_until(progressed, timeout, "an accepted write after the last fault", step=0.1)
+        wait_for(progressed, timeout, "an accepted write after the last fault", interval=0.1)
 
     def fail_on_violations(self, found: Analysis) -> None:
         """AssertionError listing the violations *found*, if any, with the seed."""
@@ -663,7 +651,7 @@ class Scenario:
         self.phases["setup"] = time.monotonic() - self.started
         self.start_feeding()
         try:
-            wait_until(lambda: any(r.write for r in self.runs().values()), 60, "a first write")
+            wait_for(lambda: any(r.write for r in self.runs().values()), 60, "a first write")
             end = time.monotonic() + seconds
             for _ in range(10_000):
                 if time.monotonic() >= end:
@@ -702,7 +690,9 @@ class Scenario:
 
         began = time.monotonic()
         try:
-            wait_until(lambda: not any(state().values()), timeout, "the tasks to settle", 0.1)
+            wait_for(
+                lambda: not any(state().values()), timeout, "the tasks to settle", interval=0.1
+            )
             self.phases["drain"] = time.monotonic() - began
             if vanished:
                 self.figures.extra["vanished_tasks"] = len(vanished)
@@ -736,7 +726,7 @@ class Scenario:
         quiet; returns how long after going quiet the check ran."""
         began = time.monotonic()
         deadline = self.quiet_since() + self.ttl * 1.01 + 0.25
-        wait_until(lambda: time.monotonic() >= deadline, self.ttl + 5, "one TTL to pass")
+        wait_for(lambda: time.monotonic() >= deadline, self.ttl + 5, "one TTL to pass")
         self.phases["ttl-check"] = time.monotonic() - began
         alive_locks = []
         for url in self.check_urls:
@@ -761,7 +751,7 @@ class Scenario:
                 answered.update(reply)
             return answered >= names
 
-        wait_until(all_answer, timeout, f"pings from {sorted(names)}", step=0.2)
+        wait_for(all_answer, timeout, f"pings from {sorted(names)}", interval=0.2)
 
     def verify(self) -> Analysis:
         """Run the invariant checks on the records and the store; AssertionError lists
@@ -865,7 +855,7 @@ class Scenario:
     def check_no_leaks(self) -> None:
         """No worker or pool process, server process or test thread outlives the scenario."""
         pids = {p for w in self.workers for p in w.pids} | {r.pid for r in self.runs_cached()}
-        wait_until(lambda: not [p for p in pids if alive(p)], 20, "worker processes to exit")
+        wait_for(lambda: not [p for p in pids if alive(p)], 20, "worker processes to exit")
         assert not [s for s in self.servers if s.alive()], "a server still runs"
 
         def extra_threads() -> list[str]:
@@ -876,7 +866,7 @@ class Scenario:
             ]
 
         with contextlib.suppress(AssertionError):
-            wait_until(lambda: not extra_threads(), 10, "threads to end")
+            wait_for(lambda: not extra_threads(), 10, "threads to end")
         assert not extra_threads(), f"threads left behind: {extra_threads()}"
 
     def runs_cached(self) -> list[Run]:

@@ -20,8 +20,8 @@ from pathlib import Path
 import kombu
 import pytest
 import redis
-from chaos_harness import LONG, Run, Scenario, alive, chaos_seconds, scenario, wait_until
-from servers import FaultProxy, RedisServer, SentinelSetup, start_servers
+from chaos_harness import LONG, Run, Scenario, alive, chaos_seconds, scenario
+from servers import FaultProxy, RedisServer, SentinelSetup, start_servers, wait_for
 
 from celery_redlock import Lock, StoreUnavailable, connect
 
@@ -112,7 +112,7 @@ def test_sigstop_of_a_running_child_past_its_ttl(tmp_path: Path) -> None:
                 return time.monotonic() > deadline and newer
 
             try:
-                wait_until(passed, sc.ttl * 4, "a newer holder of the key")
+                wait_for(passed, sc.ttl * 4, "a newer holder of the key")
                 overtaken.add(victim.run)
             except AssertionError:
                 pass  # no other task for this key came: resume once past the deadline
@@ -269,7 +269,7 @@ def test_sentinel_failover_during_the_run(tmp_path: Path) -> None:
                     del args[at : at + 3]
                 victim.extra_args = [*args, "--replicaof", current[0], str(current[1])]
                 victim.restart()
-                wait_until(lambda: _linked_replica(victim), 60, "the old master to resync")
+                wait_for(lambda: _linked_replica(victim), 60, "the old master to resync")
 
         sc.run_chaos(chaos_seconds(5), inject)
         sc.drain()
