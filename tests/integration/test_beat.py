@@ -349,7 +349,18 @@ def test_beat_job_longer_than_its_period_never_overlaps_and_logs_each_skip(
             start_celery([*beat_argv, "-S", "celery_redlock.beat:LeaderScheduler"], env, beat_log)
         )
         wait_for(lambda: "Sending due task" in beat_log.read_text(), 30, "beat to publish")
-        time.sleep(8)
+        records = redis_server.client(db=3)
+
+        def skip_lines() -> list[str]:
+            text = worker_log.read_text(errors="replace")
+            return [line for line in text.splitlines() if "skipped: lock 'beatjob.slow'" in line]
+
+        wait_for(
+            lambda: records.llen("runs") >= 2 and len(skip_lines()) >= 3,
+            30,
+            "two runs to end and three deliveries to be skipped",
+            interval=0.05,
+        )
         # Stop beat just after a send, not during one: beat logs "Sending due task" before
         # it publishes, and a SIGTERM in between loses that message (Celery's beat, not
         # ours), which the count of logged sends below would miss.
@@ -362,12 +373,6 @@ def test_beat_job_longer_than_its_period_never_overlaps_and_logs_each_skip(
         time.sleep(0.3)  # that tick's message is out; the next tick is 0.7 s away
         stop_group(procs[1])  # beat: no more deliveries
         sent = beat_log.read_text().count("Sending due task slow-job")
-        records = redis_server.client(db=3)
-
-        def skip_lines() -> list[str]:
-            text = worker_log.read_text(errors="replace")
-            return [line for line in text.splitlines() if "skipped: lock 'beatjob.slow'" in line]
-
         wait_for(lambda: records.llen("runs") + len(skip_lines()) >= sent, 10, "the worker")
     finally:
         for proc in reversed(procs):
