@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import itertools
@@ -11,7 +12,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -449,14 +450,11 @@ print("released", flush=True)
 """
 
 
-def test_a_script_that_releases_and_exits_leaves_nothing_on_a_master_that_answered_late(
-    redis_servers: Servers,
-) -> None:
-    """A process releases (decided by two masters) and exits while the third is paused;
-    its release there, sent as EVALSHA to a server that never ran the release script,
-    is answered NOSCRIPT once the master resumes: the exiting process reads that answer
-    and sends the script, so no master holds the key (it did for the lease's 10 s)."""
-    servers = redis_servers(3)
+@contextlib.contextmanager
+def released_while_paused(servers: list[RedisServer]) -> Iterator[subprocess.Popen[str]]:
+    """A process holding ``rl:exit`` on all three masters releases it with the third
+    paused; the block runs once it has said so (the master still paused). Afterwards the
+    master resumes and the process has 10 s to exit, else it is killed."""
     child = subprocess.Popen(
         [sys.executable, "-c", _RELEASE_AND_EXIT, *(s.url for s in servers)],
         stdin=subprocess.PIPE,
@@ -472,14 +470,28 @@ def test_a_script_that_releases_and_exits_leaves_nothing_on_a_master_that_answer
             child.stdin.write("\n")
             child.stdin.flush()
             assert child.stdout.readline().strip() == "released"
-            time.sleep(0.1)  # the process is exiting, its release there unanswered
+            yield child
         finally:
             servers[2].resume()
-        assert child.wait(timeout=10) == 0
     finally:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=10)
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_a_script_that_releases_and_exits_leaves_nothing_on_a_master_that_answered_late(
+    redis_servers: Servers,
+) -> None:
+    """A process releases (decided by two masters) and exits while the third is paused;
+    its release there, sent as EVALSHA to a server that never ran the release script,
+    is answered NOSCRIPT once the master resumes: the exiting process reads that answer
+    and sends the script, so no master holds the key (it did for the lease's 10 s)."""
+    servers = redis_servers(3)
+    with released_while_paused(servers) as child:
+        time.sleep(0.1)  # the process is exiting, its release there unanswered
+    assert child.returncode == 0
     assert not any(holds_key(s, "rl:exit") for s in servers)
 
 
@@ -490,30 +502,10 @@ def test_a_script_exits_within_a_round_timeout_while_a_master_stays_paused(
     process that released on the other two ends within a second (the round's timeout is
     5% of the 10 s lease), and the key left there ends with its lease."""
     servers = redis_servers(3)
-    child = subprocess.Popen(
-        [sys.executable, "-c", _RELEASE_AND_EXIT, *(s.url for s in servers)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert child.stdout is not None and child.stdin is not None
-        assert child.stdout.readline().strip() == "acquired"
-        assert wait_for(lambda: all(holds_key(s, "rl:exit") for s in servers), 3, "3 grants")
-        servers[2].pause()
-        try:
-            child.stdin.write("\n")
-            child.stdin.flush()
-            assert child.stdout.readline().strip() == "released"
-            began = time.monotonic()
-            assert child.wait(timeout=10) == 0
-            assert time.monotonic() - began < 1.5
-        finally:
-            servers[2].resume()
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+    with released_while_paused(servers) as child:
+        began = time.monotonic()
+        assert child.wait(timeout=10) == 0
+        assert time.monotonic() - began < 1.5
     assert not holds_key(servers[0], "rl:exit") and not holds_key(servers[1], "rl:exit")
 
 
