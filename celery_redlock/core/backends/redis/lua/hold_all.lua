@@ -1,10 +1,14 @@
 -- hold_all: a run's holds taken in one step, all or nothing, after the operator controls
--- of every name involved (a task's lock_limits; celery locks pause / set). The Redis
--- backend puts acquire.lua and permit_acquire.lua in front of this file as the local
--- functions take_lock(KEYS, ARGV) and take_permit(KEYS, ARGV).
+-- of every name involved (a task's lock_limits; celery locks pause / set). A run with
+-- rules takes this script; a run without takes acquire.lua or permit_acquire.lua alone,
+-- which read its name's controls themselves (their KEYS[4]). The Redis backend puts
+-- acquire.lua and permit_acquire.lua in front of this file as the local functions
+-- take_lock(KEYS, ARGV) and take_permit(KEYS, ARGV); it passes them ARGV.checked, so
+-- that they do not read the primary's controls again.
 -- KEYS[1 .. n]   the primary's keys, as acquire.lua (a mutex) or permit_acquire.lua (a
---                semaphore) takes them; n = ARGV[1] (0 with 'none': rules alone, as
---                the rules of a Redis Cluster slot other than the primary's)
+--                semaphore) takes them (their KEYS[4], the control hash, is not read
+--                there: KEYS[n + 1] is, here); n = ARGV[1] (0 with 'none': rules alone,
+--                as the rules of a Redis Cluster slot other than the primary's)
 -- KEYS[n + 1]    the primary's control hash (absent with 'none'): field -> '<until:
 --                server ms, 0 none>|<value>', fields 'pause' (value: the reason), 'limit'
 --                (the permits of a semaphore) and 'rate' ('<interval us>|<burst, 0: the
@@ -71,6 +75,7 @@ local pk, pa = {}, {}
 for i = 1, n do pk[i] = KEYS[i] end
 for i = 1, m do pa[i] = ARGV[3 + i] end
 pa.fence_floor = ARGV.fence_floor -- a Sentinel-managed master's (master_guard.lua)
+pa.checked = true -- the primary's controls are read here: take_lock / take_permit skip them
 
 local refused, longest, unknown = nil, -1, false
 local function refuse(name, wait, why, detail)
