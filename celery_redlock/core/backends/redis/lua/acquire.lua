@@ -37,6 +37,8 @@
 --          raised to it
 -- ARGV.checked  (a field: set by hold_all.lua, which runs this script as take_lock) the
 --          controls of KEYS[4] are read already: they are not read again
+-- ARGV.clock  (a field: set by hold_all.lua when it read the server's clock) TIME's reply,
+--          which this script then reads no more
 -- With KEYS[5], a lock kept for task ARGV[6]'s redelivered copy (park.lua: its token is
 -- 'parked:' .. ARGV[6]) is taken over as if free, whoever holds the queued hold.
 -- Index    the lock key, and the queued hold it takes over (index.lua)
@@ -54,9 +56,12 @@
 --                              no end); nothing is changed
 -- The server's clock (TIME) is read at most once, and only when a control, a counter's
 -- restart or a fence floor needs it.
-local t -- the server's clock, read by clock() at most once
+local t = ARGV.clock -- the server's clock: read by clock() at most once, for the index too
 local function clock()
-  t = t or redis.call('TIME')
+  if not t then
+    t = redis.call('TIME')
+    index_time(t)
+  end
   return t
 end
 local cur = redis.call('HMGET', KEYS[1], 'token', 'fence', 'info')

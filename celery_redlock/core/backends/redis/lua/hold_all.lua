@@ -42,13 +42,14 @@
 --                                     which frees when a holder ends)
 --          {-3, name, cost, most}     a Rate rule asked for more units than it can grant
 --                                     at once (its burst): nothing taken
--- The server's clock, read once and only when a control or a rule needs it: a slot
--- whose name has no control and no rule costs one read (its control hash) more than
--- its own script.
-local now_ms, now_us
+-- The server's clock, read once and only when a control or a rule needs it; take_lock,
+-- take_permit (ARGV.clock) and the index are handed it and read it no more.
+local now_t, now_ms, now_us
 local function clock()
   if not now_ms then
     local t = redis.call('TIME')
+    now_t = t
+    index_time(t)
     now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
     now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
   end
@@ -196,6 +197,7 @@ if r > 0 then
   own() -- before the primary is taken: is this a re-sent copy?
 end
 local got = {1, 0}
+pa.clock = now_t -- the clock read here, if it was: take_lock / take_permit read it no more
 if kind == 'permit' then
   got = take_permit(pk, pa)
 elseif kind == 'lock' then
@@ -210,11 +212,11 @@ for i = 1, r do
   local rule = rules[i]
   if rule.kind == 'limit' then
     local taken = take_permit({rule.key, rule.fence},
-      {pa[1], pa[2], pa[3], '0', pa[5], rule.a, fence_floor = pa.fence_floor})
+      {pa[1], pa[2], pa[3], '0', pa[5], rule.a, fence_floor = pa.fence_floor, clock = now_t})
     out[#out + 1] = taken[2]
   elseif rule.kind == 'mutex' then
     local taken = take_lock({rule.key, rule.fence},
-      {pa[1], pa[2], pa[3], '0', pa[5], fence_floor = pa.fence_floor})
+      {pa[1], pa[2], pa[3], '0', pa[5], fence_floor = pa.fence_floor, clock = now_t})
     out[#out + 1] = taken[2]
   elseif resent then
     out[#out + 1] = 0

@@ -17,6 +17,7 @@
 -- ARGV.fence_floor  as in acquire.lua (a Sentinel-managed master)
 -- ARGV.checked  as in acquire.lua: hold_all.lua read KEYS[4] already (and passes the
 --          control's limit as ARGV[6])
+-- ARGV.clock  as in acquire.lua: the server's clock as hold_all.lua read it
 -- Index    the permits' key, with the expiry of its longest permit (index.lua)
 -- Returns  {1, fence}               acquired; also when KEYS[1] already holds an unexpired
 --                                   ARGV[1] (a re-sent acquire: same fence, lease reset)
@@ -26,7 +27,8 @@
 -- Expired permits are removed when the hash is full (or met by their token): until then
 -- they take no one's place, since a new permit is granted only while fewer than ARGV[6]
 -- fields exist. So at every moment live permits <= fields <= the limit.
-local t = redis.call('TIME')
+local t = ARGV.clock or redis.call('TIME') -- read once: the index takes it too
+index_time(t)
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])
 local limit = tonumber(ARGV[6])
