@@ -1699,6 +1699,28 @@ def test_flow_a_take_over_of_a_queued_hold_obeys_controls_and_takes_the_rules(
     assert _permits(target, limit.name) == 0
 
 
+def test_flow_a_take_over_without_rules_obeys_its_names_pause(target: Any, name: str) -> None:
+    """A hand-over without rules (a run with no lock_limits: acquire.lua with its name's
+    control hash and the queued hold) is refused while the name is paused, as hold_all.lua
+    refuses it, the hold staying queued for its task; once the pause is lifted it takes
+    the hold over (quorum: rules refused)."""
+    if _without_flow(target, name):
+        return
+    hold = QueuedHold(target, name)
+    assert hold.claim("t1", 60).outcome == "queued"
+    assert _control(target, name, "pause", "deploy", 60_000)
+    run = RunLock(target, name, handover=Handover("t1"), auto_renew=False)
+    run.hold_with([], controlled=True)
+    assert run.acquire(blocking=False) is False
+    assert (run.refused_by, run.refusal, run.holder) == (name, "paused", {"reason": "deploy"})
+    assert run.holder_ttl_ms is not None and 50_000 < run.holder_ttl_ms <= 60_000
+    assert hold.claim("t2", 60).owner == "t1"  # still queued for t1
+    assert _control(target, name, "pause", None)
+    assert run.acquire(blocking=False)
+    assert hold.release("t1") is False  # the hold became the lock
+    run.release()
+
+
 def test_flow_controls_lists_what_is_in_force(target: Any, name: str) -> None:
     """controls(prefix, pattern) lists each control in force under the prefix whose name
     matches: kind, value, time left (None: until lifted); a lapsed or lifted one is gone
