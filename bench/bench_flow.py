@@ -15,7 +15,8 @@ a new object on a fresh name per cycle (as a task's run does):
 
 * ``Lock``: a plain lock (``acquire.lua``), the reference;
 * ``Lock, controlled``: what a ``LockedTask`` run with no ``lock_limits`` takes, a lock
-  whose acquire also reads its name's operator controls (``hold_all.lua``);
+  whose acquire also reads its name's operator controls (``acquire.lua`` with its
+  control hash; ``hold_all.lua`` before issue 46's hot path);
 * ``Lock + Limit + Rate``: a run with a mutex, a ``Limit("all", 1000)`` and a
   ``Rate("p:acme", ...)`` that never refuses: three holds in one ``hold_all.lua`` (on a
   cluster the three names hash to different slots: one script per slot, sent at once);

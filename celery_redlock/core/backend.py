@@ -355,13 +355,14 @@ class Rates(Protocol):
 
 @capability("flow control (lock_limits, and pauses and limits set by an operator)")
 class FlowControl(Protocol):
-    """A slot with rules or under operator control (:attr:`Slot.flow
-    <celery_redlock.core.backend_types.Slot.flow>`) is taken in one step: the controls of
-    its name and of each rule are read, every rule is checked, and only when all admit
-    it are the slot and its rules taken (the lock verbs :meth:`Backend.acquire` and
-    :meth:`QueuedHolds.take_over` do this for such a slot; its release, extend and
-    renewal cover its Limit rules). The controls live in one hash per name
-    (:attr:`~.keys.LockKeys.control`), written by :meth:`set_control`."""
+    """A slot with rules (:attr:`Slot.flow <celery_redlock.core.backend_types.Slot.flow>`)
+    is taken in one step: the controls of its name and of each rule are read, every rule
+    is checked, and only when all admit it are the slot and its rules taken (the lock
+    verbs :meth:`Backend.acquire` and :meth:`QueuedHolds.take_over` do this for such a
+    slot; its release, extend and renewal cover its Limit rules). A slot under operator
+    control without rules (``controlled``: a task's run) is taken by its own acquire,
+    which reads its name's controls in the same step. The controls live in one hash per
+    name (:attr:`~.keys.LockKeys.control`), written by :meth:`set_control`."""
 
     def set_control(self, control_key: str, kind: str, value: str | None, ttl_ms: int) -> bool:
         """Set control *kind* (``"pause"``, ``"limit"`` or ``"rate"``) of the name whose

@@ -160,10 +160,11 @@ class Slot:
     :func:`~.keys.lock_keys`) or one of ``limit`` permits of it (``limit > 1``, ``keys``
     from :func:`~.keys.permit_keys`). A ``Semaphore(limit=1)`` is the mutex.
 
-    With ``rules`` (a task's ``lock_limits``) or ``controlled`` (a task's run), it is
-    taken through :class:`~celery_redlock.core.backend.FlowControl`: the name's operator
-    controls (a pause, a limit) are read in the same step, and every rule is taken with
-    it, all or nothing; a release, an extend and a renewal of the slot cover its rules."""
+    With ``controlled`` (a task's run) its acquire reads the name's operator controls (a
+    pause, a limit) in the same step; with ``rules`` (a task's ``lock_limits``) it is
+    taken through :class:`~celery_redlock.core.backend.FlowControl`: the controls of its
+    name and of each rule are read, and every rule is taken with it, all or nothing; a
+    release, an extend and a renewal of the slot cover its rules."""
 
     keys: LockKeys
     limit: int = 1
@@ -172,8 +173,9 @@ class Slot:
 
     @property
     def flow(self) -> bool:
-        """True when an acquire of this slot goes through FlowControl."""
-        return self.controlled or bool(self.rules)
+        """True when an acquire of this slot takes rules with it, in one step (on Redis,
+        ``hold_all.lua``); a slot without rules pays for its own acquire alone."""
+        return bool(self.rules)
 
     @property
     def held_rules(self) -> tuple[Rule, ...]:

@@ -61,6 +61,7 @@ from celery_redlock.core import (
 )
 from celery_redlock.core.admin import ForceRelease, LockInfo, RateInfo
 from celery_redlock.core.backend_types import RECENT_BYTES, Rule
+from celery_redlock.core.backends.redis.scripts import ACQUIRE, HOLD_ALL, PERMIT_ACQUIRE, Script
 from celery_redlock.core.keys import permit_keys
 from celery_redlock.core.listing import Listing, ListQuery
 
@@ -1248,7 +1249,7 @@ def _without_flow(target: Any, name: str) -> bool:
     with pytest.raises(ConfigError, match="flow control"):
         lock.hold_with([_limit(f"{name}:limit", 2)])
     lock.hold_with([], controlled=True)
-    assert not lock.slot.flow  # a quorum reads no controls
+    assert not lock.slot.controlled  # a quorum reads no controls
     assert lock.acquire(blocking=False)
     lock.release()
     return True
@@ -1372,6 +1373,40 @@ def test_flow_a_pause_refuses_runs_until_it_lapses_or_is_lifted(target: Any, nam
     assert _control(target, limit.name, "pause", None) is False  # nothing left to lift
     assert ruled.acquire(blocking=False)
     ruled.release()
+
+
+def test_flow_a_run_without_rules_runs_its_own_acquire_script_alone(
+    redis_server: RedisServer,
+) -> None:
+    """A run with no rules (a LockedTask run without lock_limits) pays for its own acquire
+    script alone, acquire.lua for a mutex and permit_acquire.lua for a permit, never
+    hold_all.lua; that script reads its name's controls: a pause refuses the run as
+    hold_all.lua does, a limit set on a semaphore's name changes its permits. (Its own
+    server: the scripts it loaded are the ones that ran.)"""
+    client = redis_server.client()
+
+    def loaded(script: Script) -> bool:
+        return any(client.script_exists(script.sha, script.indexed.sha))
+
+    try:
+        run = _ruled(client, "hot:mutex", [])
+        assert run.acquire(blocking=False)
+        run.release()
+        permits = [Semaphore(client, "hot:sem", 3, ttl=10, auto_renew=False) for _ in range(2)]
+        for permit in permits:
+            permit.hold_with([], controlled=True)
+        assert _control(client, "hot:sem", "limit", "1")
+        assert permits[0].acquire(blocking=False)
+        assert permits[1].acquire(blocking=False) is False
+        permits[0].release()
+        assert _control(client, "hot:mutex", "pause", "deploy", 60_000)
+        assert run.acquire(blocking=False) is False
+        assert (run.refused_by, run.refusal) == ("hot:mutex", "paused")
+        assert run.holder == {"reason": "deploy"}
+        assert run.holder_ttl_ms is not None and 50_000 < run.holder_ttl_ms <= 60_000
+        assert (loaded(ACQUIRE), loaded(PERMIT_ACQUIRE), loaded(HOLD_ALL)) == (True, True, False)
+    finally:
+        client.close()
 
 
 def test_flow_a_blocked_run_gets_in_when_its_pause_ends(target: Any, name: str) -> None:
@@ -1662,6 +1697,28 @@ def test_flow_a_take_over_of_a_queued_hold_obeys_controls_and_takes_the_rules(
     assert hold.release("t1") is False  # the hold became the lock
     run.release()
     assert _permits(target, limit.name) == 0
+
+
+def test_flow_a_take_over_without_rules_obeys_its_names_pause(target: Any, name: str) -> None:
+    """A hand-over without rules (a run with no lock_limits: acquire.lua with its name's
+    control hash and the queued hold) is refused while the name is paused, as hold_all.lua
+    refuses it, the hold staying queued for its task; once the pause is lifted it takes
+    the hold over (quorum: rules refused)."""
+    if _without_flow(target, name):
+        return
+    hold = QueuedHold(target, name)
+    assert hold.claim("t1", 60).outcome == "queued"
+    assert _control(target, name, "pause", "deploy", 60_000)
+    run = RunLock(target, name, handover=Handover("t1"), auto_renew=False)
+    run.hold_with([], controlled=True)
+    assert run.acquire(blocking=False) is False
+    assert (run.refused_by, run.refusal, run.holder) == (name, "paused", {"reason": "deploy"})
+    assert run.holder_ttl_ms is not None and 50_000 < run.holder_ttl_ms <= 60_000
+    assert hold.claim("t2", 60).owner == "t1"  # still queued for t1
+    assert _control(target, name, "pause", None)
+    assert run.acquire(blocking=False)
+    assert hold.release("t1") is False  # the hold became the lock
+    run.release()
 
 
 def test_flow_controls_lists_what_is_in_force(target: Any, name: str) -> None:

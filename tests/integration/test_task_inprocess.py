@@ -48,6 +48,7 @@ from celery_redlock import (
 from celery_redlock.app.state import state_for
 from celery_redlock.core.backend_types import Slot, Status
 from celery_redlock.core.backends.redis import RedisBackend
+from celery_redlock.core.backends.redis.scripts import ACQUIRE, HOLD_ALL, RELEASE, Script
 from celery_redlock.core.keys import LockKeys
 from celery_redlock.core.lock import Lock as CoreLock
 from celery_redlock.task import next_attempt
@@ -868,6 +869,30 @@ def test_direct_call_and_apply_lock_and_release(env: Env) -> None:
     assert result.state == "FAILURE"
     assert "direct:4" in str(result.result)
     assert env.held_keys() == []
+
+
+def test_a_run_without_lock_limits_sends_its_own_acquire_script_alone(env: Env) -> None:
+    """A run of a task with no lock_limits takes its lock with acquire.lua alone (which
+    reads its name's operator controls itself), never hold_all.lua: from an empty script
+    cache, the scripts the server holds after the run are its acquire's and release's."""
+    app = env.app()
+
+    @app.task(base=LockedTask, shared=False, lock_key="hot:<n>")
+    def hot(n: int) -> int:
+        return n
+
+    admin = env.server.client()
+
+    def loaded(script: Script) -> bool:
+        return any(admin.script_exists(script.sha, script.indexed.sha))
+
+    try:
+        admin.script_flush()
+        with worker(app):
+            assert hot.delay(1).get(timeout=10) == 1
+        assert (loaded(ACQUIRE), loaded(RELEASE), loaded(HOLD_ALL)) == (True, True, False)
+    finally:
+        admin.close()
 
 
 def test_a_task_nested_in_a_body_gets_its_own_request_and_lock(env: Env) -> None:

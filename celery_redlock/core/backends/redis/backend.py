@@ -89,7 +89,6 @@ from .client import (
 )
 from .flow import (
     RULE_ARGS,
-    flow_grant,
     hold_call,
     moved,
     primary_args,
@@ -251,7 +250,7 @@ class RedisBackend:
     def _acquire(self, slot: Slot, token: str, ttl_ms: int, call: Call) -> Grant:
         try:
             if slot.flow:
-                return flow_grant(self._hold_all(slot, call.keys, call.args), slot)
+                return verbs.grant_of(self._hold_all(slot, call.keys, call.args), slot)
             reply = self._run(call.script, call.keys, call.args)
         except Exception as exc:
             self._acquire_failed(slot, token, ttl_ms, exc)

@@ -1,8 +1,9 @@
 """Flow control's scripts on the Redis backend: the keys and arguments of
 ``hold_all.lua`` and ``release_all.lua`` (which run the slot's own acquire or release
-script on its keys and arguments, and do the same for its rules, in one step) and how
-their replies read. :class:`~.backend.RedisBackend` runs them, one per hash slot on a
-cluster (see its module docstring).
+script on its keys and arguments, and do the same for its rules, in one step: a slot
+with rules), and how a cluster's replies of several slots read as one
+(:func:`~.verbs.grant_of` reads an acquire's). :class:`~.backend.RedisBackend` runs them,
+one per hash slot on a cluster (see its module docstring).
 """
 
 from __future__ import annotations
@@ -12,13 +13,10 @@ from typing import Any
 
 from redis import exceptions as rx
 
-from ...backend_types import RECENT_BYTES, Grant, Renewal, Rule, Slot, parse_holder, text
-from ...errors import cost_above_burst
-from .verbs import grant_of
+from ...backend_types import RECENT_BYTES, Renewal, Rule, Slot
 
 __all__ = [
     "RULE_ARGS",
-    "flow_grant",
     "hold_call",
     "moved",
     "primary_args",
@@ -91,31 +89,6 @@ def moved(exc: Exception) -> bool:
     if isinstance(exc, (rx.MovedError, rx.AskError)):
         return True
     return isinstance(exc, rx.ResponseError) and str(exc).startswith(("MOVED ", "ASK "))
-
-
-def flow_grant(reply: Any, slot: Slot) -> Grant:
-    """A ``hold_all.lua`` reply as a Grant (the slot's own refusals as its script's)."""
-    code = int(reply[0])
-    if code == 1:
-        return Grant(True, fence=int(reply[1]), fences=tuple(int(f) for f in reply[2:]))
-    if code == -2:
-        wait = int(reply[2])
-        why, detail = text(reply[3]), text(reply[4])
-        holder: dict[str, Any] = {"reason": detail} if why == "paused" else {}
-        if why == "limit":
-            holder = parse_holder(detail)
-        name = text(reply[1]) or slot.name
-        return Grant(
-            False,
-            holder=holder,
-            holder_ttl_ms=None if wait < 0 else wait,
-            wait_ms=None if wait < 0 else wait,
-            refused_by=name,
-            refusal=why,
-        )
-    if code == -3:
-        raise cost_above_burst(f"rate {text(reply[1])!r}", int(reply[2]), int(reply[3]))
-    return grant_of(reply, permits=slot.permits)
 
 
 def rule_renewals(items: Sequence[Renewal]) -> tuple[list[Renewal], list[list[int]]]:

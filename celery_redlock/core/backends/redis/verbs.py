@@ -12,6 +12,7 @@ by calling the builder of that name with the verb's own arguments.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 from ...backend_types import (
@@ -30,6 +31,7 @@ from ...backend_types import (
     parse_holder,
     text,
 )
+from ...errors import cost_above_burst
 from .admin import fence_of
 from .scripts import (
     ACQUIRE,
@@ -95,16 +97,21 @@ def acquire(
     fence_step_ms: int = 0
 ) -> Call:  # fmt: skip
     """acquire.lua (permit_acquire.lua for permits): *fence_step_ms*, a mutex's counter
-    restart rounded up to that step (a quorum's member: acquire.lua's ARGV[6])."""
+    restart rounded up to that step (a quorum's member: acquire.lua's ARGV[6]). A
+    ``controlled`` slot (a task's run) passes its control hash: the script reads the
+    name's operator controls in the same step."""
     keys = slot.keys
     names = [keys.lock, keys.fence, keys.waiting]
+    if slot.controlled:
+        names.append(keys.control)
     args: list[Any] = [token, ttl_ms, record, _flag(wait), fence_ttl_ms]
+    read = partial(grant_of, slot=slot)
     if slot.permits:
         args.append(slot.limit)
-        return Call(PERMIT_ACQUIRE, names, args, _permit_granted)
+        return Call(PERMIT_ACQUIRE, names, args, read)
     if fence_step_ms:
         args.append(fence_step_ms)
-    return Call(ACQUIRE, names, args, _granted)
+    return Call(ACQUIRE, names, args, read)
 
 
 def take_over(
@@ -112,11 +119,12 @@ def take_over(
     fence_ttl_ms: int
 ) -> Call:  # fmt: skip
     """acquire.lua with the queued hold's key: the mutex, and task ``handover.owner``'s
-    queued hold with it."""
+    queued hold with it; a task's run, so the name's control hash is read with it."""
     keys = mutex_keys(slot)
+    names = [keys.lock, keys.fence, keys.waiting, keys.control, keys.queued]
     args: list[Any] = [token, ttl_ms, record, _flag(wait), fence_ttl_ms]
     args += [handover.owner, _flag(handover.strict)]
-    return Call(ACQUIRE, [keys.lock, keys.fence, keys.waiting, keys.queued], args, _granted)
+    return Call(ACQUIRE, names, args, partial(grant_of, slot=slot))
 
 
 def release(slot: Slot, token: str, notice_ms: int) -> Call:
@@ -243,25 +251,41 @@ SENDABLE: dict[str, Callable[..., Call]] = {
 
 
 # -- replies ------------------------------------------------------------------------------
-def grant_of(reply: Any, *, permits: bool) -> Grant:
-    """An acquire script's reply (acquire.lua, or permit_acquire.lua) as a Grant."""
+def grant_of(reply: Any, slot: Slot) -> Grant:
+    """An acquire's reply for *slot* as a Grant: acquire.lua's or permit_acquire.lua's, or
+    hold_all.lua's (the slot's own script with its controls and rules), which adds each
+    rule's fence, a refusal by a control or a rule (-2) and a cost above a burst (-3)."""
     code = int(reply[0])
     if code == 1:
-        return Grant(True, fence=int(reply[1]))
+        return Grant(True, fence=int(reply[1]), fences=tuple(int(f) for f in reply[2:]))
+    if code == -2:
+        return _refused(reply, slot)
+    if code == -3:
+        raise cost_above_burst(f"rate {text(reply[1])!r}", int(reply[2]), int(reply[3]))
     holder, left = parse_holder(reply[1]), int(reply[2])
-    # A hand-over (acquire.lua with KEYS[4]) adds the queued hold's owner.
-    queued = text(reply[3]) if len(reply) > 3 and not permits else None
+    # A hand-over (acquire.lua with KEYS[5]) adds the queued hold's owner.
+    queued = text(reply[3]) if len(reply) > 3 and not slot.permits else None
     if code == -1:  # a hand-over whose queued hold belongs to another task id
         return Grant(False, holder=holder, holder_ttl_ms=left, superseded=True, queued_owner=queued)
     return Grant(False, holder=holder, holder_ttl_ms=left, wait_ms=left, queued_owner=queued)
 
 
-def _granted(reply: Any) -> Grant:
-    return grant_of(reply, permits=False)
-
-
-def _permit_granted(reply: Any) -> Grant:
-    return grant_of(reply, permits=True)
+def _refused(reply: Any, slot: Slot) -> Grant:
+    """A refusal by an operator control or a rule: ``{-2, name ('': the slot's own), wait
+    ms (-1: unknown), why, detail}``."""
+    wait = int(reply[2])
+    why, detail = text(reply[3]), text(reply[4])
+    holder: dict[str, Any] = {"reason": detail} if why == "paused" else {}
+    if why == "limit":
+        holder = parse_holder(detail)
+    return Grant(
+        False,
+        holder=holder,
+        holder_ttl_ms=None if wait < 0 else wait,
+        wait_ms=None if wait < 0 else wait,
+        refused_by=text(reply[1]) or slot.name,
+        refusal=why,
+    )
 
 
 def _lease(reply: Any) -> int | Status:

@@ -13,13 +13,17 @@
 --          server's clock in microseconds, above any value it could have reached by
 --          counting (fewer than one a microsecond), so fences still increase after it
 --          expired.
--- KEYS[4]  queued hold of this lock (optional: a hand-over, see enqueue.lua): the
+-- KEYS[4]  control hash of this name (optional: a task's run; always with KEYS[5]):
+--          field -> '<until: server ms, 0 none>|<value>' (control.lua writes it), a
+--          lapsed field counts as absent; a 'pause' refuses the acquisition (below).
+--          Not read when ARGV.checked is set (hold_all.lua read it already)
+-- KEYS[5]  queued hold of this lock (optional: a hand-over, see enqueue.lua): the
 --          acquisition takes over the enqueue-time hold of task ARGV[6], in this one step
--- ARGV[6]  with KEYS[4]: the task id taking over; kept in the lock's 'owner' field
--- ARGV[7]  with KEYS[4]: '1' refuses when the queued hold belongs to another task id
+-- ARGV[6]  with KEYS[5]: the task id taking over; kept in the lock's 'owner' field
+-- ARGV[7]  with KEYS[5]: '1' refuses when the queued hold belongs to another task id
 --          (this message was superseded or is a duplicate); '0' takes the lock anyway
 --          (a retry of a task that already ran keeps its place)
--- ARGV[6]  without KEYS[4]: the restart's step in ms (optional): a restart rounds up to
+-- ARGV[6]  without KEYS[5]: the restart's step in ms (optional): a restart rounds up to
 --          the next whole step of min(ARGV[6], ARGV[5]). A Redlock asks its masters for a
 --          step of 1 s, so masters whose clocks agree to the second restart a new name's
 --          counter alike and their fences agree (no write-back round); a step no longer
@@ -31,26 +35,58 @@
 --          script on a Sentinel-managed master; nil elsewhere) the fence is at least
 --          ARGV.fence_floor + the server's clock in microseconds, and the counter is
 --          raised to it
--- With KEYS[4], a lock kept for task ARGV[6]'s redelivered copy (park.lua: its token is
+-- ARGV.checked  (a field: set by hold_all.lua, which runs this script as take_lock) the
+--          controls of KEYS[4] are read already: they are not read again
+-- ARGV.clock  (a field: set by hold_all.lua when it read the server's clock) TIME's reply,
+--          which this script then reads no more
+-- With KEYS[5], a lock kept for task ARGV[6]'s redelivered copy (park.lua: its token is
 -- 'parked:' .. ARGV[6]) is taken over as if free, whoever holds the queued hold.
 -- Index    the lock key, and the queued hold it takes over (index.lua)
 -- Returns  {1, fence}          acquired; also when the key already holds ARGV[1]
 --                              (a re-sent acquire finds its own token: same fence,
---                              lease reset). With KEYS[4]: the queued hold is deleted
---                              if ARGV[6] owned it
+--                              lease reset; no control is read). With KEYS[5]: the
+--                              queued hold is deleted if ARGV[6] owned it
 --          {0, holder, pttl}   held by another token: its record and ms left; with
---                              KEYS[4] a 4th item, the queued hold's owner ('' if none)
---          {-1, info, pttl, owner}  with KEYS[4] and ARGV[7] = '1': the lock is free
+--                              KEYS[5] a 4th item, the queued hold's owner ('' if none)
+--          {-1, info, pttl, owner}  with KEYS[5] and ARGV[7] = '1': the lock is free
 --                              but the queued hold belongs to another task id (its
 --                              record, ms left, that id); nothing is changed
+--          {-2, '', wait ms, 'paused', reason}  KEYS[4] pauses the name (as hold_all.lua
+--                              refuses it): the wait is the ms to the pause's end (-1:
+--                              no end); nothing is changed
+-- The server's clock (TIME) is read at most once, and only when a control, a counter's
+-- restart or a fence floor needs it.
+local t = ARGV.clock -- the server's clock: read by clock() at most once, for the index too
+local function clock()
+  if not t then
+    t = redis.call('TIME')
+    index_time(t)
+  end
+  return t
+end
 local cur = redis.call('HMGET', KEYS[1], 'token', 'fence', 'info')
 if cur[1] == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   index_renew(KEYS[1], ARGV[2])
   return {1, tonumber(cur[2])}
 end
-local queued = KEYS[4] and redis.call('HMGET', KEYS[4], 'owner', 'info')
-local parked = KEYS[4] and cur[1] == 'parked:' .. ARGV[6]
+if KEYS[4] and not ARGV.checked then
+  local pause = redis.call('HGET', KEYS[4], 'pause')
+  if pause then
+    local untl, reason = string.match(pause, '^(%d+)|(.*)$')
+    untl = tonumber(untl or '0')
+    if untl == 0 then
+      return {-2, '', -1, 'paused', reason or ''}
+    end
+    local now = clock()
+    local left = untl - (tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
+    if left > 0 then
+      return {-2, '', left, 'paused', reason or ''}
+    end
+  end
+end
+local queued = KEYS[5] and redis.call('HMGET', KEYS[5], 'owner', 'info')
+local parked = KEYS[5] and cur[1] == 'parked:' .. ARGV[6]
 if cur[1] and not parked then
   local left = redis.call('PTTL', KEYS[1])
   if ARGV[4] == '1' then
@@ -68,15 +104,15 @@ if cur[1] and not parked then
   return {0, cur[3] or '', left}
 end
 if queued and not parked and queued[1] and queued[1] ~= ARGV[6] and ARGV[7] == '1' then
-  return {-1, queued[2] or '', redis.call('PTTL', KEYS[4]), queued[1]}
+  return {-1, queued[2] or '', redis.call('PTTL', KEYS[5]), queued[1]}
 end
 local fence = redis.call('INCR', KEYS[2])
-fence = fence_floor(KEYS[2], fence, ARGV.fence_floor, nil)
+fence = fence_floor(KEYS[2], fence, ARGV.fence_floor, ARGV.fence_floor and clock())
 local fence_ttl = tonumber(ARGV[5] or '0')
 if fence_ttl > 0 then
   if fence == 1 then -- the counter was gone: restart it above anything it counted to
-    local now = redis.call('TIME')
-    local step = KEYS[4] and 0 or math.min(tonumber(ARGV[6] or '0') * 1000, fence_ttl * 1000)
+    local now = clock()
+    local step = KEYS[5] and 0 or math.min(tonumber(ARGV[6] or '0') * 1000, fence_ttl * 1000)
     if step < 1 then
       step = 1
     end
@@ -89,8 +125,8 @@ end
 if queued then
   redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fence, 'info', ARGV[3], 'owner', ARGV[6])
   if queued[1] == ARGV[6] then
-    redis.call('DEL', KEYS[4])
-    index_drop(KEYS[4], 'queued')
+    redis.call('DEL', KEYS[5])
+    index_drop(KEYS[5], 'queued')
   end
 else
   redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fence, 'info', ARGV[3])

@@ -1,6 +1,8 @@
 -- control: set or lift one operator control of a name (celery locks pause / set / unset).
 -- KEYS[1]  the name's control hash: field -> '<until: server ms, 0 none>|<value>' (see
---          hold_all.lua, which reads it); the key lives as long as its longest field
+--          hold_all.lua, which reads it for a run with rules; acquire.lua and
+--          permit_acquire.lua read it for a run without); the key lives as long as its
+--          longest field
 -- ARGV[1]  the field: 'pause', 'limit' or 'rate'
 -- ARGV[2]  the value; '' lifts the control
 -- ARGV[3]  how long it holds in ms (0: until lifted)

@@ -1,6 +1,6 @@
 -- enqueue: take the enqueue-time hold of a lock for the message of one task id, or say
 -- who has it. At most one queued message per lock name; the worker that starts it turns
--- the hold into the lock itself in one step (acquire.lua with KEYS[4]).
+-- the hold into the lock itself in one step (acquire.lua with KEYS[5]).
 -- KEYS[1]  queued hold (a hash: owner, info); same hash tag as the lock
 -- KEYS[2]  lock key (the run-time hold: token, fence, info, and 'owner' after a hand-over)
 -- ARGV[1]  owner: the task id of the message about to be published

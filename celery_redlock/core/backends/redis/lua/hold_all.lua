@@ -1,10 +1,14 @@
 -- hold_all: a run's holds taken in one step, all or nothing, after the operator controls
--- of every name involved (a task's lock_limits; celery locks pause / set). The Redis
--- backend puts acquire.lua and permit_acquire.lua in front of this file as the local
--- functions take_lock(KEYS, ARGV) and take_permit(KEYS, ARGV).
+-- of every name involved (a task's lock_limits; celery locks pause / set). A run with
+-- rules takes this script; a run without takes acquire.lua or permit_acquire.lua alone,
+-- which read its name's controls themselves (their KEYS[4]). The Redis backend puts
+-- acquire.lua and permit_acquire.lua in front of this file as the local functions
+-- take_lock(KEYS, ARGV) and take_permit(KEYS, ARGV); it passes them ARGV.checked, so
+-- that they do not read the primary's controls again.
 -- KEYS[1 .. n]   the primary's keys, as acquire.lua (a mutex) or permit_acquire.lua (a
---                semaphore) takes them; n = ARGV[1] (0 with 'none': rules alone, as
---                the rules of a Redis Cluster slot other than the primary's)
+--                semaphore) takes them (their KEYS[4], the control hash, is not read
+--                there: KEYS[n + 1] is, here); n = ARGV[1] (0 with 'none': rules alone,
+--                as the rules of a Redis Cluster slot other than the primary's)
 -- KEYS[n + 1]    the primary's control hash (absent with 'none'): field -> '<until:
 --                server ms, 0 none>|<value>', fields 'pause' (value: the reason), 'limit'
 --                (the permits of a semaphore) and 'rate' ('<interval us>|<burst, 0: the
@@ -38,13 +42,14 @@
 --                                     which frees when a holder ends)
 --          {-3, name, cost, most}     a Rate rule asked for more units than it can grant
 --                                     at once (its burst): nothing taken
--- The server's clock, read once and only when a control or a rule needs it: a slot
--- whose name has no control and no rule costs one read (its control hash) more than
--- its own script.
-local now_ms, now_us
+-- The server's clock, read once and only when a control or a rule needs it; take_lock,
+-- take_permit (ARGV.clock) and the index are handed it and read it no more.
+local now_t, now_ms, now_us
 local function clock()
   if not now_ms then
     local t = redis.call('TIME')
+    now_t = t
+    index_time(t)
     now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
     now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
   end
@@ -71,6 +76,7 @@ local pk, pa = {}, {}
 for i = 1, n do pk[i] = KEYS[i] end
 for i = 1, m do pa[i] = ARGV[3 + i] end
 pa.fence_floor = ARGV.fence_floor -- a Sentinel-managed master's (master_guard.lua)
+pa.checked = true -- the primary's controls are read here: take_lock / take_permit skip them
 
 local refused, longest, unknown = nil, -1, false
 local function refuse(name, wait, why, detail)
@@ -191,6 +197,7 @@ if r > 0 then
   own() -- before the primary is taken: is this a re-sent copy?
 end
 local got = {1, 0}
+pa.clock = now_t -- the clock read here, if it was: take_lock / take_permit read it no more
 if kind == 'permit' then
   got = take_permit(pk, pa)
 elseif kind == 'lock' then
@@ -205,11 +212,11 @@ for i = 1, r do
   local rule = rules[i]
   if rule.kind == 'limit' then
     local taken = take_permit({rule.key, rule.fence},
-      {pa[1], pa[2], pa[3], '0', pa[5], rule.a, fence_floor = pa.fence_floor})
+      {pa[1], pa[2], pa[3], '0', pa[5], rule.a, fence_floor = pa.fence_floor, clock = now_t})
     out[#out + 1] = taken[2]
   elseif rule.kind == 'mutex' then
     local taken = take_lock({rule.key, rule.fence},
-      {pa[1], pa[2], pa[3], '0', pa[5], fence_floor = pa.fence_floor})
+      {pa[1], pa[2], pa[3], '0', pa[5], fence_floor = pa.fence_floor, clock = now_t})
     out[#out + 1] = taken[2]
   elseif resent then
     out[#out + 1] = 0

@@ -24,6 +24,8 @@
 -- index_drop(key, set)        *key* deleted (*set* nil: a mutex, out of its three sets)
 -- index_gone(key, record)     a mutex at *key* released, its holder *record* (JSON text)
 -- index_state(record)         the set of a mutex taken with holder *record* (JSON text)
+-- index_time(t)               the server's clock as the script read it (TIME's reply):
+--                             the index reads it no second time
 local INDEX_MUTEX = {'held', 'running', 'parked'}
 local function index_state(record)
   if string.find(record, '"kept_for":', 1, true) then
@@ -44,6 +46,9 @@ local function index_at(ms)
     index_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   end
   return index_ms + tonumber(ms)
+end
+local function index_time(t)
+  index_ms = index_ms or tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 local INDEX_TIMED = {queued = true, rate = true, control = true}
 local function index_timed(head, set)

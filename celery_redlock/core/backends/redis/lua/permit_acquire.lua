@@ -10,17 +10,25 @@
 -- ARGV[3]  holder record (JSON text), shown by `celery locks`
 -- ARGV[4]  '1' when the caller will block for a release notice if every permit is held
 -- ARGV[5]  idle lifetime of the fence counter in ms (0: never expires); see acquire.lua
+-- KEYS[4]  control hash of this name (optional: a task's run; with KEYS[3]), as in
+--          acquire.lua: a 'pause' refuses the acquisition, a 'limit' (value: the
+--          permits) stands for ARGV[6]. Not read when ARGV.checked is set
 -- ARGV[6]  the limit: how many permits may be held at once (integer >= 1)
 -- ARGV.fence_floor  as in acquire.lua (a Sentinel-managed master)
+-- ARGV.checked  as in acquire.lua: hold_all.lua read KEYS[4] already (and passes the
+--          control's limit as ARGV[6])
+-- ARGV.clock  as in acquire.lua: the server's clock as hold_all.lua read it
 -- Index    the permits' key, with the expiry of its longest permit (index.lua)
 -- Returns  {1, fence}               acquired; also when KEYS[1] already holds an unexpired
 --                                   ARGV[1] (a re-sent acquire: same fence, lease reset)
 --          {0, record, left, held}  every permit is held: the record and ms left of the
 --                                   permit that expires first, and how many are held
+--          {-2, '', wait ms, 'paused', reason}  KEYS[4] pauses the name, as in acquire.lua
 -- Expired permits are removed when the hash is full (or met by their token): until then
 -- they take no one's place, since a new permit is granted only while fewer than ARGV[6]
 -- fields exist. So at every moment live permits <= fields <= the limit.
-local t = redis.call('TIME')
+local t = ARGV.clock or redis.call('TIME') -- read once: the index takes it too
+index_time(t)
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])
 local limit = tonumber(ARGV[6])
@@ -36,6 +44,19 @@ if mine then
     return {1, tonumber(fence)}
   end
   redis.call('HDEL', KEYS[1], ARGV[1])
+end
+if KEYS[4] and not ARGV.checked then
+  local c = redis.call('HMGET', KEYS[4], 'pause', 'limit')
+  local untl, value = string.match(c[1] or '', '^(%d+)|(.*)$')
+  untl = tonumber(untl or '-1')
+  if untl == 0 or untl > now then
+    return {-2, '', untl == 0 and -1 or untl - now, 'paused', value}
+  end
+  untl, value = string.match(c[2] or '', '^(%d+)|(.*)$')
+  untl = tonumber(untl or '-1')
+  if untl == 0 or untl > now then
+    limit = tonumber(value)
+  end
 end
 if redis.call('HLEN', KEYS[1]) >= limit then
   -- Full: drop the expired permits, and find the one that expires first.
