@@ -28,7 +28,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import redis
@@ -218,6 +218,16 @@ def _no_retry_client(
 # --------------------------------------------------------------------------- one server
 
 
+def info_of(client: redis.Redis, section: str) -> dict[str, Any] | None:
+    """``INFO`` *section* as *client* reads it (closed after); None when no answer comes."""
+    try:
+        return client.info(section)  # type: ignore[no-any-return]
+    except redis.RedisError:
+        return None
+    finally:
+        client.close()
+
+
 class RedisServer:
     """One throwaway redis-server (or sentinel) process on 127.0.0.1 with its own temp dir.
 
@@ -361,13 +371,9 @@ class RedisServer:
 
     def _answers_as(self, pid: int) -> bool:
         """True when the server on our port answers and reports our pid (not a squatter)."""
-        client = _no_retry_client(self.host, self.port, 0.5, self.password)
-        try:
-            info = client.info("server")
-        except redis.RedisError:
+        info = info_of(_no_retry_client(self.host, self.port, 0.5, self.password), "server")
+        if info is None:
             return False
-        finally:
-            client.close()
         if int(info.get("process_id", -1)) == pid:
             return True
         # Someone else owns the port; our process will exit with "Address already in use".
@@ -846,6 +852,25 @@ class FaultProxy:
 # --------------------------------------------------------------------------- sentinel
 
 
+_T = TypeVar("_T")
+
+
+def _three_at_once(start: Callable[[], _T]) -> tuple[list[_T], list[BaseException]]:
+    """Call *start* three times side by side: what the calls returned, and what the others
+    raised. Every call is waited for, so that whatever one started is known and can be
+    stopped even when another failed."""
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = [pool.submit(start) for _ in range(3)]
+    done: list[_T] = []
+    errors: list[BaseException] = []
+    for future in futures:
+        try:
+            done.append(future.result())
+        except BaseException as exc:
+            errors.append(exc)
+    return done, errors
+
+
 class SentinelSetup:
     """A master, one replica and three sentinels monitoring them as ``mymaster``."""
 
@@ -889,18 +914,9 @@ class SentinelSetup:
                 "sentinel down-after-milliseconds mymaster 1000\n"
                 "sentinel failover-timeout mymaster 5000\n"
             )
-            with ThreadPoolExecutor(max_workers=3) as pool:
-                futures = [
-                    pool.submit(RedisServer.start, None, None, config_text=conf, sentinel=True)
-                    for _ in range(3)
-                ]
-            errors: list[BaseException] = []
-            sentinel_servers: list[RedisServer] = []
-            for future in futures:
-                try:
-                    sentinel_servers.append(future.result())
-                except BaseException as exc:
-                    errors.append(exc)
+            sentinel_servers, errors = _three_at_once(
+                functools.partial(RedisServer.start, None, None, config_text=conf, sentinel=True)
+            )
             started.extend(sentinel_servers)
             if errors:
                 raise errors[0]
@@ -1033,15 +1049,7 @@ class ClusterSetup:
     @classmethod
     def start(cls, ready_timeout: float = 20.0) -> ClusterSetup:
         """Start the nodes concurrently, assign slots, CLUSTER MEET, wait for cluster_state:ok."""
-        with ThreadPoolExecutor(max_workers=3) as pool:
-            futures = [pool.submit(cls._start_node) for _ in range(3)]
-        started: list[tuple[RedisServer, int]] = []
-        errors: list[BaseException] = []
-        for future in futures:
-            try:
-                started.append(future.result())
-            except BaseException as exc:
-                errors.append(exc)
+        started, errors = _three_at_once(cls._start_node)
         setup = cls([s for s, _ in started], [b for _, b in started])
         try:
             if errors:
