@@ -1,12 +1,14 @@
 """Apps and workers in this process, for tests: :class:`Env`, one test's throwaway Redis
-and the apps on it (the ``env`` fixture of tests/integration/conftest.py), and
-:func:`worker`, Celery's in-process test worker."""
+and the apps on it (the ``env`` fixture of tests/integration/conftest.py), :func:`worker`,
+Celery's in-process test worker, :func:`settings_on` for pytest-celery's ``celery_config``,
+and :func:`gated` for a task whose body waits for the test."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
 import json
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -77,6 +79,33 @@ class Env:
                 return True
             time.sleep(0.01)
         return False
+
+
+def settings_on(
+    server: RedisServer, broker_db: int, backend_db: int, locks_db: int, **more: Any
+) -> dict[str, Any]:
+    """The settings of pytest-celery's ``celery_app`` on *server* (broker, results and locks
+    in the databases given), with the root logger left alone; *more* adds settings."""
+    base = f"redis://{server.host}:{server.port}"
+    return {
+        "broker_url": f"{base}/{broker_db}",
+        "result_backend": f"{base}/{backend_db}",
+        "redlock_url": f"{base}/{locks_db}",
+        "worker_hijack_root_logger": False,
+        **more,
+    }
+
+
+@contextlib.contextmanager
+def gated(task: Any) -> Iterator[Any]:
+    """*task* given the two events its body uses: ``task.started``, which the body sets, and
+    ``task.release``, which it waits for; ``release`` is set when the block ends, so that no
+    body outlives the test."""
+    task.started, task.release = threading.Event(), threading.Event()
+    try:
+        yield task
+    finally:
+        task.release.set()
 
 
 # start_worker, not redlock_worker: tests start it mid-test (after publishing), on per-test apps.

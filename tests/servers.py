@@ -14,6 +14,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import logging
+import multiprocessing
 import os
 import select
 import shutil
@@ -21,6 +22,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -28,7 +30,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import redis
@@ -218,6 +220,16 @@ def _no_retry_client(
 # --------------------------------------------------------------------------- one server
 
 
+def info_of(client: redis.Redis, section: str) -> dict[str, Any] | None:
+    """``INFO`` *section* as *client* reads it (closed after); None when no answer comes."""
+    try:
+        return client.info(section)  # type: ignore[no-any-return]
+    except redis.RedisError:
+        return None
+    finally:
+        client.close()
+
+
 class RedisServer:
     """One throwaway redis-server (or sentinel) process on 127.0.0.1 with its own temp dir.
 
@@ -361,13 +373,9 @@ class RedisServer:
 
     def _answers_as(self, pid: int) -> bool:
         """True when the server on our port answers and reports our pid (not a squatter)."""
-        client = _no_retry_client(self.host, self.port, 0.5, self.password)
-        try:
-            info = client.info("server")
-        except redis.RedisError:
+        info = info_of(_no_retry_client(self.host, self.port, 0.5, self.password), "server")
+        if info is None:
             return False
-        finally:
-            client.close()
         if int(info.get("process_id", -1)) == pid:
             return True
         # Someone else owns the port; our process will exit with "Address already in use".
@@ -846,6 +854,25 @@ class FaultProxy:
 # --------------------------------------------------------------------------- sentinel
 
 
+_T = TypeVar("_T")
+
+
+def _three_at_once(start: Callable[[], _T]) -> tuple[list[_T], list[BaseException]]:
+    """Call *start* three times side by side: what the calls returned, and what the others
+    raised. Every call is waited for, so that whatever one started is known and can be
+    stopped even when another failed."""
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = [pool.submit(start) for _ in range(3)]
+    done: list[_T] = []
+    errors: list[BaseException] = []
+    for future in futures:
+        try:
+            done.append(future.result())
+        except BaseException as exc:
+            errors.append(exc)
+    return done, errors
+
+
 class SentinelSetup:
     """A master, one replica and three sentinels monitoring them as ``mymaster``."""
 
@@ -889,18 +916,9 @@ class SentinelSetup:
                 "sentinel down-after-milliseconds mymaster 1000\n"
                 "sentinel failover-timeout mymaster 5000\n"
             )
-            with ThreadPoolExecutor(max_workers=3) as pool:
-                futures = [
-                    pool.submit(RedisServer.start, None, None, config_text=conf, sentinel=True)
-                    for _ in range(3)
-                ]
-            errors: list[BaseException] = []
-            sentinel_servers: list[RedisServer] = []
-            for future in futures:
-                try:
-                    sentinel_servers.append(future.result())
-                except BaseException as exc:
-                    errors.append(exc)
+            sentinel_servers, errors = _three_at_once(
+                functools.partial(RedisServer.start, None, None, config_text=conf, sentinel=True)
+            )
             started.extend(sentinel_servers)
             if errors:
                 raise errors[0]
@@ -1033,15 +1051,7 @@ class ClusterSetup:
     @classmethod
     def start(cls, ready_timeout: float = 20.0) -> ClusterSetup:
         """Start the nodes concurrently, assign slots, CLUSTER MEET, wait for cluster_state:ok."""
-        with ThreadPoolExecutor(max_workers=3) as pool:
-            futures = [pool.submit(cls._start_node) for _ in range(3)]
-        started: list[tuple[RedisServer, int]] = []
-        errors: list[BaseException] = []
-        for future in futures:
-            try:
-                started.append(future.result())
-            except BaseException as exc:
-                errors.append(exc)
+        started, errors = _three_at_once(cls._start_node)
         setup = cls([s for s, _ in started], [b for _, b in started])
         try:
             if errors:
@@ -1116,6 +1126,91 @@ def wait_child(pid: int, timeout: float = 30.0) -> int:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     pytest.fail(f"forked child {pid} did not finish within {timeout}s")
+
+
+def in_forked_child(check: Callable[[], int], timeout: float = 30.0) -> int:
+    """Run *check* in an os.fork() child, which then exits with what it returned (99 when
+    it raised) and never goes back into the test; that exit code, via :func:`wait_child`."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 99
+        try:
+            code = check()
+        finally:
+            os._exit(code)
+    return wait_child(pid, timeout)
+
+
+def run_forked(
+    target: Callable[..., None],
+    args: tuple[Any, ...],
+    count: int,
+    *,
+    timeout: float = 120.0,
+    meanwhile: Callable[[], None] | None = None,
+    why: Callable[[], Any] = lambda: None,
+) -> None:
+    """Fork *count* processes running ``target(*args, start)``, where ``start`` is an event
+    set once all of them are started (so that they compete from their first round); call
+    *meanwhile* (a fault to inject) once it is set; then join them all within *timeout* in
+    all. Every one must exit 0 (*why()* is the message when one does not); any still alive
+    is killed."""
+    ctx = multiprocessing.get_context("fork")
+    start = ctx.Event()
+    procs = [ctx.Process(target=target, args=(*args, start)) for _ in range(count)]
+    for proc in procs:
+        proc.start()
+    try:
+        began = time.monotonic()
+        start.set()
+        if meanwhile is not None:
+            meanwhile()
+        for proc in procs:
+            proc.join(timeout=max(1.0, timeout - (time.monotonic() - began)))
+        assert [p.exitcode for p in procs] == [0] * count, why()
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+def locked_increment(counter: redis.Redis, lock: Any) -> None:
+    """One round of the exclusion workload under *lock*, held: read the "counter", log the
+    lock's fence on "fences", write the counter + 1; then release *lock*. Two holders at
+    once would lose an increment, or log fences out of order."""
+    try:
+        value = int(counter.get("counter") or 0)
+        counter.rpush("fences", str(lock.fence))
+        counter.set("counter", value + 1)
+    finally:
+        lock.release()
+
+
+@contextlib.contextmanager
+def holder_script(
+    script: str, server: RedisServer, name: str, ready: str
+) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """``python -c`` *script* with the port of *server* and *name*: a process that takes the
+    lock *name* there and pushes its fence onto the list *ready*. Yields the process and
+    that fence, once it is pushed (within 15 s); the process is continued (it may be
+    SIGSTOPped) and killed when the block ends."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(server.port), name], stdin=subprocess.DEVNULL
+    )
+    try:
+        client = server.client()
+        try:
+            pushed = client.blpop([ready], timeout=15)
+        finally:
+            client.close()
+        assert pushed is not None, "holder subprocess never acquired"
+        yield proc, int(pushed[1])
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait(10)
 
 
 #: The RabbitMQ broker that broker-agnostic tests also run on, when one is up (not started here).

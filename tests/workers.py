@@ -108,15 +108,22 @@ class Worker:
 
     def stop(self) -> None:
         """Warm shutdown (SIGTERM), then SIGKILL the group if it lingers."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(20)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.wait(10)
+        stop_group(self.proc, grace=20)
         self.log.close()
+
+
+def stop_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, grace: float = 15) -> None:
+    """Stop *proc*, started in a session (a process group) of its own: *sig* to it, up to
+    *grace* seconds for it to exit, then SIGKILL to the whole group (whatever it left
+    behind, its pool children among them) and a bounded wait for it."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.wait(10)
 
 
 @contextlib.contextmanager

@@ -1,15 +1,15 @@
 """A Celery app for de-duplication tests on prefork workers and beat; configured from the
 environment:
 
-DEDUP_BROKER   broker URL (a throwaway Redis, or RabbitMQ)
-DEDUP_BACKEND  result backend URL
-DEDUP_LOCKS    redlock_url
-DEDUP_RECORD   a Redis URL where task bodies record what they did
-DEDUP_TTL      redlock_ttl (seconds)
-DEDUP_ROLE     "beat": the process does not define ``dd.blind_tick``, so beat publishes
-               it by name (``send_task``) while it publishes ``dd.tick`` through the
-               task's ``apply_async``
-DEDUP_CONF     optional JSON object of extra app.conf settings
+REDLOCK_TEST_BROKER   broker URL (a throwaway Redis, or RabbitMQ)
+REDLOCK_TEST_BACKEND  result backend URL
+REDLOCK_TEST_LOCKS    redlock_url
+REDLOCK_TEST_RECORD   a Redis URL where task bodies record what they did
+DEDUP_TTL             redlock_ttl (seconds)
+DEDUP_ROLE            "beat": the process does not define ``dd.blind_tick``, so beat
+                      publishes it by name (``send_task``) while it publishes ``dd.tick``
+                      through the task's ``apply_async``
+DEDUP_CONF            optional JSON object of extra app.conf settings
 """
 
 from __future__ import annotations
@@ -20,21 +20,15 @@ import time
 from typing import Any
 
 import redis
-from celery import Celery, Task
+from celery import Task
 
 from celery_redlock import LockedTask
+from tests.apps.factory import env_app
 
-app = Celery(
+app = env_app(
     "dedupapp",
-    broker=os.environ.get("DEDUP_BROKER", "redis://127.0.0.1:1/0"),
-    backend=os.environ.get("DEDUP_BACKEND", "redis://127.0.0.1:1/2"),
-)
-app.conf.update(
-    redlock_url=os.environ.get("DEDUP_LOCKS", "redis://127.0.0.1:1/1"),
     redlock_ttl=float(os.environ.get("DEDUP_TTL", "30")),
-    worker_prefetch_multiplier=1,
     task_acks_late=False,
-    broker_connection_retry_on_startup=True,
     beat_max_loop_interval=0.25,
     beat_schedule={
         "tick": {"task": "dd.tick", "schedule": 0.5},
@@ -50,7 +44,7 @@ def record(event: str, **fields: Any) -> None:
     """Append one JSON event to the record list (read by the test)."""
     pid = os.getpid()
     if pid not in _record:
-        _record[pid] = redis.Redis.from_url(os.environ["DEDUP_RECORD"])
+        _record[pid] = redis.Redis.from_url(os.environ["REDLOCK_TEST_RECORD"])
     fields.update(event=event, pid=pid, t=time.time())
     _record[pid].rpush("events", json.dumps(fields))
 

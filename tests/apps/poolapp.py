@@ -1,10 +1,10 @@
 """A Celery app for the worker tests on every pool (`celery -A tests.apps.poolapp worker -P
 <pool>`); configured from the environment:
 
-POOLAPP_BROKER   broker URL
-POOLAPP_BACKEND  result backend URL
-POOLAPP_LOCKS    redlock_url
-POOLAPP_RECORD   a Redis URL where task bodies record what they did
+REDLOCK_TEST_BROKER   broker URL
+REDLOCK_TEST_BACKEND  result backend URL
+REDLOCK_TEST_LOCKS    redlock_url
+REDLOCK_TEST_RECORD   a Redis URL where task bodies record what they did
 
 The bodies only sleep and wait on sockets, so that they run as they would under every pool
 (under gevent and eventlet ``time.sleep`` and the Redis client's socket are patched: both
@@ -19,22 +19,11 @@ import threading
 import time
 
 import redis
-from celery import Celery
 
 from celery_redlock import LockedTask, LockLost
+from tests.apps.factory import env_app
 
-app = Celery(
-    "poolapp",
-    broker=os.environ.get("POOLAPP_BROKER", "redis://127.0.0.1:1/0"),
-    backend=os.environ.get("POOLAPP_BACKEND", "redis://127.0.0.1:1/2"),
-)
-app.conf.update(
-    redlock_url=os.environ.get("POOLAPP_LOCKS", "redis://127.0.0.1:1/1"),
-    redlock_ttl=30.0,
-    worker_prefetch_multiplier=1,
-    task_acks_late=False,
-    broker_connection_retry_on_startup=True,
-)
+app = env_app("poolapp", redlock_ttl=30.0, task_acks_late=False)
 
 _record: redis.Redis | None = None
 
@@ -43,7 +32,7 @@ def record(event: str, **fields: object) -> None:
     """Append one JSON event to the record list (read by the test)."""
     global _record
     if _record is None:
-        _record = redis.Redis.from_url(os.environ["POOLAPP_RECORD"])
+        _record = redis.Redis.from_url(os.environ["REDLOCK_TEST_RECORD"])
     fields.update(event=event, pid=os.getpid(), thread=threading.get_ident(), t=time.time())
     _record.rpush("events", json.dumps(fields))
 

@@ -59,6 +59,18 @@ def lines(caplog: pytest.LogCaptureFixture, words: str, level: int = logging.DEB
     ]
 
 
+def refused_twice(caplog: pytest.LogCaptureFixture, key: str) -> list[str]:
+    """The "not started, lock *key* unavailable" messages, once there are two (bounded): a
+    task refused by the server twice, so retried, not failed."""
+    words = f"not started, lock '{key}' unavailable"
+
+    def two() -> list[str]:
+        found = lines(caplog, words)
+        return found if len(found) >= 2 else []
+
+    return wait_for(two, 20, "two refused attempts")
+
+
 def all_logged(caplog: pytest.LogCaptureFixture) -> str:
     return "\n".join(r.getMessage() for r in caplog.records)
 
@@ -354,12 +366,7 @@ def test_a_loading_server_retries_the_task_until_it_serves_then_runs_it_locked(
     with worker(app):
         assert len(lines(caplog, "is loading its data set", logging.WARNING)) == 1
         result = job.delay("a")
-        wait_for(
-            lambda: len(lines(caplog, "not started, lock 'job:a' unavailable")) >= 2,
-            20,
-            "two refused attempts",
-        )
-        refused = lines(caplog, "not started, lock 'job:a' unavailable")
+        refused = refused_twice(caplog, "job:a")
         assert f"127.0.0.1:{loading_server.port}" in refused[0]
         assert "loading" in refused[0].lower()
         assert runs.all() == []
@@ -395,12 +402,7 @@ def test_a_replica_is_an_error_at_start_and_tasks_wait_until_it_is_promoted(
         startup = lines(caplog, "read-only replica", logging.ERROR)
         assert len(startup) == 1 and f"127.0.0.1:{replica.port}" in startup[0]
         result = job.delay("a")
-        wait_for(
-            lambda: len(lines(caplog, "not started, lock 'job:a' unavailable")) >= 2,
-            20,
-            "two refused attempts",
-        )
-        refused = lines(caplog, "not started, lock 'job:a' unavailable")
+        refused = refused_twice(caplog, "job:a")
         assert "ReadOnlyError" in refused[0] and f"127.0.0.1:{replica.port}" in refused[0]
         assert runs.all() == []
         replica.client().execute_command("REPLICAOF", "NO", "ONE")
@@ -428,12 +430,7 @@ def test_out_of_memory_retries_new_tasks_and_keeps_held_locks_alive(
         wait_for(lambda: runs.all(), 20, "the first task to start")
         admin.config_set("maxmemory", 1)  # far below what the server uses
         queued = job.delay("new")
-        wait_for(
-            lambda: len(lines(caplog, "not started, lock 'job:new' unavailable")) >= 2,
-            20,
-            "two refused attempts",
-        )
-        refused = lines(caplog, "not started, lock 'job:new' unavailable")
+        refused = refused_twice(caplog, "job:new")
         assert "OutOfMemoryError" in refused[0] and f"127.0.0.1:{redis_server.port}" in refused[0]
         assert running.get(timeout=30) == "held"  # 2 s at ttl 0.6: renewed through the OOM
         assert not lines(caplog, "LOST")

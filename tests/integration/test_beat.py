@@ -157,6 +157,24 @@ def just_after_a_tick(client: redis.Redis, pid: int) -> None:
     time.sleep(0.3)
 
 
+def sigkill_leader_and_see_standby_take_over(
+    client: redis.Redis, a: Beat, b: Beat, then: float
+) -> list[Published]:
+    """SIGKILL leader *a* just after one of its ticks; once standby *b* publishes, let it
+    run *then* seconds more. *b*'s first tick comes within one TTL of the kill, and every
+    tick is published once, by *a* then by *b*; the messages published."""
+    just_after_a_tick(client, a.pid)
+    a.proc.send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    wait_for(lambda: any(m.pid == b.pid for m in published(client)), 10, "B to publish")
+    time.sleep(then)
+    messages = published(client)
+    first_b = min(m.at for m in messages if m.pid == b.pid)
+    assert first_b - killed_at < TTL + 0.5, "the standby took longer than one TTL"
+    assert_each_tick_once(messages, [a.pid, b.pid])
+    return messages
+
+
 @pytest.mark.slow
 def test_sigkilled_leader_is_replaced_within_one_ttl_and_no_tick_is_sent_twice(
     redis_server: RedisServer, start_beat: BeatFactory
@@ -170,16 +188,7 @@ def test_sigkilled_leader_is_replaced_within_one_ttl_and_no_tick_is_sent_twice(
     assert len(before) >= 4
     assert {m.pid for m in before} == {a.pid}, "the standby published"
 
-    just_after_a_tick(client, a.pid)
-    a.proc.send_signal(signal.SIGKILL)
-    killed_at = time.time()
-    wait_for(lambda: any(m.pid == b.pid for m in published(client)), 10, "B to publish")
-    time.sleep(3)
-
-    messages = published(client)
-    first_b = min(m.at for m in messages if m.pid == b.pid)
-    assert first_b - killed_at < TTL + 0.5, "the standby took longer than one TTL"
-    assert_each_tick_once(messages, [a.pid, b.pid])
+    messages = sigkill_leader_and_see_standby_take_over(client, a, b, then=3)
     assert stored_run_count(client) == len(messages), "a claimed tick was not published once"
     assert "lost leadership" not in b.log()
 
@@ -216,16 +225,7 @@ def test_redlock_leader_sigkilled_with_a_master_down_is_replaced_within_one_ttl(
 
     masters[2].kill()  # a minority down: A keeps leading, B can still take over
     just_after_a_tick(client, a.pid)
-    just_after_a_tick(client, a.pid)
-    a.proc.send_signal(signal.SIGKILL)
-    killed_at = time.time()
-    wait_for(lambda: any(m.pid == b.pid for m in published(client)), 10, "B to publish")
-    time.sleep(2.5)
-
-    messages = published(client)
-    first_b = min(m.at for m in messages if m.pid == b.pid)
-    assert first_b - killed_at < TTL + 0.5, "the standby took longer than one TTL"
-    assert_each_tick_once(messages, [a.pid, b.pid])
+    messages = sigkill_leader_and_see_standby_take_over(client, a, b, then=2.5)
     assert sum(m.pid == a.pid for m in messages) >= 3
     assert newest_record(lock_clients)["n"] == len(messages), "a claimed tick was not sent once"
     holders = {c.hget(LEADER_KEY, "token") for c in lock_clients[:2]}

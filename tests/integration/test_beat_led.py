@@ -11,7 +11,6 @@ tests also count the messages on the broker (nobody consumes them).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import logging
@@ -32,6 +31,7 @@ from redbeat import RedBeatScheduler
 from redbeat.schedulers import RedBeatSchedulerEntry
 from servers import RedisServer, wait_for
 from test_beat import RECORDS_KEY
+from workers import stop_group
 
 from celery_redlock.beat import LeaderScheduler
 
@@ -83,14 +83,7 @@ class Proc:
         return killed
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(15)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.wait(10)
+        stop_group(self.proc)
 
 
 @pytest.fixture

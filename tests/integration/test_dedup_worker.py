@@ -34,7 +34,7 @@ APP = "tests.apps.dedupapp"
 
 
 def _env(server: RedisServer, ttl: float, **extra: str) -> dict[str, str]:
-    return worker_env(server, "DEDUP", DEDUP_TTL=str(ttl), **extra)
+    return worker_env(server, DEDUP_TTL=str(ttl), **extra)
 
 
 def _client(env: dict[str, str]) -> Celery:
@@ -43,9 +43,9 @@ def _client(env: dict[str, str]) -> Celery:
 
     app: Celery = dedupapp.app
     app.conf.update(
-        broker_url=env["DEDUP_BROKER"],
-        result_backend=env["DEDUP_BACKEND"],
-        redlock_url=env["DEDUP_LOCKS"],
+        broker_url=env["REDLOCK_TEST_BROKER"],
+        result_backend=env["REDLOCK_TEST_BACKEND"],
+        redlock_url=env["REDLOCK_TEST_LOCKS"],
     )
     from celery_redlock.app.state import state_for  # noqa: PLC0415
 

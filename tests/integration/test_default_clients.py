@@ -61,6 +61,18 @@ def warm(clients: list[Any], masters: int) -> None:
     raise AssertionError(f"a master never answered: {lock.masters}")
 
 
+def held_on(
+    how: str, servers: list[RedisServer], name: str, ttl: float
+) -> tuple[list[Any], Redlock]:
+    """Warmed clients (:func:`clients_for` *how*, :func:`warm`) of *servers*, and a Redlock
+    on them that holds *name* for *ttl* seconds."""
+    clients = clients_for(how, servers)
+    warm(clients, len(servers))
+    holder = Redlock(clients, name, ttl=ttl)
+    assert holder.acquire(blocking=False)
+    return clients, holder
+
+
 def fault(server: RedisServer, kind: str) -> None:
     """SIGKILL (*dead*) or SIGSTOP (*frozen*) *server*."""
     if kind == "dead":
@@ -145,10 +157,7 @@ def test_five_masters_two_dead_grant_and_time_out_on_time(how: str, redis_server
     """Five masters, two dead: a free name is granted at once; a held one makes a
     blocking acquire return False at its timeout, not seconds later."""
     servers = redis_servers(5)
-    clients = clients_for(how, servers)
-    warm(clients, 5)
-    holder = Redlock(clients, "five:held", ttl=30)
-    assert holder.acquire(blocking=False)
+    clients, holder = held_on(how, servers, "five:held", 30)
     servers[0].kill()
     servers[1].kill()
     try:
@@ -172,10 +181,7 @@ def test_blocking_acquire_returns_at_its_timeout_with_a_master_frozen(
     """The name held elsewhere and one master frozen: acquire(timeout=T) returns False
     within T and a few milliseconds (no last attempt waits a per-node timeout past it)."""
     servers = redis_servers(3)
-    clients = clients_for(how, servers)
-    warm(clients, 3)
-    holder = Redlock(clients, "frozen:held", ttl=10)
-    assert holder.acquire(blocking=False)
+    clients, holder = held_on(how, servers, "frozen:held", 10)
     servers[0].pause()
     try:
         waiter = Redlock(clients, "frozen:held", ttl=10)  # per-node timeout 500 ms

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from servers import RedisServer, wait_for
-from workers import Worker, stop_workers
+from workers import Worker, stop_group, stop_workers
 
 pytestmark = pytest.mark.slow
 
@@ -83,14 +83,7 @@ class _Beat:
         return "is now the leader" in self.text()
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(15)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.wait(10)
+        stop_group(self.proc, sig)
         self.log.close()
 
 

@@ -26,6 +26,7 @@ import redis
 from celery import Celery
 from celery.bin.celery import celery as celery_main
 from click.testing import CliRunner, Result
+from inprocess import settings_on
 from servers import RedisServer, wait_for
 
 from celery_redlock import (
@@ -336,17 +337,13 @@ def test_redlock_with_foreign_data_on_a_minority_still_locks_and_on_a_majority_s
 def celery_config(shared_redis: RedisServer, redis_client: redis.Redis) -> dict[str, Any]:
     """celery_app on the (flushed) shared server: broker db 0, locks db 1, results db 2,
     a queue of its own."""
-    base = f"redis://{shared_redis.host}:{shared_redis.port}"
-    return {
-        "broker_url": f"{base}/0",
-        "result_backend": f"{base}/2",
-        "redlock_url": f"{base}/1",
-        "task_default_queue": f"foreign{next(_apps)}-{uuid.uuid4().hex[:6]}",
-        "worker_hijack_root_logger": False,
-        "broker_connection_retry_on_startup": True,
-        "broker_transport_options": {"polling_interval": 0.1},
-        "worker_prefetch_multiplier": 1,
-    }
+    return settings_on(
+        shared_redis, 0, 2, 1,
+        task_default_queue=f"foreign{next(_apps)}-{uuid.uuid4().hex[:6]}",
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={"polling_interval": 0.1},
+        worker_prefetch_multiplier=1,
+    )  # fmt: skip
 
 
 @pytest.fixture

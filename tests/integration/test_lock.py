@@ -10,16 +10,14 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import multiprocessing
 import os
 import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import pytest
@@ -29,7 +27,17 @@ from hypothesis import strategies as st
 from lua import ACQUIRE, EXTEND, RELEASE, run_script
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from servers import RESEND, FaultProxy, RedisServer, wait_child, wait_for
+from servers import (
+    RESEND,
+    FaultProxy,
+    RedisServer,
+    holder_script,
+    in_forked_child,
+    locked_increment,
+    run_forked,
+    wait_child,
+    wait_for,
+)
 
 from celery_redlock import (
     ConfigError,
@@ -70,6 +78,16 @@ def token_of(client: redis.Redis, lock: Lock) -> bytes | None:
     return value if isinstance(value, bytes) or value is None else str(value).encode()
 
 
+def held_with_token(client: redis.Redis, name: str, **options: Any) -> tuple[Lock, bytes]:
+    """A 10 s Lock (*options* as its own) that holds *name*, taken without waiting, and the
+    token Redis stores for it."""
+    lock = Lock(client, name, ttl=10, **options)
+    assert lock.acquire(blocking=False)
+    token = token_of(client, lock)
+    assert token is not None
+    return lock, token
+
+
 # --------------------------------------------------------------------------- mutual exclusion
 
 PROCESSES = 8
@@ -85,12 +103,7 @@ def _exclusion_worker(port: int, name: str, rounds: int, start: Any) -> None:
         lock = Lock(client, name, ttl=10)
         if not lock.acquire(timeout=60):
             raise SystemExit(3)
-        try:
-            value = int(client.get("counter") or 0)
-            client.rpush("fences", str(lock.fence))
-            client.set("counter", value + 1)
-        finally:
-            lock.release()
+        locked_increment(client, lock)
     client.close()
 
 
@@ -99,27 +112,7 @@ def test_eight_processes_never_overlap_and_fences_increase(
     redis_client: redis.Redis, shared_redis: RedisServer
 ) -> None:
     """8 processes x 200 locked read/increment/write rounds give 1600, fences strictly rising."""
-    ctx = multiprocessing.get_context("fork")
-    start = ctx.Event()
-    procs = [
-        ctx.Process(
-            target=_exclusion_worker, args=(shared_redis.port, "mutex:counter", ROUNDS, start)
-        )
-        for _ in range(PROCESSES)
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        began = time.monotonic()
-        start.set()
-        for proc in procs:
-            proc.join(timeout=max(1.0, 120 - (time.monotonic() - began)))
-        assert [p.exitcode for p in procs] == [0] * PROCESSES
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+    run_forked(_exclusion_worker, (shared_redis.port, "mutex:counter", ROUNDS), PROCESSES)
     assert int(redis_client.get("counter") or 0) == PROCESSES * ROUNDS
     fences = [int(f) for f in redis_client.lrange("fences", 0, -1)]
     assert len(fences) == PROCESSES * ROUNDS
@@ -133,9 +126,7 @@ def test_other_threads_lock_instance_cannot_release_extend_or_take_ours(
     redis_client: redis.Redis,
 ) -> None:
     """A second Lock on the same name, used from another thread, can't take, release or extend."""
-    ours = Lock(redis_client, "own:thread", ttl=10, auto_renew=False)
-    assert ours.acquire(blocking=False)
-    mine = token_of(redis_client, ours)
+    ours, mine = held_with_token(redis_client, "own:thread", auto_renew=False)
     theirs = Lock(redis_client, "own:thread", ttl=10, auto_renew=False)
 
     assert in_other_thread(lambda: theirs.acquire(blocking=False)) is False
@@ -154,9 +145,7 @@ def test_stale_instance_in_another_thread_is_refused_by_the_server(
     stale = Lock(redis_client, "own:stale", ttl=10, auto_renew=False)
     assert in_other_thread(lambda: stale.acquire(blocking=False)) is True
     redis_client.delete(stale.keys.lock)  # as `celery locks release --force` would
-    ours = Lock(redis_client, "own:stale", ttl=10, auto_renew=False)
-    assert ours.acquire(blocking=False)
-    mine = token_of(redis_client, ours)
+    ours, mine = held_with_token(redis_client, "own:stale", auto_renew=False)
     # stale still believes it holds the lock (its local lease is valid): only the
     # compare-and-act scripts in Redis stand between it and our key.
     assert stale.valid_until > time.monotonic()
@@ -171,9 +160,7 @@ def test_same_lock_object_shared_with_another_thread_cannot_be_released_by_a_cop
     redis_client: redis.Redis,
 ) -> None:
     """The release script refuses any token but the holder's: raw RELEASE/EXTEND with another."""
-    ours = Lock(redis_client, "own:raw", ttl=10, auto_renew=False)
-    assert ours.acquire(blocking=False)
-    mine = token_of(redis_client, ours)
+    ours, mine = held_with_token(redis_client, "own:raw", auto_renew=False)
     other = "f" * 40
     assert (
         in_other_thread(
@@ -228,18 +215,8 @@ def test_forked_child_cannot_release_or_extend_the_parents_lock(
     redis_client: redis.Redis, shared_redis: RedisServer
 ) -> None:
     """In an os.fork() child, release()/extend() raise NotOwned and the key is untouched."""
-    lock = Lock(redis_client, "own:fork", ttl=10)
-    assert lock.acquire(blocking=False)
-    mine = token_of(redis_client, lock)
-    assert mine is not None
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 99
-        try:
-            code = _forked_child_checks(lock, shared_redis.port, mine)
-        finally:
-            os._exit(code)
-    assert wait_child(pid) == 0
+    lock, mine = held_with_token(redis_client, "own:fork")
+    assert in_forked_child(partial(_forked_child_checks, lock, shared_redis.port, mine)) == 0
     assert token_of(redis_client, lock) == mine
     assert lock.owned()
     lock.release()
@@ -582,21 +559,10 @@ def test_waiter_gets_the_lock_within_the_remaining_ttl_when_the_holder_is_killed
 ) -> None:
     """A SIGKILLed holder never releases; the waiter gets in within its remaining TTL, O(1) cmds."""
     name = "wait:dead-holder"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _DOOMED_HOLDER, str(shared_redis.port), name],
-        stdin=subprocess.DEVNULL,
-    )
-    try:
-        ready = redis_client.blpop(["holder-ready"], timeout=15)
-        assert ready is not None, "holder subprocess never acquired"
-        holder_fence = int(ready[1])
+    with holder_script(_DOOMED_HOLDER, shared_redis, name, "holder-ready") as (proc, holder_fence):
         time.sleep(0.5)  # let its renewal thread run a round or two
         proc.kill()
         proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
     killed = time.monotonic()
     remaining = redis_client.pttl(f"redlock:{{{name}}}") / 1000
     assert 0 < remaining <= 1.0

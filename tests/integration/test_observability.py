@@ -28,6 +28,7 @@ from celery import Celery, states
 from celery.events.dumper import Dumper
 from celery.events.state import State
 from flower.events import EventsState
+from inprocess import settings_on
 from prometheus_client import CollectorRegistry
 from servers import RedisServer, logger_at_debug, wait_for
 from workers import Worker, close_publisher, publisher, worker_env
@@ -61,13 +62,7 @@ class _Run:
 @pytest.fixture(scope="session")
 def celery_config(shared_redis: RedisServer) -> dict[str, Any]:
     """celery_app's settings: broker, results and locks in dbs 13-15 of the shared server."""
-    base = f"redis://127.0.0.1:{shared_redis.port}"
-    return {
-        "broker_url": f"{base}/13",
-        "result_backend": f"{base}/14",
-        "redlock_url": f"{base}/15",
-        "worker_hijack_root_logger": False,
-    }
+    return settings_on(shared_redis, 13, 14, 15)
 
 
 @pytest.fixture

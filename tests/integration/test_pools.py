@@ -40,7 +40,7 @@ SOLO_WAIT = "lock_on_contended='wait', but this worker's pool is solo"
 
 
 def _env(server: RedisServer) -> dict[str, str]:
-    return worker_env(server, "POOLAPP")
+    return worker_env(server)
 
 
 @pytest.fixture(scope="module", params=list(POOLS))
@@ -65,9 +65,9 @@ def client(server: RedisServer, pool_worker: Worker) -> Iterator[Celery]:
     env = _env(server)
     app: Celery = poolapp.app
     app.conf.update(
-        broker_url=env["POOLAPP_BROKER"],
-        result_backend=env["POOLAPP_BACKEND"],
-        redlock_url=env["POOLAPP_LOCKS"],
+        broker_url=env["REDLOCK_TEST_BROKER"],
+        result_backend=env["REDLOCK_TEST_BACKEND"],
+        redlock_url=env["REDLOCK_TEST_LOCKS"],
         result_backend_transport_options={"retry_policy": {"max_retries": 2}},
     )
     state_for(app).reset()

@@ -6,7 +6,6 @@ import contextlib
 import functools
 import gc
 import itertools
-import multiprocessing
 import subprocess
 import sys
 import threading
@@ -18,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 from redis.sentinel import Sentinel
-from servers import FaultProxy, RedisServer, wait_for
+from servers import FaultProxy, RedisServer, locked_increment, run_forked, wait_for
 
 from celery_redlock import (
     ConfigError,
@@ -682,7 +681,7 @@ ROUNDS = 200
 
 
 def _exclusion_worker(
-    urls: list[str], counter_port: int, name: str, rounds: int, start: Any, progress: Any
+    urls: list[str], counter_port: int, name: str, rounds: int, start: Any
 ) -> None:
     """One competing process: lock, read-modify-write the counter, log the fence."""
     clients = connect(urls, socket_timeout=SOCKET_TIMEOUT)
@@ -705,13 +704,7 @@ def _exclusion_worker(
                     counter.rpush("unavailable", "1")
                     if unavailable > 5:
                         raise
-            try:
-                value = int(counter.get("counter") or 0)
-                counter.rpush("fences", str(lock.fence))
-                counter.set("counter", value + 1)
-            finally:
-                lock.release()
-            progress.set()
+            locked_increment(counter, lock)
     except Exception as exc:  # tell the test what went wrong, then fail
         counter.rpush("errors", f"{type(exc).__name__}: {exc}")
         raise
@@ -727,33 +720,20 @@ def run_exclusion(
     fault: Callable[[], None] | None = None,
 ) -> None:
     """Run *processes* workers of *rounds* each; call *fault* once a quarter is done."""
-    ctx = multiprocessing.get_context("fork")
-    start, progress = ctx.Event(), ctx.Event()
-    name = "rl:mutex"
-    procs = [
-        ctx.Process(
-            target=_exclusion_worker, args=(urls, counter_port, name, rounds, start, progress)
-        )
-        for _ in range(processes)
-    ]
-    for proc in procs:
-        proc.start()
     total = processes * rounds
-    try:
-        began = time.monotonic()
-        start.set()
+
+    def quarter_then_fault() -> None:
         if fault is not None:
             assert wait_for(lambda: int(counter.get("counter") or 0) >= total // 4, 60)
             fault()
-        for proc in procs:
-            proc.join(timeout=max(1.0, 120 - (time.monotonic() - began)))
-        errors = [e.decode() for e in counter.lrange("errors", 0, -1)]
-        assert [p.exitcode for p in procs] == [0] * processes, errors
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+
+    run_forked(
+        _exclusion_worker,
+        (urls, counter_port, "rl:mutex", rounds),
+        processes,
+        meanwhile=quarter_then_fault,
+        why=lambda: [e.decode() for e in counter.lrange("errors", 0, -1)],
+    )
     assert int(counter.get("counter") or 0) == total
     # StoreUnavailable with every master up only happens on a starved host; a handful
     # at most, or something is wrong.

@@ -11,15 +11,14 @@ import gc
 import logging
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 import redis
-from servers import RedisServer, logger_at_debug, wait_child, wait_for
+from servers import RedisServer, holder_script, in_forked_child, logger_at_debug, wait_for
 
 from celery_redlock import Lock, LockLost, connect
 from celery_redlock.core.renewal import RenewalManager, get_manager
@@ -239,14 +238,7 @@ def test_sigstopped_holder_learns_of_the_loss_before_writing_again(
 ) -> None:
     """A holder paused past its TTL loses the lock; on SIGCONT it sees the loss, writes nothing."""
     name = "renew:paused"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _PAUSABLE_HOLDER, str(shared_redis.port), name],
-        stdin=subprocess.DEVNULL,
-    )
-    try:
-        ready = redis_client.blpop(["ready"], timeout=15)
-        assert ready is not None, "holder subprocess never acquired"
-        child_fence = int(ready[1])
+    with holder_script(_PAUSABLE_HOLDER, shared_redis, name, "ready") as (proc, child_fence):
         assert wait_for(lambda: redis_client.llen("writes") >= 3)  # working under the lock
         redis_client.set("park", "1")
         assert redis_client.blpop(["parked"], timeout=5) is not None
@@ -264,11 +256,6 @@ def test_sigstopped_holder_learns_of_the_loss_before_writing_again(
 
         os.kill(proc.pid, signal.SIGCONT)
         assert proc.wait(15) == 0
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.kill()
-            proc.wait(10)
     writes = [w.decode() for w in redis_client.lrange("writes", 0, -1)]
     marker = writes.index(f"new:{new.fence}")
     assert set(writes[:marker]) == {f"child:{child_fence}"}
@@ -400,14 +387,8 @@ def test_forked_child_gets_a_fresh_manager_and_its_own_renewal_thread(
     assert parent_lock.acquire(blocking=False)
     parent_manager = get_manager()
     assert parent_manager.thread is not None and parent_manager.thread.is_alive()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 99
-        try:
-            code = _child_after_fork(shared_redis.port, parent_manager, parent_lock)
-        finally:
-            os._exit(code)
-    assert wait_child(pid) == 0
+    child = partial(_child_after_fork, shared_redis.port, parent_manager, parent_lock)
+    assert in_forked_child(child) == 0
     assert get_manager() is parent_manager
     assert parent_lock.owned()  # the parent's thread kept renewing meanwhile
     assert not redis_client.exists("redlock:{fork:child}")

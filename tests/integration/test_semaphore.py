@@ -7,7 +7,6 @@ the one batched script per node (with locks alongside), and the Redlock refusal.
 
 from __future__ import annotations
 
-import multiprocessing
 import threading
 import time
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 from lua import PERMIT_ACQUIRE, run_script
-from servers import ClusterSetup, RedisServer, wait_for
+from servers import ClusterSetup, RedisServer, run_forked, wait_for
 
 from celery_redlock import (
     ConfigError,
@@ -70,25 +69,7 @@ def test_eight_processes_never_hold_more_than_three_permits(
 ) -> None:
     """8 processes x 200 rounds on Semaphore(limit=3): never more than 3 inside, 3 reached,
     every fence distinct."""
-    ctx = multiprocessing.get_context("fork")
-    start = ctx.Event()
-    procs = [
-        ctx.Process(target=_semaphore_worker, args=(shared_redis.port, ROUNDS, start))
-        for _ in range(PROCESSES)
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        began = time.monotonic()
-        start.set()
-        for proc in procs:
-            proc.join(timeout=max(1.0, 120 - (time.monotonic() - began)))
-        assert [p.exitcode for p in procs] == [0] * PROCESSES
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+    run_forked(_semaphore_worker, (shared_redis.port, ROUNDS), PROCESSES)
     assert int(redis_client.get("most") or 0) == LIMIT
     assert int(redis_client.get("inside") or 0) == 0
     fences = [int(f) for f in redis_client.lrange("fences", 0, -1)]

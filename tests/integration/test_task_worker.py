@@ -22,7 +22,7 @@ import kombu
 import pytest
 from celery import Celery
 from servers import RABBIT, RedisServer, rabbitmq_up, wait_for
-from workers import Worker, close_publisher, publisher, running_worker, worker_env
+from workers import Worker, close_publisher, publisher, publishing, running_worker, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -56,15 +56,28 @@ def worker(server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Ite
 def client(server: RedisServer, worker: Worker) -> Iterator[Celery]:
     """A client app for the shared worker; the record list is emptied first."""
     server.client(db=3).delete("events")
-    app = _client_app(_env(server, 30))
-    try:
+    with publishing(_env(server, 30)) as app:
         yield app
-    finally:
-        close_publisher(app)
 
 
 def _lock_exists(server: RedisServer, name: str) -> bool:
     return bool(server.client(db=1).exists(f"redlock:{{{name}}}"))
+
+
+def _own_broker_env(server: RedisServer, ttl: float, broker_db: int) -> dict[str, str]:
+    """The environment of a test's own worker: a broker database of its own, so that the
+    module's shared worker does not pick its tasks up; the record list is emptied first."""
+    server.client(db=3).delete("events")
+    return _env(server, ttl, broker=f"redis://127.0.0.1:{server.port}/{broker_db}")
+
+
+def _started_hold(server: RedisServer, app: Celery, prefix: str, seconds: float) -> str:
+    """A new name (*prefix*-...) held by a ``hold`` task of *seconds*, once its body has
+    started."""
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    app.send_task(f"{APP}.hold", args=(name, seconds))
+    wait_for(lambda: _events(server, "start"), 20)
+    return name
 
 
 def test_runs_for_one_user_never_overlap_and_other_users_do(
@@ -163,30 +176,17 @@ def test_whole_worker_sigkilled_lock_expires_within_ttl_then_next_run_proceeds(
     server: RedisServer, tmp_path: Path
 ) -> None:
     """SIGKILL of the whole worker: nobody releases, the 3 s lease expires, the next run works."""
-    server.client(db=3).delete("events")
-    # Its own broker database: the module's shared worker must not pick these tasks up.
-    env = _env(server, 3, broker=f"redis://127.0.0.1:{server.port}/4")
-    app = _client_app(env)
-    first = Worker(APP, env, tmp_path / "first.log")
-    try:
-        first.wait_ready()
-        name = f"wk-{uuid.uuid4().hex[:6]}"
-        app.send_task(f"{APP}.hold", args=(name, 30))
-        wait_for(lambda: _events(server, "start"), 20)
-        first.kill()
-        killed = time.monotonic()
-        assert _lock_exists(server, f"hold:{name}"), "nobody is left to release it"
-        wait_for(lambda: not _lock_exists(server, f"hold:{name}"), 10)
-        assert time.monotonic() - killed <= 3.0 + 0.5, "expired within one TTL"
-    finally:
-        first.stop()
-    second = Worker(APP, env, tmp_path / "second.log")
-    try:
-        second.wait_ready()
-        assert app.send_task(f"{APP}.hold", args=(name, 0.05)).get(timeout=20) == name
-    finally:
-        second.stop()
-        close_publisher(app)
+    env = _own_broker_env(server, 3, broker_db=4)
+    with publishing(env) as app:
+        with running_worker(APP, env, tmp_path / "first.log") as first:
+            name = _started_hold(server, app, "wk", 30)
+            first.kill()
+            killed = time.monotonic()
+            assert _lock_exists(server, f"hold:{name}"), "nobody is left to release it"
+            wait_for(lambda: not _lock_exists(server, f"hold:{name}"), 10)
+            assert time.monotonic() - killed <= 3.0 + 0.5, "expired within one TTL"
+        with running_worker(APP, env, tmp_path / "second.log"):
+            assert app.send_task(f"{APP}.hold", args=(name, 0.05)).get(timeout=20) == name
 
 
 @pytest.mark.skipif(not rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672")
@@ -258,22 +258,13 @@ def test_stolen_lock_raises_lock_lost_in_a_sleeping_prefork_child(
 def test_warm_shutdown_finishes_the_task_and_releases(server: RedisServer, tmp_path: Path) -> None:
     """SIGTERM (warm shutdown) while a task holds its lock: the task finishes, the lock is
     released, and the worker exits cleanly."""
-    server.client(db=3).delete("events")
-    env = _env(server, 30, broker=f"redis://127.0.0.1:{server.port}/5")
-    app = _client_app(env)
-    w = Worker(APP, env, tmp_path / "warm.log")
-    try:
-        w.wait_ready()
-        name = f"warm-{uuid.uuid4().hex[:6]}"
-        app.send_task(f"{APP}.hold", args=(name, 1.5))
-        wait_for(lambda: _events(server, "start"), 20)
+    env = _own_broker_env(server, 30, broker_db=5)
+    with publishing(env) as app, running_worker(APP, env, tmp_path / "warm.log") as w:
+        name = _started_hold(server, app, "warm", 1.5)
         w.proc.send_signal(signal.SIGTERM)
         assert w.proc.wait(30) == 0
         assert [e["name"] for e in _events(server, "end")] == [name]
         assert not _lock_exists(server, f"hold:{name}")
-    finally:
-        w.stop()
-        close_publisher(app)
 
 
 @pytest.mark.parametrize("multiprocess", [False, True], ids=["private-registry", "multiproc-dir"])

@@ -8,13 +8,13 @@ import os
 import re
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from celery import Celery
+from inprocess import gated
 from workers import Worker
 
 from celery_redlock import ConfigError, Lock, LockedTask, connect, is_skipped
@@ -92,21 +92,17 @@ def celery_config(redlock_celery_config: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture
 def slow(celery_app: Celery) -> Iterator[Any]:
     """A locked task that holds k:<n> until ``slow.release`` is set (set after the test)."""
-    started, release = threading.Event(), threading.Event()
 
     @celery_app.task(base=LockedTask, bind=True, shared=False, name="tm-threads.slow",
                      lock_key="k:<n>", lock_on_contended="skip")  # fmt: skip
     def slow(self: Any, n: int) -> int:
-        started.set()
-        assert release.wait(10)
+        slow.started.set()
+        assert slow.release.wait(10)
         assert self.lock is not None
         return int(self.lock.fence)
 
-    slow.started, slow.release = started, release  # type: ignore[attr-defined]
-    try:
+    with gated(slow):
         yield slow
-    finally:
-        release.set()
 
 
 def test_a_threads_worker_on_memory_skips_a_second_run_of_one_key(

@@ -134,23 +134,36 @@ def test_acquired_and_released_run_has_acquire_and_hold_spans_under_its_task_spa
     assert task.start_time <= acquire.start_time and hold.end_time <= task.end_time
 
 
-def test_contended_run_names_the_holder_in_its_acquire_span(env: Env, spans: Spans) -> None:
-    """A second run of a held key (lock_on_contended="skip"): its ``redlock.acquire`` is
-    ``contended``, names the holding run's task id and the policy applied (``skip``), and
-    no hold span is made for it."""
-    app = env.app()
+def _first_holds(env: Env, app: Celery, **lock: Any) -> Any:
+    """A LockedTask on *app* (*lock*: its lock settings) that returns its tag; the run
+    tagged "first" sets "first-started", then holds its lock until "go" is set."""
 
-    @app.task(base=LockedTask, shared=False, lock_key="report", lock_on_contended="skip")
-    def report(tag: str) -> str:
+    @app.task(base=LockedTask, shared=False, **lock)
+    def held(tag: str) -> str:
         if tag == "first":
             env.rec.set("first-started", 1)
             env.hold_until("go")
         return tag
 
+    return held
+
+
+def _second_while_first_holds(env: Env, task: Any) -> tuple[Any, Any]:
+    """The results of a run "first" of *task* and, once it has started (holding the lock),
+    a run "second"."""
+    first = task.delay("first")
+    assert env.hold_until("first-started")
+    return first, task.delay("second")
+
+
+def test_contended_run_names_the_holder_in_its_acquire_span(env: Env, spans: Spans) -> None:
+    """A second run of a held key (lock_on_contended="skip"): its ``redlock.acquire`` is
+    ``contended``, names the holding run's task id and the policy applied (``skip``), and
+    no hold span is made for it."""
+    app = env.app()
+    report = _first_holds(env, app, lock_key="report", lock_on_contended="skip")
     with worker(app, concurrency=2):
-        first = report.delay("first")
-        assert env.hold_until("first-started")
-        second = report.delay("second")
+        first, second = _second_while_first_holds(env, report)
         second.get(timeout=10)
         env.rec.set("go", 1)
         assert first.get(timeout=10) == "first"
@@ -174,19 +187,9 @@ def test_a_waiting_run_names_the_wait_policy_on_its_refused_attempt(env: Env, sp
     """lock_on_contended="wait" on a held key: the refused attempt's span says
     ``redlock.policy`` = ``wait``; the wait that got the lock is ``acquired``, without one."""
     app = env.app()
-
-    @app.task(base=LockedTask, shared=False, lock_key="queue", lock_on_contended="wait",
-              lock_wait_timeout=10)  # fmt: skip
-    def drain(tag: str) -> str:
-        if tag == "first":
-            env.rec.set("first-started", 1)
-            env.hold_until("go")
-        return tag
-
+    drain = _first_holds(env, app, lock_key="queue", lock_on_contended="wait", lock_wait_timeout=10)
     with worker(app, concurrency=2):
-        first = drain.delay("first")
-        assert env.hold_until("first-started")
-        second = drain.delay("second")
+        first, second = _second_while_first_holds(env, drain)
         wait_for(lambda: len(spans.named("redlock.acquire")) >= 2)  # the refused attempt ended
         env.rec.set("go", 1)
         assert second.get(timeout=10) == "second" and first.get(timeout=10) == "first"

@@ -50,6 +50,12 @@ class Installed:
             timeout=180, check=False,
         )  # fmt: skip
 
+    def output(self, code: str, *args: str) -> str:
+        """What ``python -c`` *code* (*args* after it) prints in the venv; it must exit 0."""
+        found = self.run("-c", code, *args)
+        assert found.returncode == 0, found.stderr[-3000:]
+        return found.stdout
+
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
@@ -125,9 +131,7 @@ def test_the_installed_package_is_the_wheel_not_the_checkout(installed: Installe
         "print(p); print(c.__version__); print(m.version('celery-redlock')); "
         "print((p / 'py.typed').is_file())"
     )
-    found = installed.run("-c", code)
-    assert found.returncode == 0, found.stderr[-3000:]
-    where, version, meta, typed = found.stdout.split()
+    where, version, meta, typed = installed.output(code).split()
     assert where.startswith(str(installed.python.parents[1])), where
     assert version == meta == celery_redlock.__version__
     assert typed == "True"
@@ -159,9 +163,7 @@ def test_the_lua_scripts_load_from_the_wheel_against_a_real_redis(
         "f = lock.fence; assert r.exists('redlock:{wheel:check}'); lock.release(); "
         "assert not r.exists('redlock:{wheel:check}'); print('fence', f)"
     )
-    found = installed.run("-c", code, f"redis://127.0.0.1:{server.port}/9")
-    assert found.returncode == 0, found.stderr[-3000:]
-    assert found.stdout.startswith("fence ")
+    assert installed.output(code, f"redis://127.0.0.1:{server.port}/9").startswith("fence ")
 
 
 def test_the_board_serves_its_page_and_static_files_from_the_wheel(installed: Installed) -> None:
@@ -179,11 +181,8 @@ def test_the_board_serves_its_page_and_static_files_from_the_wheel(installed: In
         "    body = b''.join(board(env, lambda s, h: seen.setdefault('s', s)))\n"
         "    print(path, seen['s'].split()[0], len(body))\n"
     )
-    found = installed.run("-c", code)
-    assert found.returncode == 0, found.stderr[-3000:]
-    lines = dict(
-        (p, (s, int(n))) for p, s, n in (line.split() for line in found.stdout.splitlines())
-    )
+    printed = installed.output(code).splitlines()
+    lines = dict((p, (s, int(n))) for p, s, n in (line.split() for line in printed))
     for path in ("/", "/static/board.css", "/static/board.js"):
         status, size = lines[path]
         assert status == "200" and size > 100, (path, status, size)

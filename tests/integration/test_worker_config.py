@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,8 +20,9 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from inprocess import gated, settings_on
 from servers import RedisServer, free_port, wait_for
-from workers import Worker, close_publisher, publisher
+from workers import Worker, close_publisher, publisher, publishing, worker_env
 
 from celery_redlock import is_skipped
 
@@ -33,19 +33,11 @@ SECRET = f"pw-{uuid.uuid4().hex}"
 
 
 def _env(server: RedisServer, broker_db: int, record_db: int, **extra: str) -> dict[str, str]:
+    """:func:`worker_env` with a broker and a record database of its own, and no
+    REDLOCK_TEST_CONF unless *extra* gives one."""
     base = f"redis://127.0.0.1:{server.port}"
-    return {
-        "REDLOCK_TEST_BROKER": f"{base}/{broker_db}",
-        "REDLOCK_TEST_BACKEND": f"{base}/2",
-        "REDLOCK_TEST_LOCKS": f"{base}/1",
-        "REDLOCK_TEST_RECORD": f"{base}/{record_db}",
-        "REDLOCK_TEST_CONF": "",
-        **extra,
-    }
-
-
-def _client(env: dict[str, str]) -> Celery:
-    return publisher(env["REDLOCK_TEST_BROKER"], env["REDLOCK_TEST_BACKEND"])
+    more = {"REDLOCK_TEST_RECORD": f"{base}/{record_db}", "REDLOCK_TEST_CONF": "", **extra}
+    return worker_env(server, broker=f"{base}/{broker_db}", **more)
 
 
 def _records(server: RedisServer, db: int, kind: str) -> list[dict[str, Any]]:
@@ -144,26 +136,29 @@ def test_worker_help_documents_each_flag(server: RedisServer) -> None:
 
 
 # -- each flag changes that worker ---------------------------------------------------------
+@pytest.fixture
+def flags(workers: dict[str, Worker], server: RedisServer) -> Iterator[Celery]:
+    """A publisher to the ``flags`` worker (--redlock-url, --redlock-ttl 7)."""
+    with publishing(_env(server, FLAGS_BROKER, FLAGS_RECORD)) as client:
+        yield client
+
+
 @pytest.mark.slow
 def test_redlock_url_flag_puts_locks_on_the_flag_server(
-    workers: dict[str, Worker], server: RedisServer, flag_server: RedisServer
+    flags: Celery, server: RedisServer, flag_server: RedisServer
 ) -> None:
     """With --redlock-url the lock key is on the flag's server, not on app.conf.redlock_url's."""
-    client = _client(_env(server, FLAGS_BROKER, FLAGS_RECORD))
     name = f"url-{uuid.uuid4().hex[:6]}"
-    try:
-        result = client.send_task(f"{APP}.held", args=(name, 1.0))
-        start = wait_for(lambda: _records(server, FLAGS_RECORD, "start"), 20)[-1]
-        assert start["name"] == name and start["locked"] is True
-        key = f"redlock:{{cfg:{name}}}"
-        on_flag = flag_server.client(db=1, password=SECRET)
-        assert on_flag.exists(key), "held on the --redlock-url server"
-        assert int(on_flag.hget(key, "fence")) == start["fence"]
-        assert _keys_everywhere(server, f"*cfg:{name}*") == [], "nothing on the conf server"
-        assert result.get(timeout=20) == name
-        assert not on_flag.exists(key), "released on the flag server"
-    finally:
-        close_publisher(client)
+    result = flags.send_task(f"{APP}.held", args=(name, 1.0))
+    start = wait_for(lambda: _records(server, FLAGS_RECORD, "start"), 20)[-1]
+    assert start["name"] == name and start["locked"] is True
+    key = f"redlock:{{cfg:{name}}}"
+    on_flag = flag_server.client(db=1, password=SECRET)
+    assert on_flag.exists(key), "held on the --redlock-url server"
+    assert int(on_flag.hget(key, "fence")) == start["fence"]
+    assert _keys_everywhere(server, f"*cfg:{name}*") == [], "nothing on the conf server"
+    assert result.get(timeout=20) == name
+    assert not on_flag.exists(key), "released on the flag server"
 
 
 @pytest.mark.slow
@@ -173,11 +168,10 @@ def test_celery_locks_with_the_workers_redlock_url_shows_what_it_holds(
     """A worker started with --redlock-url holds a lock: `celery locks list` with the same
     --redlock-url shows it; without it, the command says where it looked instead."""
     env = _env(server, FLAGS_BROKER, FLAGS_RECORD)
-    client = _client(env)
     name = f"cli-{uuid.uuid4().hex[:6]}"
     flag_url = f"redis://:{SECRET}@127.0.0.1:{flag_server.port}/1"
     argv = [sys.executable, "-m", "celery", "-A", APP, "locks", "list"]
-    try:
+    with publishing(env) as client:
         result = client.send_task(f"{APP}.held", args=(name, 4.0))
         wait_for(
             lambda: [e for e in _records(server, FLAGS_RECORD, "start") if e["name"] == name], 20
@@ -196,26 +190,20 @@ def test_celery_locks_with_the_workers_redlock_url_shows_what_it_holds(
         assert f"cfg:{name}" not in elsewhere.stdout
         assert f"no locks held at redis://127.0.0.1:{server.port}/1" in elsewhere.stdout
         assert result.get(timeout=20) == name
-    finally:
-        close_publisher(client)
 
 
 @pytest.mark.slow
 def test_redlock_ttl_flag_sets_the_lease(
-    workers: dict[str, Worker], server: RedisServer, flag_server: RedisServer
+    flags: Celery, server: RedisServer, flag_server: RedisServer
 ) -> None:
     """--redlock-ttl 7 (app.conf says 30): the held lock's PTTL is in (5000, 7000] ms."""
     server.client(db=FLAGS_RECORD).delete("events")
-    client = _client(_env(server, FLAGS_BROKER, FLAGS_RECORD))
     name = f"ttl-{uuid.uuid4().hex[:6]}"
-    try:
-        result = client.send_task(f"{APP}.held", args=(name, 1.0))
-        wait_for(lambda: _records(server, FLAGS_RECORD, "start"), 20)
-        pttl = flag_server.client(db=1, password=SECRET).pttl(f"redlock:{{cfg:{name}}}")
-        assert 5000 < pttl <= 7000, pttl
-        assert result.get(timeout=20) == name
-    finally:
-        close_publisher(client)
+    result = flags.send_task(f"{APP}.held", args=(name, 1.0))
+    wait_for(lambda: _records(server, FLAGS_RECORD, "start"), 20)
+    pttl = flag_server.client(db=1, password=SECRET).pttl(f"redlock:{{cfg:{name}}}")
+    assert 5000 < pttl <= 7000, pttl
+    assert result.get(timeout=20) == name
 
 
 @pytest.mark.slow
@@ -236,9 +224,8 @@ def test_redlock_disable_flag_runs_unlocked_with_a_loud_warning(
     workers: dict[str, Worker], server: RedisServer, flag_server: RedisServer
 ) -> None:
     """--redlock-disable: two same-key runs overlap, no lock key exists, a WARNING says DISABLED."""
-    client = _client(_env(server, DISABLED_BROKER, DISABLED_RECORD))
     name = f"off-{uuid.uuid4().hex[:6]}"
-    try:
+    with publishing(_env(server, DISABLED_BROKER, DISABLED_RECORD)) as client:
         results = [client.send_task(f"{APP}.held", args=(name, 2.0)) for _ in range(2)]
 
         def both_started() -> list[dict[str, Any]]:
@@ -252,8 +239,6 @@ def test_redlock_disable_flag_runs_unlocked_with_a_loud_warning(
         assert [r.get(timeout=20) for r in results] == [name, name]
         ends = _records(server, DISABLED_RECORD, "end")
         assert max(s["t"] for s in starts) < min(e["t"] for e in ends), "the runs overlapped"
-    finally:
-        close_publisher(client)
     text = workers["disabled"].text()
     warnings = [line for line in text.splitlines() if "DISABLED" in line]
     assert len(warnings) == 1 and "WARNING" in warnings[0], text[-3000:]
@@ -266,8 +251,7 @@ def test_redlock_tasks_locks_a_plain_shared_task_on_prefork(
     workers: dict[str, Worker], server: RedisServer
 ) -> None:
     """redlock_tasks alone locks a plain shared_task on prefork: same key skipped, other runs."""
-    client = _client(_env(server, PLAIN_BROKER, PLAIN_RECORD))
-    try:
+    with publishing(_env(server, PLAIN_BROKER, PLAIN_RECORD)) as client:
         first = client.send_task(f"{PLAIN}.plain_hold", args=(5, 2.0))
         wait_for(lambda: _records(server, PLAIN_RECORD, "plain"), 20)
         assert server.client(db=1).exists("redlock:{plain:5}")
@@ -282,8 +266,6 @@ def test_redlock_tasks_locks_a_plain_shared_task_on_prefork(
         assert sorted(r["n"] for r in runs) == [5, 6], "the skipped call never ran its body"
         assert all(r["locked"] and isinstance(r["fence"], int) for r in runs)
         assert not server.client(db=1).exists("redlock:{plain:5}")
-    finally:
-        close_publisher(client)
 
 
 # -- the in-process worker: pytest-celery's celery_app, the plugin's redlock_worker -----------
@@ -291,34 +273,23 @@ def test_redlock_tasks_locks_a_plain_shared_task_on_prefork(
 def celery_config(shared_redis: RedisServer) -> dict[str, Any]:
     """celery_app: broker, results and locks in dbs 10-12 of the shared server; its tasks
     named inproc.* are locked by redlock_tasks."""
-    base = f"redis://127.0.0.1:{shared_redis.port}"
-    return {
-        "broker_url": f"{base}/10",
-        "result_backend": f"{base}/11",
-        "redlock_url": f"{base}/12",
-        "worker_hijack_root_logger": False,
-        "redlock_tasks": {"inproc.*": {"lock_key": "ip:<n>", "lock_on_contended": "skip"}},
-    }
+    tasks = {"inproc.*": {"lock_key": "ip:<n>", "lock_on_contended": "skip"}}
+    return settings_on(shared_redis, 10, 11, 12, redlock_tasks=tasks)
 
 
 @pytest.fixture
 def slow(celery_app: Celery) -> Iterator[Any]:
     """A plain task (no LockedTask) that runs until ``slow.release`` is set (after the test
     at the latest); ``slow.started`` is set when a body starts."""
-    started = threading.Event()
-    release = threading.Event()
 
     @celery_app.task(name="inproc.slow", shared=False)
     def slow(n: int) -> int:
-        started.set()
-        release.wait(10)
+        slow.started.set()
+        slow.release.wait(10)
         return n
 
-    slow.started, slow.release = started, release  # type: ignore[attr-defined]
-    try:
+    with gated(slow):
         yield slow
-    finally:
-        release.set()
 
 
 def test_redlock_tasks_locks_a_plain_task_in_process(

@@ -68,34 +68,52 @@ def run_threads(count: int, target: Callable[[], None], seconds: float = 30.0) -
         assert not thread.is_alive()
 
 
-def test_one_holder_at_a_time_across_16_threads(store: Any) -> None:
-    """16 threads hammering one lock never find two holders, and each owner check holds."""
-    slot, inside, wins, errors = lock(), [0], [0], list[str]()
+def hold_in_16_threads(
+    store: Any, slot: Slot, rounds: int, while_held: Callable[[], list[str]] = list
+) -> tuple[int, int, list[str]]:
+    """16 threads each try *slot* *rounds* times, a token of its own each time; a thread
+    granted it counts itself in, runs *while_held*, counts itself out and releases. The
+    grants, the most holders at once, and the errors: each own release refused, and what
+    *while_held* returned."""
     guard = threading.Lock()
+    inside, most, wins, errors = [0], [0], [0], list[str]()
 
     def worker() -> None:
         me = f"t{threading.get_ident()}"
-        for i in range(300):
+        for i in range(rounds):
             token = f"{me}-{i}"
             if not take(store, slot, token):
                 continue
             with guard:
                 inside[0] += 1
                 wins[0] += 1
-                if inside[0] != 1:
-                    errors.append("two holders")
-            if store.release(slot, "not-mine", 1000) is Status.OK:
-                errors.append("a stranger released it")
-            if store.extend(slot, "not-mine", 1000, replace=True) is not Status.TAKEN:
-                errors.append("a stranger extended it")
+                most[0] = max(most[0], inside[0])
+            errors.extend(while_held())
             with guard:
                 inside[0] -= 1
             if store.release(slot, token, 1000) is not Status.OK:
                 errors.append("own release refused")
 
     run_threads(16, worker)
+    return wins[0], most[0], errors
+
+
+def test_one_holder_at_a_time_across_16_threads(store: Any) -> None:
+    """16 threads hammering one lock never find two holders, and each owner check holds."""
+    slot = lock()
+
+    def strangers_refused() -> list[str]:
+        errors = []
+        if store.release(slot, "not-mine", 1000) is Status.OK:
+            errors.append("a stranger released it")
+        if store.extend(slot, "not-mine", 1000, replace=True) is not Status.TAKEN:
+            errors.append("a stranger extended it")
+        return errors
+
+    wins, most, errors = hold_in_16_threads(store, slot, 300, strangers_refused)
     assert errors == []
-    assert wins[0] > 16
+    assert most == 1, "two holders"
+    assert wins > 16
 
 
 def test_a_lease_expires_on_the_clock(store: Any) -> None:
@@ -201,28 +219,10 @@ def test_wait_wakes_on_release_and_times_out_otherwise(store: Any) -> None:
 
 def test_permits_never_exceed_the_limit_under_threads(store: Any) -> None:
     """16 threads taking 3 permits never hold more than 3 at once."""
-    slot, held, most, errors = Slot(permit_keys("pool"), limit=3), [0], [0], list[str]()
-    guard = threading.Lock()
-
-    def worker() -> None:
-        me = f"t{threading.get_ident()}"
-        for i in range(200):
-            token = f"{me}-{i}"
-            if not take(store, slot, token):
-                continue
-            with guard:
-                held[0] += 1
-                most[0] = max(most[0], held[0])
-                if held[0] > 3:
-                    errors.append(f"{held[0]} held")
-            with guard:
-                held[0] -= 1
-            if store.release(slot, token, 1000) is not Status.OK:
-                errors.append("own release refused")
-
-    run_threads(16, worker)
+    slot = Slot(permit_keys("pool"), limit=3)
+    _, most, errors = hold_in_16_threads(store, slot, 200)
     assert errors == []
-    assert 1 <= most[0] <= 3
+    assert 1 <= most <= 3, f"{most} held"
     assert store.holders(slot) == []
 
 

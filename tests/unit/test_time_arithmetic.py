@@ -332,6 +332,18 @@ def _renewal_round(lock: Lock) -> None:
         lock.renewed(started, token, outcome)
 
 
+def _taken_over_1_ms_after_the_key_expires(standby: Lock, clock: Any) -> None:
+    """From the leader's last refused claim (1 ms past its local deadline, 301 ms before
+    its key expires): *standby* is refused with 1 ms left, then with 0 ms (Redis keeps a
+    key through its last millisecond), and gets the lock 1 ms later."""
+    clock.tick(0.301)
+    assert not standby.acquire(blocking=False) and standby.holder_ttl_ms == 1
+    clock.tick(0.001)
+    assert not standby.acquire(blocking=False) and standby.holder_ttl_ms == 0
+    clock.tick(0.001)
+    assert standby.acquire(blocking=False)
+
+
 def test_a_beat_leader_claims_ticks_until_its_local_deadline_and_a_standby_takes_over_at_expiry(
     memory: Any, clock: Any
 ) -> None:
@@ -356,12 +368,7 @@ def test_a_beat_leader_claims_ticks_until_its_local_deadline_and_a_standby_takes
         "lost",
         "the lease ran out before a confirmed renewal",
     )
-    clock.tick(0.301)
-    assert not standby.acquire(blocking=False) and standby.holder_ttl_ms == 1
-    clock.tick(0.001)
-    assert not standby.acquire(blocking=False) and standby.holder_ttl_ms == 0
-    clock.tick(0.001)
-    assert standby.acquire(blocking=False)
+    _taken_over_1_ms_after_the_key_expires(standby, clock)
     assert leader.fence is not None and standby.fence == leader.fence + 1
     [(field, record)] = LockRecords(standby, RECORDS_SUFFIX).load().items()
     assert field == "heartbeat" and '"at":29.697' in record and '"n":1' in record
@@ -390,12 +397,7 @@ def test_a_renewal_round_restarts_the_beat_lease_from_when_the_round_began(
     assert ticks.claim("heartbeat", {"at": 39.697}, 1).outcome == "claimed"
     clock.tick(0.001)
     assert ticks.claim("heartbeat", {"at": 39.698}, 2).outcome == "lost"
-    clock.tick(0.301)
-    assert not standby.acquire(blocking=False) and standby.holder_ttl_ms == 1
-    clock.tick(0.001)
-    assert not standby.acquire(blocking=False) and standby.holder_ttl_ms == 0
-    clock.tick(0.001)
-    assert standby.acquire(blocking=False)
+    _taken_over_1_ms_after_the_key_expires(standby, clock)
     assert not lost  # the leader was never told: its lease ended, nobody took it early
     standby.release()
 

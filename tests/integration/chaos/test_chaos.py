@@ -19,9 +19,8 @@ from pathlib import Path
 
 import kombu
 import pytest
-import redis
 from chaos_harness import LONG, Run, Scenario, alive, chaos_seconds, scenario
-from servers import FaultProxy, RedisServer, SentinelSetup, start_servers, wait_for
+from servers import FaultProxy, RedisServer, SentinelSetup, info_of, start_servers, wait_for
 
 from celery_redlock import Lock, StoreUnavailable, connect
 
@@ -285,14 +284,22 @@ LAG = 2.0
 
 
 def _linked_replica(server: RedisServer) -> bool:
-    client = server.client(socket_timeout=1)
+    info = info_of(server.client(socket_timeout=1), "replication")
+    return (
+        info is not None and info.get("role") == "slave" and info.get("master_link_status") == "up"
+    )
+
+
+def _verified_for_later(sc: Scenario) -> AssertionError | None:
+    """What ``sc.verify()`` raised (None: every invariant held), for the tests that share
+    a module fixture's scenario to raise; then the check that no lock is left alive."""
+    error = None
     try:
-        info = client.info("replication")
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
-    return info.get("role") == "slave" and info.get("master_link_status") == "up"
+        sc.verify()
+    except AssertionError as exc:
+        error = exc
+    sc.check_no_lock_alive()
+    return error
 
 
 @dataclass
@@ -334,12 +341,7 @@ def delayed_replies(tmp_path_factory: pytest.TempPathFactory) -> Outcome:
 
         sc.run_chaos(chaos_seconds(6), inject)
         sc.drain()
-        error = None
-        try:
-            sc.verify()
-        except AssertionError as exc:
-            error = exc
-        sc.check_no_lock_alive()
+        error = _verified_for_later(sc)
         false_losses = sc.false_loss_reports()
         sc.finish()
         return Outcome(error, sc.figures.extra, false_losses)
@@ -398,12 +400,7 @@ def redelivery(tmp_path_factory: pytest.TempPathFactory) -> Redelivery:
         # long feed builds chains of reruns that take minutes to drain.
         sc.run_chaos(chaos_seconds(1.5, 3), inject)
         sc.drain(timeout=180)
-        error = None
-        try:
-            sc.verify()
-        except AssertionError as exc:
-            error = exc
-        sc.check_no_lock_alive()
+        error = _verified_for_later(sc)
         deliveries: dict[str, int] = defaultdict(int)
         runs_of: dict[str, list[Run]] = defaultdict(list)
         for e in sc.events():
