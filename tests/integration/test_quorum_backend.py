@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import pytest
-from servers import RedisServer
+from servers import RedisServer, wait_for
 
 from celery_redlock.core import connect, open_backend
 from celery_redlock.core.backend import (
@@ -317,8 +317,11 @@ def test_contention_waits_on_a_member_of_the_holder(flaky: list[Flaky]) -> None:
     assert grant.holder_ttl_ms is not None and 0 < grant.holder_ttl_ms <= 5_000
     assert grant.wait_ms == grant.holder_ttl_ms
     assert grant.wait_on in (1, 2)
-    assert grant.masters[flaky[0].describe()].endswith(", given back")
-    assert flaky[0].inner.holders(slot) == []
+    # The two refusals decide the round: member 0's grant is given back when it has come
+    # by then, else once it comes (its give-back follows its acquire, in the background).
+    said = grant.masters[flaky[0].describe()]
+    assert said.endswith(", given back") or said == "NoAnswer: not waited for", said
+    wait_for(lambda: flaky[0].inner.holders(slot) == [], 5, "member 0's give-back")
 
 
 def test_a_split_vote_retries_soon(flaky: list[Flaky]) -> None:
