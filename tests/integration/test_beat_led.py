@@ -279,8 +279,14 @@ def test_two_beats_lead_redbeat_with_its_own_lock_off(
     killed = _kill_just_after_a_tick(a, "heartbeat")
     _assert_handover(a, b, "heartbeat", killed)
 
-    sent = len(a.sent("heartbeat")) + len(b.sent("heartbeat"))
-    assert server.client(db=0).llen("celery") == sent, "a message no beat logged, or none"
+    # Beat logs a send before it publishes it: the broker catches up with what was
+    # logged, and never holds more than what is logged by then.
+    broker = server.client(db=0)
+    logged = len(a.sent("heartbeat")) + len(b.sent("heartbeat"))
+    wait_for(lambda: broker.llen("celery") >= logged, 5, "a message for every logged send")
+    assert broker.llen("celery") <= len(a.sent("heartbeat")) + len(b.sent("heartbeat")), (
+        "a message no beat logged"
+    )
     assert b.proc.poll() is None and "Traceback" not in b.text(), b.text()[-3000:]
 
 
