@@ -296,9 +296,9 @@ class QueuedHolds(Protocol):
         fence_ttl_ms: int,
     ) -> Grant:
         """:meth:`Backend.acquire` of a mutex that takes over task ``handover.owner``'s
-        enqueue-time hold in the same step. Refused with ``Grant.superseded`` when the
+        enqueue-time hold in the same step. Refused with :class:`Superseded` when the
         hold belongs to another task id and ``handover.strict``; a refusal says the
-        hold's owner (``Grant.queued_owner``, "" when there is none). A lock kept for
+        hold's owner (its ``queued_owner``, "" when there is none). A lock kept for
         ``handover.owner`` by :meth:`park` is taken over as if free."""
         ...
 

@@ -1,6 +1,7 @@
 """The values of the backend seam (:class:`~celery_redlock.core.backend.Backend`): what its
 verbs take (:class:`Slot`, :class:`Handover`, :class:`Renewal`) and their typed results
-(:class:`Status`, :class:`Grant`, :class:`Holder`, :class:`Queued`, :class:`RateGrant`,
+(:class:`Status`, :data:`Grant` (:class:`Acquired`, :class:`Held`, :class:`Superseded`,
+:class:`Refused`), :class:`Holder`, :class:`Queued`, :class:`RateGrant`,
 :class:`Claim`, :class:`LockInfo`, :class:`RateInfo`, :class:`ForceRelease`), and how a
 backend reads a stored value into them (:func:`parse_holder`, :func:`text`,
 :func:`record_version`, :func:`newest_records`).
@@ -12,7 +13,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from .errors import ConfigError, describe_holder
 from .keys import LockKeys
@@ -21,21 +22,25 @@ __all__ = [
     "MAX_RECORD",
     "PARKED",
     "RECENT_BYTES",
+    "Acquired",
     "Claim",
     "Control",
     "ForceRelease",
     "Grant",
     "Handover",
     "Health",
+    "Held",
     "Holder",
     "LockInfo",
     "Queued",
     "RateGrant",
     "RateInfo",
+    "Refused",
     "Renewal",
     "Rule",
     "Slot",
     "Status",
+    "Superseded",
     "lock_state",
     "mutex_keys",
     "newest_records",
@@ -200,43 +205,83 @@ class Handover:
 
     #: The task id whose queued hold becomes this lock.
     owner: str
-    #: Refuse (``Grant.superseded``) when the queued hold belongs to another task id.
+    #: Refuse (:class:`Superseded`) when the queued hold belongs to another task id.
     strict: bool = True
 
 
 @dataclass(frozen=True, slots=True)
-class Grant:
-    """What one acquire attempt found."""
+class Acquired:
+    """An acquire attempt took the slot: it is held for the caller."""
 
-    acquired: bool
-    #: The fence of this acquisition (acquired).
+    acquired: ClassVar[bool] = True
+    #: The fence of this acquisition (None: a backend without fences).
     fence: int | None = None
-    #: The other owner's record (not acquired).
+    #: Taken with rules (:class:`Rule`): each rule's fence, in the slot's order (0 for a
+    #: Rate).
+    fences: tuple[int, ...] = ()
+    #: What each master answered, by address (a quorum; shown in errors).
+    masters: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """An acquire attempt found the slot held by another acquisition."""
+
+    acquired: ClassVar[bool] = False
+    #: The other owner's record (empty: nobody answered with one before the caller's
+    #: deadline, as a quorum whose members were not all heard from).
     holder: Mapping[str, Any] = field(default_factory=dict)
-    #: The other owner's lease left, in ms (not acquired; None when unknown, -1 when the
-    #: key has no expiry: not written by celery-redlock).
+    #: The other owner's lease left, in ms (None when unknown, -1 when the key has no
+    #: expiry: not written by celery-redlock).
     holder_ttl_ms: int | None = None
     #: How long a blocking caller may wait for a release notice before trying again (ms).
     wait_ms: int | None = None
     #: Which member to wait on for that notice (a quorum: one the holder has).
     wait_on: int = 0
-    #: What each master answered, by address (a quorum; shown in errors).
-    masters: Mapping[str, str] = field(default_factory=dict)
-    #: A hand-over refused because the enqueue-time hold belongs to another task id
-    #: (``queued_owner``); ``holder`` and ``holder_ttl_ms`` are then that hold's.
-    superseded: bool = False
     #: A hand-over's view of the enqueue-time hold: its owner's task id ("" when there is
-    #: none; None when the attempt was no hand-over, or it was acquired).
+    #: none; None when the attempt was no hand-over).
     queued_owner: str | None = None
-    #: Acquired with rules (:class:`Rule`): each rule's fence, in the slot's order (0 for
-    #: a Rate).
-    fences: tuple[int, ...] = ()
-    #: Refused by an operator control or a rule, not by the slot's holder: that name...
-    refused_by: str = ""
-    #: ...and why: ``"paused"`` (``holder`` has its ``reason``), ``"limit"`` (``holder``:
-    #: the record of its permit that expires first) or ``"rate"``; ``wait_ms`` is then the
-    #: longest known wait of every refusal (None: unknown, such as a pause with no end).
-    refusal: str = ""
+    masters: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Superseded:
+    """A hand-over refused: the enqueue-time hold belongs to another task id
+    (``queued_owner``), so this message has no place to take; ``holder`` and
+    ``holder_ttl_ms`` are that hold's."""
+
+    acquired: ClassVar[bool] = False
+    queued_owner: str
+    holder: Mapping[str, Any] = field(default_factory=dict)
+    holder_ttl_ms: int | None = None
+    masters: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """An acquire attempt refused by an operator control or a rule, not by the slot's
+    holder."""
+
+    acquired: ClassVar[bool] = False
+    #: The name whose control or rule refused (the slot's own, or a rule's).
+    by: str
+    #: Why: ``"paused"`` (``holder`` has the pause's ``reason``), ``"limit"`` (``holder``:
+    #: the record of its permit that expires first) or ``"rate"``.
+    reason: str
+    holder: Mapping[str, Any] = field(default_factory=dict)
+    #: The longest known wait of every refusal, in ms (None: unknown, such as a pause
+    #: with no end).
+    wait_ms: int | None = None
+    masters: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def holder_ttl_ms(self) -> int | None:
+        """What is known of the refusal's end: its wait."""
+        return self.wait_ms
+
+
+#: What one acquire attempt found: match on the type.
+Grant = Acquired | Held | Superseded | Refused
 
 
 @dataclass(frozen=True, slots=True)

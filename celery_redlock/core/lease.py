@@ -26,7 +26,7 @@ from typing import Any
 
 from . import events, process
 from .backend import Backend
-from .backend_types import Grant, Slot, Status
+from .backend_types import Acquired, Slot, Status
 from .errors import ConfigError, StoreUnavailable
 from .keys import LockKeys
 from .renewal import get_manager
@@ -180,7 +180,7 @@ class Lease:
         """Seconds since the current acquisition (0.0 when not held)."""
         return time.monotonic() - self._acquired_at if self._held_here() else 0.0
 
-    def _take(self, token: str, grant: Grant, started: float, valid_until: float) -> None:
+    def _take(self, token: str, grant: Acquired, started: float, valid_until: float) -> None:
         me = threading.get_ident()
         with self._state:
             if self._lost and self._held_here() and self._owner != me:

@@ -39,7 +39,7 @@ from typing import Any, Literal, TypeVar
 
 from . import process
 from .backend import Backend, FlowControl, has, need
-from .backend_types import Grant, Rule, Slot, Status
+from .backend_types import Acquired, Grant, Refused, Rule, Slot, Status, Superseded
 from .backends import open_backend
 from .errors import ConfigError, LockContended, LockLost, NotOwned, RedlockError, StoreUnavailable
 from .keys import LockKeys, lock_keys
@@ -243,8 +243,11 @@ class Lock(Lease):
                 self._event("unavailable", waited=time.monotonic() - begin, error=str(exc))
                 raise
             self.masters = dict(grant.masters)
-            self.refused_by, self.refusal = grant.refused_by, grant.refusal
-            if grant.acquired:
+            refused = isinstance(grant, Refused)
+            self.refused_by, self.refusal = "", ""
+            if isinstance(grant, Refused):
+                self.refused_by, self.refusal = grant.by, grant.reason
+            if isinstance(grant, Acquired):
                 valid_until = started + self.ttl - drift(self.ttl)
                 if time.monotonic() < valid_until:
                     self._take(token, grant, started, valid_until)
@@ -258,12 +261,14 @@ class Lock(Lease):
                 # pause): it cannot be trusted to exclude anyone. Give it back.
                 self._abandon(token)
                 log_acquire.warning("acquire of %r answered too late to be valid", self.name)
+                wait_ms = None
             else:
                 self.holder = dict(grant.holder)
                 self.holder_ttl_ms = grant.holder_ttl_ms
-                if grant.superseded:  # nothing to wait for: another message has its place
+                if isinstance(grant, Superseded):  # nothing to wait for: another message
                     self._event("superseded", holder=self.holder, waited=time.monotonic() - begin)
                     return False
+                wait_ms = grant.wait_ms
                 if grant.holder_ttl_ms == -1:  # our locks always expire: not written by us
                     log_acquire.warning(
                         "lock %r is held with NO expiry (%r has no TTL): it is never freed by "
@@ -283,8 +288,8 @@ class Lock(Lease):
                     refusal=self.refusal,
                 )
                 return False
-            wait = self.ttl if not grant.wait_ms or grant.wait_ms < 0 else grant.wait_ms / 1000
-            if grant.refused_by and grant.wait_ms is None:
+            wait = self.ttl if not wait_ms or wait_ms < 0 else wait_ms / 1000
+            if refused and wait_ms is None:
                 # A rule's permit frees when its holder ends, with no notice to this name's
                 # waiters: look again a few times a second.
                 wait = min(wait, _RULE_POLL)

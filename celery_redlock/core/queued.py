@@ -39,7 +39,7 @@ from typing import Any
 
 from . import events, process
 from .backend import Backend, DoneMarks, QueuedHolds, Sends, Sent, given, need
-from .backend_types import Grant, Handover, Queued, Slot, Status
+from .backend_types import Grant, Handover, Held, Queued, Slot, Status, Superseded
 from .backends import open_backend
 from .errors import ConfigError
 from .keys import LockKeys, lock_keys
@@ -259,7 +259,8 @@ class RunLock(Lock):
             wait=wait,
             fence_ttl_ms=self.fence_ttl_ms,
         )
-        self.superseded, self.queued_owner = grant.superseded, grant.queued_owner
+        self.superseded = isinstance(grant, Superseded)
+        self.queued_owner = grant.queued_owner if isinstance(grant, Held | Superseded) else None
         return grant
 
     def _give_back(self, token: str) -> Status:

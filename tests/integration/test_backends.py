@@ -60,7 +60,7 @@ from celery_redlock.core import (
     open_backend,
 )
 from celery_redlock.core.admin import ForceRelease, LockInfo, RateInfo
-from celery_redlock.core.backend_types import RECENT_BYTES, Rule
+from celery_redlock.core.backend_types import RECENT_BYTES, Refused, Rule
 from celery_redlock.core.backends.redis.scripts import ACQUIRE, HOLD_ALL, PERMIT_ACQUIRE, Script
 from celery_redlock.core.keys import permit_keys
 from celery_redlock.core.listing import Listing, ListQuery
@@ -1672,7 +1672,7 @@ def test_flow_a_resent_acquire_holds_the_lock_and_its_limits_once(target: Any, n
     assert _free_units(target, rate.name) == 2
     other = Slot(lock_keys(f"{name}:other", PREFIX), rules=(limit,))
     refused = backend.acquire(other, "b" * 40, 10_000, "{}", wait=False, fence_ttl_ms=0)
-    assert not refused.acquired and (refused.refused_by, refused.refusal) == (limit.name, "limit")
+    assert isinstance(refused, Refused) and (refused.by, refused.reason) == (limit.name, "limit")
     assert backend.release(slot, token, 10_000) is Status.OK
     assert not backend.locked(slot) and _permits(target, limit.name) == 0
     assert _permits(target, permit.name) == 0

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from celery_redlock.core import connect, open_backend
-from celery_redlock.core.backend_types import Handover, Renewal, Slot, Status
+from celery_redlock.core.backend_types import Handover, Renewal, Slot, Status, Superseded
 from celery_redlock.core.errors import ConfigError
 from celery_redlock.core.keys import LockKeys, lock_keys, permit_keys, rate_key
 
@@ -422,7 +422,7 @@ def test_an_enqueue_time_hold_is_handed_over(store: Any) -> None:
     dup = store.enqueue(slot, "id2", 10_000, RECORD, replace=False, running_blocks=True)
     assert (dup.outcome, dup.owner, dup.state) == ("duplicate", "id1", "queued")
     other = store.take_over(slot, "t2", 1000, RECORD, Handover("id2"), wait=False, fence_ttl_ms=0)
-    assert other.superseded and other.queued_owner == "id1"
+    assert isinstance(other, Superseded) and other.queued_owner == "id1"
     own = store.take_over(slot, "t1", 1000, RECORD, Handover("id1"), wait=False, fence_ttl_ms=0)
     assert own.acquired
     [info] = store.read("redlock:", "q")

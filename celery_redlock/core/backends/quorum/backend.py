@@ -46,7 +46,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeGuard
 
 from ...backend import (
     Backend,
@@ -62,13 +62,17 @@ from ...backend import (
     need,
 )
 from ...backend_types import (
+    Acquired,
     Claim,
     Grant,
     Health,
+    Held,
     Holder,
+    Refused,
     Renewal,
     Slot,
     Status,
+    Superseded,
     newest_records,
     record_version,
 )
@@ -317,13 +321,14 @@ class QuorumBackend:
                     give_back(maybe)
                     raise
                 if fence is not None:
-                    return Grant(True, fence=fence, masters=outcomes)
+                    return Acquired(fence=fence, masters=outcomes)
                 give_back(maybe)
                 raise self.unavailable(name, outcomes)
             give_back(maybe)
             for i in fences:
                 outcomes[self.names[i]] += ", given back"
-            held = {i: v for i, v in enumerate(results) if isinstance(v, Grant) and not v.acquired}
+            refusals = (Held, Superseded, Refused)
+            held = {i: v for i, v in enumerate(results) if isinstance(v, refusals)}
             foreign = sum(1 for v in results if isinstance(v, ConfigError))
             if foreign:  # data under our keys that is not a lock: no retry mends it
                 raise ConfigError(
@@ -337,7 +342,7 @@ class QuorumBackend:
                     # Too few members answered to decide anything: an outage, not contention.
                     raise self.unavailable(name, outcomes)
                 if not held:  # the caller's deadline came first: out of time, not an outage
-                    return Grant(False, masters=outcomes)
+                    return Held(masters=outcomes)
             unknown = n - len(fences) - len(held)
             # Contention. Group the refusals by holder record (one per acquisition).
             groups = Counter(_record_key(g) for g in held.values())
@@ -352,8 +357,7 @@ class QuorumBackend:
                 wait_ms = max(1, int(random.uniform(0.2, 1.0) * max(timeout, 0.01) * 1000))
                 if top_ttls:
                     wait_ms = min(wait_ms, max(1, min(top_ttls)))
-            return Grant(
-                False,
+            return Held(
                 holder=dict(tops[0][1].holder),
                 holder_ttl_ms=min(top_ttls) if top_ttls else None,
                 wait_ms=wait_ms,
@@ -476,9 +480,13 @@ class QuorumBackend:
         mid-wait, the waiter looks at the others again soon, instead of sleeping out
         the holder's whole lease.
         """
-        index = 0 if refused is None else refused.wait_on
+        index = refused.wait_on if isinstance(refused, Held) else 0
         seconds = min(seconds, max(1.0, 5 * self.timeout(None)))
-        own = None if refused is None else dataclasses.replace(refused, wait_on=0, masters={})
+        own: Grant | None = None
+        if isinstance(refused, Held):
+            own = dataclasses.replace(refused, wait_on=0, masters={})
+        elif refused is not None:
+            own = dataclasses.replace(refused, masters={})
         try:
             self.members[index].wait(slot, seconds, own)
         except StoreUnavailable:
@@ -609,7 +617,7 @@ def _decided(results: Sequence[Any], quorum: int) -> bool:
     refused: dict[Any, int] = {}
     for value in results:
         if isinstance(value, Grant):
-            if value.acquired:
+            if isinstance(value, Acquired):
                 granted += 1
             else:
                 key = _record_key(value)
@@ -617,17 +625,17 @@ def _decided(results: Sequence[Any], quorum: int) -> bool:
     return granted >= quorum or any(count >= quorum for count in refused.values())
 
 
-def _granted(value: Any) -> bool:
-    return isinstance(value, Grant) and value.acquired
+def _granted(value: Any) -> TypeGuard[Acquired]:
+    return isinstance(value, Acquired)
 
 
-def _record_key(grant: Grant) -> str:
+def _record_key(grant: Held | Superseded | Refused) -> str:
     """One acquisition's holder record as comparable text."""
     return json.dumps(dict(grant.holder), sort_keys=True, default=str)
 
 
 def _describe_grant(grant: Grant) -> str:
-    if grant.acquired:
+    if isinstance(grant, Acquired):
         return f"acquired (fence {grant.fence})"
     left = "" if grant.holder_ttl_ms is None else f", {grant.holder_ttl_ms} ms left"
     return f"held ({describe_holder(grant.holder)}{left})"

@@ -17,16 +17,20 @@ from typing import Any, NamedTuple
 
 from ...backend_types import (
     RECENT_BYTES,
+    Acquired,
     Claim,
     ForceRelease,
     Grant,
     Handover,
+    Held,
     Holder,
     Queued,
     RateGrant,
+    Refused,
     Renewal,
     Slot,
     Status,
+    Superseded,
     mutex_keys,
     parse_holder,
     text,
@@ -257,7 +261,7 @@ def grant_of(reply: Any, slot: Slot) -> Grant:
     rule's fence, a refusal by a control or a rule (-2) and a cost above a burst (-3)."""
     code = int(reply[0])
     if code == 1:
-        return Grant(True, fence=int(reply[1]), fences=tuple(int(f) for f in reply[2:]))
+        return Acquired(fence=int(reply[1]), fences=tuple(int(f) for f in reply[2:]))
     if code == -2:
         return _refused(reply, slot)
     if code == -3:
@@ -266,11 +270,11 @@ def grant_of(reply: Any, slot: Slot) -> Grant:
     # A hand-over (acquire.lua with KEYS[5]) adds the queued hold's owner.
     queued = text(reply[3]) if len(reply) > 3 and not slot.permits else None
     if code == -1:  # a hand-over whose queued hold belongs to another task id
-        return Grant(False, holder=holder, holder_ttl_ms=left, superseded=True, queued_owner=queued)
-    return Grant(False, holder=holder, holder_ttl_ms=left, wait_ms=left, queued_owner=queued)
+        return Superseded(queued or "", holder=holder, holder_ttl_ms=left)
+    return Held(holder=holder, holder_ttl_ms=left, wait_ms=left, queued_owner=queued)
 
 
-def _refused(reply: Any, slot: Slot) -> Grant:
+def _refused(reply: Any, slot: Slot) -> Refused:
     """A refusal by an operator control or a rule: ``{-2, name ('': the slot's own), wait
     ms (-1: unknown), why, detail}``."""
     wait = int(reply[2])
@@ -278,13 +282,8 @@ def _refused(reply: Any, slot: Slot) -> Grant:
     holder: dict[str, Any] = {"reason": detail} if why == "paused" else {}
     if why == "limit":
         holder = parse_holder(detail)
-    return Grant(
-        False,
-        holder=holder,
-        holder_ttl_ms=None if wait < 0 else wait,
-        wait_ms=None if wait < 0 else wait,
-        refused_by=text(reply[1]) or slot.name,
-        refusal=why,
+    return Refused(
+        text(reply[1]) or slot.name, why, holder=holder, wait_ms=None if wait < 0 else wait
     )
 
 
