@@ -2,7 +2,7 @@
 the ``Host`` a request names, the values a client sends (query and form), the target of
 a redirect and every header value written.
 
-Each refusal is a :class:`Refused` (an HTTP status and a one-line reason for the
+A request turned down is an :class:`HttpError` (an HTTP status and a one-line reason for the
 client), never an exception of Python that would turn into a 500 and a traceback.
 """
 
@@ -20,7 +20,7 @@ from ..core.errors import ConfigError
 __all__ = [
     "MAX_SECONDS",
     "HostCheck",
-    "Refused",
+    "HttpError",
     "bad",
     "duration",
     "headers",
@@ -37,7 +37,7 @@ _DIGITS = re.compile(r"[0-9]{1,19}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
-class Refused(Exception):
+class HttpError(Exception):
     """A request the board answers with *status* and a one-line *text*, nothing done."""
 
     def __init__(self, status: str, text: str) -> None:
@@ -45,9 +45,9 @@ class Refused(Exception):
         self.status = status
 
 
-def bad(text: str) -> Refused:
+def bad(text: str) -> HttpError:
     """A 400 saying *text*."""
-    return Refused("400 Bad Request", text)
+    return HttpError("400 Bad Request", text)
 
 
 # -- values a client sends ------------------------------------------------------------------------

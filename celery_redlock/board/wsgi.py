@@ -37,7 +37,7 @@ from ..core.admin import force_dequeue, force_release, force_release_permit
 from ..core.errors import ConfigError, StoreUnavailable, one_line
 from . import pages, timeline
 from .auth import SESSION_TTL, Session, Sessions, Token, load_tokens, pasted
-from .http import HostCheck, Refused, bad, duration, headers, local_path, whole
+from .http import HostCheck, HttpError, bad, duration, headers, local_path, whole
 from .pages import e, hidden
 from .rules import matching, task_rules
 from .source import Source, glob_escape, public
@@ -133,7 +133,7 @@ class Board:
             if self.hosts is not None and not self.hosts.allows(environ):
                 raise bad("this board does not answer to that Host (see --allowed-host)")
             status, extra, body = self.handle(environ)
-        except Refused as exc:
+        except HttpError as exc:
             log.debug(
                 "celery-redlock board: %s %s from %s: %s %s",
                 environ.get("REQUEST_METHOD"),
@@ -186,29 +186,31 @@ class Board:
             return self.static(path[len("/static/") :])
         if path == "/action":
             if method != "POST":
-                raise Refused("405 Method Not Allowed", "actions are POSTs")
+                raise HttpError("405 Method Not Allowed", "actions are POSTs")
             return self.act(environ, base)
         if path == "/login":
             return self.login(environ, base, method, args)
         if path == "/logout":
             if method != "POST":
-                raise Refused("405 Method Not Allowed", "sign out with the page's button (a POST)")
+                raise HttpError(
+                    "405 Method Not Allowed", "sign out with the page's button (a POST)"
+                )
             return self.logout(environ, base)
         if self.private and self._session(environ) is None:
             if path.startswith("/api/"):
-                raise Refused("403 Forbidden", "sign in with the board's token first")
+                raise HttpError("403 Forbidden", "sign in with the board's token first")
             target = base + "/login" + pages.query(next=base + path)
             return "303 See Other", [("Location", target)], ""
         if path.startswith("/api/"):
             return self.api(path[len("/api/") :], args)
         if method not in ("GET", "HEAD"):
-            raise Refused("405 Method Not Allowed", "this page is read-only")
+            raise HttpError("405 Method Not Allowed", "this page is read-only")
         live = environ.get("HTTP_X_BOARD_PART") == "live"
         if path in ("", "/"):
             return self.overview(environ, base, args, live)
         if path.startswith("/key/"):
             return self.key(environ, base, path[len("/key/") :], args, live)
-        raise Refused("404 Not Found", f"no page {path[:80]}")
+        raise HttpError("404 Not Found", f"no page {path[:80]}")
 
     # -- pages ----------------------------------------------------------------------------
     def _where(self) -> str:
@@ -274,7 +276,7 @@ class Board:
 
     def static(self, name: str) -> Answer:
         if name not in _STATIC:
-            raise Refused("404 Not Found", "no such file")
+            raise HttpError("404 Not Found", "no such file")
         data = resources.files(__package__).joinpath("static").joinpath(name).read_bytes()
         return "200 OK", [("Content-Type", _STATIC[name])], data
 
@@ -289,7 +291,7 @@ class Board:
             return _json(objects)
         if path == "events":
             return self._api_events(args)
-        raise Refused("404 Not Found", f"no API /api/{path[:80]}")
+        raise HttpError("404 Not Found", f"no API /api/{path[:80]}")
 
     def _api_locks(self, args: dict[str, str]) -> Answer:
         """One page of ``celery locks list --json``: every object (lock, permit, rate
@@ -341,7 +343,7 @@ class Board:
 
     def login(self, environ: Environ, base: str, method: str, args: dict[str, str]) -> Answer:
         if not self.tokens:
-            raise Refused("404 Not Found", "this board has no token to sign in with")
+            raise HttpError("404 Not Found", "this board has no token to sign in with")
         note = ""
         back = args.get("next", "")
         if method == "POST":
@@ -360,7 +362,7 @@ class Board:
             )
             note = '<p class="problems">That is not a token of this board.</p>'
         elif method not in ("GET", "HEAD"):
-            raise Refused("405 Method Not Allowed", "sign in with GET (the form) or POST")
+            raise HttpError("405 Method Not Allowed", "sign in with GET (the form) or POST")
         body = (
             f'<h1>Sign in</h1>{note}<form method=post action="{e(base)}/login">'
             f"{hidden({'next': local_path(back, base)})}"
@@ -375,7 +377,7 @@ class Board:
         session = self._session(environ)
         if session is not None:
             if not session.csrf_ok(form.get("csrf", "")):
-                raise Refused(
+                raise HttpError(
                     "403 Forbidden", "the form's CSRF token is missing or wrong: reload the page"
                 )
             self.sessions.end(session.id)
@@ -391,20 +393,22 @@ class Board:
         first."""
         who = _client(environ)
         if not self.actions:
-            raise Refused(
+            raise HttpError(
                 "403 Forbidden", "actions are off on this board (start it with --actions)"
             )
         form = _form(environ)
         session = self._session(environ)
         if session is None:
             log.info("celery-redlock board: action refused from %s: no live session", who)
-            raise Refused("403 Forbidden", "no valid session: sign in with the board's token first")
+            raise HttpError(
+                "403 Forbidden", "no valid session: sign in with the board's token first"
+            )
         user = session.token.name
         if not session.csrf_ok(form.get("csrf", "")):
             log.info(
                 "celery-redlock board: action (token %r) from %s refused: bad CSRF token", user, who
             )
-            raise Refused(
+            raise HttpError(
                 "403 Forbidden", "the form's CSRF token is missing or wrong: reload the page"
             )
         verb, name = form.get("verb", ""), form.get("name", "")
@@ -779,7 +783,7 @@ def _form(environ: Environ) -> dict[str, str]:
     length = str(environ.get("CONTENT_LENGTH") or "0").strip()
     size = whole(length or "0", "Content-Length", high=2**40)
     if size > 65536:
-        raise Refused("413 Content Too Large", "the form is too large")
+        raise HttpError("413 Content Too Large", "the form is too large")
     data = environ["wsgi.input"].read(size) if size > 0 else b""
     try:
         fields = parse_qs(data.decode("utf-8", "replace"), max_num_fields=100)

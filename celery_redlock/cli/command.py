@@ -39,7 +39,7 @@ from ..app.config import Settings, load_settings
 from ..app.controls import Controls
 from ..app.event_log import log_forced
 from ..app.flags import flag_overrides, locks_flags
-from ..core import STORE_ERRORS, Backend, connect, mask_url, open_backend, refusal
+from ..core import STORE_ERRORS, Backend, access_denied, connect, mask_url, open_backend
 from ..core.admin import (
     LockInfo,
     RateInfo,
@@ -106,12 +106,12 @@ _UNREACHABLE = STORE_ERRORS
 def _refused(exc: BaseException) -> bool:
     """True for a refusal that no retry mends and that is a usage error (missing ACL
     rights)."""
-    return refusal(exc) == "permissions"
+    return access_denied(exc) == "permissions"
 
 
 def _bad_credentials(exc: BaseException) -> bool:
     """True when Redis refused the user name or password (exit 3: the Redis side)."""
-    return refusal(exc) == "credentials"
+    return access_denied(exc) == "credentials"
 
 
 def _conf_url(conf: Any) -> Any:

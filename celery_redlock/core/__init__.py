@@ -7,14 +7,14 @@ and the renewal thread (:mod:`.renewal`) talk to where locks live only through t
 verbs of a backend (:mod:`.backend`): one Redis, a quorum of masters (Redlock), or this
 process's memory (:mod:`.backends`). The operator side (beat, the board, ``celery
 locks``) reaches backends through this package: :func:`open_backend`, and for a failed
-call :data:`STORE_ERRORS` and :func:`refusal`.
+call :data:`STORE_ERRORS` and :func:`access_denied`.
 """
 
 from __future__ import annotations
 
 from .backend import Backend, need
 from .backend_types import Grant, Handover, Holder, Queued, RateGrant, Slot, Status
-from .backends import STORE_ERRORS, open_backend, refusal
+from .backends import STORE_ERRORS, access_denied, open_backend
 from .connect import connect, mask_url
 from .errors import (
     AlreadyQueued,
@@ -68,6 +68,7 @@ __all__ = [
     "Slot",
     "Status",
     "StoreUnavailable",
+    "access_denied",
     "add_hook",
     "connect",
     "get_manager",
@@ -75,7 +76,6 @@ __all__ = [
     "mask_url",
     "need",
     "open_backend",
-    "refusal",
     "remove_hook",
     "render_value",
 ]

@@ -60,7 +60,7 @@ def _backends_imports(path: Path) -> list[str]:
 
 def test_the_operator_side_reaches_backends_through_the_core() -> None:
     """No module above ``core/`` imports ``core.backends``: ``open_backend``,
-    ``STORE_ERRORS`` and ``refusal`` come from ``celery_redlock.core``."""
+    ``STORE_ERRORS`` and ``access_denied`` come from ``celery_redlock.core``."""
     modules = [p for p in PACKAGE.rglob("*.py") if "core" not in p.relative_to(PACKAGE).parts]
     offenders = {
         str(p.relative_to(PACKAGE)): _backends_imports(p) for p in modules if _backends_imports(p)

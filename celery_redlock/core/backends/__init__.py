@@ -10,15 +10,15 @@ from ..backend import Backend, has
 from ..errors import ConfigError
 from .memory import MemoryBackend
 from .quorum import QuorumBackend
-from .redis import STORE_ERRORS, RedisBackend, is_client, refusal
+from .redis import STORE_ERRORS, RedisBackend, access_denied, is_client
 
 __all__ = [
     "STORE_ERRORS",
     "MemoryBackend",
     "QuorumBackend",
     "RedisBackend",
+    "access_denied",
     "open_backend",
-    "refusal",
 ]
 
 #: The backends of this package: told apart by a plain isinstance, which costs far less

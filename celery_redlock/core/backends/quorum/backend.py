@@ -184,7 +184,7 @@ class QuorumBackend:
         """*call* (a :class:`Verb`) sent to member *i* by the caller: None when the member
         does not send (or not this verb), has not answered yet in this process (its first
         call connects in the pool), its last sent call went unanswered, or a call of ours
-        is still outstanding there, unless that one is parked (nobody waits for it): then
+        is still outstanding there, unless that one is set aside (nobody waits for it): then
         the call goes behind it on its connection. The caller never waits for a
         connection to be made, and calls to one member keep their order."""
         sender = self.senders[i]
@@ -195,7 +195,7 @@ class QuorumBackend:
         if gate.calls:
             gate.settle()
             if gate.calls:
-                behind = gate.parked_alone()
+                behind = gate.set_aside_alone()
                 if behind is None:
                     return None
         if not (gate.heard and gate.sends):

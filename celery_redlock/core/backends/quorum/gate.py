@@ -10,13 +10,13 @@ than a round's timeout is stuck (silent, paused): it is sent nothing more until 
 call returns.
 
 An answer that nobody waits for any more (the outcome was decided without it) is left
-with its gate (:meth:`Gate.park`): the next call to that member reads it if it has come
+with its gate (:meth:`Gate.set_aside`): the next call to that member reads it if it has come
 (:meth:`Gate.settle`), or is written behind it on its connection
-(:meth:`Gate.parked_alone`: in order, with no new connection, the old answer read
+(:meth:`Gate.set_aside_alone`: in order, with no new connection, the old answer read
 first), and the process's one reaper thread finishes whatever is still outstanding
 :data:`REAP_AFTER` seconds later (its answer read in the pool, the connection given
 back). The common case, an answer a few microseconds behind the majority, so costs no
-thread at all. At interpreter exit (:func:`atexit`) whatever is still parked is read
+thread at all. At interpreter exit (:func:`atexit`) whatever is still set aside is read
 in the exiting thread, each call for at most its round's timeout: a script that
 releases a Redlock and exits does not leave the lock on a master that answered a
 moment late (a release that met ``NOSCRIPT`` there is sent again as ``EVAL``).
@@ -70,8 +70,8 @@ class Gate:
         self._since = 0.0  # when the running call started (0.0: between calls)
         #: Calls sent directly and not answered yet: key -> (when sent, the call).
         self._sent: dict[int, tuple[float, Any]] = {}
-        #: The keys of those nobody waits for any more (parked: see :meth:`park`).
-        self._parked: set[int] = set()
+        #: The keys of those nobody waits for any more (set aside: see :meth:`set_aside`).
+        self._set_aside: set[int] = set()
         #: Answered once: connected, scripts loaded.
         self.heard = False
         #: Sent to directly (it answered the last call it was sent); False after a send
@@ -114,31 +114,31 @@ class Gate:
         with self._mutex:
             self._sent.pop(key, None)
 
-    def park(self, call: Any, until: float) -> None:
+    def set_aside(self, call: Any, until: float) -> None:
         """Nobody waits for *call* (sent directly) any more: the next call to this member
-        may be written behind it (:meth:`parked_alone`); the reaper finishes it else.
+        may be written behind it (:meth:`set_aside_alone`); the reaper finishes it else.
         *until* (``time.monotonic()``): how long an exit waits for its answer."""
         with self._mutex:
             for key, (_, sent) in self._sent.items():
                 if sent is call:
-                    self._parked.add(key)
-        _reaper.park(call, until)
+                    self._set_aside.add(key)
+        _reaper.set_aside(call, until)
 
-    def parked_alone(self) -> Any:
-        """The one call outstanding here when it is parked (a call may go behind it on
-        its connection); None when there are others, or it is not parked."""
+    def set_aside_alone(self) -> Any:
+        """The one call outstanding here when it is set aside (a call may go behind it on
+        its connection); None when there are others, or it is not set aside."""
         with self._mutex:
             if self._queue or self._since or len(self._sent) != 1:
                 return None
             key, (_, call) = next(iter(self._sent.items()))
-            return call if key in self._parked else None
+            return call if key in self._set_aside else None
 
     def answered(self, key: int, heard: bool) -> None:
         """The call sent as *key* came back (its connection given back); *heard*: the
         member answered (else it was down or silent: its calls take the pool's path)."""
         with self._mutex:
             self._sent.pop(key, None)
-            self._parked.discard(key)
+            self._set_aside.discard(key)
         if heard:
             self.heard = self.sends = True
         else:
@@ -205,20 +205,20 @@ def gate_of(identity: Hashable) -> Gate:
 
 
 class _Reaper:
-    """The process's one thread that finishes parked calls: every :data:`REAP_AFTER`
-    while any are parked, each parked that long is finished (a call the next call to its
-    member settled meanwhile costs nothing). It stops once nothing is parked; at exit,
+    """The process's one thread that finishes calls set aside: every :data:`REAP_AFTER`
+    while any are set aside, each set aside that long is finished (a call the next call to its
+    member settled meanwhile costs nothing). It stops once nothing is set aside; at exit,
     :meth:`flush` reads what is left."""
 
     def __init__(self) -> None:
         self._mutex = threading.Lock()
         #: (when it is due, the call, how long an exit waits for its answer)
-        self._parked: deque[tuple[float, Any, float]] = deque()
+        self._set_aside: deque[tuple[float, Any, float]] = deque()
         self._thread: threading.Thread | None = None
 
-    def park(self, call: Any, until: float) -> None:
+    def set_aside(self, call: Any, until: float) -> None:
         with self._mutex:
-            self._parked.append((time.monotonic() + REAP_AFTER, call, until))
+            self._set_aside.append((time.monotonic() + REAP_AFTER, call, until))
             if self._thread is not None:
                 return
             self._thread = threading.Thread(
@@ -231,23 +231,23 @@ class _Reaper:
             time.sleep(REAP_AFTER)
             now, due = time.monotonic(), []
             with self._mutex:
-                while self._parked and self._parked[0][0] <= now:
-                    due.append(self._parked.popleft()[1])
-                if not due and not self._parked:
+                while self._set_aside and self._set_aside[0][0] <= now:
+                    due.append(self._set_aside.popleft()[1])
+                if not due and not self._set_aside:
                     self._thread = None
                     return
             for call in due:
                 call.finish()
 
     def flush(self) -> None:
-        """Read every parked answer here, each waited for until its *until* at most, and
+        """Read every answer set aside here, each waited for until its *until* at most, and
         let the reaper end the ones it has taken (the process is exiting: the reaper is
         a daemon thread, and the pool takes no new work)."""
         with self._mutex:
-            parked, self._parked = list(self._parked), deque()
+            left, self._set_aside = list(self._set_aside), deque()
             thread = self._thread
         last = time.monotonic()
-        for _, call, until in parked:
+        for _, call, until in left:
             last = max(last, until)
             if call.ready(max(0.0, until - time.monotonic())):
                 call.poll()

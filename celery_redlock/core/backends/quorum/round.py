@@ -253,16 +253,16 @@ class Round:
         self.quorum.run_on(i, call, self.timeout)
 
     def close(self, *, wait: bool = False) -> None:
-        """Done with this round: what was sent and not answered is parked with its
+        """Done with this round: what was sent and not answered is set aside with its
         member's gate, finished by the next call there or the reaper
-        (:meth:`~.gate.Gate.park`; *wait*: first wait for the answers, up to the
+        (:meth:`~.gate.Gate.set_aside`; *wait*: first wait for the answers, up to the
         timeout)."""
         if wait:
             self.wait(lambda _: False)
         sent, self.sent = self.sent, {}
         until = time.monotonic() + self.timeout
         for pos, pending in sent.items():
-            self.quorum.gates[self.where[pos]].park(pending, until)
+            self.quorum.gates[self.where[pos]].set_aside(pending, until)
 
 
 def _answer(sent: Sent) -> Any:

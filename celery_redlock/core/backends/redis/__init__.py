@@ -8,19 +8,19 @@ from __future__ import annotations
 from .backend import RedisBackend
 from .client import (
     STORE_ERRORS,
+    access_denied,
     cannot_decide,
     check_client,
     is_client,
-    refusal,
     server_refused,
 )
 
 __all__ = [
     "STORE_ERRORS",
     "RedisBackend",
+    "access_denied",
     "cannot_decide",
     "check_client",
     "is_client",
-    "refusal",
     "server_refused",
 ]

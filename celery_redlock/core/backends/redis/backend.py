@@ -89,10 +89,10 @@ from .client import (
 )
 from .flow import (
     RULE_ARGS,
+    deciding_reply,
     hold_call,
     moved,
     primary_args,
-    refusal,
     release_call,
     rule_items,
     rule_renewals,
@@ -668,7 +668,7 @@ class RedisBackend:
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
-        return refusal(replies)
+        return deciding_reply(replies)
 
     def _at_once(self, script: Script, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
         """*script* with each call's keys and arguments, each written on a connection of

@@ -28,6 +28,7 @@ from ...errors import ConfigError, StoreUnavailable
 __all__ = [
     "STORE_ERRORS",
     "MasterChanging",
+    "access_denied",
     "cannot_decide",
     "check_client",
     "checkout",
@@ -35,7 +36,6 @@ __all__ = [
     "lock_client",
     "plain_pool",
     "probe",
-    "refusal",
     "server_refused",
 ]
 
@@ -284,8 +284,8 @@ def server_refused(exc: BaseException) -> bool:
 STORE_ERRORS: tuple[type[Exception], ...] = (StoreUnavailable, rx.RedisError)
 
 
-def refusal(exc: BaseException) -> Literal["credentials", "permissions"] | None:
-    """What a refusal that no retry mends is, or None: ``credentials`` when Redis refused
+def access_denied(exc: BaseException) -> Literal["credentials", "permissions"] | None:
+    """What an access denial that no retry mends is, or None: ``credentials`` when Redis refused
     the user name or password, ``permissions`` when its ACL refused the command
     (``NOPERM``). A verb's StoreUnavailable carries the Redis error as its cause."""
     cause = exc.__cause__ if isinstance(exc, StoreUnavailable) else exc

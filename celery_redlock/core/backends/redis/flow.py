@@ -17,10 +17,10 @@ from ...backend_types import RECENT_BYTES, Renewal, Rule, Slot
 
 __all__ = [
     "RULE_ARGS",
+    "deciding_reply",
     "hold_call",
     "moved",
     "primary_args",
-    "refusal",
     "release_call",
     "rule_items",
     "rule_renewals",
@@ -66,7 +66,7 @@ def release_call(
     return keys, argv
 
 
-def refusal(replies: list[Any]) -> Any:
+def deciding_reply(replies: list[Any]) -> Any:
     """The reply of a cluster's run that some slot refused (*replies*: each slot's, the
     primary's first): the primary's own refusal when its holder refused it; a cost above
     a burst; else the first rule's refusal, with the longest known wait of them all."""
