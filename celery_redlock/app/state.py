@@ -120,8 +120,9 @@ class AppState:
         """A core lock on this app's Redis (held by a majority when several URLs are set),
         with *limit* > 1 a :class:`Semaphore` of that many permits (one Redis only), and
         with ``handover`` or ``done_as`` a :class:`RunLock` (a queued message's run)."""
-        prefix = self.settings.key_prefix
-        options.setdefault("fence_ttl", self.settings.fence_ttl)
+        settings = self.settings
+        prefix = settings.key_prefix
+        options.setdefault("fence_ttl", settings.fence_ttl)
         if limit > 1:
             return Semaphore(self.backend(), name, limit, ttl, key_prefix=prefix, **options)
         if "handover" in options or "done_as" in options:

@@ -76,7 +76,6 @@ __all__ = [
     "lock_of",
     "log_release_failed",
     "on_postrun",
-    "release_lock",
     "run_of",
     "use_postrun_net",
 ]
@@ -187,7 +186,7 @@ class LockedRun:
         if self.state.disabled:
             return
         task, request, kind = self.task, self.request, self.kind
-        options = self.options = task.redlock_options
+        options = self.options = self.state.options_for(task)  # resolved once per class
         strategy: Strategy = options.contended  # resolved with the options, never per run
         if kind is RunKind.EAGER and strategy.eager is not None:
             strategy = strategy.eager
@@ -396,7 +395,8 @@ class LockedRun:
         if not (acquired or superseded) or not _ran_already(lock):
             return
         if acquired:
-            release_lock(self.state, self.task, lock, self.task_id)
+            self.lock = lock
+            self.release()
         log.info(
             "Task %s[%s] dropped: a redelivered copy of a message that already ran (lock %r)",
             self.task.name,
@@ -526,36 +526,32 @@ class LockedRun:
     # -- release -------------------------------------------------------------------------------
     def release(self) -> bool:
         """Release the run's lock, once, whichever exit comes first (the body's end, a
-        refused rate slot, ``after_return``, the ``task_postrun`` net, a warm shutdown).
-        True when this call released it; problems are logged, never raised."""
+        refused rate slot, a copy that ran already, ``after_return``, the ``task_postrun``
+        net, a warm shutdown). True when this call released it; problems are logged
+        (:func:`log_release_failed`), never raised over the task's outcome."""
         lock = self.lock
         if lock is None:
             return False
         self.lock = None
-        held = self.state.held
-        if self.task_id is not None and held.get(self.task_id) is self:
-            held.pop(self.task_id, None)
-        return release_lock(self.state, self.task, lock, self.task_id)
-
-
-def release_lock(state: AppState, task: Any, lock: Lock, task_id: str | None) -> bool:
-    """Release *lock* of a run of *task* (*state*: its app's): True when released here;
-    problems are logged (:func:`log_release_failed`), never raised over the task's
-    outcome."""
-    if not lock.valid_until:
-        return False  # already released
-    events = state.send_events  # the Celery events below are the only use of these two
-    held, fence = (lock.held_for, lock.fence) if events else (0.0, None)
-    try:
-        lock.release()
-    except Exception as exc:
-        if events and isinstance(exc, LockLost):
-            send_task_event(state, task, "lost", lock=lock.name, reason=str(exc), held=held)
-        log_release_failed(log, task.name, task_id, lock.name, exc, lock.ttl)
-        return False
-    if events:
-        send_task_event(state, task, "released", lock=lock.name, fence=fence, held=held)
-    return True
+        state, task_id = self.state, self.task_id
+        if task_id is not None and state.held.get(task_id) is self:
+            del state.held[task_id]
+        if not lock.valid_until:
+            return False  # released already (a loss, or the worker's main process)
+        events = state.send_events  # the Celery events below are the only use of these two
+        held, fence = (lock.held_for, lock.fence) if events else (0.0, None)
+        try:
+            lock.release()
+        except Exception as exc:
+            if events and isinstance(exc, LockLost):
+                send_task_event(
+                    state, self.task, "lost", lock=lock.name, reason=str(exc), held=held
+                )
+            log_release_failed(log, self.task.name, task_id, lock.name, exc, lock.ttl)
+            return False
+        if events:
+            send_task_event(state, self.task, "released", lock=lock.name, fence=fence, held=held)
+        return True
 
 
 def log_release_failed(  # noqa: PLR0917 - who logs, the run, its lock and what went wrong
