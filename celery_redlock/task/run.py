@@ -73,7 +73,6 @@ __all__ = [
     "RUN_ATTR",
     "LockedRun",
     "RunKind",
-    "lock_of",
     "log_release_failed",
     "on_postrun",
     "run_of",
@@ -107,12 +106,6 @@ class RunKind(enum.Enum):
 def run_of(request: Any) -> LockedRun | None:
     """The run of *request* (None before its start, or outside a locked task)."""
     return getattr(request, RUN_ATTR, None)
-
-
-def lock_of(request: Any) -> Lock | None:
-    """The lock held for the run of *request* (None outside a locked run)."""
-    run: LockedRun | None = getattr(request, RUN_ATTR, None)
-    return None if run is None else run.lock
 
 
 class LockedRun:
