@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core import Backend, Lock, RateLimiter, RunLock, Semaphore, connect, open_backend, process
 from .config import Settings, TaskOptions, load_settings, resolve
@@ -17,12 +17,24 @@ from .config import Settings, TaskOptions, load_settings, resolve
 if TYPE_CHECKING:  # the worker side sets it; the app side only holds it
     from ..worker.pools import Pool
 
-__all__ = ["AppState", "state_for"]
+__all__ = ["AppState", "HeldRun", "state_for"]
 
 log = logging.getLogger("celery_redlock")
 
 _ATTR = "_celery_redlock_state"
 _create_lock = threading.Lock()
+
+
+class HeldRun(Protocol):
+    """A run holding a lock in this process, as the worker's own paths see it (a task's
+    run, :class:`celery_redlock.task.run.LockedRun`)."""
+
+    @property
+    def lock(self) -> Lock | None:
+        """The lock it holds now (None once released)."""
+
+    def release(self) -> bool:
+        """Release its lock, once; True when this call released it."""
 
 
 class AppState:
@@ -41,8 +53,9 @@ class AppState:
         self._clients: Any = None
         self._backend: tuple[Any, Backend] | None = None
         self._lock = threading.Lock()
-        #: task id -> lock held for it in this process (released on every exit).
-        self.held: dict[str, Lock] = {}
+        #: task id -> the run holding a lock for it in this process (released on every
+        #: exit, and then no longer here).
+        self.held: dict[str, HeldRun] = {}
         #: task class -> its lock options resolved against these settings (dropped with
         #: the settings by reset()).
         self.task_options: dict[type, TaskOptions] = {}
@@ -107,8 +120,9 @@ class AppState:
         """A core lock on this app's Redis (held by a majority when several URLs are set),
         with *limit* > 1 a :class:`Semaphore` of that many permits (one Redis only), and
         with ``handover`` or ``done_as`` a :class:`RunLock` (a queued message's run)."""
-        prefix = self.settings.key_prefix
-        options.setdefault("fence_ttl", self.settings.fence_ttl)
+        settings = self.settings
+        prefix = settings.key_prefix
+        options.setdefault("fence_ttl", settings.fence_ttl)
         if limit > 1:
             return Semaphore(self.backend(), name, limit, ttl, key_prefix=prefix, **options)
         if "handover" in options or "done_as" in options:

@@ -194,7 +194,7 @@ class Watch:
         self.policy = policy
         self.running = True
         self.sent = False
-        green = _green()
+        green = _green_now if _green_known else _green()
         #: (the body's green thread, its event loop's run-callback) under gevent/eventlet.
         self.green = green() if green is not None else None
         if self.green is not None:
@@ -203,7 +203,9 @@ class Watch:
             return
         self.thread = thread = threading.get_ident()
         #: True: interrupted by a signal (main thread); False: by an asynchronous exception.
-        self.use_signal = thread == threading.main_thread().ident and _signal_usable()
+        self.use_signal = thread == threading.main_thread().ident and (
+            _handler_installed or _signal_usable()
+        )
 
     def stop(self, lock: Any) -> None:
         """The body has ended: no interrupt reaches its thread after this returns."""

@@ -1,7 +1,8 @@
 """``LockedTask``: the lock around a Celery task, from acquire to every kind of exit.
 
-Where each step happens, and why there (the steps themselves are in
-:mod:`celery_redlock.task.run`):
+Where each step happens, and why there (the steps themselves are the methods of the
+run's one :class:`~celery_redlock.task.run.LockedRun`, kept on its request; every exit
+below calls its ``release``):
 
 * **acquire** in ``before_start``: the tracer runs it inside the try block where
   ``Retry``, ``Ignore`` and exceptions count, so a contended run can be
@@ -55,7 +56,7 @@ from .dedup import publish
 from .flow import check_limits
 from .naming import compile_key, lock_name_for
 from .per_call import call_options, check_call_options
-from .run import acquire_for_request, lock_of, release_for_request, run_locked, use_postrun_net
+from .run import RUN_ATTR, LockedRun, use_postrun_net
 
 log = logging.getLogger("celery_redlock")
 
@@ -125,12 +126,14 @@ class LockedTask(Task):  # type: ignore[misc]
     @property
     def lock(self) -> Lock | None:
         """The lock held for the running request (None outside a locked run)."""
-        return lock_of(self.request)
+        run: LockedRun | None = getattr(self.request, RUN_ATTR, None)
+        return None if run is None else run.lock
 
     def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Take the lock before the body runs (Retry/Ignore/errors count here)."""
+        """Start the run: take the lock before the body runs (Retry/Ignore/errors count
+        here)."""
         super().before_start(task_id, args, kwargs)
-        acquire_for_request(self, task_id, tuple(args or ()), dict(kwargs or {}))
+        LockedRun(self, task_id, tuple(args or ()), dict(kwargs or {})).acquire()
 
     def after_return(  # noqa: PLR0917 - Celery's signature
         self,
@@ -142,13 +145,11 @@ class LockedTask(Task):  # type: ignore[misc]
         einfo: Any,
     ) -> None:
         """Safety net: a lock still held when the run ends is released (see the module doc)."""
-        # A run's lock is in state.held until released: most runs need no request lookup.
-        state = self.redlock_state
-        if task_id in state.held:
-            request = self.request
-            lock = lock_of(request)
-            if lock is not None:
-                release_for_request(state, self, lock, task_id, request)
+        # A run holding its lock is in state.held: most runs need no request lookup.
+        if task_id in self.redlock_state.held:
+            run: LockedRun | None = getattr(self.request, RUN_ATTR, None)
+            if run is not None:
+                run.release()
         super().after_return(status, retval, task_id, args, kwargs, einfo)
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
@@ -249,7 +250,11 @@ def _wrap_run(
 ) -> None:
     @functools.wraps(fun)
     def locked_run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return run_locked(self, fun, bound, args, kwargs)
+        run: LockedRun | None = getattr(self.request, RUN_ATTR, None)
+        if run is None:  # called directly (``task(...)``), not by a worker or apply()
+            run = LockedRun(self, None, args, kwargs)
+            run.acquire()
+        return run.call(fun, bound, args, kwargs)
 
     self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
     locked_run.__signature__ = signature.replace(  # type: ignore[attr-defined]

@@ -33,12 +33,13 @@ from ..core import process, renewal
 from ..core.backend import Probe, QueuedHolds, given, has, lacks
 from ..core.backend_types import Health
 from ..core.connect import mask_url
-from ..core.errors import ConfigError, RedlockError
+from ..core.errors import ConfigError
 from ..core.queued import QueuedHold
 from ..task.dedup import HOLD_HEADER, give_back, hold_for
 from ..task.flow import hold_rules
 from ..task.locked_task import LockedTask, apply_redlock_tasks
 from ..task.naming import KEY_HEADER, lock_name_for
+from ..task.run import log_release_failed
 from .child_watch import alive
 from .pools import pool_of
 
@@ -393,14 +394,12 @@ def _on_process_shutdown(**_: Any) -> None:
 
 # -- releases from outside a run ------------------------------------------------------------
 def release_all_held(state: AppState) -> None:
-    """Release every lock this process holds for *state*'s app (warm shutdown)."""
-    for task_id, lock in list(state.held.items()):
-        state.held.pop(task_id, None)
-        try:
-            lock.release()
+    """Release every lock this process holds for *state*'s app (warm shutdown), each by
+    its run's one release (which logs a release that fails)."""
+    for task_id, run in list(state.held.items()):
+        lock = run.lock
+        if lock is not None and run.release():
             log_release.info("released %r held by task %s at shutdown", lock.name, task_id)
-        except RedlockError as exc:
-            log_release.warning("could not release %r at shutdown: %s", lock.name, exc)
 
 
 def release_for_gone_child(
@@ -522,15 +521,7 @@ def release_for_gone_child(
                     pid,
                 )
         except Exception as exc:
-            log_release.warning(
-                "task %s[%s] %s: could not release %r (%s); it expires within %ss",
-                task.name,
-                task_id,
-                why,
-                name,
-                exc,
-                ttl,
-            )
+            log_release_failed(log_release, task.name, task_id, name, exc, ttl, why)
 
     threading.Thread(target=release, name="celery-redlock-release", daemon=True).start()
 

@@ -597,6 +597,29 @@ def test_self_retry_from_a_locked_task_runs_again_and_succeeds(
 
 
 # -------------------------------------------------------- 8. released on every exit
+def test_a_run_is_one_object_on_its_request_that_says_its_kind(env: Env) -> None:
+    """A run keeps one LockedRun in one request attribute, made once: a worker's run is
+    WORKER, apply() EAGER, a direct call DIRECT. While the body runs the task's lock is
+    the run's and the run is in state.held under its task id; after the release neither."""
+    app = env.app()
+    state = state_for(app)
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_key="one:<n>")
+    def seen(self: Any, n: int) -> list[Any]:
+        run = run_module.run_of(self.request)
+        assert run is not None and self.lock is run.lock is not None
+        attrs = sorted(a for a in vars(self.request) if a.startswith("_redlock"))
+        held = state.held.get(run.task_id) is run if run.task_id else None
+        return [run.kind.name, attrs, held]
+
+    assert seen.apply(args=(1,)).get() == ["EAGER", ["_redlock_run"], True]
+    assert seen(2) == ["DIRECT", ["_redlock_run"], None]
+    with worker(app):
+        assert seen.delay(3).get(timeout=10) == ["WORKER", ["_redlock_run"], True]
+    assert state.held == {}
+    assert env.held_keys() == []
+
+
 def test_released_on_every_exit_before_the_result_is_ready(env: Env, no_safety_net: None) -> None:
     """Success, error, self.retry(), Ignore and Reject each free the key by the time they end."""
     app = env.app()
