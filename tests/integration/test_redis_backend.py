@@ -17,7 +17,7 @@ import redis
 from redis.cluster import RedisCluster
 from servers import ClusterSetup, FaultProxy, RedisServer, wait_for
 
-from celery_redlock.core.backend_types import Handover, Renewal, Slot, Status
+from celery_redlock.core.backend_types import Handover, Renewal, Slot, Status, Superseded
 from celery_redlock.core.backends.redis import RedisBackend, cannot_decide, server_refused
 from celery_redlock.core.backends.redis.client import lock_client
 from celery_redlock.core.errors import ConfigError, StoreUnavailable
@@ -403,7 +403,7 @@ def test_queued_hold_and_handover(backend: RedisBackend) -> None:
     refused = backend.take_over(
         slot, token(), 10_000, RECORD, Handover("t2"), wait=False, fence_ttl_ms=0
     )
-    assert refused.superseded and refused.queued_owner == "t1"
+    assert isinstance(refused, Superseded) and refused.queued_owner == "t1"
     assert backend.take_over(
         slot, token(), 10_000, RECORD, Handover("t1"), wait=False, fence_ttl_ms=0
     ).acquired
