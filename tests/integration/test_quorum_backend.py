@@ -33,7 +33,8 @@ from celery_redlock.core.keys import lock_keys
 
 RECORD = json.dumps({"hostname": "test", "pid": 1})
 TTL = 10_000
-TIMEOUT = 0.1  # per-member timeout of the quorums under test
+TIMEOUT = 0.25  # per-member timeout of the quorums under test (memory:// members: fakeredis,
+# which a loaded machine can hold up past 100 ms)
 
 
 class PoolExhausted(Exception):
@@ -220,7 +221,7 @@ def test_two_members_down_is_unavailable_promptly(flaky: list[Flaky]) -> None:
     flaky[1].fail("stall")
     flaky[2].fail("stall")
     started = time.monotonic()
-    with pytest.raises(StoreUnavailable, match="no answer within 100 ms"):
+    with pytest.raises(StoreUnavailable, match="no answer within 250 ms"):
         take(quorum, mutex("two-stalled"), "t2")
     assert time.monotonic() - started < 2 * TIMEOUT + 0.05
 
