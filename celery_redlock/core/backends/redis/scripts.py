@@ -17,6 +17,7 @@ cluster client, or one that keeps a single connection, goes through its own
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any
@@ -67,6 +68,35 @@ def _lua(filename: str) -> str:
     return folder.joinpath(filename).read_text("utf-8")
 
 
+#: A top-level definition of a shared part: from a ``local`` line at the start of a line
+#: to the next one (the comment lines before a definition go with the one above it).
+_DEFINITION = re.compile(r"(?m)^(?=local )")
+_DEFINED = re.compile(r"local (?:function )?(\w+)")
+_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
+def _used(part: str, code: str) -> str:
+    """The definitions of the shared *part* that *code* calls or reads, and those they use
+    in turn, in the part's order. Redis runs a script's whole text at every call: each
+    local function it defines costs a closure a call, whether the script calls it or not
+    (about as much as a command, for index.lua's dozen; docs/benchmarks.md)."""
+    blocks = _DEFINITION.split(part)
+    names: dict[str, int] = {}
+    for i, block in enumerate(blocks):
+        found = _DEFINED.match(block)
+        names[found.group(1) if found else ""] = i
+    wanted = set(_NAME.findall(code))
+    keep = {names[""]} if "" in names else set()
+    todo = [names[n] for n in wanted if n in names]
+    while todo:
+        i = todo.pop()
+        if i in keep:
+            continue
+        keep.add(i)
+        todo += [names[n] for n in _NAME.findall(blocks[i]) if n in names and names[n] not in keep]
+    return "".join(block for i, block in enumerate(blocks) if i in keep)
+
+
 class Script:
     """A Lua script of this package: the file, then any shared parts appended to it. In
     front of it, first each file of *uses* as it is (shared parts that define local
@@ -89,13 +119,14 @@ class Script:
         functions: Mapping[str, str] | None = None,
     ) -> None:
         self.name = filename
-        head = "".join(_lua(f) for f in uses) + "".join(
+        body = "".join(_lua(f) for f in (filename, *parts))
+        steps = "".join(
             f"local function {fn}(KEYS, ARGV)\n{_lua(f)}end\n"
             for fn, f in (functions or {}).items()
         )
+        head = "".join(_used(_lua(f), steps + body) for f in uses) + steps
         if _INDEX_FILE in uses:
             head = _INDEX_OFF + head
-        body = "".join(_lua(f) for f in (filename, *parts))
         flags = ""
         if body.startswith("#!"):  # script flags are read from the first line only
             flags, _, body = body.partition("\n")

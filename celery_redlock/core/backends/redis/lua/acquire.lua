@@ -56,13 +56,15 @@
 --                              no end); nothing is changed
 -- The server's clock (TIME) is read at most once, and only when a control, a counter's
 -- restart or a fence floor needs it.
-local t = ARGV.clock -- the server's clock: read by clock() at most once, for the index too
+local t, us = ARGV.clock, nil -- the server's clock: TIME's reply, and in microseconds
 local function clock()
-  if not t then
-    t = redis.call('TIME')
-    index_time(t)
+  -- TIME read at most once, and its reply made a number once, for the index too.
+  if not us then
+    t = t or redis.call('TIME')
+    us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    index_time(t, us)
   end
-  return t
+  return t, us
 end
 local cur = redis.call('HMGET', KEYS[1], 'token', 'fence', 'info')
 if cur[1] == ARGV[1] then
@@ -78,8 +80,8 @@ if KEYS[4] and not ARGV.checked then
     if untl == 0 then
       return {-2, '', -1, 'paused', reason or ''}
     end
-    local now = clock()
-    local left = untl - (tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
+    local _, now = clock()
+    local left = untl - math.floor(now / 1000)
     if left > 0 then
       return {-2, '', left, 'paused', reason or ''}
     end
@@ -106,30 +108,46 @@ end
 if queued and not parked and queued[1] and queued[1] ~= ARGV[6] and ARGV[7] == '1' then
   return {-1, queued[2] or '', redis.call('PTTL', KEYS[5]), queued[1]}
 end
-local fence = redis.call('INCR', KEYS[2])
-fence = fence_floor(KEYS[2], fence, ARGV.fence_floor, ARGV.fence_floor and clock())
-local fence_ttl = tonumber(ARGV[5] or '0')
-if fence_ttl > 0 then
-  if fence == 1 then -- the counter was gone: restart it above anything it counted to
-    local now = clock()
-    local step = KEYS[5] and 0 or math.min(tonumber(ARGV[6] or '0') * 1000, fence_ttl * 1000)
-    if step < 1 then
-      step = 1
-    end
-    fence = (math.floor((tonumber(now[1]) * 1000000 + tonumber(now[2])) / step) + 1) * step
-    redis.call('SET', KEYS[2], string.format('%.0f', fence), 'PX', fence_ttl)
-  else
-    redis.call('PEXPIRE', KEYS[2], fence_ttl)
+-- Numbers go to Redis as '%d' text (a whole number's sprintf) and arguments as they came
+-- (tonumber is a strtod, and Lua writes a number it passes on with '%.17g': each costs
+-- about what a command does).
+local fence, fresh
+local fence_ttl = ARGV[5]
+local expires = fence_ttl and fence_ttl ~= '0' and fence_ttl ~= ''
+if expires then
+  -- A counter that is gone (the common case: a name not taken for longer than the
+  -- counter's idle lifetime) restarts above anything it counted to, in one write.
+  local _, now = clock()
+  local step = 0
+  if ARGV[6] and not KEYS[5] then
+    step = math.min(tonumber(ARGV[6]) * 1000, tonumber(fence_ttl) * 1000)
   end
+  if step > 1 then
+    fence = (math.floor(now / step) + 1) * step
+  else
+    fence = now + 1
+  end
+  fresh = redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', fence_ttl, 'NX')
+  if not fresh then
+    fence = redis.call('INCR', KEYS[2])
+  end
+else
+  fence = redis.call('INCR', KEYS[2])
 end
+local floored = fence_floor(KEYS[2], fence, ARGV.fence_floor, ARGV.fence_floor and clock())
+if expires and (floored ~= fence or not fresh) then
+  redis.call('PEXPIRE', KEYS[2], fence_ttl)
+end
+fence = floored
+local text = string.format('%d', fence)
 if queued then
-  redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fence, 'info', ARGV[3], 'owner', ARGV[6])
+  redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', text, 'info', ARGV[3], 'owner', ARGV[6])
   if queued[1] == ARGV[6] then
     redis.call('DEL', KEYS[5])
     index_drop(KEYS[5], 'queued')
   end
 else
-  redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fence, 'info', ARGV[3])
+  redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', text, 'info', ARGV[3])
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 index_lock(KEYS[1], ARGV[2], index_state(ARGV[3]))

@@ -24,33 +24,50 @@
 -- index_drop(key, set)        *key* deleted (*set* nil: a mutex, out of its three sets)
 -- index_gone(key, record)     a mutex at *key* released, its holder *record* (JSON text)
 -- index_state(record)         the set of a mutex taken with holder *record* (JSON text)
--- index_time(t)               the server's clock as the script read it (TIME's reply):
---                             the index reads it no second time
-local INDEX_MUTEX = {'held', 'running', 'parked'}
+-- index_time(t, us)           the server's clock as the script read it (TIME's reply,
+--                             and *us* that in microseconds when the script made it a
+--                             number): the index reads it no second time
+-- Sets of a kind, as words (a loop reads them with gmatch: a table would be built on
+-- every call of every script, used or not).
+local INDEX_MUTEX = 'held running parked'
 local function index_state(record)
   if string.find(record, '"kept_for":', 1, true) then
     return 'parked'
   end
-  return string.find(record, '"task_name":%s*"[^"]') and 'running' or 'held'
+  -- Plain finds, then one match anchored where the name ends: an unanchored pattern
+  -- would be tried at every byte of the record.
+  local at = string.find(record, '"task_name":', 1, true)
+  return at and string.find(record, '^%s*"[^"]', at + 12) and 'running' or 'held'
 end
 local index_ms
 local function index_head(key)
   return string.sub(key, 1, string.find(key, '{', 1, true) - 1) .. 'index:'
 end
-local function index_at(ms)
-  if not ms then
-    return 'inf'
-  end
+local function index_now()
   if not index_ms then
     local t = redis.call('TIME')
     index_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   end
-  return index_ms + tonumber(ms)
+  return index_ms
 end
-local function index_time(t)
-  index_ms = index_ms or tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function index_at(ms)
+  -- A score as '%d' text: Lua would print a number it passes on with '%.17g', a
+  -- floating-point print that costs about what the ZADD does.
+  if not ms then
+    return 'inf'
+  end
+  return string.format('%d', index_now() + tonumber(ms))
 end
-local INDEX_TIMED = {queued = true, rate = true, control = true}
+local function index_time(t, us)
+  if not index_ms then
+    us = us or tonumber(t[1]) * 1000000 + tonumber(t[2])
+    index_ms = math.floor(us / 1000)
+  end
+end
+local INDEX_TIMED = 'queued rate control'
+local function index_timed_set(set)
+  return set == 'queued' or set == 'rate' or set == 'control'
+end
 local function index_timed(head, set)
   -- Two members whose time has passed go, then the family's sets live as long as the
   -- longest member left.
@@ -58,7 +75,7 @@ local function index_timed(head, set)
   local gone = redis.call('ZRANGEBYSCORE', timed, '-inf', '(' .. index_at(0), 'LIMIT', 0, 2)
   for _, old in ipairs(gone) do
     redis.call('ZREM', timed, old)
-    for other in pairs(INDEX_TIMED) do
+    for other in string.gmatch(INDEX_TIMED, '%a+') do
       redis.call('ZREM', head .. other, old)
     end
   end
@@ -67,11 +84,11 @@ local function index_timed(head, set)
     if top == 'inf' then
       redis.call('PERSIST', k)
     elseif top then
-      redis.call('PEXPIREAT', k, tonumber(top) + 1000)
+      redis.call('PEXPIREAT', k, string.format('%d', tonumber(top) + 1000))
     end
   end
 end
-local INDEX_HELD = {'held', 'running', 'parked', 'permits'}
+local INDEX_HELD = 'held running parked permits'
 local INDEX_SWEEP = 16
 local function index_sweep(head)
   -- In one write of a held key out of INDEX_SWEEP (by the server's clock), that many keys
@@ -79,19 +96,19 @@ local function index_sweep(head)
   -- sets, so that the index stays bounded where no operator ever reads it, at about one
   -- command a sixteenth of the writes; a key that still lives (renewed by a script that
   -- did not list it) gets its expiry back.
-  local now = index_at(0)
+  local now = index_now()
   if now % INDEX_SWEEP ~= 0 then
     return
   end
   local expiry = head .. 'expiry'
-  local gone = redis.call('ZRANGEBYSCORE', expiry, '-inf', '(' .. now, 'LIMIT', 0, INDEX_SWEEP)
+  local gone = redis.call('ZRANGEBYSCORE', expiry, '-inf', '(' .. string.format('%d', now), 'LIMIT', 0, INDEX_SWEEP)
   for _, old in ipairs(gone) do
     local left = redis.call('PTTL', old)
     if left > 0 then
       redis.call('ZADD', expiry, index_at(left), old)
     elseif left == -2 then
       redis.call('ZREM', expiry, old)
-      for _, other in ipairs(INDEX_HELD) do
+      for other in string.gmatch(INDEX_HELD, '%a+') do
         redis.call('ZREM', head .. other, old)
       end
     end
@@ -100,9 +117,9 @@ end
 local function index_put(key, ms, set)
   if INDEX then
     local head = index_head(key)
-    local timed = INDEX_TIMED[set]
+    local timed = index_timed_set(set)
     redis.call('ZADD', head .. (timed and 'timed' or 'expiry'), index_at(ms), key)
-    redis.call('ZADD', head .. set, 0, key)
+    redis.call('ZADD', head .. set, '0', key)
     if timed then
       index_timed(head, set)
     else
@@ -112,18 +129,18 @@ local function index_put(key, ms, set)
 end
 local function index_lock(key, ms, state)
   if INDEX then
-    -- Listed already: held before (a lease that ran out unlisted, or a run parked or
-    -- taken over), maybe in another state's set.
     local head = index_head(key)
-    local before = redis.call('ZSCORE', head .. 'expiry', key)
-    index_put(key, ms, state)
-    if before then
-      for _, other in ipairs(INDEX_MUTEX) do
+    if redis.call('ZADD', head .. 'expiry', index_at(ms), key) == 0 then
+      -- Listed already: held before (a lease that ran out unlisted, or a run parked or
+      -- taken over), maybe in another state's set.
+      for other in string.gmatch(INDEX_MUTEX, '%a+') do
         if other ~= state then
           redis.call('ZREM', head .. other, key)
         end
       end
     end
+    redis.call('ZADD', head .. state, '0', key)
+    index_sweep(head)
   end
 end
 local function index_renew(key, ms)
@@ -134,11 +151,11 @@ end
 local function index_drop(key, set)
   if INDEX then
     local head = index_head(key)
-    redis.call('ZREM', head .. (INDEX_TIMED[set] and 'timed' or 'expiry'), key)
+    redis.call('ZREM', head .. (index_timed_set(set) and 'timed' or 'expiry'), key)
     if set then
       redis.call('ZREM', head .. set, key)
     else
-      for _, other in ipairs(INDEX_MUTEX) do
+      for other in string.gmatch(INDEX_MUTEX, '%a+') do
         redis.call('ZREM', head .. other, key)
       end
     end
