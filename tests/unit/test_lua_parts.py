@@ -79,3 +79,44 @@ def test_a_script_writes_the_index_only_in_its_indexed_variant(name: str) -> Non
         lines = "\n".join(line.split("--")[0] for line in variant.source.split("\n"))
         assert lines.count("local INDEX = true") == 1 and "local INDEX = false" not in lines
         assert variant.sha != script.sha
+
+
+def _code(source: str) -> str:
+    return "\n".join(line.split("--")[0] for line in source.split("\n"))
+
+
+@pytest.mark.parametrize("name", sorted(SENT))
+def test_a_script_carries_only_the_shared_definitions_it_uses(name: str) -> None:
+    """Redis runs a script's whole text at every call, so a shared part's local function
+    costs its closure whether called or not: each function a script defines from a shared
+    part is called by the script (or by another function it keeps), once defined and
+    before the first call; every function it calls is defined."""
+    shared = {
+        fn
+        for part in SHARED
+        for fn in re.findall(
+            r"(?m)^local function (\w+)\(", LUA.joinpath(f"{part}.lua").read_text()
+        )
+    }
+    assert {"index_gone", "index_sweep", "owner_of", "fence_floor"} <= shared
+    for variant in (SENT[name], SENT[name].indexed, SENT[name].indexed.guarded):
+        code = _code(variant.source)
+        defined = [fn for fn in re.findall(r"local function (\w+)\(", code) if fn in shared]
+        assert len(defined) == len(set(defined)), f"{name}: a shared function defined twice"
+        for fn in defined:
+            at = code.index(f"local function {fn}(")
+            calls = [m.start() for m in re.finditer(rf"(?<![\w.]){fn}\(", code)]
+            calls = [c for c in calls if not code[max(0, c - 15) : c].endswith("function ")]
+            assert calls, f"{name}: {fn} is defined but never called"
+            assert at < calls[0], f"{name}: {fn} called before it is defined"
+        for fn in set(re.findall(r"(?<![\w.:])(index_\w+|owner_of|fence_floor)\(", code)):
+            assert fn in defined, f"{name}: {fn} called but not defined"
+
+
+def test_the_release_script_leaves_out_what_it_does_not_call() -> None:
+    """The release calls index_gone (which reads index_head and index_state) and nothing
+    else of index.lua: the sweep, the timed sets and the put are not in its text."""
+    code = _code(scripts.RELEASE.indexed.source)
+    assert "local function index_gone(" in code and "local function index_state(" in code
+    for absent in ("index_sweep", "index_put", "index_timed", "index_lock", "index_at"):
+        assert f"local function {absent}(" not in code, absent
