@@ -52,6 +52,7 @@ checks each backend):
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from enum import Enum
 from typing import Any, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 from .backend_types import (
@@ -85,6 +86,7 @@ __all__ = [
     "QueuedHolds",
     "Rates",
     "Records",
+    "Sendable",
     "Sends",
     "Sent",
     "capability",
@@ -480,6 +482,32 @@ class Sent(Protocol):
         ...
 
 
+class Sendable(Enum):
+    """The verbs a backend that :class:`Sends` may write now and answer later, each the
+    seam method of the same name (:meth:`on`)."""
+
+    ACQUIRE = "acquire"
+    RELEASE = "release"
+    RELEASE_DONE = "release_done"
+    EXTEND = "extend"
+    ENQUEUE = "enqueue"
+    RAISE_FENCE = "raise_fence"
+
+    def on(self, backend: Any) -> Callable[..., Any]:
+        """This verb's method of *backend*, to call the usual way."""
+        return _METHODS[self](backend)  # type: ignore[no-any-return]
+
+
+_METHODS: dict[Sendable, Callable[[Any], Any]] = {
+    Sendable.ACQUIRE: lambda backend: backend.acquire,
+    Sendable.RELEASE: lambda backend: backend.release,
+    Sendable.RELEASE_DONE: lambda backend: backend.release_done,
+    Sendable.EXTEND: lambda backend: backend.extend,
+    Sendable.ENQUEUE: lambda backend: backend.enqueue,
+    Sendable.RAISE_FENCE: lambda backend: backend.raise_fence,
+}
+
+
 @capability("calls sent now and answered later")
 class Sends(Protocol):
     """A backend that writes a verb now and reads its answer later (:class:`Sent`): a
@@ -488,7 +516,7 @@ class Sends(Protocol):
 
     def send(
         self,
-        verb: str,
+        verb: Sendable,
         args: tuple[Any, ...],
         kwargs: Mapping[str, Any],
         answered: Callable[[bool], object],

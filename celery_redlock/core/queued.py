@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import events, process
-from .backend import Backend, DoneMarks, QueuedHolds, Sends, Sent, given, need
+from .backend import Backend, DoneMarks, QueuedHolds, Sendable, Sends, Sent, given, need
 from .backend_types import Grant, Handover, Held, Queued, Slot, Status, Superseded
 from .backends import open_backend
 from .errors import ConfigError
@@ -118,7 +118,8 @@ class QueuedHold:
         replace, blocks = terms.get("replace", False), terms.get("running_blocks", False)
         flags = {"replace": replace, "running_blocks": blocks}
         args = (self.slot, owner, ttl_ms, record)
-        sent = None if self._sender is None else self._sender.send("enqueue", args, flags, _quiet)
+        sender = self._sender
+        sent = None if sender is None else sender.send(Sendable.ENQUEUE, args, flags, _quiet)
         if sent is None:
             found = self.backend.enqueue(*args, replace=replace, running_blocks=blocks)
             return PendingClaim(self, found=found)

@@ -24,11 +24,13 @@ from celery_redlock.core.backend import (
     QueuedHolds,
     Rates,
     Records,
+    Sendable,
     has,
     lacks,
     need,
 )
 from celery_redlock.core.backend_types import Grant, Holder, Renewal, Slot, Status
+from celery_redlock.core.backends.redis import RedisBackend, verbs
 from celery_redlock.core.errors import ConfigError, StoreUnavailable
 from celery_redlock.worker.bootstep import check_locked_tasks
 
@@ -170,3 +172,14 @@ def test_a_forwarding_stub_implements_what_it_forwards() -> None:
     for capability in (QueuedHolds, DoneMarks, Rates, Records, Admin, InProcess):
         assert has(stub, capability), capability
     assert RateLimiter(stub, "api", "5/s").acquire()
+
+
+def test_each_sendable_verb_is_a_seam_method_that_the_redis_backend_can_send() -> None:
+    """A verb sent now and answered later is one of a closed set (not a free string):
+    each names the method a backend runs when it does not send it, and the Redis backend
+    builds each one's script call."""
+    assert set(verbs.SENDABLE) == set(Sendable)
+    for verb in Sendable:
+        method = verb.on(RedisBackend)
+        assert method is getattr(RedisBackend, verb.value), verb
+        assert verbs.SENDABLE[verb].__name__ == verb.value, verb

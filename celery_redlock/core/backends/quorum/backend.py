@@ -56,6 +56,7 @@ from ...backend import (
     Probe,
     QueuedHolds,
     Rates,
+    Sendable,
     Sends,
     Sent,
     given,
@@ -205,7 +206,7 @@ class QuorumBackend:
         sent: Sent | None = None
         try:
             answered = functools.partial(gate.answered, key)
-            sent = sender.send(call.name, call.args, call.kwargs, answered, behind)
+            sent = sender.send(call.kind, call.args, call.kwargs, answered, behind)
         finally:
             if sent is None:  # not sent (or it raised): nothing outstanding
                 gate.forget(key)
@@ -294,13 +295,13 @@ class QuorumBackend:
         n, q, name = self.masters, self.quorum, slot.name
         timeout = self.timeout(ttl_ms)
         options = {"wait": wait, "fence_ttl_ms": fence_ttl_ms, "fence_step_ms": FENCE_STEP_MS}
-        verb = Verb("acquire", (slot, token, ttl_ms, record), options)
+        verb = Verb(Sendable.ACQUIRE, (slot, token, ttl_ms, record), options)
         sent = Round(self, verb, timeout)
 
         try:
 
             def give_back(where: Iterable[int]) -> None:  # never before the acquire there
-                sent.then(Verb("release", (slot, token, ttl_ms)), where)
+                sent.then(Verb(Sendable.RELEASE, (slot, token, ttl_ms)), where)
 
             try:
                 # A refusal waits for every answer (up to the timeout, or the caller's
@@ -385,7 +386,8 @@ class QuorumBackend:
         def raised(results: Sequence[Any]) -> int:
             return sum(1 for v in results if answered(v) and v >= fence)
 
-        round_ = Round(self, Verb("raise_fence", (slot, fence, fence_ttl_ms)), timeout, lower)
+        verb = Verb(Sendable.RAISE_FENCE, (slot, fence, fence_ttl_ms))
+        round_ = Round(self, verb, timeout, lower)
         try:
             results = round_.wait(lambda r: raised(r) >= need)
         finally:
@@ -406,13 +408,13 @@ class QuorumBackend:
         "gone" is one that never granted this token (a split vote's leftover), so the
         OKs plus the silent members may still be the majority that held it.
         """
-        return self._release(slot, notice_ms, Verb("release", (slot, token, notice_ms)))
+        return self._release(slot, notice_ms, Verb(Sendable.RELEASE, (slot, token, notice_ms)))
 
     def release_done(
         self, slot: Slot, token: str, notice_ms: int, mark: str, mark_ms: int
     ) -> Status:
         """:meth:`release`, each member adding *mark* to its done marks."""
-        verb = Verb("release_done", (slot, token, notice_ms, mark, mark_ms))
+        verb = Verb(Sendable.RELEASE_DONE, (slot, token, notice_ms, mark, mark_ms))
         return self._release(slot, notice_ms, verb)
 
     def _release(self, slot: Slot, notice_ms: int, call: Call) -> Status:
@@ -433,7 +435,7 @@ class QuorumBackend:
         """The q-th longest new lease: the lock lives while a majority holds it."""
         q = self.quorum
         results = self.ask(
-            Verb("extend", (slot, token, ms), {"replace": replace}),
+            Verb(Sendable.EXTEND, (slot, token, ms), {"replace": replace}),
             self.timeout(ms),
             lambda r: len(_leases(r)) >= q,
         )

@@ -34,7 +34,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ...backend import Backend, DoneMarks, Records, Sent, capability
+from ...backend import Backend, DoneMarks, Records, Sendable, Sent, capability
 from ...backend_types import Grant, Slot
 from ...errors import ConfigError, StoreUnavailable
 from .gate import BUSY, Gate, NoAnswer
@@ -123,12 +123,12 @@ class Verb:
     """A member's verb and its arguments: sent by a member that :class:`Sends`, else
     called (``verb(member)``) in the pool."""
 
-    name: str
+    kind: Sendable
     args: tuple[Any, ...] = ()
     kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __call__(self, member: Member) -> Any:
-        return getattr(member, self.name)(*self.args, **self.kwargs)
+        return self.kind.on(member)(*self.args, **self.kwargs)
 
 
 class Round:

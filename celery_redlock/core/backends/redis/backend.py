@@ -51,6 +51,7 @@ from redis import exceptions as rx
 from redis.cluster import RedisCluster
 
 from ... import process
+from ...backend import Sendable
 from ...backend_types import (
     Claim,
     Control,
@@ -292,7 +293,7 @@ class RedisBackend:
 
     # -- sent now, answered later ---------------------------------------------------------
     def send(
-        self, verb: str, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+        self, verb: Sendable, args: tuple[Any, ...], kwargs: Mapping[str, Any],
         answered: Callable[[bool], object], behind: Any = None
     ) -> RedisSent | None:  # fmt: skip
         """An acquire, release, release_done, extend, enqueue or raise_fence of a mutex
@@ -307,7 +308,7 @@ class RedisBackend:
             return None
         call = build(*args, **kwargs)
         fail: Callable[[Exception], Any]
-        if verb == "acquire":
+        if verb is Sendable.ACQUIRE:
             fail = partial(self._acquire_failed, slot, args[1], args[2])
         else:
             fail = partial(self._failed, slot)

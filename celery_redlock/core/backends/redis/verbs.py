@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
+from ...backend import Sendable
 from ...backend_types import (
     RECENT_BYTES,
     Acquired,
@@ -244,13 +245,13 @@ def force_release(slot: Slot, fence: int | None, notice_ms: int) -> Call:
 
 #: The verbs :meth:`~.backend.RedisBackend.send` sends, by name: each builds its call from
 #: the verb's own arguments.
-SENDABLE: dict[str, Callable[..., Call]] = {
-    "acquire": acquire,
-    "release": release,
-    "release_done": release_done,
-    "extend": extend,
-    "enqueue": enqueue,
-    "raise_fence": raise_fence,
+SENDABLE: dict[Sendable, Callable[..., Call]] = {
+    Sendable.ACQUIRE: acquire,
+    Sendable.RELEASE: release,
+    Sendable.RELEASE_DONE: release_done,
+    Sendable.EXTEND: extend,
+    Sendable.ENQUEUE: enqueue,
+    Sendable.RAISE_FENCE: raise_fence,
 }
 
 
