@@ -72,8 +72,8 @@ __all__ = [
     "attempt_of",
     "canvas_request",
     "claim_at_worker",
+    "dequeue",
     "feeds_others",
-    "give_back",
     "hold_for",
     "in_canvas",
     "publish",
@@ -220,7 +220,7 @@ def publish_held(  # noqa: PLR0917 - the publish's state, task, name, options an
         result = send(args, kwargs, **call)
     except BaseException:
         if found.outcome != "duplicate":
-            give_back(state, name, task_id, "was not published")
+            dequeue(state, name, task_id, "was not published")
         raise
     _log_replaced(task, task_id, name, found)
     return result
@@ -260,7 +260,7 @@ def _publish_overlapped(  # noqa: PLR0917 - publish_held's call, with its hold a
             return _duplicate(task, name, options, stop.found, task_id)
         except BaseException:
             if deciding.decided or _claim_taken(deciding):
-                give_back(state, name, task_id, "was not published")
+                dequeue(state, name, task_id, "was not published")
             raise
         found = deciding.answer()  # made while the message was built (else: now)
     if found is not None:
@@ -426,16 +426,16 @@ def skip_superseded(state: AppState, task: Any, request: Any, lock: Any) -> NoRe
     )
 
 
-def give_back(state: AppState, name: str, task_id: str, why: str, *, later: bool = False) -> None:
-    """Give back task *task_id*'s enqueue-time hold of *name*, because its message will
-    not run (*why*: skipped, failed, revoked, expired, rejected, not published), so the
-    next call can be queued. Owner-checked: another task id's hold is never touched.
+def dequeue(state: AppState, name: str, task_id: str, why: str, *, later: bool = False) -> None:
+    """Dequeue task *task_id*'s enqueue-time hold of *name* (give it back), because its
+    message will not run (*why*: skipped, failed, revoked, expired, rejected, not
+    published), so the next call can be queued. Owner-checked: another task id's hold is never touched.
     Never raises: a hold not given back ends with its lease. *later*: in a short thread
     (a worker's main process never blocks its consumer on Redis)."""
     if later:
         args = (state, name, task_id, why)
         threading.Thread(
-            target=give_back, args=args, name="celery-redlock-dequeue", daemon=True
+            target=dequeue, args=args, name="celery-redlock-dequeue", daemon=True
         ).start()
         return
     if not state.installed or state.disabled:

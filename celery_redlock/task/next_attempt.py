@@ -61,7 +61,7 @@ from typing import Any
 from celery import signals, states
 from celery.utils.serialization import get_pickleable_exception
 
-__all__ = ["defer", "give_back_on_loss"]
+__all__ = ["defer", "when_not_requeued"]
 
 log = logging.getLogger("celery_redlock.task")
 
@@ -116,7 +116,7 @@ def defer(task: Any, request: Any, sig: Any, delay: float) -> None:
     _local.next = nxt
 
 
-def give_back_on_loss(task_id: str, on_loss: Callable[[], None]) -> None:
+def when_not_requeued(task_id: str, on_loss: Callable[[], None]) -> None:
     """Call *on_loss* if the deferred next attempt of *task_id* cannot be published."""
     nxt = _current(task_id)
     if nxt is not None:

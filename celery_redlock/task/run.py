@@ -61,13 +61,13 @@ from .dedup import (
     NO_DEDUP_HEADER,
     attempt_of,
     claim_at_worker,
-    give_back,
+    dequeue,
     skip_superseded,
 )
 from .flow import first_rate_key, hold_rules
 from .interrupt import LockLostInterrupt, on_lost, watch
 from .naming import lock_name_for
-from .next_attempt import give_back_on_loss
+from .next_attempt import when_not_requeued
 
 __all__ = [
     "RUN_ATTR",
@@ -210,18 +210,18 @@ class LockedRun:
             # cannot be published (next_attempt publishes it once Celery stored RETRY).
             if handover is not None:
                 owner, state = handover.owner, self.state
-                give_back_on_loss(
-                    owner, lambda: give_back(state, name, owner, "could not be re-queued")
+                when_not_requeued(
+                    owner, lambda: dequeue(state, name, owner, "could not be re-queued")
                 )
             raise
         except BaseException:
             if handover is not None:
-                give_back(self.state, name, handover.owner, "did not start")
+                dequeue(self.state, name, handover.owner, "did not start")
             raise
         finally:
             attempt_policy(previous)
         if handover is not None and self.lock is None:
-            give_back(self.state, name, handover.owner, "did not start")  # fail-open, a skip
+            dequeue(self.state, name, handover.owner, "did not start")  # fail-open, a skip
 
     def _handover(self, headers: Any, name: str, options: TaskOptions) -> Handover:
         """The hand-over of this message's enqueue-time hold to its run's lock; a message

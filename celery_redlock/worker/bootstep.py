@@ -35,7 +35,7 @@ from ..core.backend_types import Health
 from ..core.connect import mask_url
 from ..core.errors import ConfigError
 from ..core.queued import QueuedHold
-from ..task.dedup import HOLD_HEADER, give_back, hold_for
+from ..task.dedup import HOLD_HEADER, dequeue, hold_for
 from ..task.flow import hold_rules
 from ..task.locked_task import LockedTask, apply_redlock_tasks
 from ..task.naming import KEY_HEADER, lock_name_for
@@ -164,7 +164,7 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
         task_id = getattr(request, "id", None)
         if hold and task_id:
             why = "expired" if expired else "revoked"
-            give_back(self.state, hold, task_id, why, later=True)
+            dequeue(self.state, hold, task_id, why, later=True)
 
     def on_rejected(self, sender: Any = None, message: Any = None, **_: Any) -> None:
         """In the worker's main process: a message of this app rejected unread (unknown
@@ -175,7 +175,7 @@ class RedlockStep(bootsteps.StartStopStep):  # type: ignore[misc]
             return
         hold, task_id = headers.get(HOLD_HEADER), headers.get("id")
         if isinstance(hold, str) and hold and isinstance(task_id, str):
-            give_back(self.state, hold, task_id, "rejected", later=True)
+            dequeue(self.state, hold, task_id, "rejected", later=True)
 
 
 def warn_statedb_scheduler(options: Any = None, **_: Any) -> None:
