@@ -171,29 +171,35 @@ def stop_workers(workers: Iterable[Worker]) -> None:
 def idle_before_stop(
     app: Celery, workers: Iterable[Worker], queue: str, timeout: float = 30
 ) -> None:
-    """Make *workers* stop taking messages from *queue*, then wait (bounded) until none
-    holds a task that no pool child has started yet (received, or waiting for its ETA):
-    a warm shutdown from then on hands no task to a pool child, and ends once the runs
-    under way end.
+    """Make *workers* stop taking messages from *queue*, revoke the tasks they hold for a
+    later start (a retry's countdown), and wait (bounded) until each has started every
+    task it took: a warm shutdown from then on hands no task to a pool child, and ends
+    once the runs under way end.
 
     Why: at warm shutdown, Celery's prefork pool drops from its books every task it has
     written to a child but whose start the child has not confirmed yet (the consumer's
-    close flushes the pool, "they will be redelivered"), so it reads no result of that
+    close flushes the pool: "they will be redelivered"), and so reads no result of that
     task. The child runs it anyway, and before it exits waits for the worker to read every
     result it sent, 30 s at most (billiard's ``_ensure_messages_consumed``). A SIGTERM a
     few milliseconds after a task went to a child thus makes that warm shutdown last
-    30 s longer, whatever the task does (seen with a plain Celery app too).
+    30 s longer, whatever the task does (a plain Celery app does it too).
     """
     workers = list(workers)
     names = [w.name for w in workers]
     app.control.cancel_consumer(queue, destination=names, reply=True, timeout=5)
+    revoked: set[str] = set()
 
     def idle() -> bool:
         inspect = app.control.inspect(destination=names, timeout=1.0)
-        for waiting in (inspect.reserved(), inspect.scheduled()):
-            if waiting is None or set(waiting) != set(names) or any(waiting.values()):
-                return False  # a reply missing (a loaded worker) counts as not idle yet
-        return True
+        reserved, scheduled = inspect.reserved(), inspect.scheduled()
+        if reserved is None or scheduled is None or not set(names) <= {*reserved} & {*scheduled}:
+            return False  # a reply missing (a loaded worker): asked again
+        later = {e["request"]["id"] for entries in scheduled.values() for e in entries}
+        if later - revoked:  # each would go to a child at its countdown's end
+            app.control.revoke(list(later - revoked), destination=names, reply=True, timeout=5)
+            revoked.update(later)
+            return False
+        return not any(reserved.values())
 
     wait_for(idle, timeout, "the workers to start every task they took", interval=0.2)
 
