@@ -186,14 +186,20 @@ def idle_before_stop(
     """
     workers = list(workers)
     names = [w.name for w in workers]
-    app.control.cancel_consumer(queue, destination=names, reply=True, timeout=5)
     revoked: set[str] = set()
 
     def idle() -> bool:
         inspect = app.control.inspect(destination=names, timeout=1.0)
+        consuming = inspect.active_queues()
+        if consuming is None or set(consuming) != set(names):
+            return False  # a reply missing (a loaded worker): asked again
+        if any(q["name"] == queue for queues in consuming.values() for q in queues):
+            # Told again until it is done: a worker cancels after it has replied.
+            app.control.cancel_consumer(queue, destination=names, reply=True, timeout=5)
+            return False
         reserved, scheduled = inspect.reserved(), inspect.scheduled()
         if reserved is None or scheduled is None or not set(names) <= {*reserved} & {*scheduled}:
-            return False  # a reply missing (a loaded worker): asked again
+            return False
         later = {e["request"]["id"] for entries in scheduled.values() for e in entries}
         if later - revoked:  # each would go to a child at its countdown's end
             app.control.revoke(list(later - revoked), destination=names, reply=True, timeout=5)
