@@ -194,7 +194,7 @@ def idle_before_stop(
         if consuming is None or set(consuming) != set(names):
             return False  # a reply missing (a loaded worker): asked again
         if any(q["name"] == queue for queues in consuming.values() for q in queues):
-            # Told again until it is done: a worker cancels after it has replied.
+            # Told until it is done: a worker cancels its consumer after it has replied.
             app.control.cancel_consumer(queue, destination=names, reply=True, timeout=5)
             return False
         reserved, scheduled = inspect.reserved(), inspect.scheduled()
