@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -60,12 +61,14 @@ class Worker:
     ) -> None:
         self.log_path = log_path
         self.pool = pool
+        #: The worker's node name, as remote control (``destination=``) names it.
+        self.name = f"w{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
         quiet = ("--without-gossip", "--without-mingle")
         if not heartbeat:
             quiet = ("--without-heartbeat", *quiet)
         argv = [
             sys.executable, "-m", "celery", "-A", app, "worker", "-P", pool,
-            "-c", str(concurrency), "-l", "info", "-n", f"w{uuid.uuid4().hex[:8]}@%h",
+            "-c", str(concurrency), "-l", "info", "-n", self.name,
             *quiet, *extra,
         ]  # fmt: skip
         self.log = open(log_path, "wb")
@@ -163,6 +166,48 @@ def stop_workers(workers: Iterable[Worker]) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             w.proc.wait(20)
         w.stop()
+
+
+def idle_before_stop(
+    app: Celery, workers: Iterable[Worker], queue: str, timeout: float = 30
+) -> None:
+    """Make *workers* stop taking messages from *queue*, revoke the tasks they hold for a
+    later start (a retry's countdown), and wait (bounded) until each has started every
+    task it took: a warm shutdown from then on hands no task to a pool child, and ends
+    once the runs under way end.
+
+    Why: at warm shutdown, Celery's prefork pool drops from its books every task it has
+    written to a child but whose start the child has not confirmed yet (the consumer's
+    close flushes the pool: "they will be redelivered"), and so reads no result of that
+    task. The child runs it anyway, and before it exits waits for the worker to read every
+    result it sent, 30 s at most (billiard's ``_ensure_messages_consumed``). A SIGTERM a
+    few milliseconds after a task went to a child thus makes that warm shutdown last
+    30 s longer, whatever the task does (a plain Celery app does it too).
+    """
+    workers = list(workers)
+    names = [w.name for w in workers]
+    revoked: set[str] = set()
+
+    def idle() -> bool:
+        inspect = app.control.inspect(destination=names, timeout=1.0)
+        consuming = inspect.active_queues()
+        if consuming is None or set(consuming) != set(names):
+            return False  # a reply missing (a loaded worker): asked again
+        if any(q["name"] == queue for queues in consuming.values() for q in queues):
+            # Told until it is done: a worker cancels its consumer after it has replied.
+            app.control.cancel_consumer(queue, destination=names, reply=True, timeout=5)
+            return False
+        reserved, scheduled = inspect.reserved(), inspect.scheduled()
+        if reserved is None or scheduled is None or not set(names) <= {*reserved} & {*scheduled}:
+            return False
+        later = {e["request"]["id"] for entries in scheduled.values() for e in entries}
+        if later - revoked:  # each would go to a child at its countdown's end
+            app.control.revoke(list(later - revoked), destination=names, reply=True, timeout=5)
+            revoked.update(later)
+            return False
+        return not any(reserved.values())
+
+    wait_for(idle, timeout, "the workers to start every task they took", interval=0.2)
 
 
 def forget_results(app: Celery) -> None:
