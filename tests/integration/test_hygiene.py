@@ -73,7 +73,7 @@ REDLOCK_CALLS = 250
 MEMORY_CALLS = {"memory": 250, "redlock-memory": 150}
 #: Calls on clients whose pools allow 2 connections, and with a fresh client per call
 #: (a Redlock's: a quarter, three fresh clients per call).
-SMALL_CALLS = 300
+SMALL_CALLS = 200
 #: Lock cycles per thread, 16 threads on one client at once (a Barrier starts them
 #: together): a Redlock's and memory://'s fewer.
 THREADS, PER_THREAD = 16, 50
@@ -426,7 +426,7 @@ def test_tiny_pool(
     admins: list[redis.Redis],
     fault_proxy: Callable[[RedisServer], FaultProxy],
 ) -> None:
-    """300 function-scoped calls on clients whose pools allow 2 connections (each master
+    """200 function-scoped calls on clients whose pools allow 2 connections (each master
     too, one of them farther away than the others) all succeed and leave everything flat:
     a primitive takes at most what one call needs and gives it back (the old core failed
     a Lock on a pool of 2 at call 3, a Redlock at call 9 on pools of 8)."""

@@ -165,7 +165,9 @@ def test_lock_redis_sigkilled_and_restarted_empty(tmp_path: Path) -> None:
             sc.fault("redis-sigkill-restart", killed, detail=f"port {server.port}")
             sc.pause(sc.rng.uniform(1.0, 2.0))
 
-        sc.run_chaos(chaos_seconds(5), inject)
+        # One kill and empty restart in make test (a fault takes 3.7 s or more; a second one
+        # started within 5 s doubled the run), a restart every few seconds under make chaos.
+        sc.run_chaos(chaos_seconds(3), inject)
         sc.drain()
         sc.verify()
         sc.check_no_lock_alive()
@@ -279,7 +281,9 @@ def test_sentinel_failover_during_the_run(tmp_path: Path) -> None:
                 victim.restart()
                 wait_for(lambda: _linked_replica(victim), 60, "the old master to resync")
 
-        sc.run_chaos(chaos_seconds(5), inject)
+        # make test: the one failover (its first fault) ends past these 3 s; run_chaos then
+        # feeds until a write is accepted on the promoted master.
+        sc.run_chaos(chaos_seconds(3), inject)
         sc.drain()
         print(f"sentinel kills at {[round(k, 3) for k in kills]}")
         sc.verify()
