@@ -556,7 +556,7 @@ def test_short_lived_failing_clients_never_deadlock_the_store_cache() -> None:
     def churn() -> None:
         for limit in (50, 7, 100, 13, 1):  # collections at many different allocations
             gc.set_threshold(limit)
-            for _ in range(200):
+            for _ in range(100):
                 try:
                     client = connect(url, socket_connect_timeout=0.01)
                     Lock(client, "churn", ttl=5).acquire(blocking=False)
