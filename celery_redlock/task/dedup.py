@@ -429,9 +429,9 @@ def skip_superseded(state: AppState, task: Any, request: Any, lock: Any) -> NoRe
 def dequeue(state: AppState, name: str, task_id: str, why: str, *, later: bool = False) -> None:
     """Dequeue task *task_id*'s enqueue-time hold of *name* (give it back), because its
     message will not run (*why*: skipped, failed, revoked, expired, rejected, not
-    published), so the next call can be queued. Owner-checked: another task id's hold is never touched.
-    Never raises: a hold not given back ends with its lease. *later*: in a short thread
-    (a worker's main process never blocks its consumer on Redis)."""
+    published), so the next call can be queued. Owner-checked: another task id's hold
+    is never touched. Never raises: a hold not given back ends with its lease. *later*:
+    in a short thread (a worker's main process never blocks its consumer on Redis)."""
     if later:
         args = (state, name, task_id, why)
         threading.Thread(
