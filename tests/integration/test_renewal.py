@@ -321,7 +321,15 @@ def test_a_round_redis_fails_is_one_line_naming_the_node_and_each_loss_is_one_li
     assert all(lock.acquire(blocking=False) for lock in locks)
     with caplog.at_level(logging.WARNING, "celery_redlock.renew"):
         redis_server.kill()
-        wait_for(lambda: all(lock.lost for lock in locks), 5, "the three losses")
+        # A lock is marked lost a moment before its line is written: wait for the lines.
+        wait_for(
+            lambda: (
+                all(lock.lost for lock in locks)
+                and sum("LOST" in r.getMessage() for r in caplog.records) >= len(names)
+            ),
+            5,
+            "the three losses and their lines",
+        )
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     rounds = [m for m in lines if m.startswith("renewal round on ")]
     assert rounds, lines
