@@ -1601,6 +1601,11 @@ def test_flow_renewal_and_extend_keep_the_limits_permits_past_their_first_lease(
         return
     renewed_limit, extended_limit = _limit(f"{name}:renewed", 1), _limit(f"{name}:extended", 1)
     shared = _limit(f"{name}:shared", 2)
+    # Scripts loaded and connections made first: the first call through a Sentinel or with
+    # a script the server has not seen can outlast a 0.5 s lease on a loaded machine.
+    warm = _ruled(target, f"{name}:warm", [_limit(f"{name}:warm-limit", 1)])
+    assert warm.acquire(blocking=False)
+    warm.release()
     renewed = _ruled(target, f"{name}:r", [renewed_limit, shared], ttl=0.5, auto_renew=True)
     extended = _ruled(target, f"{name}:e", [extended_limit, shared], ttl=0.5)
     assert renewed.acquire(blocking=False) and extended.acquire(blocking=False)
