@@ -494,18 +494,9 @@ class Sendable(Enum):
     RAISE_FENCE = "raise_fence"
 
     def on(self, backend: Any) -> Callable[..., Any]:
-        """This verb's method of *backend*, to call the usual way."""
-        return _METHODS[self](backend)  # type: ignore[no-any-return]
-
-
-_METHODS: dict[Sendable, Callable[[Any], Any]] = {
-    Sendable.ACQUIRE: lambda backend: backend.acquire,
-    Sendable.RELEASE: lambda backend: backend.release,
-    Sendable.RELEASE_DONE: lambda backend: backend.release_done,
-    Sendable.EXTEND: lambda backend: backend.extend,
-    Sendable.ENQUEUE: lambda backend: backend.enqueue,
-    Sendable.RAISE_FENCE: lambda backend: backend.raise_fence,
-}
+        """This verb's method of *backend* (its value is the method's name), to call the
+        usual way."""
+        return getattr(backend, self.value)  # type: ignore[no-any-return]
 
 
 @capability("calls sent now and answered later")
