@@ -178,12 +178,15 @@ def test_unclear_acquire_is_taken_back(
 # -- nothing held past a call ------------------------------------------------------------
 def test_many_calls_on_a_tiny_pool(redis_server: RedisServer) -> None:
     """200 verb calls on a client whose pool allows 2 connections all succeed, and neither
-    the server's client list nor this process's open files grow. (A server of its own:
-    other tests' background threads, such as the event log's writer, use the shared one.)"""
+    the server's client list nor this process's open files grow past the pool's 2. (A
+    server of its own: other tests' background threads, such as the event log's writer,
+    use the shared one.) The bound is the cap, not the count after a first round: a wait
+    answered after its slack closes its connection, so that count is 1 or 2 by timing."""
     client = redis_server.client(max_connections=2)
     redis_client = redis_server.client()
     backend = RedisBackend.of(client)
     slot, sem = mutex(), permits()
+    clients, fds = len(redis_client.client_list()), open_fds()  # the listing client only
 
     def round_trip(i: int) -> None:
         tok = token()
@@ -198,12 +201,11 @@ def test_many_calls_on_a_tiny_pool(redis_server: RedisServer) -> None:
     try:
         round_trip(0)
         backend.wait(slot, 0.01)
-        clients, fds = len(redis_client.client_list()), open_fds()
         for i in range(1, 34):  # 6 verbs each: 198 calls, and the wait below
             round_trip(i)
         backend.wait(slot, 0.01)
-        assert len(redis_client.client_list()) <= clients
-        assert open_fds() <= fds
+        assert len(redis_client.client_list()) <= clients + 2
+        assert open_fds() <= fds + 2
         assert client.ping()  # the user's own client still works
     finally:
         client.close()
