@@ -298,11 +298,18 @@ def test_fences_from_the_new_master_top_every_fence_of_the_old_one(
     stale = Lock(setup.master.client(), "fenced", ttl=0.05, auto_renew=False)
     setup.sentinel().sentinels[0].execute_command("SENTINEL", "FAILOVER", setup.master_name)
     wait_for(lambda: role_of(setup.replica) == "master", 10, "the promotion")
-    old_fences = []
+    old_fences: list[int | None] = []
     for _ in range(200):  # counted up on the old master after the promotion
-        assert stale.acquire(blocking=False)
-        old_fences.append(stale.fence)
-        stale.release()
+        try:
+            assert stale.acquire(blocking=False)
+            old_fences.append(stale.fence)
+            stale.release()
+        except (StoreUnavailable, redis.exceptions.ReadOnlyError):
+            # The sentinels make the old master a replica and kill its clients (a client
+            # without redis-py's default retry sees the reset): its counting ends there.
+            break
+    assert len(old_fences) >= 10, old_fences
+    assert old_fences[-1] is not None and fences[-1] is not None
     assert old_fences[-1] > fences[-1]
     new_master = address_of(setup.replica)
     wait_for(lambda: setup.master_addresses() == [new_master] * 3, 15, "the switch")
@@ -310,7 +317,7 @@ def test_fences_from_the_new_master_top_every_fence_of_the_old_one(
     assert fresh.acquire(blocking=False)  # a client made now: on the new master anyway
     first = fresh.fence
     fresh.release()
-    assert first is not None and first > max(old_fences), (fences, old_fences[-3:], first)
+    assert first is not None and first > old_fences[-1], (fences, old_fences[-3:], first)
     new_fences = []
     for _ in range(3):
         assert lock.acquire(blocking=False)
