@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..core.backend import EventLog, given
-from ..core.events import LockEvent, add_hook
+from ..core.events import HOLDER_IS_OTHER, LockEvent, add_hook
 from ..core.process import on_fork
 from .tracing import current_policy
 
@@ -254,16 +254,15 @@ def _identity(store: Any) -> Any:
 _recorder = _Recorder()
 
 
-def _task_run(event: LockEvent) -> bool:
-    """True for an event of a task's run (the run's own record names its task)."""
-    ours = event.owner if event.kind in ("contended", "duplicate", "superseded") else event.holder
-    return bool(ours.get("task_name"))
-
-
 def recorder_hook(event: LockEvent) -> None:
-    """Queue a task run's lock *event* for its app's event log."""
-    if event.kind in KINDS and _task_run(event):
-        refused = event.kind in _REFUSED
+    """Queue a task run's lock *event* for its app's event log: one whose run's own record
+    names its task (the owner's for an event whose holder is the other one)."""
+    kind = event.kind
+    if kind not in KINDS:
+        return
+    refused = kind in _REFUSED
+    ours = event.owner if kind in HOLDER_IS_OTHER else event.holder
+    if ours.get("task_name"):
         _recorder.put(event, current_policy() if refused else None)
 
 

@@ -41,7 +41,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
-from ..core.events import LockEvent, add_hook, remove_hook
+from ..core.events import HOLDER_IS_OTHER, LockEvent, add_hook, remove_hook
 from .state import AppState
 
 __all__ = [
@@ -85,7 +85,7 @@ def logging_hook(event: LockEvent) -> None:
     if not log.isEnabledFor(level):
         return
     parts = [f"lock-{event.kind}", f"name={event.name!r}"]
-    other = event.kind in _HOLDER_IS_OTHER
+    other = event.kind in HOLDER_IS_OTHER
     ours = event.owner if other else event.holder
     if ours.get("task_name"):
         parts.append(f"task={ours['task_name']}[{ours.get('task_id')}]")
@@ -109,8 +109,6 @@ BEAT_ROLE = "beat-leader"
 #: Owners (their record's ``role``) for whom waiting is the normal state: a standby beat
 #: asks for the leader lock every few seconds while another beat leads.
 _ROUTINE_WAITERS = frozenset({BEAT_ROLE})
-#: The events whose ``holder`` is the other owner (the one in the way), not ours.
-_HOLDER_IS_OTHER = frozenset({"contended", "duplicate", "superseded"})
 
 
 def _who(record: Mapping[str, Any]) -> str:

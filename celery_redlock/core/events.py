@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["EventKind", "LockEvent", "add_hook", "emit", "remove_hook", "wanted"]
+__all__ = ["HOLDER_IS_OTHER", "EventKind", "LockEvent", "add_hook", "emit", "remove_hook", "wanted"]
 
 log = logging.getLogger("celery_redlock.events")
 
@@ -32,6 +32,10 @@ EventKind = Literal[
     "superseded",
     "backed_off",
 ]
+
+#: The kinds whose ``holder`` is the other owner (the one in the way), not ours: the
+#: event's own record is its ``owner`` then.
+HOLDER_IS_OTHER: frozenset[str] = frozenset({"contended", "duplicate", "superseded"})
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,7 @@ class Lease:
 
     # -- state ------------------------------------------------------------------------
     def _held_here(self) -> bool:
-        return self._token is not None and self._pid == process.pid()
+        return self._token is not None and self._pid == process.this.pid
 
     @property
     def fence(self) -> int | None:
@@ -186,7 +186,7 @@ class Lease:
             if self._lost and self._held_here() and self._owner != me:
                 self._lost_by = (self._owner, self._lost_reason)
             self._token = token
-            self._pid = process.pid()
+            self._pid = process.this.pid
             self._owner = me
             self._releasing = False
             self._fence = grant.fence
@@ -306,7 +306,7 @@ class Lease:
                 log_renew.exception("on_lost callback for %r failed", self.name)
 
     def _not_held_reason(self) -> str:
-        if self._token is not None and self._pid != process.pid():
+        if self._token is not None and self._pid != process.this.pid:
             return f"acquired in process {self._pid}; a forked child holds none of its locks"
         return "not acquired by this lock object"
 

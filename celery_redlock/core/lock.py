@@ -67,7 +67,7 @@ _head: tuple[int, str] = (0, "")
 def _record_head() -> str:
     """``{"hostname":...,"pid":...,"acquired_at":`` for this process (made once per pid)."""
     global _head
-    pid = process.pid()
+    pid = process.this.pid
     if _head[0] != pid:
         host = json.dumps({"hostname": _HOSTNAME, "pid": pid}, separators=(",", ":"))
         _head = (pid, f'{host[:-1]},"acquired_at":')

@@ -18,14 +18,26 @@ from collections.abc import Callable, MutableMapping
 from types import MethodType
 from typing import Any, TypeVar
 
-__all__ = ["ForkLock", "made_once", "on_fork", "pid"]
+__all__ = ["ForkLock", "This", "made_once", "on_fork", "pid", "this"]
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
 
 log = logging.getLogger("celery_redlock")
 
-_pid = os.getpid()
+
+class This:
+    """This process: ``this.pid`` is its id, kept current across ``fork`` (an attribute,
+    read without a call or a system call on hot paths)."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+
+
+#: This process (see :class:`This`).
+this = This()
 _resets: list[Callable[[], Callable[[], None] | None]] = []
 _resets_lock = threading.Lock()
 #: Dead references (methods of collected objects) are dropped when the list reaches this
@@ -36,7 +48,7 @@ _prune_at = 64
 
 def pid() -> int:
     """The id of the process this runs in (kept current across ``fork``, no system call)."""
-    return _pid
+    return this.pid
 
 
 def on_fork(reset: Callable[[], None]) -> Callable[[], None]:
@@ -58,8 +70,8 @@ def on_fork(reset: Callable[[], None]) -> Callable[[], None]:
 
 
 def _after_fork_in_child() -> None:
-    global _pid, _resets_lock
-    _pid = os.getpid()
+    global _resets_lock
+    this.pid = os.getpid()
     _resets_lock = threading.Lock()  # the parent may have held it while forking
     alive = []
     for ref in _resets:

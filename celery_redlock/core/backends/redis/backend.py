@@ -325,10 +325,12 @@ class RedisBackend:
         return self._give_back(slot, verbs.release_done(slot, token, notice_ms, mark, mark_ms))
 
     def _give_back(self, slot: Slot, call: Call) -> Status:
-        with self._guard(slot):
+        try:  # not the guard's context manager: a release is on every run's path
             if slot.held_rules:
                 return self._release_all(slot, call.keys, call.args)
-            return self._call(call)  # type: ignore[no-any-return]
+            return call.read(self._run(call.script, call.keys, call.args))  # type: ignore[no-any-return]
+        except Exception as exc:
+            self._failed(slot, exc)
 
     def extend(self, slot: Slot, token: str, ms: int, *, replace: bool) -> int | Status:
         with self._guard(slot):

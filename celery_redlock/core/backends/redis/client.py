@@ -170,8 +170,10 @@ class _KeepOne:
             kept, self._kept = self._kept, None
         if kept is not None:
             return kept
-        if not args and needs_name(self._base):  # redis-py < 5.3: a command name
-            args = ("BLPOP",)
+        if not args:
+            needs = _needs_name.get(self._base)
+            if needs if needs is not None else needs_name(self._base):
+                args = ("BLPOP",)  # redis-py < 5.3: a command name
         return super().get_connection(*args, **kwargs)  # type: ignore[misc]
 
     def release(self, connection: Any) -> None:
@@ -322,7 +324,10 @@ def checkout(pool: Any) -> Any:
     """A connection from *pool*, connected (redis-py's pools connect what they hand out).
     redis-py < 5.3 requires a command name (unused since); newer versions warn when given
     one. Which one a pool class wants is read once from its signature."""
-    return pool.get_connection("BLPOP") if needs_name(type(pool)) else pool.get_connection()
+    needs = _needs_name.get(type(pool))  # read here: a checkout is on every command's path
+    if needs is None:
+        needs = needs_name(type(pool))
+    return pool.get_connection("BLPOP") if needs else pool.get_connection()
 
 
 def needs_name(kind: Any) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping, Sequence
+from functools import partial
 from importlib import resources
 from typing import Any
 
@@ -195,7 +196,7 @@ def run(script: Script, client: Any, pool: Any, keys: Sequence[str], args: Seque
     conn = checkout(pool)
     try:
         return conn.retry.call_with_retry(
-            lambda: send_script(conn, script, keys, args), lambda _error: conn.disconnect()
+            partial(send_script, conn, script, keys, args), lambda _error: conn.disconnect()
         )
     finally:
         pool.release(conn)
