@@ -381,7 +381,11 @@ def test_a_lock_missing_on_the_new_master_is_reported_lost_at_the_switch(
 # --------------------------------------------------------------------------- two workers
 
 KEYS = 3  # keys the stream calls
-BODY = 2.0  # seconds a run holds its key
+# A run holds its key 1 s: still longer than a planned switch (0.4 s after the command) and
+# shorter than the lease, so the run under way at the switch holds a lock there; each
+# phase's 6 runs (2 a key, so each key's fences are compared within and across phases)
+# take 2 s rather than the 4 s of 2 s holds.
+BODY = 1.0  # seconds a run holds its key
 TTL = 3.0  # its lease (renewed every second)
 EVERY = 0.25  # seconds between two calls on one key
 
@@ -470,7 +474,7 @@ def test_failover_planned_and_not_under_a_stream_of_runs_on_two_workers(
         stream.start()
         wait_for(lambda: record.llen("runs") >= 6, 30, "runs before the failover")
         # The failover starts just after a run took its key: that run still holds it when
-        # the master switches (about 1 s on, the run holds 2 s), so a worker has a lock to
+        # the master switches (about 0.4 s on, the run holds BODY, 1 s), so a worker has a lock to
         # warn about. Seen free first: the run just recorded may not have released it yet.
         lock = lock_keys(f"key:{json.loads(record.lindex('runs', -1))['key']}").lock
         master = setup.master.client()
