@@ -217,6 +217,7 @@ class Stage:
     collector: Collector
     processes: Processes
     ttl: float
+    pace: float = 1.0  # demoapp.PACE: the task bodies' length, as a factor
     checks: list[Check] = field(default_factory=list)
     limits: dict[str, int | None] = field(default_factory=dict)
     rates: dict[str, str] = field(default_factory=dict)
@@ -378,7 +379,8 @@ def crash(stage: Stage) -> None:
     victim = stage.publish("export", "invoices", 30.0, key="export:invoices")
     run = stage.started(victim.id, timeout=30)
     waiter = stage.publish("export", "invoices", 0.5, key="export:invoices")
-    stage.wait("the waiter to be waiting", lambda _: time.time() - (run.start or 0) > 1.5, 10)
+    held = 1.5 * stage.pace  # long enough for the waiter to be taken and waiting
+    stage.wait("the waiter to be waiting", lambda _: time.time() - (run.start or 0) > held, 10)
     stage.kill(run)
     stage.started(waiter.id, timeout=stage.ttl + 10)
     victim_outcome, waiter_outcome = stage.finish([victim, waiter], timeout=30)
@@ -489,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         view = (LiveView if live else PlainView)(policies, t0)
         collector = Collector(demoapp._events_client(), processes, view, policies)
         collector.start()
-        stage = Stage(app, collector, processes, ttl=demoapp.TTL)
+        stage = Stage(app, collector, processes, ttl=demoapp.TTL, pace=demoapp.PACE)
         for number, scene in enumerate(SCENES, 1):
             view.scene(number, len(SCENES), scene.title)
             scene.play(stage)
