@@ -140,10 +140,10 @@ def main() -> None:
         heads = ["", *variants]
         print("| " + " | ".join(heads) + " |")
         print("|---" + "|---:" * len(variants) + "|")
+        titles = {"cpu": "client CPU", "server": "the server's commands", "wall": "wall"}
         for key in ("cpu", *GROUPS, "server", "wall"):
-            label = {"cpu": "client CPU", "server": "the server's commands", "wall": "wall"}
             cells = [f"{rows[v][key]:.0f}" for v in variants]
-            print(f"| {label.get(key, '- ' + key)} | " + " | ".join(cells) + " |")
+            print(f"| {titles.get(key, '- ' + key)} | " + " | ".join(cells) + " |")
         by_hand_client.close()
         admin.close()
         app.close()
