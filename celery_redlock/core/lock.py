@@ -199,7 +199,7 @@ class Lock(Lease):
         if not _RECORD_OWN.intersection(info):
             tail = json.dumps(info, separators=(",", ":"), default=str)
             return f"{_record_head()}{at!r},{tail[1:]}"
-        record: dict[str, Any] = {"hostname": _HOSTNAME, "pid": process.pid(), "acquired_at": at}
+        record: dict[str, Any] = {"hostname": _HOSTNAME, "pid": process.this.pid, "acquired_at": at}
         record.update(info)  # owner_info overrides what the lock writes
         return json.dumps(record, separators=(",", ":"), default=str)
 
@@ -330,7 +330,7 @@ class Lock(Lease):
                     wait = max(self._valid_until - now, 0.001)  # it has run out by then
                     self._freed.wait(wait if left is None else min(wait, left))
                     continue
-                self.holder = dict(self.owner_info, hostname=_HOSTNAME, pid=process.pid())
+                self.holder = dict(self.owner_info, hostname=_HOSTNAME, pid=process.this.pid)
                 self.holder_ttl_ms = max(0, round((self._valid_until - now) * 1000))
             self._event("contended", holder=self.holder, waited=now - begin)
             return "refused"

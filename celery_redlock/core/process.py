@@ -18,7 +18,7 @@ from collections.abc import Callable, MutableMapping
 from types import MethodType
 from typing import Any, TypeVar
 
-__all__ = ["ForkLock", "This", "made_once", "on_fork", "pid", "this"]
+__all__ = ["ForkLock", "This", "made_once", "on_fork", "this"]
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
@@ -44,11 +44,6 @@ _resets_lock = threading.Lock()
 #: length, which then doubles the live count: registering stays O(1) amortised, and a
 #: process that makes and drops objects in a loop keeps a list as long as the live ones.
 _prune_at = 64
-
-
-def pid() -> int:
-    """The id of the process this runs in (kept current across ``fork``, no system call)."""
-    return this.pid
 
 
 def on_fork(reset: Callable[[], None]) -> Callable[[], None]:

@@ -129,7 +129,8 @@ class QueuedHold:
         """(lease in ms, holder record) of a claim for task *owner*."""
         if not isinstance(owner, str) or not owner:
             raise ConfigError(f"a queued hold's owner must be a task id, got {owner!r}")
-        record = {"hostname": _HOSTNAME, "pid": process.pid(), "queued_at": round(time.time(), 3)}
+        at = round(time.time(), 3)
+        record = {"hostname": _HOSTNAME, "pid": process.this.pid, "queued_at": at}
         record.update(self.owner_info)
         record["task_id"] = owner
         ttl_ms = ttl_to_ms(ttl, "the queued hold's ttl")

@@ -170,14 +170,14 @@ class RenewalManager:
 
     # -- the loop -----------------------------------------------------------------
     def _run(self) -> None:
-        log.debug("renewal thread started in pid %d", process.pid())
+        log.debug("renewal thread started in pid %d", process.this.pid)
         try:
             self._loop()
         finally:
             with self._mutex:
                 if self._thread is threading.current_thread():
                     self._thread = None  # a register() from now on starts a new thread
-        log.debug("renewal thread stopped in pid %d", process.pid())
+        log.debug("renewal thread stopped in pid %d", process.this.pid)
 
     def _loop(self) -> None:
         while True:

@@ -478,7 +478,7 @@ def release_for_gone_child(
                 return
             holder = running[0]
             pid = holder.get("pid")
-            if pid == process.pid():
+            if pid == process.this.pid:
                 # The run is in this process (a pool without children: threads, solo,
                 # gevent, eventlet): it releases its own lock as it ends.
                 return

@@ -227,21 +227,21 @@ def test_forked_child_cannot_release_or_extend_the_parents_lock(
 def test_the_process_id_the_locks_compare_follows_every_fork() -> None:
     """The lock paths read this process's id from core.process (os.getpid() is a system
     call): a child of os.fork() sees its own id there, and so does its own child."""
-    assert process.pid() == os.getpid()
+    assert process.this.pid == os.getpid()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         code = 99
         try:
-            code = 0 if process.pid() == os.getpid() else 20
+            code = 0 if process.this.pid == os.getpid() else 20
             if code == 0:
                 grandchild = os.fork()
                 if grandchild == 0:
-                    os._exit(0 if process.pid() == os.getpid() else 21)
+                    os._exit(0 if process.this.pid == os.getpid() else 21)
                 code = wait_child(grandchild)
         finally:
             os._exit(code)
     assert wait_child(pid) == 0
-    assert process.pid() == os.getpid()
+    assert process.this.pid == os.getpid()
 
 
 def test_expired_holder_cannot_release_or_extend_the_new_holders_lock(
