@@ -59,10 +59,13 @@ def address_of(server: RedisServer) -> tuple[str, int]:
 
 
 def role_of(server: RedisServer) -> str:
-    """'master' or 'slave', as the server says."""
+    """'master' or 'slave', as the server says; 'unknown' when it drops the connection,
+    as a server does to its clients while its role changes (redis-py 5.0 does not retry)."""
     client = server.client(socket_timeout=1)
     try:
         role = client.execute_command("ROLE")[0]
+    except redis.ConnectionError:
+        return "unknown"
     finally:
         client.close()
     return role.decode() if isinstance(role, bytes) else str(role)
