@@ -111,7 +111,7 @@ end
 -- Numbers go to Redis as '%d' text (a whole number's sprintf) and arguments as they came
 -- (tonumber is a strtod, and Lua writes a number it passes on with '%.17g': each costs
 -- about what a command does).
-local fence, fresh, text
+local fence, fresh
 local fence_ttl = ARGV[5]
 local expires = fence_ttl and fence_ttl ~= '0' and fence_ttl ~= ''
 if expires then
@@ -127,10 +127,9 @@ if expires then
   else
     fence = now + 1
   end
-  text = string.format('%d', fence)
-  fresh = redis.call('SET', KEYS[2], text, 'PX', fence_ttl, 'NX')
+  fresh = redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', fence_ttl, 'NX')
   if not fresh then
-    fence, text = redis.call('INCR', KEYS[2]), nil
+    fence = redis.call('INCR', KEYS[2])
   end
 else
   fence = redis.call('INCR', KEYS[2])
@@ -139,11 +138,8 @@ local floored = fence_floor(KEYS[2], fence, ARGV.fence_floor, ARGV.fence_floor a
 if expires and (floored ~= fence or not fresh) then
   redis.call('PEXPIRE', KEYS[2], fence_ttl)
 end
-if floored ~= fence or not text then
-  -- The restart's text is the fence's unless a floor raised it; a counted one (INCR's
-  -- integer reply) is printed here, once.
-  fence, text = floored, string.format('%d', floored)
-end
+fence = floored
+local text = string.format('%d', fence)
 if queued then
   redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', text, 'info', ARGV[3], 'owner', ARGV[6])
   if queued[1] == ARGV[6] then

@@ -41,8 +41,7 @@ local function index_state(record)
 end
 local index_ms
 local function index_head(key)
-  -- The key's prefix (which holds no brace) is all before its first '{': one match.
-  return string.match(key, '^[^{]*') .. 'index:'
+  return string.sub(key, 1, string.find(key, '{', 1, true) - 1) .. 'index:'
 end
 local function index_now()
   if not index_ms then
