@@ -82,38 +82,53 @@ def floor(r: redis.Redis, name: str) -> None:
         raise RuntimeError("the floor: the release failed")
 
 
-def instructions(cycle: Cycle, cycles: int) -> float:
-    """The server's instructions per *cycle*, counted by callgrind."""
-    out = tempfile.mkdtemp(prefix="bench-script-cost-")
-    wrapper = ("valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.out")
-    server = S.start(wrapper=wrapper, startup=60.0)
-    try:
-        r = redis.Redis(host=S.HOST, port=server.port, socket_timeout=60)
-        r.script_load(RELEASE_LUA)
-        for i in range(50):
-            cycle(r, f"warm:{i}")
+class Counted:
+    """One redis-server under callgrind for many rows: :meth:`count` zeroes its counters,
+    runs a row and reads the instructions it took."""
+
+    def __init__(self) -> None:
+        self.out = tempfile.mkdtemp(prefix="bench-script-cost-")
+        wrapper = ("valgrind", "--tool=callgrind", f"--callgrind-out-file={self.out}/cg.out")
+        self.server = S.start(wrapper=wrapper, startup=60.0)
+        self.client = redis.Redis(host=S.HOST, port=self.server.port, socket_timeout=60)
+
+    def count(self, row: Callable[[int], None], runs: int, warm: int = 30) -> float:
+        """Instructions a run of *row* (called with 0..runs-1, after *warm* unmeasured runs
+        with negative numbers)."""
+        for i in range(warm):
+            row(-1 - i)
         subprocess.run(
-            ["callgrind_control", "-z", str(server.pid)], check=True, capture_output=True
+            ["callgrind_control", "-z", str(self.server.pid)], check=True, capture_output=True
         )
-        for i in range(cycles):
-            cycle(r, f"cold:{i}")
+        for i in range(runs):
+            row(i)
         subprocess.run(
-            ["callgrind_control", "-d", str(server.pid)], check=True, capture_output=True
+            ["callgrind_control", "-d", str(self.server.pid)], check=True, capture_output=True
         )
-        r.close()
-    finally:
-        S.stop(server)
-    try:
-        dumps = sorted(glob.glob(f"{out}/cg.out.*"), key=lambda p: int(p.rsplit(".", 1)[1]))
+        dumps = sorted(glob.glob(f"{self.out}/cg.out.*"), key=lambda p: int(p.rsplit(".", 1)[1]))
         text = subprocess.run(
             ["callgrind_annotate", dumps[-1]], check=True, capture_output=True, text=True
         ).stdout
+        found = re.search(r"([\d,]+)\s+(?:\(100\.0%\)\s+)?PROGRAM TOTALS", text)
+        if found is None:
+            raise SystemExit("callgrind_annotate printed no total")
+        return int(found.group(1).replace(",", "")) / runs
+
+    def close(self) -> None:
+        self.client.close()
+        S.stop(self.server)
+        shutil.rmtree(self.out, ignore_errors=True)
+
+
+def instructions(cycle: Cycle, cycles: int) -> float:
+    """The server's instructions per *cycle*, on a server of its own, counted by callgrind."""
+    counted = Counted()
+    try:
+        r = counted.client
+        r.script_load(RELEASE_LUA)
+        return counted.count(lambda i: cycle(r, f"{'cold' if i >= 0 else 'warm'}:{i}"), cycles, 50)
     finally:
-        shutil.rmtree(out, ignore_errors=True)
-    found = re.search(r"([\d,]+)\s+(?:\(100\.0%\)\s+)?PROGRAM TOTALS", text)
-    if found is None:
-        raise SystemExit("callgrind_annotate printed no total")
-    return int(found.group(1).replace(",", "")) / cycles
+        counted.close()
 
 
 #: The commands our cycle sends from inside its two scripts (a new name, nobody waiting),
@@ -155,43 +170,6 @@ STEPS = {
     ),
 }
 STEP_LOOPS = 2000
-
-
-class Counted:
-    """One redis-server under callgrind for many rows: :meth:`count` zeroes its counters,
-    runs a row and reads the instructions it took."""
-
-    def __init__(self) -> None:
-        self.out = tempfile.mkdtemp(prefix="bench-script-parts-")
-        wrapper = ("valgrind", "--tool=callgrind", f"--callgrind-out-file={self.out}/cg.out")
-        self.server = S.start(wrapper=wrapper, startup=60.0)
-        self.client = redis.Redis(host=S.HOST, port=self.server.port, socket_timeout=60)
-
-    def count(self, row: Callable[[int], None], runs: int) -> float:
-        """Instructions a run of *row* (called with 0..runs-1, after 30 unmeasured runs)."""
-        for i in range(30):
-            row(-1 - i)
-        subprocess.run(
-            ["callgrind_control", "-z", str(self.server.pid)], check=True, capture_output=True
-        )
-        for i in range(runs):
-            row(i)
-        subprocess.run(
-            ["callgrind_control", "-d", str(self.server.pid)], check=True, capture_output=True
-        )
-        dumps = sorted(glob.glob(f"{self.out}/cg.out.*"), key=lambda p: int(p.rsplit(".", 1)[1]))
-        text = subprocess.run(
-            ["callgrind_annotate", dumps[-1]], check=True, capture_output=True, text=True
-        ).stdout
-        found = re.search(r"([\d,]+)\s+(?:\(100\.0%\)\s+)?PROGRAM TOTALS", text)
-        if found is None:
-            raise SystemExit("callgrind_annotate printed no total")
-        return int(found.group(1).replace(",", "")) / runs
-
-    def close(self) -> None:
-        self.client.close()
-        S.stop(self.server)
-        shutil.rmtree(self.out, ignore_errors=True)
 
 
 def parts(cycles: int) -> None:
@@ -247,10 +225,10 @@ def parts(cycles: int) -> None:
         def loop(_i: int, sha: str) -> None:
             r.evalsha(sha, 3, "k1{a}", "k2{a}", "k3{a}", token, "30000", record)
 
-        empty_loop = counted.count(partial(loop, sha=base_sha), 5)
+        empty_loop = counted.count(partial(loop, sha=base_sha), 5, warm=3)
         for label, step in STEPS.items():
             sha = r.script_load(f"local x\nfor i = 1, {STEP_LOOPS} do\n{step}\nend\nreturn 1")
-            cost = (counted.count(partial(loop, sha=sha), 5) - empty_loop) / STEP_LOOPS
+            cost = (counted.count(partial(loop, sha=sha), 5, warm=3) - empty_loop) / STEP_LOOPS
             rows.append((f"a Lua step: {label}", cost))
     finally:
         counted.close()
