@@ -64,6 +64,7 @@ from celery_redlock.core.backend_types import RECENT_BYTES, Refused, Rule
 from celery_redlock.core.backends.redis.scripts import ACQUIRE, HOLD_ALL, PERMIT_ACQUIRE, Script
 from celery_redlock.core.keys import permit_keys
 from celery_redlock.core.listing import Listing, ListQuery
+from celery_redlock.core.renewal import get_manager
 
 #: Every backend the suite runs on; a new backend is done when it passes with its name here.
 BACKENDS = ["memory", "redis", "sentinel", "cluster", "quorum"]
@@ -731,28 +732,31 @@ def test_a_reentrant_lock_counts_per_thread(target: Any, name: str) -> None:
 
 
 def test_a_lock_nobody_references_is_no_longer_renewed(target: Any, name: str) -> None:
-    """A held Lock that was dropped (no release) is not renewed: its key expires within
-    its TTL; one in a ``with`` block, bound to no name, keeps being renewed."""
-    ttl = 1.0  # renewed every third of it: a loaded machine's delays stay well inside
+    """A held Lock that was dropped (no release) leaves the renewal thread's locks at the
+    collection and its key expires within its TTL; one in a ``with`` block, bound to no
+    name, stays among them and the next round renews it."""
+    manager = get_manager()
+    held = lambda lock_name: [lk for lk in manager.held() if lk.name == lock_name]  # noqa: E731
 
     def take_and_drop() -> None:
-        assert Lock(target, name, ttl=ttl).acquire(blocking=False)
+        assert Lock(target, name, ttl=1.0).acquire(blocking=False)
 
     take_and_drop()
     gc.collect()
-    dropped = time.monotonic()
+    assert held(name) == []
     probe = Lock(target, name, ttl=10, auto_renew=False)
     expired = lambda: not probe.locked()  # noqa: E731 - a quorum's is three calls: 20 ms apart
-    assert wait_for(expired, timeout=ttl + 2, what="the dropped lock's expiry", interval=0.02)
-    assert time.monotonic() - dropped < 2 * ttl  # its last renewal, plus a round in flight
-    with Lock(target, f"{name}:kept", ttl=ttl):
+    assert wait_for(expired, timeout=3, what="the dropped lock's expiry", interval=0.02)
+    # Its round comes when asked (renew_soon), not a third of the lease later; a lease of
+    # 5 s outlasts a pause of this process (a full collection on a loaded machine).
+    with Lock(target, f"{name}:kept", ttl=5.0):
         gc.collect()
-        kept = Lock(target, f"{name}:kept", ttl=10, auto_renew=False)
-        until = time.monotonic() + 2 * ttl
-        while time.monotonic() < until:  # bounded: past two of its leases
-            assert kept.locked()
-            time.sleep(0.05)
-    assert not kept.locked()
+        (kept,) = held(f"{name}:kept")
+        before = kept.valid_until
+        manager.renew_soon()
+        assert wait_for(lambda: kept.valid_until > before, timeout=4, what="a confirmed renewal")
+        assert Lock(target, f"{name}:kept", ttl=10, auto_renew=False).locked()
+    assert held(f"{name}:kept") == []
 
 
 def test_a_release_the_backend_did_not_answer_can_be_retried(target: Any, name: str) -> None:
