@@ -128,9 +128,18 @@ def read(client: Any, prefix: str, name: str, permits: Permits) -> list[LockInfo
     """
     keys = lock_keys(name, prefix)
     node = node_of(client, keys.lock)
-    found = _locks(node, [keys.lock], prefix)
-    if not found:
-        kind = text(node.type(keys.lock))
+    # One MULTI: the hash, its lease and the key's type as of one instant, so a lock taken
+    # or released between two reads (a quorum's late master) is never read as foreign data.
+    pipe = node.pipeline(transaction=True)
+    pipe.hmget(keys.lock, "token", "fence", "info")
+    pipe.pttl(keys.lock)
+    pipe.type(keys.lock)
+    fields, ttl, kind = pipe.execute(raise_on_error=False)
+    found = []
+    if isinstance(fields, list) and fields[0]:
+        found.append(_lock_info(keys.lock, fields, ttl if isinstance(ttl, int) else -2, prefix))
+    else:
+        kind = text(kind)
         if kind != "none":  # something is there, but not a lock celery-redlock wrote
             what = "a hash without a lock token" if kind == "hash" else f"a {kind}"
             raise ConfigError(
@@ -284,14 +293,18 @@ def _hashes(node: Any, keys: Sequence[str], *fields: str) -> Iterator[tuple[str,
 
 
 def _locks(node: Any, keys: Sequence[str], prefix: str) -> list[LockInfo]:
-    found: list[LockInfo] = []
-    for key, (_, fence, info), ttl in _hashes(node, keys, "token", "fence", "info"):
-        record = parse_holder(info)
-        state = lock_state(record)
-        found.append(
-            LockInfo(name_of_key(key, prefix), key, fence_of(fence), ttl, record, state=state)
-        )
-    return found
+    return [
+        _lock_info(key, fields, ttl, prefix)
+        for key, fields, ttl in _hashes(node, keys, "token", "fence", "info")
+    ]
+
+
+def _lock_info(key: str, fields: list[Any], ttl: int, prefix: str) -> LockInfo:
+    """The lock at *key* from its hash's token, fence and info fields and its lease left."""
+    _, fence, info = fields
+    record = parse_holder(info)
+    name = name_of_key(key, prefix)
+    return LockInfo(name, key, fence_of(fence), ttl, record, state=lock_state(record))
 
 
 def _queued(node: Any, keys: Sequence[str], prefix: str) -> list[LockInfo]:
