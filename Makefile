@@ -29,19 +29,19 @@ typecheck: $(STAMP)
 	$(PY) -m mypy
 
 # Both halves, tests/unit and tests/integration (real servers, worker processes, chaos).
-# Six test processes (pytest-xdist), a test file each at a time: most tests wait on
-# servers and workers, so six keep the CI machine's two cores busy (measured on a fresh
-# clone: 332 s with four and no bytecode caches, 273 s with six and the caches; eight were
-# no faster, 273 s, and two timing tests failed); a file's module fixtures (one chaos
-# scenario run checked by several tests) stay in one process. The files go out in the order
-# collected, the longest first (tests/conftest.py, LONGEST_FIRST; 229 s -> 201 s of pytest
-# against xdist's order, most tests first). Python writes its bytecode
+# Seven test processes (pytest-xdist), a test file each at a time: most tests wait on
+# servers and workers, so seven keep the CI machine's two cores busy. Measured on the
+# 2-core machine, the longest files first (below): 201 s of pytest with six, 182 s with
+# seven, 185 s with eight and a rate test's timing failed; a file's module fixtures (one
+# chaos scenario run checked by several tests) stay in one process. The files go out in
+# the order collected, the longest first (tests/conftest.py, LONGEST_FIRST; 229 s -> 201 s
+# with six against xdist's order, most tests first). Python writes its bytecode
 # caches even where the environment says not to (PYTHONDONTWRITEBYTECODE): every worker,
 # beat and CLI process a test starts imports the package (0.8 s from source, 0.55 s from
 # the caches), and each pytest process rewrites the test modules' asserts. The caches are
 # ignored by git (.gitignore: __pycache__/).
 pytest: $(STAMP)
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest tests -p no:randomly -n 6 --dist loadfile --no-loadscope-reorder --durations=15 --durations-min=0 $(PYTEST_ARGS)
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest tests -p no:randomly -n 7 --dist loadfile --no-loadscope-reorder --durations=15 --durations-min=0 $(PYTEST_ARGS)
 
 test: lint typecheck docs pytest
 
@@ -65,8 +65,8 @@ chaos: $(STAMP)
 # The suite on every supported combination (oldest, newest, hiredis, valkey), one venv each
 # under .compat/; by hand, not in CI. COMPAT=oldest (or "oldest,valkey") runs only those,
 # COMPAT_PYTEST_ARGS="-x tests/integration/test_lock.py" replaces the default pytest
-# arguments (six processes, a file each, as `make pytest`).
-COMPAT_PYTEST_ARGS ?= -n 6 --dist loadfile --no-loadscope-reorder
+# arguments (seven processes, a file each, as `make pytest`).
+COMPAT_PYTEST_ARGS ?= -n 7 --dist loadfile --no-loadscope-reorder
 test-compat:
 	COMPAT_PYTEST_ARGS="$(COMPAT_PYTEST_ARGS)" nice -n 10 $(PYTHON) tools/compat.py $(COMPAT)
 

@@ -38,7 +38,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # -- the order of the files: the longest first ------------------------------------------------
-# `make test` hands each of its six processes a file at a time in the order collected
+# `make test` hands each of its seven processes a file at a time in the order collected
 # (pytest-xdist's --dist loadfile with --no-loadscope-reorder). With the long files first the
 # short ones fill the gaps at the end; in xdist's own order (most tests first) the chaos
 # scenarios (10 tests, ~100 s) started last and the run waited on them. Each file's summed
