@@ -36,6 +36,8 @@ class Run:
     #: First time the run found the key held (retry / skip), or began a blocking wait.
     first_refused: float | None = None
     refusals: int = 0
+    #: When its lock event ``acquired`` was recorded: the grant, before the body starts.
+    granted: float | None = None
     start: float | None = None
     end: float | None = None
     fence: int | None = None
@@ -124,6 +126,7 @@ class Story:
             run.skipped = True
             run.first_refused = run.first_refused or t
         elif kind == "acquired":
+            run.granted = run.granted or t
             waited = float(event.get("waited") or 0.0)
             run.waited = max(run.waited, waited)
             if waited > 0.05 and run.first_refused is None:

@@ -337,20 +337,23 @@ def rate_limit(stage: Stage) -> None:
     stage.rates["partner-api"] = "4/s"
     calls = [stage.publish("call_partner", n, key="partner-api") for n in range(8)]
     outcomes = stage.finish(calls, timeout=60)
-    starts = sorted(r.start for c in calls if (r := stage.story.runs.get(c.id)) and r.start)
-    # GCRA, 4/s with a burst of 1: starts j and i are at least (j - i) / 4 s apart. A body
-    # starts a little after its grant (pool dispatch): 0.15 s of slack for that.
+    ran = [r for c in calls if (r := stage.story.runs.get(c.id)) and r.start]
+    grants = sorted(r.granted or r.start or 0.0 for r in ran)
+    # GCRA, 4/s with a burst of 1: grants j and i are at least (j - i) / 4 s apart. A grant's
+    # time is its ``acquired`` event's, recorded by the worker a moment after the store
+    # decided (a body starts later still: a new child's first event opens a connection):
+    # 0.15 s of slack for that.
     fast = [
         (i, j)
-        for i in range(len(starts))
-        for j in range(i + 1, len(starts))
-        if starts[j] - starts[i] < (j - i) / 4 - 0.15
+        for i in range(len(grants))
+        for j in range(i + 1, len(grants))
+        if grants[j] - grants[i] < (j - i) / 4 - 0.15
     ]
-    offsets = ", ".join(f"+{t - starts[0]:.2f}" for t in starts)
+    offsets = ", ".join(f"+{t - grants[0]:.2f}" for t in grants)
     stage.check(
-        "the eight partner calls ran, never faster than 4 starts a second",
-        not any(isinstance(o, BaseException) for o in outcomes) and len(starts) == 8 and not fast,
-        f"starts at {offsets} s",
+        "the eight partner calls ran, never granted faster than 4 a second",
+        not any(isinstance(o, BaseException) for o in outcomes) and len(ran) == 8 and not fast,
+        f"granted at {offsets} s",
     )
 
 
