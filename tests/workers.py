@@ -115,18 +115,23 @@ class Worker:
         self.log.close()
 
 
-def stop_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, grace: float = 15) -> None:
+def stop_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, grace: float = 15) -> bool:
     """Stop *proc*, started in a session (a process group) of its own: *sig* to it, up to
     *grace* seconds for it to exit, then SIGKILL to the whole group (whatever it left
-    behind, its pool children among them) and a bounded wait for it."""
+    behind, its pool children among them) and a bounded wait for it. False when *proc*
+    was still running at the end of *grace* (it ignored *sig*)."""
+    exited = True
     if proc.poll() is None:
         proc.send_signal(sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
+        try:
             proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            exited = False
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     if proc.poll() is None:
         proc.wait(10)
+    return exited
 
 
 @contextlib.contextmanager

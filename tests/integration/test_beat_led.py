@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -82,8 +83,9 @@ class Proc:
         self.proc.wait(10)
         return killed
 
-    def stop(self) -> None:
-        stop_group(self.proc)
+    def stop(self) -> bool:
+        """SIGTERM, then SIGKILL after 15 s; False when it took the SIGKILL."""
+        return stop_group(self.proc)
 
 
 @pytest.fixture
@@ -93,7 +95,12 @@ def procs() -> Iterator[list[Proc]]:
         yield started
     finally:
         for proc in started:
-            proc.stop()
+            if not proc.stop():  # said in the warnings summary, with what it was doing
+                warnings.warn(
+                    f"{proc.log_path.name} did not exit within 15 s of SIGTERM; its log "
+                    f"ends: {proc.text()[-2000:]}",
+                    stacklevel=1,
+                )
 
 
 def _leader_and_standby(
