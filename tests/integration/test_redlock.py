@@ -498,13 +498,15 @@ def test_a_script_exits_within_a_round_timeout_while_a_master_stays_paused(
     redis_servers: Servers,
 ) -> None:
     """What an exit waits for is bounded: with the third master paused throughout, the
-    process that released on the other two ends within a second (the round's timeout is
-    5% of the 10 s lease), and the key left there ends with its lease."""
+    process that released on the other two waits the round's timeout there (5% of the
+    10 s lease: 0.5 s), not its clients' 5 s socket timeout, and the key left there ends
+    with its lease."""
     servers = redis_servers(3)
     with released_while_paused(servers) as child:
         began = time.monotonic()
         assert child.wait(timeout=10) == 0
-        assert time.monotonic() - began < 1.5
+        # 0.5 s and the interpreter's own exit (1.6 s seen on a loaded machine), under 5 s.
+        assert time.monotonic() - began < 3.0
     assert not holds_key(servers[0], "rl:exit") and not holds_key(servers[1], "rl:exit")
 
 
