@@ -31,12 +31,12 @@ typecheck: $(STAMP)
 # Both halves, tests/unit and tests/integration (real servers, worker processes, chaos).
 # Seven test processes (pytest-xdist), a test file each at a time: most tests wait on
 # servers and workers, so seven keep the CI machine's two cores busy. Measured on the
-# 2-core machine, the longest files first (below): 201 s of pytest with six, 182 s with
-# seven, 185 s with eight and a rate test's timing failed; a file's module fixtures (one
-# chaos scenario run checked by several tests) stay in one process. The files go out in
-# the order collected, the longest first (tests/conftest.py, LONGEST_FIRST; 229 s -> 201 s
-# with six against xdist's order, most tests first). Python writes its bytecode
-# caches even where the environment says not to (PYTHONDONTWRITEBYTECODE): every worker,
+# 2-core machine, the longest files first (below), in a checkout: 201 s of pytest with
+# six, 182 s with seven (190-207 s from fresh clones), 185 s with eight and a rate test's
+# timing failed. A file's module fixtures (one chaos scenario run checked by several
+# tests) stay in one process. The files go out in the order collected, the longest first
+# (tests/conftest.py, LONGEST_FIRST; 229 s -> 201 s with six against xdist's order, most
+# tests first). Python writes its bytecode caches even where the environment says not to (PYTHONDONTWRITEBYTECODE): every worker,
 # beat and CLI process a test starts imports the package (0.8 s from source, 0.55 s from
 # the caches), and each pytest process rewrites the test modules' asserts. The caches are
 # ignored by git (.gitignore: __pycache__/).
