@@ -36,10 +36,10 @@ typecheck: $(STAMP)
 # timing failed. A file's module fixtures (one chaos scenario run checked by several
 # tests) stay in one process. The files go out in the order collected, the longest first
 # (tests/conftest.py, LONGEST_FIRST; 229 s -> 201 s with six against xdist's order, most
-# tests first). Python writes its bytecode caches even where the environment says not to (PYTHONDONTWRITEBYTECODE): every worker,
-# beat and CLI process a test starts imports the package (0.8 s from source, 0.55 s from
-# the caches), and each pytest process rewrites the test modules' asserts. The caches are
-# ignored by git (.gitignore: __pycache__/).
+# tests first). Python writes its bytecode caches even where the environment says not to
+# (PYTHONDONTWRITEBYTECODE): every worker, beat and CLI process a test starts imports the
+# package (0.8 s from source, 0.55 s from the caches), and each pytest process rewrites
+# the test modules' asserts. The caches are ignored by git (.gitignore: __pycache__/).
 pytest: $(STAMP)
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest tests -p no:randomly -n 7 --dist loadfile --no-loadscope-reorder --durations=15 --durations-min=0 $(PYTEST_ARGS)
 
