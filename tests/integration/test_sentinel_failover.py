@@ -33,6 +33,7 @@ from workers import Worker, idle_before_stop
 
 from celery_redlock import Lock, Semaphore, StoreUnavailable, connect
 from celery_redlock.core.backend_types import Rule
+from celery_redlock.core.backends.redis import sentinel as sentinel_module
 from celery_redlock.core.backends.redis.sentinel import CHANNELS, MasterWatch, watch_of
 from celery_redlock.core.keys import lock_keys, permit_keys
 
@@ -144,6 +145,29 @@ class SentinelEvents:
 
 
 # --------------------------------------------------------------------------- the watch
+
+
+def test_a_pool_finalized_while_a_watch_is_being_made_does_not_deadlock() -> None:
+    """The cyclic collector can finalize a dropped pool (its watch's ``_gone``) at any
+    allocation, also in a thread that holds the watches' lock to make another pool's
+    watch: the finalizer takes that lock again in the same thread, and returns. (Seen in
+    make test-compat: a Lock.acquire on a Sentinel client hung until pytest-timeout.)"""
+    dropped = Sentinel([("127.0.0.1", 1)]).master_for("gone")  # nothing is connected
+    cycle: list[Any] = [dropped.connection_pool, watch_of(dropped.connection_pool)]
+    cycle.append(cycle)  # the pool now lives until the cyclic collector runs
+    del dropped, cycle
+    ended = threading.Event()
+
+    def collect_under_the_lock() -> None:
+        with sentinel_module._watches_lock:  # where watch_of() makes a watch
+            gc.collect()  # the pool's finalizer runs here
+        ended.set()
+
+    thread = threading.Thread(target=collect_under_the_lock, daemon=True)
+    thread.start()
+    assert ended.wait(10), "the pool's finalizer deadlocked on the watches' lock"
+    live = Sentinel([("127.0.0.1", 1)]).master_for("live")
+    assert watch_of(live.connection_pool) is watch_of(live.connection_pool)
 
 
 def test_one_watch_per_pool_with_a_thread_per_sentinel_gone_with_the_client(

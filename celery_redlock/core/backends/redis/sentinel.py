@@ -518,7 +518,10 @@ def _sentinel_name(sentinel: Any) -> str:
 
 #: The watch of each pool in this process, by id(pool) (dropped when the pool goes).
 _watches: dict[int, MasterWatch] = {}
-_watches_lock = process.ForkLock()
+#: Reentrant: a pool dropped in a reference cycle is finalized (_gone) by the cyclic
+#: garbage collector, which may run at any allocation, also inside ``watch_of()`` while
+#: this thread holds the lock (making a MasterWatch); a plain Lock deadlocks it there.
+_watches_lock = process.ForkLock(threading.RLock)
 
 
 def watch_of(pool: Any) -> MasterWatch:
