@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import redis
-from servers import RedisServer
+from servers import RedisServer, wait_for
 
 from celery_redlock.core.connect import connect
 from celery_redlock.core.errors import StoreUnavailable
@@ -39,10 +39,14 @@ def held() -> Iterator[list[Lock | Redlock]]:
 
 
 def redlock(servers: list[RedisServer], held: list[Lock | Redlock], ttl: float = 10) -> Redlock:
-    """A Redlock on *servers*, acquired."""
+    """A Redlock on *servers*, acquired on every one of them: the majority decides, and the
+    last master's grant may land after acquire() returned (a test that then deletes the
+    key on two masters must not see it come back)."""
     lock = Redlock(connect([s.url for s in servers]), "beat:leader:t", ttl, auto_renew=False)
     assert lock.acquire(blocking=False)
     held.append(lock)
+    admins = [s.client() for s in servers]
+    assert wait_for(lambda: all(a.exists(KEY) for a in admins), 3, "every master's grant")
     return lock
 
 
