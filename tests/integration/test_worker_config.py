@@ -350,10 +350,15 @@ def test_unreachable_lock_redis_is_one_error_line_and_the_worker_runs(
     w = Worker(APP, env, tmp_path / "unreachable.log")
     try:
         w.wait_ready()
-        time.sleep(0.5)
+
+        def said() -> list[str]:
+            return [line for line in w.text().splitlines() if "unreachable" in line]
+
+        assert wait_for(said, 10, "the unreachable lock Redis's line"), w.text()[-3000:]
+        time.sleep(0.5)  # and 0.5 s later, still the one line
         assert w.proc.poll() is None, "the worker keeps running"
         text = w.text()
-        lines = [line for line in text.splitlines() if "unreachable" in line]
+        lines = said()
         assert len(lines) == 1, text[-3000:]
         assert "ERROR" in lines[0] and f"127.0.0.1:{port}" in lines[0]
         assert "Traceback" not in text
